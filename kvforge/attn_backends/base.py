@@ -1,0 +1,224 @@
+"""The backend contract: an attention variant declares its caches, the controller does the rest.
+
+A subclass only has to implement :meth:`AttentionBackend.cache_roles` and
+:meth:`AttentionBackend.cache_groups`; allocation, host views and swap selection are derived
+from the declaration. Overrides exist for special layouts (several roles carved from one
+allocation, roles that must move differently on a swap).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvforge.specs import (
+    CacheGroup,
+    CacheRole,
+    GroupKind,
+    SwapPurpose,
+    TokenRange,
+    check_role_in_group,
+)
+
+if TYPE_CHECKING:
+    from kvforge.host_cache.host_pool import HostCacheAllocator
+
+__all__ = ["AttentionBackend", "DeclaredBackend", "SwapContext"]
+
+CacheDict = dict[tuple[str, int], torch.Tensor]
+
+
+@dataclass
+class SwapContext:
+    """What a swap hook is told about the move in progress.
+
+    Attributes:
+        request_id: the request being moved.
+        num_tokens: tokens the request holds.
+        purpose: why it moves.
+        layer_ids: the layers of this backend.
+        caches: ``(role, layer) -> device tensor`` for this backend's layers.
+        device_blocks: ``group -> device block ids`` being moved (source on swap out,
+            destination on swap in).
+    """
+
+    request_id: str
+    num_tokens: int
+    purpose: SwapPurpose
+    layer_ids: tuple[int, ...]
+    caches: Mapping[tuple[str, int], torch.Tensor]
+    device_blocks: Mapping[str, list[int]] = field(default_factory=dict)
+
+
+class AttentionBackend(ABC):
+    """Base class of every attention variant.
+
+    Invariants a subclass must keep (checked by :meth:`validate`):
+
+    - role names are unique within the backend, and every role's group is declared;
+    - every role's ``compress_ratio`` divides its group's ``block_size``;
+    - :meth:`cache_roles` returns the same list every call: its order is the per-layer order
+      of the controller's cache list.
+    """
+
+    @abstractmethod
+    def cache_groups(self) -> list[CacheGroup]:
+        """The block tables this backend needs."""
+
+    @abstractmethod
+    def cache_roles(self) -> list[CacheRole]:
+        """The buffers of one layer, in per-layer order."""
+
+    # ------------------------------------------------------------------ derived declarations
+
+    def validate(self) -> None:
+        """Check the declaration is self-consistent.
+
+        Raises:
+            ValueError: naming the backend and the offending role or group.
+        """
+        groups = self.groups_by_name()
+        seen: set[str] = set()
+        for role in self.cache_roles():
+            if role.name in seen:
+                raise ValueError(f"{self!r} declares role {role.name!r} twice")
+            seen.add(role.name)
+            if role.group not in groups:
+                raise ValueError(
+                    f"{self!r}: role {role.name!r} names group {role.group!r}, which is not "
+                    f"declared (declared: {sorted(groups)})"
+                )
+            check_role_in_group(role, groups[role.group])
+        if not seen:
+            raise ValueError(f"{self!r} declares no cache roles")
+
+    def groups_by_name(self) -> dict[str, CacheGroup]:
+        groups: dict[str, CacheGroup] = {}
+        for group in self.cache_groups():
+            if group.name in groups and groups[group.name] != group:
+                raise ValueError(f"{self!r} declares group {group.name!r} twice, differently")
+            groups[group.name] = group
+        return groups
+
+    def role(self, name: str) -> CacheRole:
+        for role in self.cache_roles():
+            if role.name == name:
+                return role
+        raise KeyError(f"{self!r} has no role {name!r}")
+
+    def block_shape(self, role: CacheRole) -> tuple[int, ...]:
+        """Shape of one block of ``role``: ``(entries_per_block, *entry_shape)``."""
+        group = self.groups_by_name()[role.group]
+        return (role.entries_per_block(group), *role.entry_shape)
+
+    # ------------------------------------------------------------------ allocation
+
+    def create_kv_cache(
+        self,
+        layer_ids: Iterable[int],
+        num_blocks: Mapping[str, int],
+        device: torch.device | str,
+    ) -> CacheDict:
+        """Allocate device caches for ``layer_ids``.
+
+        Args:
+            layer_ids: the layers this backend serves.
+            num_blocks: blocks per group name (at least every group this backend declares).
+            device: where to allocate.
+
+        Returns:
+            ``{(role, layer): tensor}`` with block-major tensors of shape
+            ``[num_blocks[group], entries_per_block, *entry_shape]`` and the role's dtype.
+            Contents are zero.
+        """
+        groups = self.groups_by_name()
+        caches: CacheDict = {}
+        for layer in layer_ids:
+            for role in self.cache_roles():
+                shape = (num_blocks[role.group], role.entries_per_block(groups[role.group]))
+                caches[(role.name, layer)] = torch.zeros(
+                    (*shape, *role.entry_shape), dtype=role.torch_dtype, device=device
+                )
+        return caches
+
+    def create_host_kv_cache(
+        self,
+        layer_ids: Iterable[int],
+        num_blocks: Mapping[str, int],
+        allocator: HostCacheAllocator,
+    ) -> CacheDict:
+        """Host-side views of the offloaded roles of ``layer_ids``.
+
+        The default asks ``allocator`` for this role's slice of the page-first host pool of its
+        group: a strided view ``[num_blocks[group], entries_per_block, *entry_shape]`` in which
+        block ``b`` is the role's part of host page ``b``. Roles with ``offload=False`` get none.
+        """
+        caches: CacheDict = {}
+        for layer in layer_ids:
+            for role in self.cache_roles():
+                if role.offload:
+                    caches[(role.name, layer)] = allocator.view(role, layer)
+        return caches
+
+    def free_host_kv_cache(self, host_caches: CacheDict) -> None:
+        """Release what :meth:`create_host_kv_cache` returned (the default holds views only)."""
+        host_caches.clear()
+
+    # ------------------------------------------------------------------ swap hooks
+
+    def offload_selection(
+        self, role: CacheRole, num_tokens: int, purpose: SwapPurpose
+    ) -> TokenRange:
+        """Token positions of ``role`` that must move for ``purpose``.
+
+        Default, by group kind: full keeps ``[0, num_tokens)``; sliding_window and state keep
+        the last ``window`` tokens; ``prefix`` skips state roles (they are recomputed). Roles
+        declared with ``offload=False`` never move.
+        """
+        group = self.groups_by_name()[role.group]
+        if not role.offload:
+            return TokenRange(start=num_tokens, end=num_tokens)
+        if purpose is SwapPurpose.PREFIX and group.kind is GroupKind.STATE:
+            return TokenRange(start=num_tokens, end=num_tokens)
+        return group.live_token_range(num_tokens)
+
+    def before_swap_out(self, ctx: SwapContext) -> None:  # noqa: B027 - optional hook
+        """Called before the gather of a swap out. Default: nothing."""
+
+    def after_swap_in(self, ctx: SwapContext) -> None:  # noqa: B027 - optional hook
+        """Called after the scatter of a swap in has completed. Default: nothing."""
+
+    # ------------------------------------------------------------------ identity
+
+    def spec_key(self) -> tuple[Any, ...]:
+        """A hashable description used to compare backends."""
+        return (type(self).__name__, tuple(self.cache_groups()), tuple(self.cache_roles()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class DeclaredBackend(AttentionBackend):
+    """A backend whose groups and roles are fixed when it is constructed.
+
+    Subclasses build their declaration in ``__init__`` and hand it to :meth:`_declare`,
+    which validates it once; the lists are then returned as copies on every call.
+    """
+
+    _groups: tuple[CacheGroup, ...] = ()
+    _roles: tuple[CacheRole, ...] = ()
+
+    def _declare(self, groups: Iterable[CacheGroup], roles: Iterable[CacheRole]) -> None:
+        self._groups = tuple(groups)
+        self._roles = tuple(roles)
+        self.validate()
+
+    def cache_groups(self) -> list[CacheGroup]:
+        return list(self._groups)
+
+    def cache_roles(self) -> list[CacheRole]:
+        return list(self._roles)

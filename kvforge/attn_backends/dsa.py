@@ -1,0 +1,83 @@
+"""DeepSeek V3.2 sparse attention (DSA): the MLA latent cache plus the lightning indexer's keys.
+
+Roles, in order: ``key`` then ``indexer``. Layouts per token:
+
+- ``kv_cache_dtype="fp8"`` (stored as uint8):
+  ``key`` = 512 fp8 latent bytes + 4 float32 tile scales (16 B) + 64 bf16 rope values (128 B)
+  = 656 bytes; ``indexer`` = 128 fp8 bytes + one float32 scale = 132 bytes.
+- ``kv_cache_dtype="bf16"``: ``key`` = 576 bf16, ``indexer`` = 128 bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvforge.attn_backends.base import DeclaredBackend
+from kvforge.specs import CacheGroup, CacheRole
+
+__all__ = ["DSABackend", "fp8_latent_entry_bytes"]
+
+FP8_TILE = 128  # latent values quantised per float32 scale
+
+
+def fp8_latent_entry_bytes(latent_dim: int, rope_dim: int, scale_bytes: int | None = None) -> int:
+    """Bytes of one fp8 latent entry: fp8 latent + scales + bf16 rope.
+
+    ``scale_bytes`` defaults to one float32 per 128-value tile of the latent.
+    """
+    if scale_bytes is None:
+        scale_bytes = 4 * (-(-latent_dim // FP8_TILE))
+    return latent_dim + scale_bytes + 2 * rope_dim
+
+
+class DSABackend(DeclaredBackend):
+    """Paged caches of a DeepSeek V3.2 DSA layer.
+
+    Args:
+        kv_lora_rank: latent width (512).
+        qk_rope_head_dim: rotary key width (64).
+        index_head_dim: indexer key width (128).
+        block_size: tokens per block (64).
+        kv_cache_dtype: ``"fp8"`` (uint8 storage, packed) or ``"bf16"``.
+        group: the group name (default ``"kv"``).
+    """
+
+    def __init__(
+        self,
+        kv_lora_rank: int = 512,
+        qk_rope_head_dim: int = 64,
+        index_head_dim: int = 128,
+        block_size: int = 64,
+        kv_cache_dtype: Literal["fp8", "bf16"] = "fp8",
+        group: str = "kv",
+    ) -> None:
+        if kv_cache_dtype not in ("fp8", "bf16"):
+            raise ValueError(f"kv_cache_dtype must be 'fp8' or 'bf16', got {kv_cache_dtype!r}")
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.index_head_dim = index_head_dim
+        self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        kv = CacheGroup(name=group, block_size=block_size)
+        if kv_cache_dtype == "fp8":
+            key_shape = (fp8_latent_entry_bytes(kv_lora_rank, qk_rope_head_dim),)
+            index_shape = (index_head_dim + 4,)
+            dtype = "uint8"
+        else:
+            key_shape = (kv_lora_rank + qk_rope_head_dim,)
+            index_shape = (index_head_dim,)
+            dtype = "bfloat16"
+        self._declare(
+            [kv],
+            [
+                CacheRole(name="key", group=group, entry_shape=key_shape, dtype=dtype),
+                CacheRole(name="indexer", group=group, entry_shape=index_shape, dtype=dtype),
+            ],
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DSABackend(kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim="
+            f"{self.qk_rope_head_dim}, index_head_dim={self.index_head_dim}, block_size="
+            f"{self.block_size}, kv_cache_dtype={self.kv_cache_dtype!r})"
+        )

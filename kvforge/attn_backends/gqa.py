@@ -1,0 +1,105 @@
+"""Grouped-query (and multi-head) attention: paged ``key`` and ``value`` caches.
+
+MHA is GQA with ``num_kv_heads == num_heads``. Quantised variants:
+
+- ``kv_cache_quant="fp8"``: key/value stored in one byte per element (``float8_e4m3fn``);
+- ``kv_cache_quant="block_wise_fp8"``: as fp8, plus ``key_scale`` and ``value_scale``
+  (float32, one scale per token per kv head), in the order key, value, key_scale, value_scale.
+
+A sliding-window layer (Mistral / Gemma style) is the same backend with ``sliding_window``
+set: its group is a ``sliding_window`` group named ``swa`` instead of the full group ``kv``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvforge.attn_backends.base import DeclaredBackend
+from kvforge.specs import CacheGroup, CacheRole, GroupKind, canonical_dtype
+
+__all__ = ["GQABackend", "MHABackend"]
+
+KVCacheQuant = Literal["fp8", "block_wise_fp8"]
+_QUANTS = ("fp8", "block_wise_fp8")
+
+
+class GQABackend(DeclaredBackend):
+    """Paged K/V caches of a GQA/MHA layer.
+
+    Args:
+        num_kv_heads: key/value heads per layer (after tensor-parallel split).
+        head_dim: dimension of one head.
+        block_size: tokens per block.
+        dtype: cache dtype when not quantised (e.g. ``"bfloat16"``).
+        kv_cache_quant: ``None``, ``"fp8"`` or ``"block_wise_fp8"``.
+        sliding_window: tokens kept by a sliding-window layer; ``None`` for full attention.
+        group: the group name (default ``"kv"``, or ``"swa"`` with a sliding window).
+
+    Per-token bytes per layer: ``2 * num_kv_heads * head_dim * itemsize``, plus
+    ``2 * num_kv_heads * 4`` for block-wise scales.
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        dtype: str = "bfloat16",
+        kv_cache_quant: KVCacheQuant | None = None,
+        sliding_window: int | None = None,
+        group: str | None = None,
+    ) -> None:
+        if kv_cache_quant is not None and kv_cache_quant not in _QUANTS:
+            raise ValueError(
+                f"kv_cache_quant must be None or one of {list(_QUANTS)}, got {kv_cache_quant!r}"
+            )
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = canonical_dtype(dtype)
+        self.kv_cache_quant = kv_cache_quant
+        self.sliding_window = sliding_window
+        if sliding_window is None:
+            kv_group = CacheGroup(name=group or "kv", block_size=block_size, kind=GroupKind.FULL)
+        else:
+            kv_group = CacheGroup(
+                name=group or "swa",
+                block_size=block_size,
+                kind=GroupKind.SLIDING_WINDOW,
+                window=sliding_window,
+            )
+        store = self.dtype if kv_cache_quant is None else "float8_e4m3fn"
+        shape = (num_kv_heads, head_dim)
+        roles = [
+            CacheRole(name="key", group=kv_group.name, entry_shape=shape, dtype=store),
+            CacheRole(name="value", group=kv_group.name, entry_shape=shape, dtype=store),
+        ]
+        if kv_cache_quant == "block_wise_fp8":
+            roles += [
+                CacheRole(name=n, group=kv_group.name, entry_shape=(num_kv_heads,), dtype="float32")
+                for n in ("key_scale", "value_scale")
+            ]
+        self._declare([kv_group], roles)
+
+    def __repr__(self) -> str:
+        extra = f", kv_cache_quant={self.kv_cache_quant!r}" if self.kv_cache_quant else ""
+        if self.sliding_window is not None:
+            extra += f", sliding_window={self.sliding_window}"
+        return (
+            f"{type(self).__name__}(num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"block_size={self.block_size}, dtype={self.dtype!r}{extra})"
+        )
+
+
+class MHABackend(GQABackend):
+    """Multi-head attention: GQA with as many kv heads as heads."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        block_size: int = 16,
+        dtype: str = "bfloat16",
+        kv_cache_quant: KVCacheQuant | None = None,
+    ) -> None:
+        super().__init__(num_heads, head_dim, block_size, dtype, kv_cache_quant)

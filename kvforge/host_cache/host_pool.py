@@ -1,0 +1,125 @@
+"""Pinned host pools, page-first per group.
+
+One host pool per group: a ``uint8`` tensor ``[num_pages, page_bytes]``. A page holds one
+block of the group for every offloaded (layer, role), packed in the controller's list order
+with no padding, so one swapped block of every layer is one contiguous row and a swap of a
+request is a few long contiguous runs. Page ids come from a :class:`BlockPool` (page 0 is the
+reserved null page), with the same O(1), all-or-nothing and ref-count guarantees as device
+blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvforge.cache_controller.block_pool import BlockPool
+from kvforge.cache_controller.layout import CacheEntry, CacheLayout
+from kvforge.errors import OutOfBlocksError
+from kvforge.platform import Platform
+from kvforge.specs import CacheRole
+
+__all__ = ["HostCacheAllocator", "HostGroupPool", "HostPools"]
+
+
+class HostGroupPool:
+    """The host pages of one group.
+
+    Attributes:
+        planes: the offloaded buffers of the group, in page order.
+        offsets: byte offset of each plane inside a page (same order).
+        page_bytes: bytes of one page (sum of the planes' block bytes).
+        pages: ``uint8 [num_pages, page_bytes]``, pinned on accelerators.
+        pool: page id allocator (page 0 reserved).
+    """
+
+    def __init__(
+        self, name: str, planes: tuple[CacheEntry, ...], num_pages: int, platform: Platform
+    ) -> None:
+        self.name = name
+        self.planes = planes
+        offsets, offset = [], 0
+        for e in planes:
+            offsets.append(offset)
+            offset += e.block_bytes
+        self.offsets = tuple(offsets)
+        self.page_bytes = offset
+        self.pool = BlockPool(num_pages, name, kind="host")
+        self.pages = platform.empty_host((num_pages, self.page_bytes), torch.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.numel()
+
+    def plane_slice(self, key: tuple[str, int]) -> tuple[int, int]:
+        for e, off in zip(self.planes, self.offsets, strict=True):
+            if e.key == key:
+                return off, e.block_bytes
+        raise KeyError(f"{key} is not offloaded in group {self.name!r}")
+
+
+class HostPools:
+    """Every group's host pool.
+
+    Args:
+        layout: the controller's layout.
+        num_pages: pages per group (null page included); groups with nothing to offload get
+            no pool.
+        platform: where pinned memory comes from.
+    """
+
+    def __init__(self, layout: CacheLayout, num_pages: Mapping[str, int], platform: Platform):
+        self.groups: dict[str, HostGroupPool] = {}
+        for group in layout.groups:
+            planes = layout.offload_entries(group.name)
+            if planes:
+                self.groups[group.name] = HostGroupPool(
+                    group.name, planes, num_pages[group.name], platform
+                )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the host pools (zero once freed)."""
+        return sum(p.nbytes for p in self.groups.values())
+
+    def allocate(self, pages: Mapping[str, int]) -> dict[str, list[int]]:
+        """All-or-nothing: ``pages[group]`` pages from every group, or an error and no change."""
+        for name, count in pages.items():
+            pool = self.groups[name].pool
+            if count > pool.num_free:
+                raise OutOfBlocksError("host", name, count, pool.num_free, "swap_out")
+        return {name: self.groups[name].pool.allocate(count) for name, count in pages.items()}
+
+    def free(self, pages: Mapping[str, list[int]]) -> None:
+        for name, ids in pages.items():
+            self.groups[name].pool.free(ids)
+
+    def release(self) -> None:
+        """Drop the host tensors (pages must already be free)."""
+        self.groups.clear()
+
+
+class HostCacheAllocator:
+    """What ``AttentionBackend.create_host_kv_cache`` gets: typed views into host pages."""
+
+    def __init__(self, pools: HostPools) -> None:
+        self.pools = pools
+
+    def view(self, role: CacheRole, layer: int) -> torch.Tensor:
+        """Role ``role`` of ``layer`` across all host pages.
+
+        Returns:
+            a strided view ``[num_pages, entries_per_block, *entry_shape]`` of the role's
+            dtype when the page layout keeps its bytes aligned for that dtype, else the raw
+            ``uint8 [num_pages, block_bytes]`` slice.
+        """
+        group = self.pools.groups[role.group]
+        offset, nbytes = group.plane_slice((role.name, layer))
+        raw = group.pages[:, offset : offset + nbytes]
+        try:
+            typed = raw.view(role.torch_dtype)
+        except RuntimeError:  # page stride or offset not a multiple of the item size
+            return raw
+        entries = nbytes // role.entry_bytes
+        return typed.view(raw.shape[0], entries, *role.entry_shape)

@@ -1,0 +1,135 @@
+"""Moving a request's blocks between device planes and host pages.
+
+Data path (see docs/architecture.md): on CPU the gather kernel packs the selected device
+blocks of every plane of a group straight into page-first host rows, one call per contiguous
+run of host pages. On an accelerator it packs them into a device staging buffer on a side
+stream, then one DMA per contiguous run moves the rows to pinned host memory; swap in is the
+mirror image. The current stream is made to wait for the side stream before any later kernel
+can touch the moved device blocks, so freeing or reusing them right away is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvforge import ops
+from kvforge.platform import Platform
+from kvforge.specs import SwapPurpose
+
+__all__ = ["SwapHandle", "contiguous_runs", "pages_to_device", "pages_to_host", "plane_bytes"]
+
+
+def plane_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A block-major cache ``[num_blocks, ...]`` seen as raw bytes ``[num_blocks, block_bytes]``.
+
+    Raises:
+        ValueError: if the cache is not contiguous (a plane must be block-major).
+    """
+    if not cache.is_contiguous():
+        raise ValueError(
+            f"cache of shape {tuple(cache.shape)} is not contiguous; planes must be block-major"
+        )
+    return cache.view(torch.uint8).view(cache.shape[0], -1)
+
+
+def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split ``ids`` into runs of consecutive values: ``(start index, end index, first id)``."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, i, ids[start]))
+            start = i
+    return runs
+
+
+@dataclass
+class SwapHandle:
+    """A swap in flight.
+
+    On CPU every copy has finished when the handle is returned; on accelerators the copies run
+    on a side stream and :meth:`wait` blocks the host until they have.
+
+    Attributes:
+        request_id: the request moved.
+        direction: ``"out"`` (device to host) or ``"in"``.
+        purpose: why it moved.
+        num_tokens: tokens the request holds.
+        bytes_moved: bytes copied between device and host.
+        blocks_moved: blocks copied, per group.
+    """
+
+    request_id: str
+    direction: Literal["out", "in"]
+    purpose: SwapPurpose
+    num_tokens: int
+    bytes_moved: int = 0
+    blocks_moved: dict[str, int] = field(default_factory=dict)
+    event: Any = None
+    keep_alive: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def done(self) -> bool:
+        """True once every copy of this swap has completed."""
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        """Block until every copy of this swap has completed."""
+        if self.event is not None:
+            self.event.synchronize()  # pragma: no cover - accelerators only
+        self.keep_alive.clear()
+
+
+def pages_to_host(
+    platform: Platform,
+    stream: Any,
+    planes: Sequence[torch.Tensor],
+    device_ids: Sequence[int],
+    pages: torch.Tensor,
+    page_ids: Sequence[int],
+    keep_alive: list[torch.Tensor],
+) -> None:
+    """Gather device blocks ``device_ids`` of ``planes`` into host pages ``page_ids``."""
+    if not device_ids:
+        return
+    if not platform.is_accelerator:
+        ids = torch.tensor(device_ids, dtype=torch.int64)
+        for start, end, first in contiguous_runs(page_ids):
+            ops.gather_blocks(planes, ids[start:end], pages[first : first + end - start])
+        return
+    with platform.side_stream(stream):  # pragma: no cover - accelerators only
+        ids = torch.tensor(device_ids, dtype=torch.int64).to(platform.device, non_blocking=True)
+        staging = platform.empty((len(device_ids), pages.shape[1]), torch.uint8)
+        ops.gather_blocks(planes, ids, staging)
+        for start, end, first in contiguous_runs(page_ids):
+            pages[first : first + end - start].copy_(staging[start:end], non_blocking=True)
+        keep_alive += [ids, staging]
+
+
+def pages_to_device(
+    platform: Platform,
+    stream: Any,
+    planes: Sequence[torch.Tensor],
+    device_ids: Sequence[int],
+    pages: torch.Tensor,
+    page_ids: Sequence[int],
+    keep_alive: list[torch.Tensor],
+) -> None:
+    """Scatter host pages ``page_ids`` into device blocks ``device_ids`` of ``planes``."""
+    if not device_ids:
+        return
+    if not platform.is_accelerator:
+        ids = torch.tensor(device_ids, dtype=torch.int64)
+        for start, end, first in contiguous_runs(page_ids):
+            ops.scatter_blocks(planes, ids[start:end], pages[first : first + end - start])
+        return
+    with platform.side_stream(stream):  # pragma: no cover - accelerators only
+        ids = torch.tensor(device_ids, dtype=torch.int64).to(platform.device, non_blocking=True)
+        staging = platform.empty((len(device_ids), pages.shape[1]), torch.uint8)
+        for start, end, first in contiguous_runs(page_ids):
+            staging[start:end].copy_(pages[first : first + end - start], non_blocking=True)
+        ops.scatter_blocks(planes, ids, staging)
+        keep_alive += [ids, staging]
