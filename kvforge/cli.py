@@ -1,0 +1,419 @@
+"""``kvforge plan | demo | bench``: the command-line front door.
+
+Every command reports bad input as one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+from kvforge.attn_backends.base import AttentionBackend
+
+__all__ = ["format_bytes", "main", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class UsageError(ValueError):
+    """Bad command-line input: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def console() -> Any:
+    """A rich console that stays wide enough for tables when output is not a terminal."""
+    from rich.console import Console
+
+    out = Console()
+    return out if out.is_terminal else Console(width=160)
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count with optional units: ``"60GiB"``, ``"512MB"``, ``"1.5GiB"``, ``"4096"``.
+
+    Decimal fractions are parsed exactly (no floats) and rounded down to whole bytes.
+
+    Raises:
+        UsageError: unknown unit, negative or malformed value, or zero.
+    """
+    match = _SIZE.match(text)
+    if match is None:
+        raise UsageError(f"size {text!r} is not a number with an optional unit (e.g. 60GiB)")
+    number, unit = match.groups()
+    if unit.lower() not in _UNITS:
+        units = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        raise UsageError(f"size {text!r} has unknown unit {unit!r}; use one of {units}")
+    value = int(Fraction(number) * _UNITS[unit.lower()])
+    if value <= 0:
+        raise UsageError(f"size {text!r} must be more than 0 bytes")
+    return value
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``"1.50 KiB"`` (display only; byte counts stay integers elsewhere)."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            whole, rest = divmod(n * 100 // scale, 100)
+            return f"{whole:,}.{rest:02d} {unit}"
+    return f"{n:,} B"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _layer_ranges(layers: Sequence[int]) -> str:
+    parts: list[str] = []
+    start = prev = layers[0]
+    for layer in [*layers[1:], None]:
+        if layer is not None and layer == prev + 1:
+            prev = layer
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if layer is not None:
+            start = prev = layer
+    return ",".join(parts)
+
+
+# ---------------------------------------------------------------------------------- models
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Options that describe a model: a bundled or given config, or a backend and its sizes."""
+    src = parser.add_argument_group("model")
+    src.add_argument("--model", help="a bundled model config (see --list-models)")
+    src.add_argument("--config", help="path to a Hugging Face config.json")
+    src.add_argument(
+        "--backend",
+        choices=["gqa", "mha", "mla", "dsa", "deepseek-v4"],
+        help="describe the model by backend and sizes instead of a config",
+    )
+    src.add_argument("--layers", type=_positive, default=32, help="layer count (default 32)")
+    src.add_argument("--num-kv-heads", type=_positive, default=8)
+    src.add_argument("--head-dim", type=_positive, default=128)
+    src.add_argument("--block-size", type=_positive, default=None, help="tokens per block")
+    src.add_argument("--dtype", default=None, help="cache dtype (default bfloat16)")
+    src.add_argument("--kv-cache-quant", choices=["fp8", "block_wise_fp8"], default=None)
+    src.add_argument("--kv-lora-rank", type=_positive, default=512)
+    src.add_argument("--qk-rope-head-dim", type=_positive, default=64)
+    src.add_argument("--index-head-dim", type=_positive, default=128)
+    src.add_argument("--kv-cache-dtype", choices=["fp8", "bf16"], default=None)
+    src.add_argument("--compress-ratio", type=int, default=4, help="deepseek-v4 ratio")
+    src.add_argument("--list-models", action="store_true", help="list bundled configs and exit")
+
+
+def build_backends(args: argparse.Namespace) -> tuple[str, dict[int, AttentionBackend]]:
+    """The model named by the options: ``(description, layer id -> backend)``."""
+    from kvforge.attn_backends import (
+        DeepseekV4Backend,
+        DSABackend,
+        GQABackend,
+        MHABackend,
+        MLABackend,
+    )
+
+    chosen = [opt for opt in ("model", "config", "backend") if getattr(args, opt)]
+    if len(chosen) > 1:
+        raise UsageError(f"give one of --model, --config or --backend, not {chosen}")
+    if args.model or args.config:
+        from kvforge.attn_backends.hf_config import from_hf_config, load_model_config
+
+        source = args.model or args.config
+        config = load_model_config(source)
+        backends = from_hf_config(
+            config, block_size=args.block_size, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype
+        )
+        return str(source), backends
+    kind = args.backend or "gqa"
+    dtype = args.dtype or "bfloat16"
+    kv_dtype = args.kv_cache_dtype or "fp8"
+    backend: AttentionBackend
+    if kind == "gqa":
+        backend = GQABackend(
+            args.num_kv_heads, args.head_dim, args.block_size or 16, dtype, args.kv_cache_quant
+        )
+    elif kind == "mha":
+        backend = MHABackend(
+            args.num_kv_heads, args.head_dim, args.block_size or 16, dtype, args.kv_cache_quant
+        )
+    elif kind == "mla":
+        backend = MLABackend(args.kv_lora_rank, args.qk_rope_head_dim, args.block_size or 64, dtype)
+    elif kind == "dsa":
+        backend = DSABackend(
+            args.kv_lora_rank,
+            args.qk_rope_head_dim,
+            args.index_head_dim,
+            args.block_size or 64,
+            kv_dtype,
+        )
+    else:
+        backend = DeepseekV4Backend(
+            args.compress_ratio,
+            qk_rope_head_dim=args.qk_rope_head_dim,
+            index_head_dim=args.index_head_dim,
+            kv_cache_dtype=kv_dtype,
+        )
+    return f"{backend!r} x {args.layers} layers", dict.fromkeys(range(args.layers), backend)
+
+
+def _list_models() -> int:
+    from kvforge.attn_backends.hf_config import bundled_models
+
+    for name in bundled_models():
+        print(name)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- plan
+
+
+def plan_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``kvforge plan`` prints, as plain data."""
+    from kvforge.cache_controller.layout import CacheLayout
+    from kvforge.cache_controller.memory_plan import cache_bytes_per_sequence, plan_memory
+    from kvforge.cache_controller.naming import StorageNamer
+
+    description, backends = build_backends(args)
+    layout = CacheLayout(backends)
+    if args.num_blocks is not None:
+        blocks = dict.fromkeys((g.name for g in layout.groups), args.num_blocks)
+        budget = sum(n * layout.bytes_per_block(g) for g, n in blocks.items())
+        plan = None
+    else:
+        if (args.max_num_seqs is None) != (args.max_model_len is None):
+            raise UsageError("--max-num-seqs and --max-model-len go together")
+        plan = plan_memory(layout, args.device_memory, args.max_num_seqs, args.max_model_len)
+        blocks = plan.num_blocks
+        budget = args.device_memory
+    namer = StorageNamer(rank=args.rank)
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in layout.entries:
+        key = (e.role, e.group.name)
+        row = rows.setdefault(
+            key,
+            {
+                "role": e.role.name,
+                "group": e.group.name,
+                "entry_shape": list(e.role.entry_shape),
+                "dtype": e.role.dtype,
+                "compress_ratio": e.role.compress_ratio,
+                "block_shape": [
+                    blocks[e.group.name],
+                    e.role.entries_per_block(e.group),
+                    *e.role.entry_shape,
+                ],
+                "bytes_per_block": e.block_bytes,
+                "storage_name": namer.pattern(e.role.name),
+                "layers": [],
+                "total_bytes": 0,
+            },
+        )
+        row["layers"].append(e.layer)
+        row["total_bytes"] += blocks[e.group.name] * e.block_bytes
+    groups = []
+    for g in layout.groups:
+        groups.append(
+            {
+                "group": g.name,
+                "kind": g.kind.value,
+                "block_size": g.block_size,
+                "window": g.window,
+                "num_blocks": blocks[g.name],
+                "bytes_per_block": layout.bytes_per_block(g.name),
+                "total_bytes": blocks[g.name] * layout.bytes_per_block(g.name),
+                "token_capacity": (blocks[g.name] - 1) * g.block_size,
+            }
+        )
+    report: dict[str, Any] = {
+        "model": description,
+        "num_layers": len(layout.layers),
+        "roles": list(rows.values()),
+        "groups": groups,
+        "kv_bytes_per_token": layout.kv_bytes_per_token(),
+        "device_memory": budget,
+        "total_bytes": sum(g["total_bytes"] for g in groups),
+        "max_tokens": plan.max_tokens if plan else None,
+    }
+    if args.max_model_len:
+        report["bytes_per_sequence"] = cache_bytes_per_sequence(layout, args.max_model_len)
+        report["max_num_seqs"] = args.max_num_seqs
+        report["max_model_len"] = args.max_model_len
+    if args.host_memory:
+        host = plan_memory(layout, args.host_memory, host=True)
+        report["host"] = {
+            "memory": args.host_memory,
+            "pages": host.num_blocks,
+            "page_bytes": {g.group: g.bytes_per_block for g in host.groups},
+            "total_bytes": host.total_bytes,
+            "max_tokens": host.max_tokens,
+        }
+    return report
+
+
+def print_plan(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    out = console()
+    roles = Table(title=f"kvforge plan: {report['model']} ({report['num_layers']} cache layers)")
+    for col in (
+        "role",
+        "group",
+        "layers",
+        "entry shape",
+        "dtype",
+        "ratio",
+        "bytes/block",
+        "storage name",
+        "total",
+    ):
+        roles.add_column(col, justify="right" if col in ("bytes/block", "total") else "left")
+    for r in report["roles"]:
+        roles.add_row(
+            r["role"],
+            r["group"],
+            _layer_ranges(r["layers"]),
+            str(tuple(r["entry_shape"])),
+            r["dtype"],
+            str(r["compress_ratio"]),
+            f"{r['bytes_per_block']:,}",
+            r["storage_name"],
+            format_bytes(r["total_bytes"]),
+        )
+    out.print(roles)
+    groups = Table(title="groups")
+    for col in (
+        "group",
+        "kind",
+        "block size",
+        "window",
+        "blocks",
+        "bytes/block",
+        "total",
+        "token capacity",
+    ):
+        groups.add_column(col, justify="left" if col in ("group", "kind") else "right")
+    for g in report["groups"]:
+        groups.add_row(
+            g["group"],
+            g["kind"],
+            str(g["block_size"]),
+            str(g["window"] or "-"),
+            f"{g['num_blocks']:,}",
+            f"{g['bytes_per_block']:,}",
+            format_bytes(g["total_bytes"]),
+            f"{g['token_capacity']:,}",
+        )
+    out.print(groups)
+    out.print(f"KV bytes per token (full groups): {report['kv_bytes_per_token']:,}")
+    out.print(
+        f"device memory: {format_bytes(report['total_bytes'])} of "
+        f"{format_bytes(report['device_memory'])}"
+    )
+    if report.get("max_tokens") is not None:
+        out.print(f"token capacity (full groups): {report['max_tokens']:,}")
+    if "bytes_per_sequence" in report:
+        out.print(
+            f"one sequence of {report['max_model_len']:,} tokens keeps "
+            f"{format_bytes(report['bytes_per_sequence'])} live"
+        )
+    if "host" in report:
+        host = report["host"]
+        out.print(
+            f"host pages: {host['pages']} ({format_bytes(host['total_bytes'])} of "
+            f"{format_bytes(host['memory'])})"
+        )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.list_models:
+        return _list_models()
+    report = plan_report(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_plan(report)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvforge", description="KV cache allocation, paging and offload for LLM inference"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    plan = sub.add_parser("plan", help="size and name every cache of a model")
+    add_model_args(plan)
+    size = plan.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=_positive, help="blocks per group (null block included)")
+    size.add_argument(
+        "--device-memory",
+        type=_size,
+        default=parse_size("8GiB"),
+        help="device memory budget, e.g. 60GiB (default 8GiB)",
+    )
+    plan.add_argument("--host-memory", type=_size, default=None, help="host budget, e.g. 32GiB")
+    plan.add_argument("--max-model-len", type=_positive, default=None)
+    plan.add_argument("--max-num-seqs", type=_positive, default=None)
+    plan.add_argument("--rank", type=int, default=0, help="tensor-parallel rank for names")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.set_defaults(func=cmd_plan)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (UsageError, ValueError, TypeError, KeyError, FileNotFoundError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"kvforge {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
