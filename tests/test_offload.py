@@ -1,0 +1,317 @@
+"""Swap out / swap in round trips for every variant, host pools, hooks and error paths."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvforge import (
+    NULL_BLOCK,
+    CacheController,
+    DeepseekV4Backend,
+    DSABackend,
+    GQABackend,
+    MLABackend,
+    OutOfBlocksError,
+    RequestStateError,
+    SwapPurpose,
+    TokenRange,
+)
+from kvforge.host_cache import contiguous_runs
+from kvforge.verify import verify_request, write_request
+
+
+def flash_like(layers=43, kv_cache_dtype="fp8"):
+    """DeepSeek-V4-Flash-shaped ratios ([0, 0] then 4/128 alternating) plus one MTP layer."""
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(layers - 2)] + [0]
+    kinds = {r: DeepseekV4Backend(r, kv_cache_dtype=kv_cache_dtype) for r in (0, 4, 128)}
+    return {layer: kinds[r] for layer, r in enumerate(ratios)}
+
+
+MODELS = {
+    "gqa": lambda: {i: GQABackend(4, 32, 16, "bfloat16") for i in range(3)},
+    "gqa_block_wise_fp8": lambda: {
+        i: GQABackend(4, 32, 16, kv_cache_quant="block_wise_fp8") for i in range(3)
+    },
+    "mla": lambda: {i: MLABackend(block_size=16) for i in range(3)},
+    "dsa": lambda: {i: DSABackend(block_size=64) for i in range(3)},
+    "deepseek_v4_flash_mtp": flash_like,
+}
+
+
+def scribble(ctl):
+    for cache in ctl.kv_caches:
+        cache.view(torch.uint8).fill_(0xA5)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_round_trip_every_variant(model):
+    v4 = model.startswith("deepseek")
+    ctl = CacheController(MODELS[model]())
+    # 700 tokens take 17 live c128_state blocks (the last 128 tokens straddle 17 of 8)
+    ctl.initialize_kv_cache(num_blocks=40 if v4 else 12)
+    ctl.initialize_host_cache(num_blocks=40 if v4 else 12)
+    n = 700 if v4 else 150
+    ctl.allocate("r", n)
+    written = write_request(ctl, "r", seed=7, positions=range(n))
+    assert written > 0
+    before = {g: ctl.block_table("r", g) for g in ctl.groups}
+    handle = ctl.swap_out("r")
+    assert handle.done()
+    handle.wait()
+    assert all(ctl.num_used_blocks(g) == 0 for g in ctl.groups)
+    ctl.allocate("blocker", 1)  # takes the lowest free ids so swap-in lands elsewhere
+    scribble(ctl)
+    back = ctl.swap_in("r")
+    after = {g: ctl.block_table("r", g) for g in ctl.groups}
+    assert after != before
+    check = verify_request(ctl, "r", seed=7)
+    assert (check.entries, check.mismatched) == (written, 0)
+    assert back.bytes_moved == handle.bytes_moved > 0
+    assert all(used == 0 for used, _ in ctl.host_pool_usage().values())
+    ctl.free_request("r")
+    ctl.free_request("blocker")
+    ctl.free()
+    assert ctl.device_bytes == 0 and ctl.host_bytes == 0
+
+
+def test_flash_moves_only_live_window_and_state_blocks():
+    ctl = CacheController(flash_like(layers=5))  # ratios 0, 0, 4, 128, 4 + MTP 0
+    ctl.initialize_kv_cache(
+        num_blocks={"swa": 8, "compressed": 8, "c4_state": 400, "c128_state": 200}
+    )
+    ctl.initialize_host_cache(
+        num_blocks={"swa": 8, "compressed": 8, "c4_state": 8, "c128_state": 20}
+    )
+    ctl.allocate("r", 1000)
+    handle = ctl.swap_out("r")
+    # swa: last 128 tokens (872..999) -> blocks 13..15 = 3; compressed: 1000 tokens -> 4 blocks;
+    # c4_state: last 8 tokens (992..999) -> blocks 248, 249 = 2; c128_state: 872..999 -> 109..124 = 16
+    assert handle.blocks_moved == {"swa": 3, "compressed": 4, "c4_state": 2, "c128_state": 16}
+    page = {g: p.page_bytes for g, p in ctl._host.groups.items()}
+    # swa page: 6 layers * 37,376; compressed page: 2 ratio-4 layers (37,376 + 8,448) + 1 ratio-128 (1,168)
+    assert page["swa"] == 6 * 37_376
+    assert page["compressed"] == 2 * (37_376 + 8_448) + 1_168
+    assert page["c4_state"] == 2 * 4 * (8_192 + 2_048)
+    assert page["c128_state"] == 8 * 4_096
+    assert handle.bytes_moved == sum(handle.blocks_moved[g] * page[g] for g in page)
+
+
+def test_prefix_purpose_skips_state_groups():
+    ctl = CacheController(flash_like(layers=4))
+    ctl.initialize_kv_cache(num_blocks=64)
+    ctl.initialize_host_cache(num_blocks=64)
+    ctl.allocate("r", 300)
+    written = write_request(ctl, "r", seed=3, positions=range(300))
+    handle = ctl.swap_out("r", purpose="prefix")
+    assert set(handle.blocks_moved) == {"swa", "compressed"}
+    scribble(ctl)
+    ctl.swap_in("r")
+    check = verify_request(ctl, "r", seed=3, skip_groups=("c4_state", "c128_state"))
+    assert check.mismatched == 0 and 0 < check.entries < written
+    # state blocks exist again (contents undefined): the request can keep decoding
+    assert NULL_BLOCK not in ctl.block_table("r", "c4_state")[-2:]
+
+
+def test_backend_can_override_selection_per_role():
+    class KeepNoValue(GQABackend):
+        def offload_selection(self, role, num_tokens, purpose):
+            if role.name == "value" and purpose is SwapPurpose.PREFIX:
+                return TokenRange(start=num_tokens, end=num_tokens)
+            return super().offload_selection(role, num_tokens, purpose)
+
+    calls = []
+
+    class Hooked(KeepNoValue):
+        def before_swap_out(self, ctx):
+            calls.append(("out", ctx.request_id, ctx.layer_ids, dict(ctx.device_blocks)))
+
+        def after_swap_in(self, ctx):
+            calls.append(("in", ctx.request_id, ctx.layer_ids, dict(ctx.device_blocks)))
+
+    hooked = Hooked(2, 8, 4)
+    ctl = CacheController({0: hooked, 1: hooked})
+    ctl.initialize_kv_cache(num_blocks=8)
+    ctl.initialize_host_cache(num_blocks=8)
+    ctl.allocate("r", 10)
+    ctl.swap_out("r", purpose="prefix")  # key still selected: the page (key and value) moves
+    ctl.swap_in("r")
+    assert calls[0] == ("out", "r", (0, 1), {"kv": [1, 2, 3]})
+    assert calls[1][:3] == ("in", "r", (0, 1)) and len(calls[1][3]["kv"]) == 3
+
+    class KeepNothing(GQABackend):
+        def offload_selection(self, role, num_tokens, purpose):
+            return TokenRange(start=num_tokens, end=num_tokens)
+
+    ctl = CacheController({0: KeepNothing(2, 8, 4)})
+    ctl.initialize_kv_cache(num_blocks=8)
+    ctl.initialize_host_cache(num_blocks=8)
+    ctl.allocate("r", 10)
+    assert ctl.swap_out("r").blocks_moved == {}
+
+    class Broken(GQABackend):
+        def offload_selection(self, role, num_tokens, purpose):
+            return TokenRange(start=0, end=num_tokens + 5)
+
+    ctl = CacheController({0: Broken(2, 8, 4)})
+    ctl.initialize_kv_cache(num_blocks=8)
+    ctl.initialize_host_cache(num_blocks=8)
+    ctl.allocate("r", 10)
+    with pytest.raises(
+        ValueError, match=r"offload_selection\('key', 10, 'preempt'\) returned .* within \[0, 10\)"
+    ):
+        ctl.swap_out("r")
+    assert ctl.block_table("r", "kv") == [1, 2, 3]
+
+
+def test_roles_not_offloaded_have_no_host_plane():
+    from kvforge.attn_backends.base import DeclaredBackend
+    from kvforge.specs import CacheGroup, CacheRole
+
+    class Scratch(DeclaredBackend):
+        def __init__(self):
+            self._declare(
+                [CacheGroup(name="kv", block_size=4)],
+                [
+                    CacheRole(name="key", group="kv", entry_shape=(8,), dtype="uint8"),
+                    CacheRole(
+                        name="scratch", group="kv", entry_shape=(8,), dtype="uint8", offload=False
+                    ),
+                ],
+            )
+
+    ctl = CacheController({0: Scratch()})
+    ctl.initialize_kv_cache(num_blocks=4)
+    ctl.initialize_host_cache(num_blocks=4)
+    assert ctl._host.groups["kv"].page_bytes == 4 * 8
+    assert set(ctl.host_kv_caches) == {("key", 0)}
+    assert ctl.host_kv_caches[("key", 0)].shape == (4, 4, 8)
+
+
+def test_host_views_alias_host_pages():
+    ctl = CacheController({0: GQABackend(2, 4, 4, kv_cache_quant="block_wise_fp8")})
+    ctl.initialize_kv_cache(num_blocks=4)
+    ctl.initialize_host_cache(num_blocks=3)
+    views = ctl.host_kv_caches
+    assert (
+        views[("key", 0)].shape == (3, 4, 2, 4) and views[("key", 0)].dtype == torch.float8_e4m3fn
+    )
+    assert (
+        views[("key_scale", 0)].shape == (3, 4, 2)
+        and views[("key_scale", 0)].dtype == torch.float32
+    )
+    ctl.allocate("r", 4)
+    write_request(ctl, "r", seed=1, positions=range(4))
+    ctl.swap_out("r")
+    # the key bytes of device block 1 are now the first 32 bytes of host page 1
+    (page,) = [1]
+    assert torch.equal(
+        views[("key", 0)][page].view(torch.uint8).reshape(-1),
+        ctl._host.groups["kv"].pages[page, :32],
+    )
+
+
+def test_swap_errors_change_nothing():
+    ctl = CacheController({0: GQABackend(2, 8, 4)})
+    ctl.initialize_kv_cache(num_blocks=10)
+    with pytest.raises(RuntimeError, match="call initialize_host_cache before swapping"):
+        ctl.swap_out("r")
+    ctl.initialize_host_cache(num_blocks=3)  # 2 usable pages
+    ctl.allocate("r", 12)  # 3 blocks
+    with pytest.raises(
+        OutOfBlocksError, match=r"swap_out: host group 'kv' needs 3 free blocks but has 2"
+    ):
+        ctl.swap_out("r")
+    assert ctl.block_table("r", "kv") == [1, 2, 3] and ctl.host_pool_usage() == {"kv": (0, 2)}
+    with pytest.raises(RequestStateError, match="request 'r' is not swapped out"):
+        ctl.swap_in("r")
+    with pytest.raises(RequestStateError, match="request 'zz' has no blocks on the device"):
+        ctl.swap_out("zz")
+    with pytest.raises(
+        ValueError, match=r"purpose must be one of \['preempt', 'prefix'\], got 'later'"
+    ):
+        ctl.swap_out("r", purpose="later")
+    ctl.free_request("r")
+    ctl.allocate("s", 8)
+    ctl.swap_out("s")
+    with pytest.raises(RequestStateError, match="request 's' is already swapped out"):
+        ctl.swap_out("s")
+    with pytest.raises(RequestStateError, match="request 's' is swapped out; swap_in it first"):
+        ctl.allocate("s", 9)
+    ctl.allocate("big", 36)  # 9 blocks: all device blocks
+    with pytest.raises(OutOfBlocksError, match="device group 'kv' needs 2 free blocks but has 0"):
+        ctl.swap_in("s")
+    assert ctl.is_swapped("s") and ctl.host_pool_usage() == {"kv": (2, 2)}
+    ctl.free_request("s")  # a swapped request frees its host pages
+    assert ctl.host_pool_usage() == {"kv": (0, 2)}
+    with pytest.raises(RuntimeError, match="initialize_host_cache was already called"):
+        ctl.initialize_host_cache(num_blocks=3)
+
+
+def test_host_memory_budget():
+    ctl = CacheController({0: GQABackend(2, 8, 4)})
+    ctl.initialize_kv_cache(num_blocks=4)
+    page = 2 * 4 * 2 * 8 * 2  # k+v, 4 tokens, 2 heads, 8 dims, bf16
+    plan = ctl.initialize_host_cache(memory_budget=10 * page)
+    assert plan.num_blocks == {"kv": 10}
+    assert ctl.host_bytes == 10 * page
+    ctl.free()
+    assert ctl.host_bytes == 0
+
+
+def test_contiguous_runs():
+    assert contiguous_runs([4, 5, 6, 9, 10, 2]) == [(0, 3, 4), (3, 5, 9), (5, 6, 2)]
+    assert contiguous_runs([]) == []
+
+
+SMALL_V4 = {
+    0: DeepseekV4Backend(
+        0, head_dim=64, qk_rope_head_dim=16, index_head_dim=16, kv_cache_dtype="bf16"
+    ),
+    1: DeepseekV4Backend(4, head_dim=64, qk_rope_head_dim=16, index_head_dim=16),
+    2: DeepseekV4Backend(128, head_dim=64, qk_rope_head_dim=16, index_head_dim=16),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["grow", "out", "in", "free"]), st.integers(0, 3), st.integers(1, 200)
+        ),
+        max_size=25,
+    )
+)
+def test_random_interleavings_lose_nothing(steps):
+    ctl = CacheController(SMALL_V4)
+    ctl.initialize_kv_cache(
+        num_blocks={"swa": 10, "compressed": 6, "c4_state": 10, "c128_state": 40}
+    )
+    ctl.initialize_host_cache(
+        num_blocks={"swa": 8, "compressed": 5, "c4_state": 8, "c128_state": 36}
+    )
+    seeds: dict[str, int] = {}
+    for op, rid, extra in steps:
+        name = f"r{rid}"
+        try:
+            if op == "grow" and not ctl.is_swapped(name):
+                old = ctl.num_tokens(name) if name in seeds else 0
+                ctl.allocate(name, old + extra)
+                seeds[name] = rid
+                write_request(ctl, name, rid, range(old, old + extra))
+            elif op == "out" and name in seeds and not ctl.is_swapped(name):
+                ctl.swap_out(name)
+            elif op == "in" and ctl.is_swapped(name):
+                ctl.swap_in(name)
+            elif op == "free" and name in seeds:
+                ctl.free_request(name)
+                del seeds[name]
+        except OutOfBlocksError:
+            pass
+        for r, seed in seeds.items():
+            if not ctl.is_swapped(r):
+                assert verify_request(ctl, r, seed).mismatched == 0
+    for r in list(seeds):
+        ctl.free_request(r)
+    assert all(ctl.num_used_blocks(g) == 0 for g in ctl.groups)
+    assert all(used == 0 for used, _ in ctl.host_pool_usage().values())
