@@ -63,6 +63,8 @@ def parse_size(text: str) -> int:
     Raises:
         UsageError: unknown unit, negative or malformed value, or zero.
     """
+    if text.strip().startswith("-"):
+        raise UsageError(f"size {text!r} is negative; give a byte count such as 60GiB")
     match = _SIZE.match(text)
     if match is None:
         raise UsageError(f"size {text!r} is not a number with an optional unit (e.g. 60GiB)")
@@ -406,7 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors (exit 2) and --help (exit 0) as return codes
+        return int(exc.code or 0)
     try:
         return int(args.func(args))
     except (UsageError, ValueError, TypeError, KeyError, FileNotFoundError) as exc:

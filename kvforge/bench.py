@@ -1,0 +1,293 @@
+"""Offload benchmark: our swap path against two baselines on the same bytes, in one run.
+
+For each case a controller is built, two requests grow in turns so their blocks interleave
+(as in a live engine), and one of them is swapped out and in repeatedly. Each direction is
+compared with, on the same number of bytes:
+
+- ``memcpy``: one contiguous copy (device -> host on swap out, host -> device on swap in),
+  the limit any paged transfer can approach;
+- ``loop``: a per-block, per-plane copy loop between the same device blocks and host pages,
+  what engines do today.
+
+Times are the best of ``repeats`` runs; ratios are throughput ratios measured in this run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from kvforge.attn_backends import DeepseekV4Backend, GQABackend
+from kvforge.attn_backends.base import AttentionBackend, DeclaredBackend
+from kvforge.cache_controller.block_pool import NULL_BLOCK
+from kvforge.cache_controller.controller import CacheController
+from kvforge.host_cache.swap import pages_to_device, pages_to_host
+from kvforge.platform import Platform, get_platform
+from kvforge.specs import CacheGroup, CacheRole
+
+__all__ = ["BenchCase", "BenchResult", "default_cases", "run_bench"]
+
+
+class BenchResult(BaseModel):
+    """One measured (case, direction)."""
+
+    layout: str
+    direction: str
+    device: str
+    impl: str
+    page_bytes: int
+    """Bytes of one host page (one block of every plane of the group)."""
+    min_plane_bytes: int
+    """Smallest contiguous unit the gather moves: one block of the smallest plane."""
+    num_planes: int
+    blocks: int
+    bytes: int
+    seconds: float
+    gbps: float
+    memcpy_gbps: float
+    loop_gbps: float
+    ratio_vs_memcpy: float
+    ratio_vs_loop: float
+
+
+class _SynthBackend(DeclaredBackend):
+    """One uint8 role per layer with ``plane_bytes`` per block (block size 1 token)."""
+
+    def __init__(self, plane_bytes: int) -> None:
+        self.plane_bytes = plane_bytes
+        self._declare(
+            [CacheGroup(name="kv", block_size=1)],
+            [CacheRole(name="key", group="kv", entry_shape=(plane_bytes,), dtype="uint8")],
+        )
+
+    def __repr__(self) -> str:
+        return f"_SynthBackend({self.plane_bytes})"
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """A model and the group of it to swap.
+
+    Attributes:
+        name: label in reports.
+        backends: layer id -> backend.
+        group: which group's pages to measure (other groups get minimal pools).
+        target_bytes: roughly how many bytes one swap should move.
+    """
+
+    name: str
+    backends: Mapping[int, AttentionBackend]
+    group: str
+    target_bytes: int
+
+
+def _flash_backends(layers: int = 43) -> dict[int, AttentionBackend]:
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(layers - 2)] + [0]
+    kinds = {r: DeepseekV4Backend(r) for r in (0, 4, 128)}
+    return {layer: kinds[r] for layer, r in enumerate(ratios)}
+
+
+def default_cases(quick: bool) -> list[BenchCase]:
+    """Llama-3-8B GQA, the DeepSeek-V4-Flash groups, and a sweep of plane sizes."""
+    mib = 1 << 20
+    big = (16 if quick else 128) * mib
+    llama = {i: GQABackend(8, 128, 16, "bfloat16") for i in range(32)}
+    flash = _flash_backends()
+    cases = [BenchCase("llama3-8b/kv", llama, "kv", big)]
+    groups = ["swa", "compressed"] if quick else ["swa", "compressed", "c4_state", "c128_state"]
+    cases += [BenchCase(f"dsv4-flash/{g}", flash, g, big) for g in groups]
+    sweep = (1_168, 37_376) if quick else (1_168, 8_448, 32_768, 37_376)
+    for size in sweep:
+        cases.append(
+            BenchCase(f"planes-{size}B", {i: _SynthBackend(size) for i in range(20)}, "kv", big)
+        )
+    return cases
+
+
+def _timed(platform: Platform, fn: Callable[[], Any], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        platform.synchronize()
+        start = time.perf_counter()
+        fn()
+        platform.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _interleaved_request(ctl: CacheController, case: BenchCase, blocks: int) -> None:
+    """Grow ``"bench"`` and ``"other"`` in turns so their blocks interleave."""
+    group = ctl.layout.group(case.group)
+    for i in range(1, blocks + 1):
+        ctl.allocate("bench", i * group.block_size)
+        ctl.allocate("other", i * group.block_size)
+
+
+def _case_blocks(ctl: CacheController, case: BenchCase) -> int:
+    page = ctl.layout.host_page_bytes(case.group)
+    group = ctl.layout.group(case.group)
+    blocks = max(4, case.target_bytes // page)
+    if group.window is not None:  # only the window moves: keep the request inside it
+        blocks = min(blocks, max(1, group.window // group.block_size))
+    return blocks
+
+
+def _measure_case(case: BenchCase, platform: Platform, repeats: int) -> list[BenchResult]:
+    from kvforge import ops
+
+    probe = CacheController(case.backends, device=platform.device)
+    page = probe.layout.host_page_bytes(case.group)
+    blocks = _case_blocks(probe, case)
+    tokens = blocks * probe.layout.group(case.group).block_size
+    # Both requests fit in every group; window and state groups stay small.
+    num_blocks = {g.name: 2 * g.max_live_blocks(tokens) + 2 for g in probe.layout.groups}
+    ctl = CacheController(case.backends, device=platform.device)
+    ctl.initialize_kv_cache(num_blocks=num_blocks)
+    ctl.initialize_host_cache(num_blocks=num_blocks)
+    _interleaved_request(ctl, case, blocks)
+
+    # The swap data path of one group, on the request's real (interleaved) blocks.
+    planes = ctl._planes[case.group]
+    host = ctl._host.groups[case.group]  # type: ignore[union-attr]
+    ids = [b for b in ctl.block_table("bench", case.group) if b != NULL_BLOCK]
+    pages = host.pool.allocate(len(ids))
+    moved, nbytes = len(ids), len(ids) * page
+    keep: list[torch.Tensor] = []
+    stream = ctl._stream
+
+    def swap_out() -> None:
+        pages_to_host(platform, stream, planes, ids, host.pages, pages, keep)
+
+    def swap_in() -> None:
+        pages_to_device(platform, stream, planes, ids, host.pages, pages, keep)
+
+    swap_out()  # warm-up: kernel compilation, first touch of pages
+    swap_in()
+    t_out = _timed(platform, swap_out, repeats)
+    t_in = _timed(platform, swap_in, repeats)
+    keep.clear()
+
+    src = platform.empty((nbytes,), torch.uint8)
+    dst = platform.empty_host((nbytes,), torch.uint8)
+    t_memcpy_out = _timed(platform, lambda: dst.copy_(src, non_blocking=True), repeats)
+    t_memcpy_in = _timed(platform, lambda: src.copy_(dst, non_blocking=True), repeats)
+
+    offsets = host.offsets
+    sizes = [p.shape[1] for p in planes]
+
+    def loop_out() -> None:
+        for i, b in enumerate(ids):
+            row = host.pages[pages[i]]
+            for plane, off, size in zip(planes, offsets, sizes, strict=True):
+                row[off : off + size].copy_(plane[b], non_blocking=True)
+
+    def loop_in() -> None:
+        for i, b in enumerate(ids):
+            row = host.pages[pages[i]]
+            for plane, off, size in zip(planes, offsets, sizes, strict=True):
+                plane[b].copy_(row[off : off + size], non_blocking=True)
+
+    t_loop_out = _timed(platform, loop_out, max(1, repeats // 2))
+    t_loop_in = _timed(platform, loop_in, max(1, repeats // 2))
+    impl = ops.resolve_impl("auto", platform.device)
+    ctl.free()
+
+    results = []
+    for direction, t, tm, tl in (
+        ("out", t_out, t_memcpy_out, t_loop_out),
+        ("in", t_in, t_memcpy_in, t_loop_in),
+    ):
+        gbps = nbytes / t / 1e9
+        memcpy_gbps = nbytes / tm / 1e9
+        loop_gbps = nbytes / tl / 1e9
+        results.append(
+            BenchResult(
+                layout=case.name,
+                direction=direction,
+                device=str(platform.device),
+                impl=impl,
+                page_bytes=page,
+                min_plane_bytes=min(sizes),
+                num_planes=len(planes),
+                blocks=moved,
+                bytes=nbytes,
+                seconds=t,
+                gbps=round(gbps, 3),
+                memcpy_gbps=round(memcpy_gbps, 3),
+                loop_gbps=round(loop_gbps, 3),
+                ratio_vs_memcpy=round(gbps / memcpy_gbps, 3),
+                ratio_vs_loop=round(gbps / loop_gbps, 2),
+            )
+        )
+    return results
+
+
+def run_bench(
+    quick: bool = False,
+    device: str | None = None,
+    repeats: int | None = None,
+    cases: list[BenchCase] | None = None,
+    progress: bool = True,
+) -> list[BenchResult]:
+    """Measure every case in both directions; see the module docstring."""
+    platform = get_platform(device)
+    chosen = cases if cases is not None else default_cases(quick)
+    reps = repeats or (3 if quick else 5)
+    results: list[BenchResult] = []
+    if progress:
+        from rich.progress import track
+
+        iterator = track(chosen, description="benchmarking swaps", transient=True)
+    else:
+        iterator = iter(chosen)
+    for case in iterator:
+        results += _measure_case(case, platform, reps)
+    return results
+
+
+def print_results(results: list[BenchResult]) -> None:
+    from rich.table import Table
+
+    from kvforge.cli import console, format_bytes
+
+    table = Table(title="kvforge swap throughput vs baselines (same bytes, same run)")
+    for col in (
+        "layout",
+        "dir",
+        "impl",
+        "page",
+        "min plane",
+        "moved",
+        "GB/s",
+        "memcpy GB/s",
+        "loop GB/s",
+        "vs memcpy",
+        "vs loop",
+    ):
+        table.add_column(col, justify="left" if col in ("layout", "dir", "impl") else "right")
+    for r in results:
+        table.add_row(
+            r.layout,
+            r.direction,
+            r.impl,
+            f"{r.page_bytes:,}",
+            f"{r.min_plane_bytes:,}",
+            format_bytes(r.bytes),
+            f"{r.gbps:.2f}",
+            f"{r.memcpy_gbps:.2f}",
+            f"{r.loop_gbps:.2f}",
+            f"{r.ratio_vs_memcpy:.2f}",
+            f"{r.ratio_vs_loop:.1f}x",
+        )
+    console().print(table)
+
+
+def write_json(results: list[BenchResult], path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump([r.model_dump() for r in results], fh, indent=2)

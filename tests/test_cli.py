@@ -1,0 +1,138 @@
+"""`kvforge plan` and `kvforge bench`: output, JSON and one-line errors with exit code 2."""
+
+import json
+
+import pytest
+
+from kvforge.cli import format_bytes, main, parse_size
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_parse_size_units():
+    assert parse_size("60GiB") == 60 * 1024**3
+    assert parse_size("512MB") == 512 * 1000**2
+    assert parse_size("1.5GiB") == 3 * 1024**3 // 2
+    assert parse_size("4096") == 4096
+    assert format_bytes(1536) == "1.50 KiB" and format_bytes(12) == "12 B"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device-memory", "5XB"], "size '5XB' has unknown unit 'XB'"),
+        (["--device-memory=-1GiB"], "size '-1GiB' is negative"),
+        (["--device-memory", "lots"], "size 'lots' is not a number with an optional unit"),
+        (["--device-memory", "0"], "size '0' must be more than 0 bytes"),
+        (["--device-memory", "10KB"], "memory_budget=10,000 bytes is too small"),
+        (["--layers", "0"], "'0' must be a positive integer"),
+        (["--model", "nope"], "nope"),
+        (
+            ["--model", "llama-3-8b", "--backend", "mla"],
+            "give one of --model, --config or --backend",
+        ),
+        (["--max-num-seqs", "4"], "--max-num-seqs and --max-model-len go together"),
+    ],
+)
+def test_plan_bad_input_is_one_line_exit_2(capsys, argv, message):
+    code, _out, err = run(capsys, "plan", *argv)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_plan_json_for_bundled_flash(capsys):
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "deepseek-v4-flash",
+        "--device-memory",
+        "60GiB",
+        "--max-model-len",
+        "65536",
+        "--max-num-seqs",
+        "16",
+        "--host-memory",
+        "64GiB",
+        "--json",
+    )
+    assert code == 0
+    report = json.loads(out)
+    groups = {g["group"]: g for g in report["groups"]}
+    assert list(groups) == ["swa", "compressed", "c4_state", "c128_state"]
+    # window groups hold max_num_seqs windows: swa 16 * 3 + null; c128_state 16 * 17 + null
+    assert groups["swa"]["num_blocks"] == 16 * 3 + 1
+    assert groups["c128_state"]["num_blocks"] == 16 * 17 + 1
+    assert report["total_bytes"] <= 60 * 1024**3
+    roles = {(r["role"], r["group"]): r for r in report["roles"]}
+    assert len(roles[("swa_kv", "swa")]["layers"]) == 44
+    assert len(roles[("indexer", "compressed")]["layers"]) == 21
+    assert (
+        roles[("indexer", "compressed")]["storage_name"] == "indexer_caches_{layer}_rank0.device0"
+    )
+    assert report["host"]["total_bytes"] <= 64 * 1024**3
+
+
+def test_plan_table_from_flags(capsys):
+    code, out, _ = run(capsys, "plan", "--backend", "gqa", "--layers", "32", "--num-blocks", "100")
+    assert code == 0
+    assert "key_caches_{layer}_rank0.device0" in out
+    assert "KV bytes per token (full groups): 131,072" in out
+    assert "0-31" in out
+
+
+def test_plan_from_config_path(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "hidden_size": 256,
+            }
+        )
+    )
+    code, out, _ = run(capsys, "plan", "--config", str(cfg), "--num-blocks", "3", "--json")
+    assert code == 0
+    report = json.loads(out)
+    # 2 layers * (k, v) * 2 heads * 64 dims * 2 bytes
+    assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 2
+
+
+def test_list_models(capsys):
+    code, out, _ = run(capsys, "plan", "--list-models")
+    assert code == 0 and "deepseek-v4-flash" in out.split()
+
+
+def test_bench_runs_and_writes_json(tmp_path):
+    from kvforge.bench import BenchCase, _SynthBackend, run_bench, write_json
+
+    case = BenchCase("tiny", {i: _SynthBackend(1_168) for i in range(3)}, "kv", 64 * 1_168 * 3)
+    results = run_bench(cases=[case], repeats=1, progress=False, device="cpu")
+    assert [r.direction for r in results] == ["out", "in"]
+    for r in results:
+        assert r.page_bytes == 3 * 1_168 and r.min_plane_bytes == 1_168 and r.num_planes == 3
+        assert r.bytes == r.blocks * r.page_bytes == 64 * 3 * 1_168
+        assert r.gbps > 0 and r.memcpy_gbps > 0 and r.loop_gbps > 0
+    path = tmp_path / "bench.json"
+    write_json(results, str(path))
+    rows = json.loads(path.read_text())
+    assert set(rows[0]) >= {
+        "layout",
+        "direction",
+        "page_bytes",
+        "bytes",
+        "gbps",
+        "memcpy_gbps",
+        "loop_gbps",
+        "ratio_vs_memcpy",
+        "ratio_vs_loop",
+    }
