@@ -1,0 +1,464 @@
+#!/usr/bin/env python
+"""Benchmark kvforge.ops gather/scatter against baselines measured in the same run.
+
+CPU (default, ``--device cpu``): for page sizes of 1168, 8448 and 37376 bytes per plane and 4
+or 8 planes per row, moving ``--mib`` MiB of rows between randomly chosen blocks of the planes
+and page-first rows, it times
+
+- ``copy``: ``dst.copy_(src)`` of one contiguous uint8 tensor of the same total bytes;
+- ``gather`` / ``scatter`` with every implementation available on CPU (``torch``, ``cpu``);
+- ``loop``: a per-block Python copy loop
+  (``for i, b in enumerate(ids): for p: out[i, off:off+nb].copy_(plane[b])``).
+
+and prints throughput ratios: ``impl / copy`` (1.0 = as fast as a contiguous copy) and
+``impl / loop``. Timings are medians of interleaved repetitions (baseline and candidates take
+turns, so a noisy neighbour hits them alike).
+
+CUDA (``--device cuda``): checks ``triton`` against ``torch`` byte for byte on the GPU
+(mixed odd sizes, -1 ids, repeated ids, 40 planes, n == 0, ids on CPU and on the GPU, a plane
+larger than 2 GiB), then times the offload data path: gather into a device staging buffer plus
+one device->pinned-host copy, against one contiguous device->pinned copy of the same bytes (and
+the mirror: pinned->device + scatter), plus kernel-only ratios against a device-to-device copy.
+``--tune`` sweeps the tile size and programs per SM.
+
+Usage::
+
+    python benchmarks/bench_ops.py [--quick] [--json PATH]
+    PYTHONPATH=. python benchmarks/bench_ops.py --device cuda --quick [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PAGE_SIZES = (1168, 8448, 37376)
+PLANE_COUNTS = (4, 8)
+
+
+def import_ops() -> types.ModuleType:
+    """Import ``kvforge.ops``; if the rest of the package does not import, load ops alone."""
+    try:
+        return importlib.import_module("kvforge.ops")
+    except Exception as exc:
+        print(f"note: 'import kvforge' failed ({exc!r}); loading kvforge.ops standalone")
+        for name in [m for m in sys.modules if m == "kvforge" or m.startswith("kvforge.")]:
+            del sys.modules[name]
+        pkg = types.ModuleType("kvforge")
+        pkg.__path__ = [str(Path(__file__).resolve().parents[1] / "kvforge")]
+        sys.modules["kvforge"] = pkg
+        return importlib.import_module("kvforge.ops")
+
+
+def median_times(
+    fns: dict[str, Callable[[], Any]],
+    reps: int,
+    sync: Callable[[], None] = lambda: None,
+    slow: frozenset[str] = frozenset(),
+    slow_reps: int = 3,
+) -> dict[str, float]:
+    """Median seconds per call of each function, repetitions interleaved across functions."""
+    for fn in fns.values():  # warm up (JIT, caches, page faults)
+        fn()
+    sync()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(reps):
+        for name, fn in fns.items():
+            if name in slow and r >= slow_reps:
+                continue
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def rand_bytes(shape: tuple[int, ...], gen: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    t = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    return t.to(device)
+
+
+# ------------------------------------------------------------------------------------------ CPU
+
+
+def bench_cpu(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str, Any]]:
+    impls = [i for i in ops.available_impls("cpu") if i != "triton"]
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    row_counts: list[int | None] = [None] if args.quick else [None, 32]
+    for nb in PAGE_SIZES:
+        for num_planes in PLANE_COUNTS:
+            for fixed_rows in row_counts:
+                row_bytes = nb * num_planes
+                n = fixed_rows or max(1, int(args.mib * 2**20) // row_bytes)
+                planes = [rand_bytes((2 * n, nb), gen) for _ in range(num_planes)]
+                ids = torch.randperm(2 * n, generator=gen)[:n]
+                id_list = ids.tolist()
+                out = torch.zeros(n, row_bytes, dtype=torch.uint8)
+                src = rand_bytes((n, row_bytes), gen)
+                flat_src = src.view(-1)
+                flat_dst = torch.zeros_like(flat_src)
+                offs = [p * nb for p in range(num_planes)]
+
+                def loop(out=out, planes=planes, id_list=id_list, offs=offs, nb=nb) -> None:
+                    for i, b in enumerate(id_list):
+                        for plane, off in zip(planes, offs, strict=True):
+                            out[i, off : off + nb].copy_(plane[b])
+
+                fns: dict[str, Callable[[], Any]] = {
+                    "copy": lambda d=flat_dst, s=flat_src: d.copy_(s)
+                }
+                for impl in impls:
+                    fns[f"gather_{impl}"] = lambda i=impl, p=planes, x=ids, o=out: (
+                        ops.gather_blocks(p, x, o, impl=i)
+                    )
+                    fns[f"scatter_{impl}"] = lambda i=impl, p=planes, x=ids, s=src: (
+                        ops.scatter_blocks(p, x, s, impl=i)
+                    )
+                fns["loop"] = loop
+                t = median_times(fns, args.reps, slow=frozenset({"loop"}))
+                ref = torch.cat([p[ids] for p in planes], dim=1)
+                ops.gather_blocks(planes, ids, out, impl=impls[-1])
+                assert torch.equal(out, ref), "gather result differs from the reference"
+                rec: dict[str, Any] = {
+                    "device": "cpu",
+                    "block_bytes": nb,
+                    "planes": num_planes,
+                    "rows": n,
+                    "mib": n * row_bytes / 2**20,
+                    "copy_gbps": n * row_bytes / t["copy"] / 1e9,
+                    "seconds": t,
+                }
+                for name, sec in t.items():
+                    if name not in ("copy", "loop"):
+                        rec[f"{name}_vs_copy"] = t["copy"] / sec
+                        rec[f"{name}_vs_loop"] = t["loop"] / sec
+                rec["loop_vs_copy"] = t["copy"] / t["loop"]
+                records.append(rec)
+    return records
+
+
+def target_verdict(rec: dict[str, Any], impl: str) -> str:
+    """The brief's targets: >= 0.8 x copy for pages >= 32 KiB; >= 0.3 x copy and >= 10 x loop
+    for pages < 2 KiB (both gather and scatter)."""
+    g, s = rec.get(f"gather_{impl}_vs_copy"), rec.get(f"scatter_{impl}_vs_copy")
+    if g is None or s is None:
+        return "-"
+    if rec["block_bytes"] >= 32 * 1024:
+        return "pass" if min(g, s) >= 0.8 else "FAIL"
+    if rec["block_bytes"] < 2048:
+        ok = min(g, s) >= 0.3 and rec[f"gather_{impl}_vs_loop"] >= 10
+        return "pass" if ok else "FAIL"
+    return "n/a"
+
+
+def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(f"\n{title}")
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+        for r in rows:
+            print("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
+        return
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    Console(width=200).print(table)
+
+
+def report_cpu(records: list[dict[str, Any]]) -> None:
+    impls = sorted(
+        {
+            k[len("gather_") : -len("_vs_copy")]
+            for r in records
+            for k in r
+            if k.endswith("_vs_copy") and k.startswith("gather_")
+        },
+        key=lambda s: (s != "torch", s),
+    )
+    columns = ["page B", "planes", "rows", "MiB", "copy GB/s"]
+    for impl in impls:
+        columns += [f"gather {impl}/copy", f"scatter {impl}/copy"]
+    columns += ["loop/copy"] + [f"gather {impl}/loop" for impl in impls]
+    best = impls[-1]
+    columns.append(f"target ({best})")
+    rows = []
+    for r in records:
+        row = [
+            str(r["block_bytes"]),
+            str(r["planes"]),
+            str(r["rows"]),
+            f"{r['mib']:.1f}",
+            f"{r['copy_gbps']:.1f}",
+        ]
+        for impl in impls:
+            row += [f"{r[f'gather_{impl}_vs_copy']:.2f}", f"{r[f'scatter_{impl}_vs_copy']:.2f}"]
+        row += [f"{r['loop_vs_copy']:.3f}"] + [f"{r[f'gather_{i}_vs_loop']:.1f}" for i in impls]
+        row.append(target_verdict(r, best))
+        rows.append(row)
+    print_table(
+        f"kvforge.ops CPU throughput ratios ({torch.get_num_threads()} torch threads; "
+        "higher is better; X/copy = copy time / X time)",
+        columns,
+        rows,
+    )
+
+
+# ----------------------------------------------------------------------------------------- CUDA
+
+
+def check_cuda_equality(ops: types.ModuleType, dev: str, gen: torch.Generator) -> list[str]:
+    """triton == torch byte for byte on the GPU; return the names of the cases checked."""
+    cases: list[tuple[str, list[int], list[int], list[int]]] = [
+        ("mixed odd sizes, -1, repeats", [1168, 8448, 37376, 1, 3], [3, -1, 0, 3, 8, 5], [9] * 5),
+        ("40 planes", [1, 3, 16, 64, 1168] * 8, [6, 0, -1, 2, 6], [7] * 40),
+        ("n == 0", [1168, 3], [], [4, 4]),
+        ("all -1", [1168, 3], [-1, -1], [4, 4]),
+        ("w=4", [12, 1164], [4, 1, -1, 0], [5, 5]),
+        ("w=2", [6, 1166], [4, 1, -1, 0], [5, 5]),
+        ("one plane 37376", [37376], list(range(63, -1, -1)), [64]),
+    ]
+    done = []
+    for name, sizes, id_list, counts in cases:
+        planes = [rand_bytes((c, s), gen, dev) for s, c in zip(sizes, counts, strict=True)]
+        row_bytes = sum(sizes)
+        for ids_dev in ("cpu", dev):
+            ids = torch.tensor(id_list, dtype=torch.int64, device=ids_dev)
+            init = rand_bytes((len(id_list), row_bytes), gen, dev)
+            outs = {}
+            for impl in ("torch", "triton"):
+                out = init.clone()
+                ops.gather_blocks(planes, ids, out, impl=impl)
+                outs[impl] = out
+            assert torch.equal(outs["torch"], outs["triton"]), f"gather {name} ({ids_dev} ids)"
+            sids = torch.tensor(
+                [b if b < 0 or b not in id_list[:i] else -1 for i, b in enumerate(id_list)],
+                dtype=torch.int64,
+                device=ids_dev,
+            )
+            src = rand_bytes((len(id_list), row_bytes), gen, dev)
+            res = {}
+            for impl in ("torch", "triton"):
+                pl = [p.clone() for p in planes]
+                ops.scatter_blocks(pl, sids, src, impl=impl)
+                res[impl] = pl
+            assert all(
+                torch.equal(a, b) for a, b in zip(res["torch"], res["triton"], strict=True)
+            ), f"scatter {name} ({ids_dev} ids)"
+        done.append(name)
+    # > 2 GiB plane and > 2 GiB rows: 64-bit offsets
+    nb, nblk = 37376, 60000  # 60000 * 37376 = 2,242,560,000 bytes > 2**31 = 2,147,483,648
+    free = torch.cuda.mem_get_info()[0]
+    if free > 4 * nb * nblk:
+        plane = torch.empty(nblk, nb, dtype=torch.uint8, device=dev)
+        plane.view(torch.int64).random_(generator=None)
+        ids = torch.arange(nblk - 1, -1, -1, dtype=torch.int64, device=dev)
+        out = torch.empty(nblk, nb, dtype=torch.uint8, device=dev)
+        ops.gather_blocks([plane], ids, out, impl="triton")
+        assert torch.equal(out, plane.flip(0)), "gather > 2 GiB"
+        plane.zero_()
+        ops.scatter_blocks([plane], ids, out, impl="triton")
+        assert torch.equal(out, plane.flip(0)), "scatter > 2 GiB"
+        del plane, out, ids
+        torch.cuda.empty_cache()
+        done.append("2.2 GiB plane and rows (64-bit offsets)")
+    return done
+
+
+def bench_cuda(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvforge.ops import _common, triton_kernels
+
+    dev = "cuda"
+    torch.cuda.init()
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    checked = check_cuda_equality(ops, dev, gen)
+    print(
+        f"triton == torch on {torch.cuda.get_device_name()}: {', '.join(checked)} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
+    sync = torch.cuda.synchronize
+    records: list[dict[str, Any]] = []
+    mib = args.mib
+    for nb in PAGE_SIZES:
+        for num_planes in PLANE_COUNTS:
+            row_bytes = nb * num_planes
+            n = max(1, int(mib * 2**20) // row_bytes)
+            planes = [rand_bytes((2 * n, nb), gen, dev) for _ in range(num_planes)]
+            ids_cpu = torch.randperm(2 * n, generator=gen)[:n]
+            ids = ids_cpu.to(dev)
+            staging = torch.empty(n, row_bytes, dtype=torch.uint8, device=dev)
+            host = torch.empty(n, row_bytes, dtype=torch.uint8, pin_memory=True)
+            dev_flat = torch.empty(n * row_bytes, dtype=torch.uint8, device=dev)
+            dev_flat2 = torch.empty_like(dev_flat)
+            host_flat = host.view(-1)
+
+            def d2h(staging=staging, host=host, planes=planes, ids=ids) -> None:
+                ops.gather_blocks(planes, ids, staging, impl="triton")
+                host.copy_(staging, non_blocking=True)
+
+            def h2d(staging=staging, host=host, planes=planes, ids=ids) -> None:
+                staging.copy_(host, non_blocking=True)
+                ops.scatter_blocks(planes, ids, staging, impl="triton")
+
+            fns = {
+                "d2d_copy": lambda a=dev_flat2, b=dev_flat: a.copy_(b),
+                "gather_triton": lambda p=planes, x=ids, o=staging: ops.gather_blocks(
+                    p, x, o, impl="triton"
+                ),
+                "scatter_triton": lambda p=planes, x=ids, s=staging: ops.scatter_blocks(
+                    p, x, s, impl="triton"
+                ),
+                "gather_torch": lambda p=planes, x=ids, o=staging: ops.gather_blocks(
+                    p, x, o, impl="torch"
+                ),
+                "d2h_copy": lambda h=host_flat, d=dev_flat: h.copy_(d, non_blocking=True),
+                "gather_d2h": d2h,
+                "h2d_copy": lambda h=host_flat, d=dev_flat: d.copy_(h, non_blocking=True),
+                "h2d_scatter": h2d,
+            }
+            t = median_times(fns, args.reps, sync=sync)
+            total = n * row_bytes
+            rec = {
+                "device": torch.cuda.get_device_name(),
+                "block_bytes": nb,
+                "planes": num_planes,
+                "rows": n,
+                "mib": total / 2**20,
+                "d2d_gbps": 2 * total / t["d2d_copy"] / 1e9,  # read + write
+                "d2h_gbps": total / t["d2h_copy"] / 1e9,
+                "gather_triton_gbps": 2 * total / t["gather_triton"] / 1e9,
+                "gather_triton_vs_d2d": t["d2d_copy"] / t["gather_triton"],
+                "scatter_triton_vs_d2d": t["d2d_copy"] / t["scatter_triton"],
+                "gather_torch_vs_d2d": t["d2d_copy"] / t["gather_torch"],
+                "gather_d2h_vs_d2h": t["d2h_copy"] / t["gather_d2h"],
+                "h2d_scatter_vs_h2d": t["h2d_copy"] / t["h2d_scatter"],
+                "seconds": t,
+            }
+            records.append(rec)
+            if args.tune and nb == 8448 and num_planes == 8:
+                plan = _common.validate(planes, ids, staging, "out", "gather_blocks")
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                tune_fns = {}
+                for block in (512, 1024, 2048, 4096):
+                    for per_sm in (2, 4, 8, 16, 32):
+                        tune_fns[f"block={block} programs/SM={per_sm}"] = (
+                            lambda b=block, c=per_sm * sms, p=planes, x=ids, o=staging, pl=plan: (
+                                triton_kernels.gather_blocks_triton(
+                                    p, pl, x, o, block=b, grid_cap=c
+                                )
+                            )
+                        )
+                tune_fns["d2d_copy"] = fns["d2d_copy"]
+                tt = median_times(tune_fns, max(5, args.reps // 2), sync=sync)
+                base = tt.pop("d2d_copy")
+                rec["tune_gather_vs_d2d"] = {k: base / v for k, v in tt.items()}
+    return records
+
+
+def report_cuda(records: list[dict[str, Any]]) -> None:
+    columns = [
+        "page B",
+        "planes",
+        "rows",
+        "MiB",
+        "d2d GB/s",
+        "D2H GB/s",
+        "triton gather GB/s",
+        "gather triton/d2d",
+        "scatter triton/d2d",
+        "gather torch/d2d",
+        "gather+D2H / D2H",
+        "H2D+scatter / H2D",
+    ]
+    rows = []
+    for r in records:
+        rows.append(
+            [
+                str(r["block_bytes"]),
+                str(r["planes"]),
+                str(r["rows"]),
+                f"{r['mib']:.0f}",
+                f"{r['d2d_gbps']:.0f}",
+                f"{r['d2h_gbps']:.1f}",
+                f"{r['gather_triton_gbps']:.0f}",
+                f"{r['gather_triton_vs_d2d']:.2f}",
+                f"{r['scatter_triton_vs_d2d']:.2f}",
+                f"{r['gather_torch_vs_d2d']:.2f}",
+                f"{r['gather_d2h_vs_d2h']:.2f}",
+                f"{r['h2d_scatter_vs_h2d']:.2f}",
+            ]
+        )
+    print_table(
+        f"kvforge.ops CUDA ({records[0]['device']}); ratios = baseline time / path time",
+        columns,
+        rows,
+    )
+    for r in records:
+        if "tune_gather_vs_d2d" in r:
+            tune = sorted(r["tune_gather_vs_d2d"].items(), key=lambda kv: -kv[1])
+            print_table(
+                f"tuning: triton gather / d2d copy, {r['block_bytes']} B x {r['planes']} planes",
+                ["config", "ratio"],
+                [[k, f"{v:.2f}"] for k, v in tune],
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
+    parser.add_argument("--json", type=Path, help="write the records to this file")
+    parser.add_argument("--mib", type=float, help="MiB of rows per transfer")
+    parser.add_argument("--reps", type=int, help="timed repetitions per case")
+    parser.add_argument("--tune", action="store_true", help="CUDA: sweep tile size and grid")
+    args = parser.parse_args(argv)
+    if args.mib is None:
+        args.mib = (24 if args.quick else 64) if args.device == "cpu" else 256
+    if args.reps is None:
+        args.reps = 7 if args.quick else 25
+    ops = import_ops()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("CUDA is not available", file=sys.stderr)
+            return 2
+        records = bench_cuda(ops, args)
+        report_cuda(records)
+    else:
+        print(
+            f"impls on cpu: {ops.available_impls('cpu')} (auto -> "
+            f"{ops.resolve_impl('auto', 'cpu')})"
+        )
+        records = bench_cpu(ops, args)
+        report_cpu(records)
+    if args.json:
+        meta = {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+        }
+        args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""Argument validation and the transfer plan shared by every gather/scatter implementation.
+
+Every implementation (``torch``, ``cpu``, ``triton``) receives a :class:`TransferPlan` built by
+:func:`validate` *before* any byte moves, so all of them reject exactly the same inputs with
+exactly the same messages, and a rejected call never changes a byte.
+
+This module imports nothing from the rest of ``kvforge`` (``kvforge.ops`` must be importable on
+its own, e.g. on a device machine with only ``torch`` and ``triton``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["ELEM_DTYPES", "TransferPlan", "elem_width", "validate", "widen"]
+
+#: Integer dtype of each element width (bytes) that kernels may move bytes as.
+ELEM_DTYPES: dict[int, torch.dtype] = {
+    8: torch.int64,
+    4: torch.int32,
+    2: torch.int16,
+    1: torch.uint8,
+}
+
+#: Up to this many ids are checked with Python lists (cheaper than numpy calls for few ids).
+_SMALL_N = 256
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What a validated gather/scatter call moves.
+
+    Attributes:
+        device: the device of every plane (and of ``out`` / ``src``).
+        n: number of page-first rows, ``block_ids.shape[0]``.
+        block_bytes: ``block_bytes[p] == planes[p].shape[1]``, one entry per plane.
+        row_offsets: ``row_offsets[p]`` is the byte offset of plane ``p`` inside a row
+            (exclusive prefix sum of ``block_bytes``).
+        row_bytes: ``sum(block_bytes)``, the width of one row of ``out`` / ``src``.
+        ids_cpu: ``block_ids`` as a contiguous ``torch.int64`` CPU tensor of shape ``[n]``.
+        all_valid: ``True`` when no id is ``-1``.
+        num_valid: number of ids that are not ``-1``.
+    """
+
+    device: torch.device
+    n: int
+    block_bytes: tuple[int, ...]
+    row_offsets: tuple[int, ...]
+    row_bytes: int
+    ids_cpu: torch.Tensor
+    all_valid: bool
+    num_valid: int
+
+    def valid_rows(self) -> torch.Tensor:
+        """Indices (``torch.int64``, CPU, shape ``[num_valid]``) of the rows whose id is not -1."""
+        return torch.nonzero(self.ids_cpu >= 0).squeeze(1)
+
+
+def elem_width(plan: TransferPlan, addrs: Sequence[int]) -> int:
+    """Widest element width ``w`` in 8/4/2/1 bytes that divides every block size, ``row_bytes``
+    (hence every row offset) and every address in ``addrs`` (plane and row buffer ``data_ptr()``).
+
+    Moving ``w``-byte integers instead of bytes is exact (a pure bit copy) and much faster.
+    """
+    for w in (8, 4, 2):
+        if (
+            plan.row_bytes % w == 0
+            and all(b % w == 0 for b in plan.block_bytes)
+            and all(a % w == 0 for a in addrs)
+        ):
+            return w
+    return 1
+
+
+def widen(
+    planes: Sequence[torch.Tensor], rows: torch.Tensor, plan: TransferPlan
+) -> tuple[int, list[torch.Tensor], torch.Tensor]:
+    """Views of ``planes`` and ``rows`` as ``w``-byte integers, ``w`` from :func:`elem_width`.
+
+    Returns:
+        ``(w, planes_w, rows_w)``: ``planes_w[p]`` is ``[num_blocks_p, block_bytes_p // w]`` and
+        ``rows_w`` is ``[n, row_bytes // w]``, both of dtype ``ELEM_DTYPES[w]``, sharing storage
+        with the inputs. Falls back to ``w == 1`` (the inputs themselves) if a view is refused.
+    """
+    addrs = [t.data_ptr() for t in planes]
+    addrs.append(rows.data_ptr())
+    w = elem_width(plan, addrs)
+    if w > 1:
+        dtype = ELEM_DTYPES[w]
+        try:
+            return w, [t.view(dtype) for t in planes], rows.view(dtype)
+        except RuntimeError:  # e.g. a storage offset torch will not reinterpret
+            pass
+    return 1, list(planes), rows
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(s) for s in t.shape)
+
+
+def _rows_contiguous(t: torch.Tensor, row_bytes: int) -> bool:
+    """Whether a 2-D tensor has strides ``(row_bytes, 1)`` on every dimension that matters.
+
+    A dimension of size <= 1 has no meaningful stride (torch gives it any value), so it is not
+    checked.
+    """
+    rows, cols = t.shape
+    if cols > 1 and t.stride(1) != 1:
+        return False
+    return not (rows > 1 and t.stride(0) != row_bytes)
+
+
+def _check_planes(planes: Sequence[torch.Tensor]) -> tuple[torch.device, tuple[int, ...]]:
+    if isinstance(planes, torch.Tensor) or not isinstance(planes, Sequence):
+        raise TypeError(
+            f"planes is {type(planes).__name__}; expected a sequence (list or tuple) of "
+            "[num_blocks, block_bytes] torch.uint8 tensors"
+        )
+    if len(planes) == 0:
+        raise ValueError(
+            "planes is empty; expected at least one [num_blocks, block_bytes] torch.uint8 tensor"
+        )
+    device: torch.device | None = None
+    block_bytes: list[int] = []
+    for p, plane in enumerate(planes):
+        if not isinstance(plane, torch.Tensor):
+            raise TypeError(f"planes[{p}] is {type(plane).__name__}; expected a torch.Tensor")
+        if plane.dtype != torch.uint8:
+            raise TypeError(
+                f"planes[{p}] has dtype {plane.dtype}; expected torch.uint8 "
+                "(use .view(torch.uint8))"
+            )
+        if plane.dim() != 2:
+            raise ValueError(
+                f"planes[{p}] has shape {_shape(plane)}; expected 2-D [num_blocks, block_bytes]"
+            )
+        nbytes = int(plane.shape[1])
+        if nbytes == 0:
+            raise ValueError(
+                f"planes[{p}] has shape {_shape(plane)}: block_bytes is 0; "
+                "every plane must hold at least one byte per block"
+            )
+        if not _rows_contiguous(plane, nbytes):
+            raise ValueError(
+                f"planes[{p}] rows are not contiguous: strides {tuple(plane.stride())}; "
+                f"expected ({nbytes}, 1) for shape {_shape(plane)} (row stride == block_bytes)"
+            )
+        if device is None:
+            device = plane.device
+        elif plane.device != device:
+            raise ValueError(
+                f"planes[{p}] is on {plane.device} but planes[0] is on {device}; "
+                "all planes must be on one device"
+            )
+        block_bytes.append(nbytes)
+    assert device is not None
+    return device, tuple(block_bytes)
+
+
+def _check_ids_tensor(block_ids: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(block_ids, torch.Tensor):
+        raise TypeError(
+            f"block_ids is {type(block_ids).__name__}; expected a 1-D torch.int64 tensor"
+        )
+    if block_ids.dtype != torch.int64:
+        raise TypeError(f"block_ids has dtype {block_ids.dtype}; expected torch.int64")
+    if block_ids.dim() != 1:
+        raise ValueError(f"block_ids has shape {_shape(block_ids)}; expected 1-D [n]")
+    if block_ids.device.type != "cpu" and block_ids.device != device:
+        raise ValueError(
+            f"block_ids is on {block_ids.device}; expected cpu or the planes' device {device}"
+        )
+
+
+def _check_rows(
+    rows: torch.Tensor, name: str, n: int, row_bytes: int, device: torch.device
+) -> None:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(
+            f"{name} is {type(rows).__name__}; expected a [{n}, {row_bytes}] torch.uint8 tensor"
+        )
+    if rows.dtype != torch.uint8:
+        raise TypeError(
+            f"{name} has dtype {rows.dtype}; expected torch.uint8 (use .view(torch.uint8))"
+        )
+    if rows.device != device:
+        raise ValueError(f"{name} is on {rows.device}; expected {device} (the planes' device)")
+    if _shape(rows) != (n, row_bytes):
+        raise ValueError(
+            f"{name} has shape {_shape(rows)}; expected ({n}, {row_bytes}): {n} rows of "
+            f"{row_bytes} bytes (sum of plane block bytes)"
+        )
+    if not _rows_contiguous(rows, row_bytes):
+        raise ValueError(
+            f"{name} has strides {tuple(rows.stride())}; expected row-contiguous ({row_bytes}, 1)"
+        )
+
+
+def _check_id_values(
+    ids: torch.Tensor, planes: Sequence[torch.Tensor], scatter: bool, op: str
+) -> int:
+    """Check id values (``ids`` on CPU); return how many ids are not -1.
+
+    Uses numpy on the CPU view: a handful of small torch ops would cost far more per call.
+    """
+    n = int(ids.shape[0])
+    if n == 0:
+        return 0
+    small = n <= _SMALL_N
+    arr = ids.numpy()
+    values: list[int] | None = ids.tolist() if small else None
+    lo, hi = (min(values), max(values)) if values is not None else (int(arr.min()), int(arr.max()))
+    if lo < -1:
+        i = int(np.argmax(arr < -1))
+        raise ValueError(
+            f"block_ids[{i}] = {int(arr[i])} is negative; only -1 (skip this row) is allowed"
+        )
+    min_blocks = min(int(plane.shape[0]) for plane in planes)
+    if hi >= min_blocks:
+        i = int(np.argmax(arr >= min_blocks))
+        value = int(arr[i])
+        p = next(p for p, plane in enumerate(planes) if value >= plane.shape[0])
+        raise ValueError(
+            f"block_ids[{i}] = {value} is out of range for planes[{p}] with "
+            f"{int(planes[p].shape[0])} blocks"
+        )
+    if values is not None:
+        valid_list = [v for v in values if v >= 0] if lo < 0 else values
+        num_valid = len(valid_list)
+        has_dup = scatter and len(set(valid_list)) != num_valid
+    else:
+        valid = arr[arr >= 0] if lo < 0 else arr
+        num_valid = int(valid.shape[0])
+        has_dup = scatter and np.unique(valid).shape[0] != num_valid
+    if has_dup:
+        # report the duplicate whose second occurrence comes first
+        seen: dict[int, int] = {}
+        for i, v in enumerate(arr.tolist()):
+            if v < 0:
+                continue
+            if v in seen:
+                raise ValueError(
+                    f"block_ids has duplicate destination id {v} (rows {seen[v]} and {i}) in {op}"
+                )
+            seen[v] = i
+    return num_valid
+
+
+def validate(
+    planes: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    rows: torch.Tensor,
+    rows_name: str,
+    op: str,
+) -> TransferPlan:
+    """Validate a gather/scatter call and describe it; raise before anything moves.
+
+    Args:
+        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` tensors, row-contiguous
+            (strides ``(block_bytes_p, 1)``), all on one device.
+        block_ids: ``[n]`` ``torch.int64`` on CPU or on the planes' device; ``-1`` skips a row.
+        rows: ``[n, sum(block_bytes_p)]`` ``torch.uint8`` on the planes' device, strides
+            ``(row_bytes, 1)``: ``out`` of a gather or ``src`` of a scatter.
+        rows_name: ``"out"`` or ``"src"``, used in messages.
+        op: ``"gather_blocks"`` or ``"scatter_blocks"``; scatter also rejects duplicate ids.
+
+    Returns:
+        The :class:`TransferPlan` of the call.
+
+    Raises:
+        TypeError: a wrong type or dtype.
+        ValueError: a wrong shape, stride, device, or id value (message names argument and value).
+    """
+    device, block_bytes = _check_planes(planes)
+    _check_ids_tensor(block_ids, device)
+    n = int(block_ids.shape[0])
+    offsets = []
+    acc = 0
+    for nbytes in block_bytes:
+        offsets.append(acc)
+        acc += nbytes
+    row_bytes = acc
+    _check_rows(rows, rows_name, n, row_bytes, device)
+    ids_cpu = block_ids if block_ids.device.type == "cpu" else block_ids.cpu()
+    ids_cpu = ids_cpu.contiguous()
+    num_valid = _check_id_values(ids_cpu, planes, op == "scatter_blocks", op)
+    return TransferPlan(
+        device=device,
+        n=n,
+        block_bytes=block_bytes,
+        row_offsets=tuple(offsets),
+        row_bytes=row_bytes,
+        ids_cpu=ids_cpu,
+        all_valid=num_valid == n,
+        num_valid=num_valid,
+    )

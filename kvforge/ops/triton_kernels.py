@@ -1,0 +1,239 @@
+"""Triton gather/scatter kernels (``impl="triton"``): one launch moves every plane.
+
+The same source runs on CUDA (triton), on Ascend NPU (triton-ascend) and on CPU tensors under
+the Triton interpreter (``TRITON_INTERPRET=1``, set before this module is first imported).
+
+Layout of the work:
+
+- A row of ``out`` / ``src`` is the concatenation of one block of every plane. Each plane's block
+  is cut into tiles of ``BLOCK`` elements; ``num_tiles`` tiles cover one row. A work item is
+  ``(row i, tile c)``; tile ``c`` belongs to plane ``tile_plane[c]`` and starts at element
+  ``tile_start[c]`` of that plane's block. ``n * num_tiles`` work items in all.
+- Bounded persistent grid: ``min(n * num_tiles, cap)`` programs, ``cap <= 65535`` (the
+  triton-ascend limit); program ``pid`` handles items ``pid, pid + grid, pid + 2 * grid, ...``.
+- One int64 table on the device, in five segments of lengths ``P, P, P, C, C``
+  (``P`` planes, ``C`` tiles per row): plane base addresses (``data_ptr()``), plane block
+  elements, plane row offsets (elements), tile plane index, tile start (elements). A base address
+  is loaded and cast to a pointer with ``.to(tl.pointer_type(...))``.
+- Elements are ``W`` bytes wide, ``W`` the widest of 8/4/2/1 that divides every block size,
+  ``row_bytes`` and every base address (odd sizes such as 1 or 3 bytes use ``W == 1``).
+- All offsets are int64 (block id times block elements can exceed 2**31 for planes > 2 GiB).
+- A row whose id is -1 is masked out entirely (no load, no store).
+
+Importing this module imports triton; ``kvforge.ops`` does so lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import ELEM_DTYPES, TransferPlan, elem_width
+
+__all__ = [
+    "MAX_GRID",
+    "gather_blocks_triton",
+    "interpreted",
+    "scatter_blocks_triton",
+]
+
+#: Hard cap on the number of programs of one launch (triton-ascend rejects more than 65535).
+MAX_GRID = 65535
+#: Elements per tile on accelerators.
+DEFAULT_BLOCK = 1024
+#: Elements per tile under the interpreter (fewer, larger tiles: each interpreted op is slow).
+INTERPRET_BLOCK = 4096
+#: Programs per streaming multiprocessor on CUDA.
+CUDA_PROGRAMS_PER_SM = 8
+#: Programs under the interpreter (small on purpose: exercises the persistent loop).
+INTERPRET_GRID = 3
+
+
+@triton.jit
+def _as_ptr(addr, W: tl.constexpr):
+    """Cast an int64 address to a pointer to ``W``-byte elements."""
+    if W == 8:
+        return addr.to(tl.pointer_type(tl.int64))
+    elif W == 4:
+        return addr.to(tl.pointer_type(tl.int32))
+    elif W == 2:
+        return addr.to(tl.pointer_type(tl.int16))
+    else:
+        return addr.to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
+def _move_kernel(
+    table,  # *int64: [3 * P + 2 * C] plane addr | plane elems | plane row off | tile plane | start
+    ids,  # *int64: [n]
+    rows,  # *elem: [n, row_elems] page-first rows (out of a gather, src of a scatter)
+    total_items,  # n * C
+    row_elems,
+    num_planes,
+    num_tiles,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCATTER: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    grid = tl.num_programs(0).to(tl.int64)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    for item in range(pid, total_items, grid):
+        row = item // num_tiles
+        tile = item - row * num_tiles
+        block = tl.load(ids + row).to(tl.int64)
+        plane = tl.load(table + 3 * num_planes + tile)
+        start = tl.load(table + 3 * num_planes + num_tiles + tile)
+        base = tl.load(table + plane)
+        elems = tl.load(table + num_planes + plane)
+        row_off = tl.load(table + 2 * num_planes + plane)
+        offs = start + lane
+        limit = tl.where(block >= 0, elems, 0)  # a -1 row moves nothing
+        mask = offs < limit
+        block_ptr = _as_ptr(base, W) + tl.maximum(block, 0) * elems + offs
+        row_ptr = rows + row * row_elems + row_off + offs
+        if SCATTER:
+            tl.store(block_ptr, tl.load(row_ptr, mask=mask), mask=mask)
+        else:
+            tl.store(row_ptr, tl.load(block_ptr, mask=mask), mask=mask)
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built for the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    return type(_move_kernel).__name__ == "InterpretedFunction"
+
+
+def _grid_cap(device: torch.device) -> int:
+    if device.type == "cpu":
+        return INTERPRET_GRID
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return min(MAX_GRID, CUDA_PROGRAMS_PER_SM * sms)
+    try:  # Ascend (triton-ascend): one program per vector core.  Untested here.
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        cores = int(props.get("num_vectorcore") or props.get("num_aicore") or 0)
+    except Exception:
+        cores = 0
+    return min(MAX_GRID, cores if cores > 0 else 48)
+
+
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+_TABLES_MAX = 64
+
+
+def _table(
+    addrs: tuple[int, ...], plan: TransferPlan, w: int, block: int
+) -> tuple[torch.Tensor, int]:
+    """Device table and tiles-per-row, cached by value (addresses, sizes, width, tile)."""
+    key = (plan.device, addrs, plan.block_bytes, w, block)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    elems = [b // w for b in plan.block_bytes]
+    offs = [o // w for o in plan.row_offsets]
+    tile_plane: list[int] = []
+    tile_start: list[int] = []
+    for p, e in enumerate(elems):
+        for s in range(0, e, block):
+            tile_plane.append(p)
+            tile_start.append(s)
+    host = torch.tensor([*addrs, *elems, *offs, *tile_plane, *tile_start], dtype=torch.int64)
+    entry = (host.to(plan.device), len(tile_plane))
+    _TABLES[key] = entry
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return entry
+
+
+def _launch(
+    planes: Sequence[torch.Tensor],
+    plan: TransferPlan,
+    block_ids: torch.Tensor,
+    rows: torch.Tensor,
+    scatter: bool,
+    block: int | None = None,
+    grid_cap: int | None = None,
+) -> None:
+    if plan.num_valid == 0:
+        return
+    if plan.device.type == "cpu" and not interpreted():
+        raise ValueError(
+            "impl 'triton' got cpu tensors but the kernels are not interpreted: set "
+            "TRITON_INTERPRET=1 before kvforge.ops.triton_kernels is first imported"
+        )
+    addrs = tuple(t.data_ptr() for t in planes)
+    w = elem_width(plan, (*addrs, rows.data_ptr()))
+    if block is None:
+        block = INTERPRET_BLOCK if plan.device.type == "cpu" else DEFAULT_BLOCK
+    table, num_tiles = _table(addrs, plan, w, block)
+    if plan.device.type != "cpu":
+        # the cached table outlives this call: keep the allocator from reusing it while a
+        # kernel on the current (possibly side) stream may still read it
+        table.record_stream(getattr(torch, plan.device.type).current_stream(plan.device))
+    ids = block_ids if block_ids.device == plan.device else plan.ids_cpu.to(plan.device)
+    ids = ids.contiguous()
+    rows_w = rows.view(ELEM_DTYPES[w])
+    total = plan.n * num_tiles
+    cap = _grid_cap(plan.device) if grid_cap is None else grid_cap
+    grid = (max(1, min(total, cap, MAX_GRID)),)
+    _move_kernel[grid](
+        table,
+        ids,
+        rows_w,
+        total,
+        plan.row_bytes // w,
+        len(planes),
+        num_tiles,
+        W=w,
+        BLOCK=block,
+        SCATTER=scatter,
+    )
+
+
+def gather_blocks_triton(
+    planes: Sequence[torch.Tensor],
+    plan: TransferPlan,
+    block_ids: torch.Tensor,
+    out: torch.Tensor,
+    block: int | None = None,
+    grid_cap: int | None = None,
+) -> None:
+    """One-launch gather of ``planes[p][block_ids[i]]`` into page-first rows ``out[i]``.
+
+    Args:
+        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` on one device, validated.
+        plan: the validated transfer plan.
+        block_ids: ``[n]`` ``torch.int64`` (CPU or device; copied to the device if needed).
+        out: ``[n, row_bytes]`` ``torch.uint8`` on the planes' device (a staging buffer on
+            accelerators); rows with id -1 untouched.
+        block: elements per tile (default :data:`DEFAULT_BLOCK`, :data:`INTERPRET_BLOCK` on
+            CPU); a power of two; for tests and tuning.
+        grid_cap: programs cap (default per device); for tests and tuning.
+    """
+    _launch(planes, plan, block_ids, out, False, block, grid_cap)
+
+
+def scatter_blocks_triton(
+    planes: Sequence[torch.Tensor],
+    plan: TransferPlan,
+    block_ids: torch.Tensor,
+    src: torch.Tensor,
+    block: int | None = None,
+    grid_cap: int | None = None,
+) -> None:
+    """One-launch scatter of page-first rows ``src[i]`` into ``planes[p][block_ids[i]]``.
+
+    Args: as :func:`gather_blocks_triton`, with ``src`` the ``[n, row_bytes]`` source rows.
+    """
+    _launch(planes, plan, block_ids, src, True, block, grid_cap)
+
+
+def interpret_requested() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set in the environment now."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -1,0 +1,594 @@
+"""Tests for kvforge.ops: gather/scatter between block-major planes and page-first rows.
+
+Every implementation is compared byte for byte with the torch reference, and the torch reference
+with a per-block Python loop that spells out the definition:
+
+    gather:  out[i, off_p : off_p + bytes_p] = planes[p][ids[i]]      (rows with id -1 untouched)
+    scatter: planes[p][ids[i]] = src[i, off_p : off_p + bytes_p]      (rows with id -1 skipped)
+
+with ``off_p = bytes_0 + ... + bytes_{p-1}``; e.g. planes of 1168, 8448 and 37376 bytes give
+rows of 1168 + 8448 + 37376 = 46992 bytes, plane 2 at byte offset 1168 + 8448 = 9616.
+
+The Triton kernels run under the interpreter (``TRITON_INTERPRET=1``, set in ``conftest.py``
+and again below before any kernel module is imported), so sizes stay small.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import kvforge.ops as ops
+
+ODD_SIZES = [1168, 8448, 37376, 1, 3]
+
+
+def _has(impl: str) -> bool:
+    return impl in ops.available_impls("cpu")
+
+
+IMPLS = [
+    "torch",
+    pytest.param("cpu", marks=pytest.mark.skipif(not _has("cpu"), reason="numba missing")),
+    pytest.param(
+        "triton", marks=pytest.mark.skipif(not _has("triton"), reason="triton interpreter off")
+    ),
+]
+
+
+def rand_bytes(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+
+def make_planes(sizes: Sequence[int], num_blocks: int | Sequence[int], seed: int = 0):
+    counts = [num_blocks] * len(sizes) if isinstance(num_blocks, int) else list(num_blocks)
+    return [
+        rand_bytes((nb, s), seed * 1000 + p)
+        for p, (s, nb) in enumerate(zip(sizes, counts, strict=True))
+    ]
+
+
+def ids_of(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+def loop_gather(planes, ids, out: torch.Tensor) -> torch.Tensor:
+    """The definition, one block at a time."""
+    out = out.clone()
+    for i, b in enumerate(ids.tolist()):
+        if b == -1:
+            continue
+        off = 0
+        for plane in planes:
+            nb = plane.shape[1]
+            out[i, off : off + nb] = plane[b]
+            off += nb
+    return out
+
+
+def loop_scatter(planes, ids, src: torch.Tensor) -> list[torch.Tensor]:
+    planes = [p.clone() for p in planes]
+    for i, b in enumerate(ids.tolist()):
+        if b == -1:
+            continue
+        off = 0
+        for plane in planes:
+            nb = plane.shape[1]
+            plane[b] = src[i, off : off + nb]
+            off += nb
+    return planes
+
+
+def check_gather(planes, ids, impl: str, seed: int = 7) -> None:
+    row_bytes = sum(p.shape[1] for p in planes)
+    init = rand_bytes((ids.shape[0], row_bytes), seed)
+    expected = loop_gather(planes, ids, init)
+    before = [p.clone() for p in planes]
+    out = init.clone()
+    ret = ops.gather_blocks(planes, ids, out, impl=impl)
+    assert ret is out
+    assert torch.equal(out, expected)
+    assert all(
+        torch.equal(a, b) for a, b in zip(planes, before, strict=True)
+    )  # planes are read only
+
+
+def check_scatter(planes, ids, impl: str, seed: int = 11) -> None:
+    row_bytes = sum(p.shape[1] for p in planes)
+    src = rand_bytes((ids.shape[0], row_bytes), seed)
+    src_before = src.clone()
+    expected = loop_scatter(planes, ids, src)
+    got = [p.clone() for p in planes]
+    assert ops.scatter_blocks(got, ids, src, impl=impl) is None
+    for p, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(a, b), f"plane {p} differs"  # whole planes: non-targets untouched
+    assert torch.equal(src, src_before)
+
+
+# --------------------------------------------------------------------------------------------
+# equality with the reference
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gather_mixed_odd_sizes_skip_and_repeat(impl):
+    # rows of 1168 + 8448 + 37376 + 1 + 3 = 46996 bytes; id 3 twice, row 1 skipped
+    planes = make_planes(ODD_SIZES, [9, 10, 11, 12, 13])
+    check_gather(planes, ids_of([3, -1, 0, 3, 8, 5]), impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scatter_mixed_odd_sizes_skip(impl):
+    planes = make_planes(ODD_SIZES, [9, 10, 11, 12, 13], seed=1)
+    check_scatter(planes, ids_of([3, -1, 0, 7, 8, -1]), impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("size", ODD_SIZES)
+def test_single_plane_each_size(impl, size):
+    planes = make_planes([size], 6, seed=size)
+    check_gather(planes, ids_of([5, 0, -1, 5]), impl)
+    check_scatter(planes, ids_of([4, -1, 0, 2]), impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_many_planes(impl):
+    # 40 planes cycling through 1, 3, 16, 64, 1168 bytes: 8 * (1 + 3 + 16 + 64 + 1168) = 10016
+    sizes = [1, 3, 16, 64, 1168] * 8
+    planes = make_planes(sizes, 7, seed=3)
+    assert sum(sizes) == 10016
+    check_gather(planes, ids_of([6, 0, -1, 2, 6]), impl)
+    check_scatter(planes, ids_of([6, 0, -1, 2, 5]), impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_and_all_skipped(impl):
+    planes = make_planes([1168, 3], 4)
+    before = [p.clone() for p in planes]
+    out = torch.empty(0, 1171, dtype=torch.uint8)
+    assert ops.gather_blocks(planes, ids_of([]), out, impl=impl) is out
+    ops.scatter_blocks(planes, ids_of([]), out, impl=impl)
+    check_gather(planes, ids_of([-1, -1]), impl)
+    check_scatter(planes, ids_of([-1, -1, -1]), impl)
+    assert all(torch.equal(a, b) for a, b in zip(planes, before, strict=True))
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("cpu", marks=IMPLS[1].marks)])
+def test_large_transfer_parallel_path(impl):
+    # 96 rows of 8448 + 37376 = 45824 bytes = 4.2 MiB: above cpu_fast.PARALLEL_MIN_BYTES (512 KiB)
+    if impl == "cpu":
+        from kvforge.ops import cpu_fast
+
+        assert cpu_fast.PARALLEL_MIN_BYTES < 96 * 45824
+    planes = make_planes([8448, 37376], 128, seed=5)
+    ids = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:96]
+    ids[7] = -1
+    check_gather(planes, ids, impl)
+    check_scatter(planes, ids, impl)
+
+
+def test_gather_returns_and_equals_torch_on_every_impl():
+    planes = make_planes([1168, 8448, 1], [8, 9, 10], seed=9)
+    ids = ids_of([7, 1, 1, -1, 0])
+    ref = ops.gather_blocks(planes, ids, torch.zeros(5, 9617, dtype=torch.uint8), impl="torch")
+    for impl in ops.available_impls("cpu"):
+        out = ops.gather_blocks(planes, ids, torch.zeros(5, 9617, dtype=torch.uint8), impl=impl)
+        assert torch.equal(out, ref), impl
+
+
+# --------------------------------------------------------------------------------------------
+# triton kernel specifics (interpreter)
+
+needs_triton = pytest.mark.skipif(not _has("triton"), reason="triton interpreter off")
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("sizes", "width"),
+    [
+        ([16, 1168, 8448], 8),  # all multiples of 8
+        ([12, 1164], 4),  # 12 = 4 * 3, 1164 = 4 * 291
+        ([6, 1166], 2),
+        ([1168, 3], 1),
+        ([1], 1),
+    ],
+)
+def test_triton_element_width_small_tiles(sizes, width):
+    from kvforge.ops import _common, triton_kernels
+
+    planes = make_planes(sizes, 5, seed=len(sizes))
+    ids = ids_of([4, -1, 1, 4, 0, 2, 3])
+    row_bytes = sum(sizes)
+    out = rand_bytes((7, row_bytes), 1)
+    plan = _common.validate(planes, ids, out, "out", "gather_blocks")
+    addrs = [p.data_ptr() for p in planes] + [out.data_ptr()]
+    assert _common.elem_width(plan, addrs) == width
+    expected = loop_gather(planes, ids, out)
+    # tiles of 64 elements and 2 programs: many tiles per plane, many items per program
+    triton_kernels.gather_blocks_triton(planes, plan, ids, out, block=64, grid_cap=2)
+    assert torch.equal(out, expected)
+
+    sids = ids_of([4, -1, 1, 0])
+    src = rand_bytes((4, row_bytes), 2)
+    splan = _common.validate(planes, sids, src, "src", "scatter_blocks")
+    expected_planes = loop_scatter(planes, sids, src)
+    triton_kernels.scatter_blocks_triton(planes, splan, sids, src, block=64, grid_cap=2)
+    assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes, strict=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_misaligned_addresses_use_byte_width(impl):
+    # rows or a plane starting at an odd address rule out every element width but 1; the bytes
+    # must still match (8448 and 1168 alone would allow 8-byte elements)
+    from kvforge.ops import _common
+
+    planes = make_planes([1168, 8448], 4, seed=2)
+    buf = torch.zeros(3 * 9616 + 1, dtype=torch.uint8)
+    out = buf[1:].view(3, 9616)
+    assert out.data_ptr() % 2 == 1
+    ids = ids_of([3, 0, 3])
+    plan = _common.validate(planes, ids, out, "out", "gather_blocks")
+    assert _common.elem_width(plan, [p.data_ptr() for p in planes]) == 8
+    assert _common.elem_width(plan, [out.data_ptr()]) == 1
+    ops.gather_blocks(planes, ids, out, impl=impl)
+    assert torch.equal(out, loop_gather(planes, ids, torch.zeros(3, 9616, dtype=torch.uint8)))
+    assert buf[0] == 0
+
+    odd = rand_bytes((4 * 8448 + 1,), 5)[1:].view(4, 8448)
+    check_gather([planes[0], odd], ids_of([1, -1, 3]), impl)
+    check_scatter([planes[0], odd], ids_of([1, -1, 3]), impl)
+
+
+@needs_triton
+def test_triton_grid_is_bounded():
+    from kvforge.ops import triton_kernels
+
+    assert triton_kernels.MAX_GRID == 65535
+    assert triton_kernels._grid_cap(torch.device("cpu")) <= triton_kernels.MAX_GRID
+    assert triton_kernels.interpreted()
+
+
+# --------------------------------------------------------------------------------------------
+# impl resolution
+
+
+def test_resolve_impl_auto_and_names(monkeypatch):
+    assert ops.resolve_impl("torch", "cpu") == "torch"
+    assert ops.resolve_impl("auto", torch.device("cpu")) in ("cpu", "torch")
+    if _has("cpu"):
+        assert ops.resolve_impl("auto", "cpu") == "cpu"
+    with pytest.raises(
+        ValueError,
+        match=r"^impl 'cpu' runs on cpu tensors only; the planes are "
+        r"on cuda:0$",
+    ):
+        ops.resolve_impl("cpu", "cuda:0")
+    with pytest.raises(ValueError) as e:
+        ops.resolve_impl("fast", "cpu")
+    assert str(e.value) == "impl 'fast' is not one of 'auto', 'torch', 'cpu', 'triton'"
+    with pytest.raises(TypeError, match="impl is int"):
+        ops.resolve_impl(3, "cpu")  # type: ignore[arg-type]
+    if _has("triton"):
+        assert ops.resolve_impl("auto", "cuda:0") == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs the Triton interpreter: set TRITON_INTERPRET=1"):
+        ops.resolve_impl("triton", "cpu")
+
+
+def test_fallback_without_numba_or_triton(monkeypatch):
+    # pretend neither optional dependency imports
+    monkeypatch.setattr(ops, "_cpu_error", lambda: "ModuleNotFoundError: No module named 'numba'")
+    monkeypatch.setattr(
+        ops, "_triton_error", lambda: "ModuleNotFoundError: No module named 'triton'"
+    )
+    assert ops.resolve_impl("auto", "cpu") == "torch"
+    assert ops.resolve_impl("auto", "cuda") == "torch"
+    assert ops.available_impls("cpu") == ["torch"]
+    with pytest.raises(RuntimeError, match=r"impl 'cpu' needs numba, which does not import"):
+        ops.resolve_impl("cpu", "cpu")
+    with pytest.raises(RuntimeError, match=r"impl 'triton' needs triton, which does not import"):
+        ops.resolve_impl("triton", "cuda")
+    planes = make_planes([1168, 3], 4)
+    check_gather(planes, ids_of([1, -1, 3]), "auto")
+    check_scatter(planes, ids_of([1, -1, 3]), "auto")
+
+
+def test_import_does_not_load_triton_or_numba():
+    code = (
+        "import sys, kvforge.ops\n"
+        "bad = [m for m in ('triton', 'numba') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# --------------------------------------------------------------------------------------------
+# validation: exact messages, nothing changed
+
+
+def snapshot(*tensors) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+
+
+def assert_rejected(fn, planes, ids, rows, exc, message: str, impl: str = "torch"):
+    planes_before = snapshot(*[p for p in planes if isinstance(p, torch.Tensor)])
+    rows_before = snapshot(rows)
+    with pytest.raises(exc) as info:
+        fn(planes, ids, rows, impl=impl)
+    assert str(info.value) == message
+    cpu_planes = [p for p in planes if isinstance(p, torch.Tensor) and p.device.type == "cpu"]
+    assert all(torch.equal(a, b) for a, b in zip(cpu_planes, planes_before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(rows), rows_before, strict=True))
+
+
+BOTH = [ops.gather_blocks, ops.scatter_blocks]
+
+
+def rows_name(fn) -> str:
+    return "out" if fn is ops.gather_blocks else "src"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fn", BOTH)
+def test_id_out_of_range(fn, impl):
+    planes = make_planes([40, 80], [16, 20])  # rows of 40 + 80 = 120 bytes
+    rows = rand_bytes((4, 120), 3)
+    assert_rejected(
+        fn,
+        planes,
+        ids_of([0, 1, 2, 17]),
+        rows,
+        ValueError,
+        "block_ids[3] = 17 is out of range for planes[0] with 16 blocks",
+        impl,
+    )
+    planes = make_planes([40, 80], [20, 16])
+    assert_rejected(
+        fn,
+        planes,
+        ids_of([16, 1]),
+        rand_bytes((2, 120), 3),
+        ValueError,
+        "block_ids[0] = 16 is out of range for planes[1] with 16 blocks",
+        impl,
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fn", BOTH)
+def test_negative_id_other_than_skip(fn, impl):
+    planes = make_planes([40, 80], 16)
+    assert_rejected(
+        fn,
+        planes,
+        ids_of([-1, 2, -2]),
+        rand_bytes((3, 120), 3),
+        ValueError,
+        "block_ids[2] = -2 is negative; only -1 (skip this row) is allowed",
+        impl,
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scatter_duplicate_destination(impl):
+    planes = make_planes([40, 80], 16)
+    assert_rejected(
+        ops.scatter_blocks,
+        planes,
+        ids_of([0, 5, -1, 5, -1]),
+        rand_bytes((5, 120), 3),
+        ValueError,
+        "block_ids has duplicate destination id 5 (rows 1 and 3) in scatter_blocks",
+        impl,
+    )
+    # -1 may repeat, and a gather may read one block twice
+    check_scatter(planes, ids_of([0, -1, 5, -1]), impl)
+    check_gather(planes, ids_of([5, 5, -1, 5]), impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("fn", BOTH)
+def test_rows_shape_dtype_stride_device(fn, impl):
+    name = rows_name(fn)
+    planes = make_planes([40, 80], 16)
+    ids = ids_of([0, 1, 2, 3])
+    assert_rejected(
+        fn,
+        planes,
+        ids,
+        rand_bytes((4, 100), 1),
+        ValueError,
+        f"{name} has shape (4, 100); expected (4, 120): 4 rows of 120 bytes "
+        "(sum of plane block bytes)",
+        impl,
+    )
+    assert_rejected(
+        fn,
+        planes,
+        ids,
+        rand_bytes((3, 120), 1),
+        ValueError,
+        f"{name} has shape (3, 120); expected (4, 120): 4 rows of 120 bytes "
+        "(sum of plane block bytes)",
+        impl,
+    )
+    assert_rejected(
+        fn,
+        planes,
+        ids,
+        rand_bytes((480,), 1),
+        ValueError,
+        f"{name} has shape (480,); expected (4, 120): 4 rows of 120 bytes "
+        "(sum of plane block bytes)",
+        impl,
+    )
+    assert_rejected(
+        fn,
+        planes,
+        ids,
+        torch.zeros(4, 60, dtype=torch.float16),
+        TypeError,
+        f"{name} has dtype torch.float16; expected torch.uint8 (use .view(torch.uint8))",
+        impl,
+    )
+    wide = rand_bytes((4, 128), 1)
+    assert_rejected(
+        fn,
+        planes,
+        ids,
+        wide[:, :120],
+        ValueError,
+        f"{name} has strides (128, 1); expected row-contiguous (120, 1)",
+        impl,
+    )
+    assert_rejected(
+        fn,
+        planes,
+        ids,
+        torch.empty(4, 120, dtype=torch.uint8, device="meta"),
+        ValueError,
+        f"{name} is on meta; expected cpu (the planes' device)",
+        impl,
+    )
+    assert_rejected(
+        fn,
+        planes,
+        ids,
+        [[0] * 120] * 4,
+        TypeError,
+        f"{name} is list; expected a [4, 120] torch.uint8 tensor",
+        impl,
+    )
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_planes_errors(fn):
+    rows = rand_bytes((2, 120), 1)
+    ids = ids_of([0, 1])
+    good = make_planes([40, 80], 16)
+    assert_rejected(
+        fn,
+        [],
+        ids,
+        rows,
+        ValueError,
+        "planes is empty; expected at least one [num_blocks, block_bytes] torch.uint8 tensor",
+    )
+    assert_rejected(
+        fn,
+        good[0],
+        ids,
+        rows,
+        TypeError,
+        "planes is Tensor; expected a sequence (list or tuple) of [num_blocks, block_bytes] "
+        "torch.uint8 tensors",
+    )
+    assert_rejected(
+        fn, [good[0], "x"], ids, rows, TypeError, "planes[1] is str; expected a torch.Tensor"
+    )
+    half = torch.zeros(16, 40, dtype=torch.float16)
+    assert_rejected(
+        fn,
+        [*good, half],
+        ids,
+        rand_bytes((2, 200), 1),
+        TypeError,
+        "planes[2] has dtype torch.float16; expected torch.uint8 (use .view(torch.uint8))",
+    )
+    assert_rejected(
+        fn,
+        [rand_bytes((16, 4, 10), 0), good[1]],
+        ids,
+        rows,
+        ValueError,
+        "planes[0] has shape (16, 4, 10); expected 2-D [num_blocks, block_bytes]",
+    )
+    assert_rejected(
+        fn,
+        [good[0], torch.zeros(16, 0, dtype=torch.uint8)],
+        ids,
+        rand_bytes((2, 40), 1),
+        ValueError,
+        "planes[1] has shape (16, 0): block_bytes is 0; every plane must hold at least one "
+        "byte per block",
+    )
+    strided = rand_bytes((16, 160), 0)[:, :80]  # a column slice: row stride 160, not 80
+    assert_rejected(
+        fn,
+        [good[0], strided],
+        ids,
+        rows,
+        ValueError,
+        "planes[1] rows are not contiguous: strides (160, 1); expected (80, 1) for shape "
+        "(16, 80) (row stride == block_bytes)",
+    )
+    meta = torch.empty(16, 80, dtype=torch.uint8, device="meta")
+    assert_rejected(
+        fn,
+        [good[0], meta],
+        ids,
+        rows,
+        ValueError,
+        "planes[1] is on meta but planes[0] is on cpu; all planes must be on one device",
+    )
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_block_ids_errors(fn):
+    planes = make_planes([40, 80], 16)
+    rows = rand_bytes((2, 120), 1)
+    assert_rejected(
+        fn,
+        planes,
+        torch.tensor([0, 1], dtype=torch.int32),
+        rows,
+        TypeError,
+        "block_ids has dtype torch.int32; expected torch.int64",
+    )
+    assert_rejected(
+        fn,
+        planes,
+        torch.zeros(2, 1, dtype=torch.int64),
+        rows,
+        ValueError,
+        "block_ids has shape (2, 1); expected 1-D [n]",
+    )
+    assert_rejected(
+        fn,
+        planes,
+        [0, 1],
+        rows,
+        TypeError,
+        "block_ids is list; expected a 1-D torch.int64 tensor",
+    )
+    assert_rejected(
+        fn,
+        planes,
+        torch.zeros(2, dtype=torch.int64, device="meta"),
+        rows,
+        ValueError,
+        "block_ids is on meta; expected cpu or the planes' device cpu",
+    )
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_unknown_impl(fn):
+    planes = make_planes([40, 80], 16)
+    assert_rejected(
+        fn,
+        planes,
+        ids_of([0, 1]),
+        rand_bytes((2, 120), 1),
+        ValueError,
+        "impl 'cuda' is not one of 'auto', 'torch', 'cpu', 'triton'",
+        impl="cuda",
+    )
