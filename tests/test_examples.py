@@ -28,3 +28,14 @@ def test_engine_wiring_example():
     counters = load("engine_wiring").main()
     assert counters["preemptions"] >= 1 and counters["resumes"] >= 1
     assert counters["verified"] > 0 and counters["mismatched"] == 0
+
+
+def test_readme_usage_snippet_runs():
+    import re
+
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    (snippet,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    namespace: dict = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert namespace["ctl"].closed
+    assert namespace["slots"].tolist() == list(range(16, 16 + 100))  # blocks 1..7 of 16 tokens
