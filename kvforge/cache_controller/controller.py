@@ -30,13 +30,13 @@ from kvforge.attn_backends.base import AttentionBackend, SwapContext
 from kvforge.cache_controller.block_pool import NULL_BLOCK
 from kvforge.cache_controller.block_tables import BlockTables, check_request_id
 from kvforge.cache_controller.layout import CacheLayout
-from kvforge.cache_controller.memory_plan import GroupPlan, MemoryPlan, plan_memory
+from kvforge.cache_controller.memory_plan import MemoryPlan, plan_from_blocks, plan_memory
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.errors import ControllerClosedError, RequestStateError
 from kvforge.host_cache.host_pool import HostCacheAllocator, HostPools
 from kvforge.host_cache.swap import SwapHandle, pages_to_device, pages_to_host, plane_bytes
 from kvforge.platform import Platform, get_platform
-from kvforge.specs import GroupKind, SwapPurpose, TokenRange
+from kvforge.specs import SwapPurpose, TokenRange
 
 __all__ = ["CacheController", "SwapStats"]
 
@@ -187,7 +187,7 @@ class CacheController:
                 raise ValueError(
                     "max_num_seqs / max_model_len go with memory_budget, not num_blocks"
                 )
-            plan = self._plan_from_blocks(self._blocks_per_group(num_blocks))
+            plan = plan_from_blocks(self.layout, self._blocks_per_group(num_blocks))
         else:
             plan = self.plan_memory(
                 _count("memory_budget", memory_budget), max_num_seqs, max_model_len
@@ -231,27 +231,6 @@ class CacheController:
                     f"reserved null block), got {count!r}"
                 )
         return blocks
-
-    def _plan_from_blocks(self, blocks: Mapping[str, int]) -> MemoryPlan:
-        plans = tuple(
-            GroupPlan(
-                group=g.name,
-                kind=g.kind,
-                block_size=g.block_size,
-                num_blocks=blocks[g.name],
-                bytes_per_block=self.bytes_per_block(g.name),
-                total_bytes=blocks[g.name] * self.bytes_per_block(g.name),
-                max_tokens=(blocks[g.name] - 1) * g.block_size,
-            )
-            for g in self.layout.groups
-        )
-        full = [p.max_tokens for p in plans if p.kind is GroupKind.FULL]
-        return MemoryPlan(
-            groups=plans,
-            memory_budget=None,
-            total_bytes=sum(p.total_bytes for p in plans),
-            max_tokens=min(full) if full else None,
-        )
 
     def _check_created(
         self,
@@ -411,36 +390,17 @@ class CacheController:
                 f"num_blocks={num_blocks!r}, memory_budget={memory_budget!r}"
             )
         if num_blocks is not None:
-            pages = self._blocks_per_group(num_blocks)
-            plan = None
+            plan = plan_from_blocks(self.layout, self._blocks_per_group(num_blocks), host=True)
         else:
             plan = plan_memory(self.layout, _count("memory_budget", memory_budget), host=True)
-            pages = plan.num_blocks
+        pages = plan.num_blocks
         self._host = HostPools(self.layout, pages, self.platform)
         allocator = HostCacheAllocator(self._host)
         self._host_caches = [
             backend.create_host_kv_cache(layers, pages, allocator)
             for backend, layers in self.layout.backend_layers()
         ]
-        return plan or self._host_plan(pages)
-
-    def _host_plan(self, pages: Mapping[str, int]) -> MemoryPlan:
-        assert self._host is not None
-        plans = tuple(
-            GroupPlan(
-                group=name,
-                kind=self.layout.group(name).kind,
-                block_size=self.layout.group(name).block_size,
-                num_blocks=pages[name],
-                bytes_per_block=pool.page_bytes,
-                total_bytes=pool.nbytes,
-                max_tokens=(pages[name] - 1) * self.layout.group(name).block_size,
-            )
-            for name, pool in self._host.groups.items()
-        )
-        return MemoryPlan(
-            groups=plans, memory_budget=None, total_bytes=self._host.nbytes, max_tokens=None
-        )
+        return plan
 
     @property
     def host_bytes(self) -> int:

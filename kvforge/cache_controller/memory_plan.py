@@ -22,7 +22,13 @@ from kvforge.attn_backends.base import AttentionBackend
 from kvforge.cache_controller.layout import CacheLayout
 from kvforge.specs import CacheGroup, GroupKind
 
-__all__ = ["GroupPlan", "MemoryPlan", "cache_bytes_per_sequence", "plan_memory"]
+__all__ = [
+    "GroupPlan",
+    "MemoryPlan",
+    "cache_bytes_per_sequence",
+    "plan_from_blocks",
+    "plan_memory",
+]
 
 
 class GroupPlan(BaseModel):
@@ -167,6 +173,17 @@ def plan_memory(
     if max_num_seqs is None and not any(not g.windowed for g, _ in sized):
         full_tokens = None
 
+    return _assemble(sized, blocks, budget, full_tokens, max_num_seqs, max_model_len)
+
+
+def _assemble(
+    sized: list[tuple[CacheGroup, int]],
+    blocks: Mapping[str, int],
+    budget: int | None,
+    full_tokens: int | None,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+) -> MemoryPlan:
     plans = tuple(
         GroupPlan(
             group=g.name,
@@ -187,6 +204,20 @@ def plan_memory(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
     )
+
+
+def plan_from_blocks(
+    layout: CacheLayout, blocks: Mapping[str, int], host: bool = False
+) -> MemoryPlan:
+    """The plan of explicit block counts (pages with ``host=True``, offloaded roles only).
+
+    ``max_tokens`` is the smallest token capacity among full groups (None without any).
+    """
+    page_bytes = layout.host_page_bytes if host else layout.bytes_per_block
+    sized = [(g, page_bytes(g.name)) for g in layout.groups]
+    sized = [(g, bpb) for g, bpb in sized if bpb > 0]
+    full = [(blocks[g.name] - 1) * g.block_size for g, _ in sized if not g.windowed]
+    return _assemble(sized, blocks, None, min(full) if full else None)
 
 
 def cache_bytes_per_sequence(
