@@ -30,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import platform
@@ -283,8 +284,6 @@ def check_cuda_equality(ops: types.ModuleType, dev: str, gen: torch.Generator) -
 
 
 def bench_cuda(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvforge.ops import _common, triton_kernels
-
     dev = "cuda"
     torch.cuda.init()
     gen = torch.Generator().manual_seed(0)
@@ -354,23 +353,41 @@ def bench_cuda(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str
             }
             records.append(rec)
             if args.tune and nb == 8448 and num_planes == 8:
-                plan = _common.validate(planes, ids, staging, "out", "gather_blocks")
-                sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                tune_fns = {}
-                for block in (512, 1024, 2048, 4096):
-                    for per_sm in (2, 4, 8, 16, 32):
-                        tune_fns[f"block={block} programs/SM={per_sm}"] = (
-                            lambda b=block, c=per_sm * sms, p=planes, x=ids, o=staging, pl=plan: (
-                                triton_kernels.gather_blocks_triton(
-                                    p, pl, x, o, block=b, grid_cap=c
-                                )
-                            )
-                        )
-                tune_fns["d2d_copy"] = fns["d2d_copy"]
-                tt = median_times(tune_fns, max(5, args.reps // 2), sync=sync)
-                base = tt.pop("d2d_copy")
-                rec["tune_gather_vs_d2d"] = {k: base / v for k, v in tt.items()}
+                rec["tune_gather_vs_d2d"] = tune_cuda(
+                    planes, ids, staging, fns["d2d_copy"], max(5, args.reps // 2)
+                )
     return records
+
+
+def tune_cuda(
+    planes: list[torch.Tensor],
+    ids: torch.Tensor,
+    staging: torch.Tensor,
+    d2d_copy: Callable[[], Any],
+    reps: int,
+) -> dict[str, float]:
+    """Triton gather / d2d copy for access widths, tile sizes and programs per SM."""
+    from kvforge.ops import _common, triton_kernels
+
+    plan = _common.validate(planes, ids, staging, "out", "gather_blocks")
+    sms = torch.cuda.get_device_properties(staging.device).multi_processor_count
+    fns: dict[str, Callable[[], Any]] = {"d2d_copy": d2d_copy}
+    for width in (16, 8):
+        for block in (512, 1024, 2048, 4096):
+            for per_sm in (2, 4, 8, 16, 32):
+                fns[f"width={width} block={block} programs/SM={per_sm}"] = functools.partial(
+                    triton_kernels.gather_blocks_triton,
+                    planes,
+                    plan,
+                    ids,
+                    staging,
+                    block=block,
+                    grid_cap=per_sm * sms,
+                    max_width=width,
+                )
+    t = median_times(fns, reps, sync=torch.cuda.synchronize)
+    base = t.pop("d2d_copy")
+    return {k: base / v for k, v in t.items()}
 
 
 def report_cuda(records: list[dict[str, Any]]) -> None:

@@ -194,14 +194,16 @@ needs_triton = pytest.mark.skipif(not _has("triton"), reason="triton interpreter
 @pytest.mark.parametrize(
     ("sizes", "width"),
     [
-        ([16, 1168, 8448], 8),  # all multiples of 8
+        ([16, 1168, 8448], 16),  # 1168 = 16 * 73, 8448 = 16 * 528: int64 pairs (VEC = 2)
+        ([8, 1168, 8448], 8),  # 8 is not a multiple of 16
         ([12, 1164], 4),  # 12 = 4 * 3, 1164 = 4 * 291
         ([6, 1166], 2),
         ([1168, 3], 1),
         ([1], 1),
     ],
 )
-def test_triton_element_width_small_tiles(sizes, width):
+@pytest.mark.parametrize("max_width", [16, 1])
+def test_triton_element_width_small_tiles(sizes, width, max_width):
     from kvforge.ops import _common, triton_kernels
 
     planes = make_planes(sizes, 5, seed=len(sizes))
@@ -210,17 +212,19 @@ def test_triton_element_width_small_tiles(sizes, width):
     out = rand_bytes((7, row_bytes), 1)
     plan = _common.validate(planes, ids, out, "out", "gather_blocks")
     addrs = [p.data_ptr() for p in planes] + [out.data_ptr()]
-    assert _common.elem_width(plan, addrs) == width
+    assert _common.elem_width(plan, addrs, (16, 8, 4, 2, 1)) == width
     expected = loop_gather(planes, ids, out)
-    # tiles of 64 elements and 2 programs: many tiles per plane, many items per program
-    triton_kernels.gather_blocks_triton(planes, plan, ids, out, block=64, grid_cap=2)
+    # small tiles and 2 programs: many tiles per plane, many items per program (byte elements
+    # get larger tiles to keep the interpreter quick)
+    kw = {"block": 64 if max_width > 1 else 512, "grid_cap": 2, "max_width": max_width}
+    triton_kernels.gather_blocks_triton(planes, plan, ids, out, **kw)
     assert torch.equal(out, expected)
 
     sids = ids_of([4, -1, 1, 0])
     src = rand_bytes((4, row_bytes), 2)
     splan = _common.validate(planes, sids, src, "src", "scatter_blocks")
     expected_planes = loop_scatter(planes, sids, src)
-    triton_kernels.scatter_blocks_triton(planes, splan, sids, src, block=64, grid_cap=2)
+    triton_kernels.scatter_blocks_triton(planes, splan, sids, src, **kw)
     assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes, strict=True))
 
 
@@ -393,6 +397,26 @@ def test_scatter_duplicate_destination(impl):
     # -1 may repeat, and a gather may read one block twice
     check_scatter(planes, ids_of([0, -1, 5, -1]), impl)
     check_gather(planes, ids_of([5, 5, -1, 5]), impl)
+
+
+@pytest.mark.parametrize("num_blocks", [1000, 100_000])
+def test_scatter_duplicate_destination_many_ids(num_blocks):
+    # 300 ids (> the 256 checked with Python lists): 1000 blocks use the bitmap check,
+    # 100000 blocks (> 64 * 300 + 65536 = 84736) the sorted check
+    planes = make_planes([1, 3], num_blocks)
+    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))[:300]
+    ids[::7] = -1
+    check_scatter(planes, ids, "torch")
+    ids[250] = ids[20]
+    assert_rejected(
+        ops.scatter_blocks,
+        planes,
+        ids,
+        rand_bytes((300, 4), 3),
+        ValueError,
+        f"block_ids has duplicate destination id {int(ids[20])} (rows 20 and 250) in "
+        "scatter_blocks",
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["ELEM_DTYPES", "TransferPlan", "elem_width", "validate", "widen"]
+__all__ = [
+    "ELEM_DTYPES",
+    "TransferPlan",
+    "elem_width",
+    "to_device",
+    "validate",
+    "widen",
+]
 
 #: Integer dtype of each element width (bytes) that kernels may move bytes as.
 ELEM_DTYPES: dict[int, torch.dtype] = {
@@ -60,13 +67,16 @@ class TransferPlan:
         return torch.nonzero(self.ids_cpu >= 0).squeeze(1)
 
 
-def elem_width(plan: TransferPlan, addrs: Sequence[int]) -> int:
-    """Widest element width ``w`` in 8/4/2/1 bytes that divides every block size, ``row_bytes``
-    (hence every row offset) and every address in ``addrs`` (plane and row buffer ``data_ptr()``).
+def elem_width(
+    plan: TransferPlan, addrs: Sequence[int], widths: Sequence[int] = (8, 4, 2, 1)
+) -> int:
+    """Widest width ``w`` in ``widths`` (bytes, descending) that divides every block size,
+    ``row_bytes`` (hence every row offset) and every address in ``addrs`` (plane and row buffer
+    ``data_ptr()``); 1 if none does.
 
     Moving ``w``-byte integers instead of bytes is exact (a pure bit copy) and much faster.
     """
-    for w in (8, 4, 2):
+    for w in widths:
         if (
             plan.row_bytes % w == 0
             and all(b % w == 0 for b in plan.block_bytes)
@@ -200,6 +210,34 @@ def _check_rows(
         )
 
 
+def _has_duplicates(valid: np.ndarray, bound: int) -> bool:
+    """Whether ``valid`` (ids in ``[0, bound)``) repeats a value: a bitmap when ``bound`` is
+    not much larger than the id count (O(n + bound)), else a sort (O(n log n))."""
+    n = int(valid.shape[0])
+    if bound <= 64 * n + 65536:
+        seen = np.zeros(bound, dtype=np.bool_)
+        seen[valid] = True
+        return int(np.count_nonzero(seen)) != n
+    ordered = np.sort(valid)
+    return bool(np.any(ordered[1:] == ordered[:-1]))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small CPU tensor (ids, tables) to ``device`` without stalling the device stream.
+
+    A copy from pageable memory makes the host wait for the stream; a copy from pinned memory
+    (torch's caching host allocator, which keeps the buffer alive until the copy is done) is
+    enqueued asynchronously. Falls back to a plain copy where pinning is unavailable.
+    """
+    if device.type == "cpu":
+        return t
+    try:
+        pinned = t.pin_memory()
+    except (RuntimeError, NotImplementedError):  # no pinned memory on this build/platform
+        return t.to(device)
+    return pinned.to(device, non_blocking=True)
+
+
 def _check_id_values(
     ids: torch.Tensor, planes: Sequence[torch.Tensor], scatter: bool, op: str
 ) -> int:
@@ -235,7 +273,7 @@ def _check_id_values(
     else:
         valid = arr[arr >= 0] if lo < 0 else arr
         num_valid = int(valid.shape[0])
-        has_dup = scatter and np.unique(valid).shape[0] != num_valid
+        has_dup = scatter and num_valid > 1 and _has_duplicates(valid, min_blocks)
     if has_dup:
         # report the duplicate whose second occurrence comes first
         seen: dict[int, int] = {}

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._common import TransferPlan, widen
+from ._common import TransferPlan, to_device, widen
 
 __all__ = ["gather_blocks_torch", "scatter_blocks_torch"]
 
@@ -28,9 +28,9 @@ __all__ = ["gather_blocks_torch", "scatter_blocks_torch"]
 def _selection(plan: TransferPlan) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Return ``(rows, ids)`` on the planes' device; ``rows is None`` means every row."""
     if plan.all_valid:
-        return None, plan.ids_cpu.to(plan.device)
+        return None, to_device(plan.ids_cpu, plan.device)
     rows = plan.valid_rows()
-    return rows.to(plan.device), plan.ids_cpu[rows].to(plan.device)
+    return to_device(rows, plan.device), to_device(plan.ids_cpu[rows], plan.device)
 
 
 def gather_blocks_torch(

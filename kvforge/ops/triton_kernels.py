@@ -15,8 +15,13 @@ Layout of the work:
   (``P`` planes, ``C`` tiles per row): plane base addresses (``data_ptr()``), plane block
   elements, plane row offsets (elements), tile plane index, tile start (elements). A base address
   is loaded and cast to a pointer with ``.to(tl.pointer_type(...))``.
-- Elements are ``W`` bytes wide, ``W`` the widest of 8/4/2/1 that divides every block size,
-  ``row_bytes`` and every base address (odd sizes such as 1 or 3 bytes use ``W == 1``).
+- Vectorised tiles: ``w``, the widest of 16/8/4/2/1 bytes that divides every block size,
+  ``row_bytes`` (hence every row offset) and every base address (planes and rows), sets the
+  element type: ``ELEM = min(w, 8)`` bytes (int64/int32/int16/uint8 pointers) and
+  ``VEC = w // ELEM`` (2 when w == 16). With ``VEC == 2`` the kernel tells the compiler that
+  every tile starts 16-byte aligned (``tl.multiple_of`` / ``tl.max_contiguous``), so CUDA moves
+  16 bytes per thread access (``ld.global.v2.b64``) even though plane addresses come from a
+  table. Odd sizes such as 1 or 3 bytes use ``w == 1``.
 - All offsets are int64 (block id times block elements can exceed 2**31 for planes > 2 GiB).
 - A row whose id is -1 is masked out entirely (no load, no store).
 
@@ -33,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ELEM_DTYPES, TransferPlan, elem_width
+from ._common import ELEM_DTYPES, TransferPlan, elem_width, to_device
 
 __all__ = [
     "MAX_GRID",
@@ -55,13 +60,13 @@ INTERPRET_GRID = 3
 
 
 @triton.jit
-def _as_ptr(addr, W: tl.constexpr):
-    """Cast an int64 address to a pointer to ``W``-byte elements."""
-    if W == 8:
+def _as_ptr(addr, ELEM: tl.constexpr):
+    """Cast an int64 address to a pointer to ``ELEM``-byte integers."""
+    if ELEM == 8:
         return addr.to(tl.pointer_type(tl.int64))
-    elif W == 4:
+    elif ELEM == 4:
         return addr.to(tl.pointer_type(tl.int32))
-    elif W == 2:
+    elif ELEM == 2:
         return addr.to(tl.pointer_type(tl.int16))
     else:
         return addr.to(tl.pointer_type(tl.uint8))
@@ -76,8 +81,9 @@ def _move_kernel(
     row_elems,
     num_planes,
     num_tiles,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ELEM: tl.constexpr,  # element bytes: 8, 4, 2 or 1
+    VEC: tl.constexpr,  # 2: every size/offset/address is a multiple of 2 elements (16 bytes)
+    BLOCK: tl.constexpr,  # elements per tile (a multiple of VEC)
     SCATTER: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -92,11 +98,19 @@ def _move_kernel(
         base = tl.load(table + plane)
         elems = tl.load(table + num_planes + plane)
         row_off = tl.load(table + 2 * num_planes + plane)
-        offs = start + lane
         limit = tl.where(block >= 0, elems, 0)  # a -1 row moves nothing
+        if VEC > 1:  # true by construction (host side): lets the compiler vectorise
+            elems = tl.multiple_of(elems, VEC)
+            row_off = tl.multiple_of(row_off, VEC)
+            start = tl.multiple_of(start, VEC)
+            limit = tl.multiple_of(limit, VEC)
+        offs = start + lane
         mask = offs < limit
-        block_ptr = _as_ptr(base, W) + tl.maximum(block, 0) * elems + offs
+        block_ptr = _as_ptr(base, ELEM) + tl.maximum(block, 0) * elems + offs
         row_ptr = rows + row * row_elems + row_off + offs
+        if VEC > 1:
+            block_ptr = tl.max_contiguous(tl.multiple_of(block_ptr, ELEM * VEC), BLOCK)
+            row_ptr = tl.max_contiguous(tl.multiple_of(row_ptr, ELEM * VEC), BLOCK)
         if SCATTER:
             tl.store(block_ptr, tl.load(row_ptr, mask=mask), mask=mask)
         else:
@@ -129,7 +143,10 @@ _TABLES_MAX = 64
 def _table(
     addrs: tuple[int, ...], plan: TransferPlan, w: int, block: int
 ) -> tuple[torch.Tensor, int]:
-    """Device table and tiles-per-row, cached by value (addresses, sizes, width, tile)."""
+    """Device table and tiles-per-row, cached by value (addresses, sizes, element bytes, tile).
+
+    ``w`` here is the element size in bytes; sizes and offsets in the table are in elements.
+    """
     key = (plan.device, addrs, plan.block_bytes, w, block)
     hit = _TABLES.get(key)
     if hit is not None:
@@ -159,6 +176,7 @@ def _launch(
     scatter: bool,
     block: int | None = None,
     grid_cap: int | None = None,
+    max_width: int = 16,
 ) -> None:
     if plan.num_valid == 0:
         return
@@ -168,17 +186,27 @@ def _launch(
             "TRITON_INTERPRET=1 before kvforge.ops.triton_kernels is first imported"
         )
     addrs = tuple(t.data_ptr() for t in planes)
-    w = elem_width(plan, (*addrs, rows.data_ptr()))
+    widths = tuple(x for x in (16, 8, 4, 2, 1) if x <= max_width)
+    w = elem_width(plan, (*addrs, rows.data_ptr()), widths)
+    elem = min(w, 8)
+    vec = w // elem
+    try:
+        rows_w = rows.view(ELEM_DTYPES[elem])
+    except RuntimeError:  # a storage offset torch will not reinterpret: move bytes
+        elem, vec, rows_w = 1, 1, rows
     if block is None:
         block = INTERPRET_BLOCK if plan.device.type == "cpu" else DEFAULT_BLOCK
-    table, num_tiles = _table(addrs, plan, w, block)
+    if block < vec or block & (block - 1):
+        raise ValueError(f"block = {block} must be a power of two (>= {vec})")
+    table, num_tiles = _table(addrs, plan, elem, block)
     if plan.device.type != "cpu":
         # the cached table outlives this call: keep the allocator from reusing it while a
         # kernel on the current (possibly side) stream may still read it
         table.record_stream(getattr(torch, plan.device.type).current_stream(plan.device))
-    ids = block_ids if block_ids.device == plan.device else plan.ids_cpu.to(plan.device)
-    ids = ids.contiguous()
-    rows_w = rows.view(ELEM_DTYPES[w])
+    if block_ids.device == plan.device:
+        ids = block_ids.contiguous()
+    else:
+        ids = to_device(plan.ids_cpu, plan.device)
     total = plan.n * num_tiles
     cap = _grid_cap(plan.device) if grid_cap is None else grid_cap
     grid = (max(1, min(total, cap, MAX_GRID)),)
@@ -187,10 +215,11 @@ def _launch(
         ids,
         rows_w,
         total,
-        plan.row_bytes // w,
+        plan.row_bytes // elem,
         len(planes),
         num_tiles,
-        W=w,
+        ELEM=elem,
+        VEC=vec,
         BLOCK=block,
         SCATTER=scatter,
     )
@@ -203,6 +232,7 @@ def gather_blocks_triton(
     out: torch.Tensor,
     block: int | None = None,
     grid_cap: int | None = None,
+    max_width: int = 16,
 ) -> None:
     """One-launch gather of ``planes[p][block_ids[i]]`` into page-first rows ``out[i]``.
 
@@ -215,8 +245,9 @@ def gather_blocks_triton(
         block: elements per tile (default :data:`DEFAULT_BLOCK`, :data:`INTERPRET_BLOCK` on
             CPU); a power of two; for tests and tuning.
         grid_cap: programs cap (default per device); for tests and tuning.
+        max_width: widest access in bytes considered (16, 8, 4, 2 or 1); for tests and tuning.
     """
-    _launch(planes, plan, block_ids, out, False, block, grid_cap)
+    _launch(planes, plan, block_ids, out, False, block, grid_cap, max_width)
 
 
 def scatter_blocks_triton(
@@ -226,12 +257,13 @@ def scatter_blocks_triton(
     src: torch.Tensor,
     block: int | None = None,
     grid_cap: int | None = None,
+    max_width: int = 16,
 ) -> None:
     """One-launch scatter of page-first rows ``src[i]`` into ``planes[p][block_ids[i]]``.
 
     Args: as :func:`gather_blocks_triton`, with ``src`` the ``[n, row_bytes]`` source rows.
     """
-    _launch(planes, plan, block_ids, src, True, block, grid_cap)
+    _launch(planes, plan, block_ids, src, True, block, grid_cap, max_width)
 
 
 def interpret_requested() -> bool:
