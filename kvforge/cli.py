@@ -377,6 +377,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- bench
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvforge.bench import print_results, run_bench, write_json
+
+    results = run_bench(
+        quick=args.quick, device=args.device, repeats=args.repeats, progress=not args.no_progress
+    )
+    print_results(results)
+    if args.json:
+        write_json(results, args.json)
+    return 0
+
+
 # ---------------------------------------------------------------------------------- main
 
 
@@ -402,6 +417,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank", type=int, default=0, help="tensor-parallel rank for names")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan.set_defaults(func=cmd_plan)
+
+    bench = sub.add_parser(
+        "bench", help="swap throughput vs a contiguous copy and a per-block loop"
+    )
+    bench.add_argument("--quick", action="store_true", help="a reduced set, well under a minute")
+    bench.add_argument("--device", default=None, help="cpu, cuda or npu (default: best found)")
+    bench.add_argument("--repeats", type=_positive, default=None, help="timed runs per case")
+    bench.add_argument("--json", default=None, help="write the cases to this JSON file")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=cmd_bench)
 
     return parser
 

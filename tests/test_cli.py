@@ -136,3 +136,28 @@ def test_bench_runs_and_writes_json(tmp_path):
         "ratio_vs_memcpy",
         "ratio_vs_loop",
     }
+
+
+def test_bench_command_quick_json(tmp_path, monkeypatch, capsys):
+    from kvforge import bench
+
+    small = bench.BenchCase(
+        "tiny", {i: bench._SynthBackend(37_376) for i in range(2)}, "kv", 1 << 20
+    )
+    monkeypatch.setattr(bench, "default_cases", lambda quick: [small])
+    path = tmp_path / "out.json"
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "--quick",
+        "--device",
+        "cpu",
+        "--repeats",
+        "1",
+        "--no-progress",
+        "--json",
+        str(path),
+    )
+    assert code == 0
+    assert "tiny" in out and "vs memcpy" in out
+    assert [row["direction"] for row in json.loads(path.read_text())] == ["out", "in"]
