@@ -96,7 +96,7 @@ def _flash_backends(layers: int = 43) -> dict[int, AttentionBackend]:
 def default_cases(quick: bool) -> list[BenchCase]:
     """Llama-3-8B GQA, the DeepSeek-V4-Flash groups, and a sweep of plane sizes."""
     mib = 1 << 20
-    big = (16 if quick else 128) * mib
+    big = (32 if quick else 128) * mib  # well above the last-level cache
     llama = {i: GQABackend(8, 128, 16, "bfloat16") for i in range(32)}
     flash = _flash_backends()
     cases = [BenchCase("llama3-8b/kv", llama, "kv", big)]
