@@ -27,7 +27,7 @@ from kvforge.attn_backends import DeepseekV4Backend, GQABackend
 from kvforge.attn_backends.base import AttentionBackend, DeclaredBackend
 from kvforge.cache_controller.block_pool import NULL_BLOCK
 from kvforge.cache_controller.controller import CacheController
-from kvforge.host_cache.swap import pages_to_device, pages_to_host
+from kvforge.host_cache.swap import move_pages
 from kvforge.platform import Platform, get_platform
 from kvforge.specs import CacheGroup, CacheRole
 
@@ -162,10 +162,10 @@ def _measure_case(case: BenchCase, platform: Platform, repeats: int) -> list[Ben
     stream = ctl._stream
 
     def swap_out() -> None:
-        pages_to_host(platform, stream, planes, ids, host.pages, pages, keep)
+        move_pages("out", platform, stream, planes, ids, host.pages, pages, keep)
 
     def swap_in() -> None:
-        pages_to_device(platform, stream, planes, ids, host.pages, pages, keep)
+        move_pages("in", platform, stream, planes, ids, host.pages, pages, keep)
 
     swap_out()  # warm-up: kernel compilation, first touch of pages
     swap_in()

@@ -34,7 +34,7 @@ from kvforge.cache_controller.memory_plan import MemoryPlan, plan_from_blocks, p
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.errors import ControllerClosedError, RequestStateError
 from kvforge.host_cache.host_pool import HostCacheAllocator, HostPools
-from kvforge.host_cache.swap import SwapHandle, pages_to_device, pages_to_host, plane_bytes
+from kvforge.host_cache.swap import SwapHandle, move_pages, plane_bytes
 from kvforge.platform import Platform, get_platform
 from kvforge.specs import SwapPurpose, TokenRange
 
@@ -62,6 +62,14 @@ class SwapStats:
     bytes_out: int = 0
     bytes_in: int = 0
     blocks_out: dict[str, int] = field(default_factory=dict)
+
+
+def _one_sizing(num_blocks: object, memory_budget: object) -> None:
+    if (num_blocks is None) == (memory_budget is None):
+        raise ValueError(
+            "give exactly one of num_blocks or memory_budget, got "
+            f"num_blocks={num_blocks!r}, memory_budget={memory_budget!r}"
+        )
 
 
 def _count(name: str, value: object) -> int:
@@ -177,11 +185,7 @@ class CacheController:
         self._check_open()
         if self._caches is not None:
             raise RuntimeError("initialize_kv_cache was already called on this controller")
-        if (num_blocks is None) == (memory_budget is None):
-            raise ValueError(
-                "give exactly one of num_blocks or memory_budget, got "
-                f"num_blocks={num_blocks!r}, memory_budget={memory_budget!r}"
-            )
+        _one_sizing(num_blocks, memory_budget)
         if num_blocks is not None:
             if max_num_seqs is not None or max_model_len is not None:
                 raise ValueError(
@@ -384,11 +388,7 @@ class CacheController:
         self._ready_caches()
         if self._host is not None:
             raise RuntimeError("initialize_host_cache was already called on this controller")
-        if (num_blocks is None) == (memory_budget is None):
-            raise ValueError(
-                "give exactly one of num_blocks or memory_budget, got "
-                f"num_blocks={num_blocks!r}, memory_budget={memory_budget!r}"
-            )
+        _one_sizing(num_blocks, memory_budget)
         if num_blocks is not None:
             plan = plan_from_blocks(self.layout, self._blocks_per_group(num_blocks), host=True)
         else:
@@ -509,7 +509,8 @@ class CacheController:
             backend.before_swap_out(ctx)
         for group, idx in moving.items():
             pool = host.groups[group]
-            pages_to_host(
+            move_pages(
+                "out",
                 self.platform,
                 self._stream,
                 self._planes[group],
@@ -553,7 +554,8 @@ class CacheController:
         device_blocks = {g: [state.tables[g][i] for i in idx] for g, idx in swapped.indices.items()}
         for group, idx in swapped.indices.items():
             pool = host.groups[group]
-            pages_to_device(
+            move_pages(
+                "in",
                 self.platform,
                 self._stream,
                 self._planes[group],

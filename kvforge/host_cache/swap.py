@@ -20,7 +20,7 @@ from kvforge import ops
 from kvforge.platform import Platform
 from kvforge.specs import SwapPurpose
 
-__all__ = ["SwapHandle", "contiguous_runs", "pages_to_device", "pages_to_host", "plane_bytes"]
+__all__ = ["SwapHandle", "contiguous_runs", "move_pages", "plane_bytes"]
 
 
 def plane_bytes(cache: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,8 @@ class SwapHandle:
         self.keep_alive.clear()
 
 
-def pages_to_host(
+def move_pages(
+    direction: Literal["out", "in"],
     platform: Platform,
     stream: Any,
     planes: Sequence[torch.Tensor],
@@ -92,44 +93,34 @@ def pages_to_host(
     page_ids: Sequence[int],
     keep_alive: list[torch.Tensor],
 ) -> None:
-    """Gather device blocks ``device_ids`` of ``planes`` into host pages ``page_ids``."""
+    """Move device blocks ``device_ids`` of ``planes`` to (``"out"``) or from (``"in"``) host
+    pages ``page_ids`` of ``pages`` (``uint8 [num_pages, page_bytes]``, page-first).
+
+    Tensors an accelerator copy still reads are appended to ``keep_alive``.
+    """
     if not device_ids:
         return
     if not platform.is_accelerator:
+        # Gather/scatter straight into host rows, one call per contiguous run of pages.
         ids = torch.tensor(device_ids, dtype=torch.int64)
         for start, end, first in contiguous_runs(page_ids):
-            ops.gather_blocks(planes, ids[start:end], pages[first : first + end - start])
+            rows = pages[first : first + end - start]
+            if direction == "out":
+                ops.gather_blocks(planes, ids[start:end], rows)
+            else:
+                ops.scatter_blocks(planes, ids[start:end], rows)
         return
     with platform.side_stream(stream):  # pragma: no cover - accelerators only
         ids = torch.tensor(device_ids, dtype=torch.int64).to(platform.device, non_blocking=True)
         staging = platform.empty((len(device_ids), pages.shape[1]), torch.uint8)
-        ops.gather_blocks(planes, ids, staging)
-        for start, end, first in contiguous_runs(page_ids):
-            pages[first : first + end - start].copy_(staging[start:end], non_blocking=True)
-        keep_alive += [ids, staging]
-
-
-def pages_to_device(
-    platform: Platform,
-    stream: Any,
-    planes: Sequence[torch.Tensor],
-    device_ids: Sequence[int],
-    pages: torch.Tensor,
-    page_ids: Sequence[int],
-    keep_alive: list[torch.Tensor],
-) -> None:
-    """Scatter host pages ``page_ids`` into device blocks ``device_ids`` of ``planes``."""
-    if not device_ids:
-        return
-    if not platform.is_accelerator:
-        ids = torch.tensor(device_ids, dtype=torch.int64)
-        for start, end, first in contiguous_runs(page_ids):
-            ops.scatter_blocks(planes, ids[start:end], pages[first : first + end - start])
-        return
-    with platform.side_stream(stream):  # pragma: no cover - accelerators only
-        ids = torch.tensor(device_ids, dtype=torch.int64).to(platform.device, non_blocking=True)
-        staging = platform.empty((len(device_ids), pages.shape[1]), torch.uint8)
-        for start, end, first in contiguous_runs(page_ids):
-            staging[start:end].copy_(pages[first : first + end - start], non_blocking=True)
-        ops.scatter_blocks(planes, ids, staging)
+        if direction == "out":
+            ops.gather_blocks(planes, ids, staging)
+        for start, end, first in contiguous_runs(page_ids):  # one DMA per contiguous run
+            host = pages[first : first + end - start]
+            if direction == "out":
+                host.copy_(staging[start:end], non_blocking=True)
+            else:
+                staging[start:end].copy_(host, non_blocking=True)
+        if direction == "in":
+            ops.scatter_blocks(planes, ids, staging)
         keep_alive += [ids, staging]
