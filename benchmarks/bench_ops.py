@@ -8,7 +8,8 @@ and page-first rows, it times
 - ``copy``: ``dst.copy_(src)`` of one contiguous uint8 tensor of the same total bytes;
 - ``gather`` / ``scatter`` with every implementation available on CPU (``torch``, ``cpu``);
 - ``loop``: a per-block Python copy loop
-  (``for i, b in enumerate(ids): for p: out[i, off:off+nb].copy_(plane[b])``).
+  (``for i, b in enumerate(ids): for p: out[i, off:off+nb].copy_(plane[b])``), run with one
+  torch thread (faster and steadier than with intra-op threads for per-block copies).
 
 and prints throughput ratios: ``impl / copy`` (1.0 = as fast as a contiguous copy) and
 ``impl / loop``. Timings are medians of interleaved repetitions (baseline and candidates take
@@ -68,21 +69,29 @@ def median_times(
     sync: Callable[[], None] = lambda: None,
     slow: frozenset[str] = frozenset(),
     slow_reps: int = 3,
+    burst: int = 1,
 ) -> dict[str, float]:
-    """Median seconds per call of each function, repetitions interleaved across functions."""
+    """Median seconds per call of each function.
+
+    Functions take turns in bursts of ``burst`` back-to-back calls (``reps`` calls each in all),
+    so slow drifts and noisy neighbours hit every function alike. ``burst == 1`` alternates call
+    by call; a larger burst times each function in its own steady state (on CPU, a call right
+    after a multi-threaded torch op competes with torch's still-spinning OpenMP workers).
+    """
     for fn in fns.values():  # warm up (JIT, caches, page faults)
         fn()
     sync()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(reps):
+    for r in range(0, reps, burst):
         for name, fn in fns.items():
-            if name in slow and r >= slow_reps:
-                continue
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(min(burst, reps - r)):
+                if name in slow and len(times[name]) >= slow_reps:
+                    break
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -114,9 +123,17 @@ def bench_cpu(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str,
                 offs = [p * nb for p in range(num_planes)]
 
                 def loop(out=out, planes=planes, id_list=id_list, offs=offs, nb=nb) -> None:
-                    for i, b in enumerate(id_list):
-                        for plane, off in zip(planes, offs, strict=True):
-                            out[i, off : off + nb].copy_(plane[b])
+                    # one torch thread: per-block copies gain nothing from intra-op threads, and
+                    # OpenMP fork/join per 37 KiB copy makes the loop erratic (seconds) when
+                    # another process holds a core; one thread is the faster, steadier baseline
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)
+                    try:
+                        for i, b in enumerate(id_list):
+                            for plane, off in zip(planes, offs, strict=True):
+                                out[i, off : off + nb].copy_(plane[b])
+                    finally:
+                        torch.set_num_threads(threads)
 
                 fns: dict[str, Callable[[], Any]] = {
                     "copy": lambda d=flat_dst, s=flat_src: d.copy_(s)
@@ -129,7 +146,7 @@ def bench_cpu(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str,
                         ops.scatter_blocks(p, x, s, impl=i)
                     )
                 fns["loop"] = loop
-                t = median_times(fns, args.reps, slow=frozenset({"loop"}))
+                t = median_times(fns, args.reps, slow=frozenset({"loop"}), burst=args.burst)
                 ref = torch.cat([p[ids] for p in planes], dim=1)
                 ops.gather_blocks(planes, ids, out, impl=impls[-1])
                 assert torch.equal(out, ref), "gather result differs from the reference"
@@ -446,11 +463,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=float, help="MiB of rows per transfer")
     parser.add_argument("--reps", type=int, help="timed repetitions per case")
     parser.add_argument("--tune", action="store_true", help="CUDA: sweep tile size and grid")
+    parser.add_argument(
+        "--burst",
+        type=int,
+        default=5,
+        help="CPU: back-to-back calls per turn (1 = strict call-by-call alternation)",
+    )
     args = parser.parse_args(argv)
     if args.mib is None:
         args.mib = (24 if args.quick else 64) if args.device == "cpu" else 256
     if args.reps is None:
-        args.reps = 7 if args.quick else 25
+        args.reps = 10 if args.quick else 25
     ops = import_ops()
     if args.device == "cuda":
         if not torch.cuda.is_available():

@@ -163,7 +163,7 @@ def test_empty_and_all_skipped(impl):
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("cpu", marks=IMPLS[1].marks)])
 def test_large_transfer_parallel_path(impl):
-    # 96 rows of 8448 + 37376 = 45824 bytes = 4.2 MiB: above cpu_fast.PARALLEL_MIN_BYTES (512 KiB)
+    # 96 rows of 8448 + 37376 = 45824 bytes = 4.2 MiB: above cpu_fast.PARALLEL_MIN_BYTES (4 MiB)
     if impl == "cpu":
         from kvforge.ops import cpu_fast
 
@@ -173,6 +173,20 @@ def test_large_transfer_parallel_path(impl):
     ids[7] = -1
     check_gather(planes, ids, impl)
     check_scatter(planes, ids, impl)
+
+
+@pytest.mark.skipif(not _has("cpu"), reason="numba missing")
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_cpu_split_across_threads(monkeypatch, threads):
+    # force the multi-threaded split on a small call: 5 rows x 3 planes = 15 (row, plane) items
+    # cut into min(15, 8 * threads) chunks shared by `threads` threads, chunks ending mid-row
+    from kvforge.ops import cpu_fast
+
+    monkeypatch.setattr(cpu_fast, "_num_threads", lambda nbytes: threads)
+    monkeypatch.setattr(cpu_fast, "MIN_CHUNK_BYTES", 1)  # up to 8 chunks per thread
+    planes = make_planes([1168, 1, 37376], 8, seed=4)
+    check_gather(planes, ids_of([7, -1, 0, 7, 3]), "cpu")
+    check_scatter(planes, ids_of([7, -1, 0, 2, 3]), "cpu")
 
 
 def test_gather_returns_and_equals_torch_on_every_impl():

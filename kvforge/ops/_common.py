@@ -136,34 +136,38 @@ def _check_planes(planes: Sequence[torch.Tensor]) -> tuple[torch.device, tuple[i
         )
     device: torch.device | None = None
     block_bytes: list[int] = []
-    for p, plane in enumerate(planes):
+    uint8 = torch.uint8
+    for p, plane in enumerate(planes):  # hot path: few attribute reads per plane
         if not isinstance(plane, torch.Tensor):
             raise TypeError(f"planes[{p}] is {type(plane).__name__}; expected a torch.Tensor")
-        if plane.dtype != torch.uint8:
+        if plane.dtype != uint8:
             raise TypeError(
                 f"planes[{p}] has dtype {plane.dtype}; expected torch.uint8 "
                 "(use .view(torch.uint8))"
             )
-        if plane.dim() != 2:
+        shape = plane.shape
+        if len(shape) != 2:
             raise ValueError(
                 f"planes[{p}] has shape {_shape(plane)}; expected 2-D [num_blocks, block_bytes]"
             )
-        nbytes = int(plane.shape[1])
+        nbytes = shape[1]
         if nbytes == 0:
             raise ValueError(
                 f"planes[{p}] has shape {_shape(plane)}: block_bytes is 0; "
                 "every plane must hold at least one byte per block"
             )
-        if not _rows_contiguous(plane, nbytes):
+        stride = plane.stride()
+        if (nbytes > 1 and stride[1] != 1) or (shape[0] > 1 and stride[0] != nbytes):
             raise ValueError(
-                f"planes[{p}] rows are not contiguous: strides {tuple(plane.stride())}; "
+                f"planes[{p}] rows are not contiguous: strides {tuple(stride)}; "
                 f"expected ({nbytes}, 1) for shape {_shape(plane)} (row stride == block_bytes)"
             )
+        dev = plane.device
         if device is None:
-            device = plane.device
-        elif plane.device != device:
+            device = dev
+        elif dev != device:
             raise ValueError(
-                f"planes[{p}] is on {plane.device} but planes[0] is on {device}; "
+                f"planes[{p}] is on {dev} but planes[0] is on {device}; "
                 "all planes must be on one device"
             )
         block_bytes.append(nbytes)
@@ -248,9 +252,8 @@ def _check_id_values(
     n = int(ids.shape[0])
     if n == 0:
         return 0
-    small = n <= _SMALL_N
     arr = ids.numpy()
-    values: list[int] | None = ids.tolist() if small else None
+    values: list[int] | None = ids.tolist() if n <= _SMALL_N else None
     lo, hi = (min(values), max(values)) if values is not None else (int(arr.min()), int(arr.max()))
     if lo < -1:
         i = int(np.argmax(arr < -1))

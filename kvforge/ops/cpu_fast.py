@@ -1,48 +1,56 @@
 """Fast CPU gather/scatter (``impl="cpu"``): numba kernels that call ``memcpy`` per (row, plane).
 
 Why: torch indexing needs two passes for a gather into column slices of page-first rows
-(``index_select`` into a temporary, then a strided copy), reaching about 0.3-0.5 of a plain
+(``index_select`` into a temporary, then a strided copy) and reaches about 0.1-0.5 of a plain
 contiguous copy. Here each (row, plane) piece is one ``memcpy`` of ``block_bytes_p`` bytes
-straight from the plane block to its place in the row (or back), and the pieces are spread over
-numba's threads with ``prange`` (contiguous ranges of rows per thread). libc ``memcpy`` picks its
-best strategy per size (vector loops, ``rep movsb``), so large pages run at contiguous-copy
-speed; see ``benchmarks/bench_ops.py`` for measured ratios.
+straight from the plane block to its place in the row (or back). libc ``memcpy`` picks its best
+strategy per size, so large pages run at contiguous-copy speed; see
+``benchmarks/bench_ops.py`` for measured ratios.
+
+Work items are the (row, plane) pairs in row-major order. A call moving at least
+:data:`PARALLEL_MIN_BYTES` splits them into contiguous ranges run on a small Python thread pool
+(the kernels are ``nogil``), using up to ``torch.get_num_threads()`` threads, the calling thread
+included. No numba threading layer is involved: no OpenMP runtime next to torch's, no global
+numba configuration, and concurrent calls from several Python threads are safe.
 
 numba is optional: this module imports it at import time, and ``kvforge.ops`` imports this
 module only when ``impl="cpu"`` (or ``"auto"`` on CPU) is used. Without numba, ``"auto"`` falls
 back to the torch reference.
 
-Kernels take raw addresses (``int64``) of already validated tensors: a table of plane base
-addresses, plane block bytes, plane row offsets, the block ids and the row buffer address.
-They are compiled with ``cache=True`` (first use in a fresh environment compiles for ~1-2 s,
-later processes load the cache).
-
-Thread safety: numba's default ``workqueue`` threading layer must not run two parallel regions
-at once, so parallel launches are serialised by a module lock (serial launches are not).
+Kernels take raw addresses (``int64``) of already validated tensors: one table of plane base
+addresses, plane block bytes and plane row offsets, the block ids and the row buffer address.
+They are compiled with ``cache=True`` (the first use in a fresh environment compiles for about
+a second; later processes load numba's on-disk cache).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
-import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._common import TransferPlan
 
-__all__ = ["PARALLEL_MIN_BYTES", "gather_blocks_cpu", "scatter_blocks_cpu"]
+__all__ = ["MIN_BYTES_PER_THREAD", "PARALLEL_MIN_BYTES", "gather_blocks_cpu", "scatter_blocks_cpu"]
 
-#: Calls moving fewer bytes than this run on one thread (a parallel launch costs ~5-20 us;
-#: measured break-even on a 2-core machine is about 0.5 MiB).
-PARALLEL_MIN_BYTES = 1 << 19
-
-_PARALLEL_LOCK = threading.Lock()
+#: Calls moving fewer bytes than this run on the calling thread only: waking a pool thread
+#: costs ~50 us on a small VM, and below a few MiB one thread is as fast (measured on 2 cores).
+PARALLEL_MIN_BYTES = 4 << 20
+#: Each extra thread gets at least this many bytes.
+MIN_BYTES_PER_THREAD = 2 << 20
+#: Work is cut into about this many chunks per thread, handed out first come first served...
+CHUNKS_PER_THREAD = 4
+#: ... of at least this many bytes each.
+MIN_CHUNK_BYTES = 1 << 20
 
 
 @intrinsic
@@ -59,71 +67,100 @@ def _memcpy(typingctx, dst, src, nbytes):  # pragma: no cover - compiled by numb
     return sig, codegen
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _gather_par(ptrs, nbytes, offs, ids, rows_addr, row_bytes):  # pragma: no cover - numba
-    n = ids.shape[0]
-    num_planes = ptrs.shape[0]
-    for w in prange(n * num_planes):
+@njit(nogil=True, cache=True)
+def _move_range(table, ids, rows_addr, row_bytes, lo, hi, scatter):  # pragma: no cover - numba
+    """Move work items ``[lo, hi)``; item ``w`` is (row ``w // P``, plane ``w % P``).
+
+    ``table`` is ``int64 [3 * P]``: plane base addresses | block bytes | row offsets.
+    """
+    num_planes = table.shape[0] // 3
+    for w in range(lo, hi):
         i = w // num_planes
         p = w - i * num_planes
         b = ids[i]
-        if b >= 0:
-            _memcpy(rows_addr + i * row_bytes + offs[p], ptrs[p] + b * nbytes[p], nbytes[p])
+        if b < 0:
+            continue
+        nbytes = table[num_planes + p]
+        block = table[p] + b * nbytes
+        row = rows_addr + i * row_bytes + table[2 * num_planes + p]
+        if scatter:
+            _memcpy(block, row, nbytes)
+        else:
+            _memcpy(row, block, nbytes)
 
 
-@njit(nogil=True, cache=True)
-def _gather_ser(ptrs, nbytes, offs, ids, rows_addr, row_bytes):  # pragma: no cover - numba
-    n = ids.shape[0]
-    num_planes = ptrs.shape[0]
-    for i in range(n):
-        b = ids[i]
-        if b >= 0:
-            for p in range(num_planes):
-                _memcpy(rows_addr + i * row_bytes + offs[p], ptrs[p] + b * nbytes[p], nbytes[p])
+_POOL: ThreadPoolExecutor | None = None
+_POOL_PID = -1
+_POOL_LOCK = threading.Lock()
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _scatter_par(ptrs, nbytes, offs, ids, rows_addr, row_bytes):  # pragma: no cover - numba
-    n = ids.shape[0]
-    num_planes = ptrs.shape[0]
-    for w in prange(n * num_planes):
-        i = w // num_planes
-        p = w - i * num_planes
-        b = ids[i]
-        if b >= 0:
-            _memcpy(ptrs[p] + b * nbytes[p], rows_addr + i * row_bytes + offs[p], nbytes[p])
+def _pool() -> ThreadPoolExecutor:
+    """The module's worker pool, created on first use and again in a forked child."""
+    global _POOL, _POOL_PID
+    with _POOL_LOCK:
+        if _POOL is None or os.getpid() != _POOL_PID:
+            _POOL = ThreadPoolExecutor(
+                max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvforge-ops"
+            )
+            _POOL_PID = os.getpid()
+        return _POOL
 
 
-@njit(nogil=True, cache=True)
-def _scatter_ser(ptrs, nbytes, offs, ids, rows_addr, row_bytes):  # pragma: no cover - numba
-    n = ids.shape[0]
-    num_planes = ptrs.shape[0]
-    for i in range(n):
-        b = ids[i]
-        if b >= 0:
-            for p in range(num_planes):
-                _memcpy(ptrs[p] + b * nbytes[p], rows_addr + i * row_bytes + offs[p], nbytes[p])
+def _table(planes: Sequence[torch.Tensor], plan: TransferPlan) -> np.ndarray:
+    """``int64 [3 * P]``: plane base addresses | plane block bytes | plane row offsets."""
+    return np.array(
+        [*(t.data_ptr() for t in planes), *plan.block_bytes, *plan.row_offsets], dtype=np.int64
+    )
 
 
-def _tables(
-    planes: Sequence[torch.Tensor], plan: TransferPlan
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    ptrs = np.fromiter((t.data_ptr() for t in planes), dtype=np.int64, count=len(planes))
-    nbytes = np.asarray(plan.block_bytes, dtype=np.int64)
-    offs = np.asarray(plan.row_offsets, dtype=np.int64)
-    return ptrs, nbytes, offs, plan.ids_cpu.numpy()
+def _num_threads(nbytes: int) -> int:
+    if nbytes < PARALLEL_MIN_BYTES:
+        return 1
+    return max(1, min(torch.get_num_threads(), nbytes // MIN_BYTES_PER_THREAD))
 
 
-def _run(par, ser, planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor) -> None:
+def _worker(
+    chunks: Iterator[int],
+    bounds: list[int],
+    table: np.ndarray,
+    ids: np.ndarray,
+    addr: int,
+    row_bytes: int,
+    scatter: bool,
+) -> None:
+    # next() on a shared itertools.count is atomic under the GIL; the kernel releases the GIL
+    for k in chunks:
+        if k + 1 >= len(bounds):
+            return
+        _move_range(table, ids, addr, row_bytes, bounds[k], bounds[k + 1], scatter)
+
+
+def _run(planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor, scatter: bool):
     if plan.num_valid == 0:
         return
-    ptrs, nbytes, offs, ids = _tables(planes, plan)
-    args = (ptrs, nbytes, offs, ids, rows.data_ptr(), plan.row_bytes)
-    if plan.num_valid * plan.row_bytes < PARALLEL_MIN_BYTES or numba.get_num_threads() == 1:
-        ser(*args)
+    table = _table(planes, plan)
+    ids = plan.ids_cpu.numpy()
+    addr = rows.data_ptr()
+    total = plan.n * len(planes)
+    nbytes = plan.num_valid * plan.row_bytes
+    threads = min(_num_threads(nbytes), total)
+    if threads == 1:
+        _move_range(table, ids, addr, plan.row_bytes, 0, total, scatter)
         return
-    with _PARALLEL_LOCK:
-        par(*args)
+    # dynamic balance: CHUNKS_PER_THREAD chunks per thread, taken first come first served, so a
+    # thread slowed down (a core shared with another process or a spinning OpenMP worker) does
+    # less of the work instead of holding everyone up
+    num_chunks = min(total, threads * CHUNKS_PER_THREAD, max(threads, nbytes // MIN_CHUNK_BYTES))
+    bounds = [total * k // num_chunks for k in range(num_chunks + 1)]
+    chunks = itertools.count()
+    args = (chunks, bounds, table, ids, addr, plan.row_bytes, scatter)
+    pool = _pool()
+    futures: list[Future] = [pool.submit(_worker, *args) for _ in range(threads - 1)]
+    try:
+        _worker(*args)  # the calling thread works too
+    finally:
+        for f in futures:
+            f.result()
 
 
 def gather_blocks_cpu(
@@ -136,7 +173,7 @@ def gather_blocks_cpu(
         plan: the validated transfer plan (``plan.device.type == "cpu"``).
         out: ``[n, row_bytes]`` ``torch.uint8`` CPU, row-contiguous; rows with id -1 untouched.
     """
-    _run(_gather_par, _gather_ser, planes, plan, out)
+    _run(planes, plan, out, False)
 
 
 def scatter_blocks_cpu(
@@ -149,4 +186,4 @@ def scatter_blocks_cpu(
         plan: the validated transfer plan (destination ids unique, -1 rows skipped).
         src: ``[n, row_bytes]`` ``torch.uint8`` CPU, row-contiguous.
     """
-    _run(_scatter_par, _scatter_ser, planes, plan, src)
+    _run(planes, plan, src, True)
