@@ -377,6 +377,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``kvforge demo``: the serving loop of :mod:`kvforge.demo`; exit 1 on any mismatch."""
+    if args.list_models:
+        return _list_models()
+    from kvforge.demo import DEFAULT_MODEL, DemoConfig, print_summary, run_demo
+
+    if not (args.model or args.config or args.backend):
+        args.model = DEFAULT_MODEL
+    description, backends = build_backends(args)
+    config = DemoConfig(
+        model=description,
+        device=args.device,
+        seed=args.seed,
+        requests=args.requests,
+        device_memory=args.device_memory,
+        host_memory=args.host_memory,
+        corrupt_after_step=args.self_test_corrupt,
+    )
+    out = None
+    if args.json:  # opened first, so a bad path fails before the run, not after it
+        try:
+            out = open(args.json, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise UsageError(f"cannot write --json {args.json!r}: {exc.strerror or exc}") from None
+    try:
+        progress = not args.no_progress and sys.stderr.isatty()
+        result = run_demo(config, progress=progress, backends=backends)
+        if out is not None:
+            out.write(result.model_dump_json(indent=2) + "\n")
+    finally:
+        if out is not None:
+            out.close()
+    print_summary(result)
+    return 0 if result.ok else 1
+
+
 # ---------------------------------------------------------------------------------- bench
 
 
@@ -417,6 +456,41 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank", type=int, default=0, help="tensor-parallel rank for names")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan.set_defaults(func=cmd_plan)
+
+    demo = sub.add_parser(
+        "demo", help="a serving loop that allocates, preempts, swaps and verifies every byte"
+    )
+    add_model_args(demo)
+    demo.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "npu", "auto"],
+        default="auto",
+        help="where the caches live (default: auto, the best device found)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="same seed, same run (default 0)")
+    demo.add_argument("--requests", type=_positive, default=14, help="requests (default 14)")
+    demo.add_argument(
+        "--device-memory",
+        type=_size,
+        default=None,
+        help="device cache budget, e.g. 64MiB (default: a third of what the requests need)",
+    )
+    demo.add_argument(
+        "--host-memory",
+        type=_size,
+        default=None,
+        help="host cache budget (default: room for every request swapped out at once)",
+    )
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--json", default=None, metavar="PATH", help="also write the result here")
+    demo.add_argument(
+        "--self-test-corrupt",
+        type=_positive,
+        default=None,
+        metavar="STEP",
+        help="self-test: flip one cached byte after STEP steps; the run must fail (exit 1)",
+    )
+    demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser(
         "bench", help="swap throughput vs a contiguous copy and a per-block loop"
