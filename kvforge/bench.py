@@ -159,13 +159,13 @@ def _measure_case(case: BenchCase, platform: Platform, repeats: int) -> list[Ben
     pages = host.pool.allocate(len(ids))
     moved, nbytes = len(ids), len(ids) * page
     keep: list[torch.Tensor] = []
-    stream = ctl._stream
+    streams = ctl._streams
 
     def swap_out() -> None:
-        move_pages("out", platform, stream, planes, ids, host.pages, pages, keep)
+        move_pages("out", platform, streams, planes, ids, host.pages, pages, keep)
 
     def swap_in() -> None:
-        move_pages("in", platform, stream, planes, ids, host.pages, pages, keep)
+        move_pages("in", platform, streams, planes, ids, host.pages, pages, keep)
 
     swap_out()  # warm-up: kernel compilation, first touch of pages
     swap_in()

@@ -34,7 +34,7 @@ from kvforge.cache_controller.memory_plan import MemoryPlan, plan_from_blocks, p
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.errors import ControllerClosedError, RequestStateError
 from kvforge.host_cache.host_pool import HostCacheAllocator, HostPools
-from kvforge.host_cache.swap import SwapHandle, move_pages, plane_bytes
+from kvforge.host_cache.swap import SwapHandle, SwapStreams, move_pages, plane_bytes
 from kvforge.platform import Platform, get_platform
 from kvforge.specs import SwapPurpose, TokenRange
 
@@ -119,7 +119,7 @@ class CacheController:
         self._host: HostPools | None = None
         self._host_caches: list[dict[tuple[str, int], torch.Tensor]] = []
         self._swapped: dict[str, _SwappedRequest] = {}
-        self._stream = None
+        self._streams: SwapStreams | None = None
         self._closed = False
         self.stats = SwapStats()
 
@@ -212,7 +212,7 @@ class CacheController:
         }
         self._tables = tables
         self._plan = plan
-        self._stream = self.platform.new_stream()
+        self._streams = SwapStreams.create(self.platform)
         return plan
 
     def _blocks_per_group(self, num_blocks: int | Mapping[str, int]) -> dict[str, int]:
@@ -512,7 +512,7 @@ class CacheController:
             move_pages(
                 "out",
                 self.platform,
-                self._stream,
+                self._streams,
                 self._planes[group],
                 device_blocks[group],
                 pool.pages,
@@ -557,7 +557,7 @@ class CacheController:
             move_pages(
                 "in",
                 self.platform,
-                self._stream,
+                self._streams,
                 self._planes[group],
                 device_blocks[group],
                 pool.pages,
@@ -581,7 +581,8 @@ class CacheController:
 
     def _finish_copies(self) -> object:
         """Order later work on the current stream after the side-stream copies."""
-        event = self.platform.record_event(self._stream)
+        streams = self._streams
+        event = self.platform.record_event(streams.compute if streams else None)
         if event is not None:  # pragma: no cover - accelerators only
             self.platform.current_stream_wait(event)
         return event
@@ -604,7 +605,7 @@ class CacheController:
         self._caches = None
         self._planes = {}
         self._tables = None
-        self._stream = None
+        self._streams = None
         self._closed = True
 
     @property

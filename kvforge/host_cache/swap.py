@@ -20,7 +20,7 @@ from kvforge import ops
 from kvforge.platform import Platform
 from kvforge.specs import SwapPurpose
 
-__all__ = ["SwapHandle", "contiguous_runs", "move_pages", "plane_bytes"]
+__all__ = ["SwapHandle", "SwapStreams", "contiguous_runs", "move_pages", "plane_bytes"]
 
 
 def plane_bytes(cache: torch.Tensor) -> torch.Tensor:
@@ -83,10 +83,40 @@ class SwapHandle:
         self.keep_alive.clear()
 
 
+# Accelerator swaps move in chunks of about this many bytes, so the gather (or scatter) of one
+# chunk on the compute stream overlaps the DMA of the previous one on the copy stream.
+PIPELINE_CHUNK_BYTES = 32 << 20  # measured on H100: 8 MiB chunks lose to per-call overhead
+
+
+@dataclass(frozen=True)
+class SwapStreams:
+    """The two side streams of accelerator swaps: kernels on ``compute``, DMAs on ``copy``."""
+
+    compute: Any
+    copy: Any
+
+    @classmethod
+    def create(cls, platform: Platform) -> SwapStreams | None:
+        """Two new streams on an accelerator, ``None`` on CPU."""
+        if not platform.is_accelerator:
+            return None
+        return cls(platform.new_stream(), platform.new_stream())  # pragma: no cover
+
+
+def _dma(pages: torch.Tensor, page_ids: Sequence[int], staging: torch.Tensor, out: bool) -> None:
+    """One copy per contiguous run of host pages, between ``staging`` rows and those pages."""
+    for start, end, first in contiguous_runs(page_ids):
+        host = pages[first : first + end - start]
+        if out:
+            host.copy_(staging[start:end], non_blocking=True)
+        else:
+            staging[start:end].copy_(host, non_blocking=True)
+
+
 def move_pages(
     direction: Literal["out", "in"],
     platform: Platform,
-    stream: Any,
+    streams: SwapStreams | None,
     planes: Sequence[torch.Tensor],
     device_ids: Sequence[int],
     pages: torch.Tensor,
@@ -96,13 +126,15 @@ def move_pages(
     """Move device blocks ``device_ids`` of ``planes`` to (``"out"``) or from (``"in"``) host
     pages ``page_ids`` of ``pages`` (``uint8 [num_pages, page_bytes]``, page-first).
 
-    Tensors an accelerator copy still reads are appended to ``keep_alive``.
+    On CPU the kernels read and write the host rows directly. On an accelerator the work is
+    queued on ``streams`` after everything already queued on the current stream; the compute
+    stream ends after every copy, so an event recorded on it covers the whole move. Tensors
+    the queued work still uses are appended to ``keep_alive``.
     """
     if not device_ids:
         return
-    if not platform.is_accelerator:
-        # Gather/scatter straight into host rows, one call per contiguous run of pages.
-        ids = torch.tensor(device_ids, dtype=torch.int64)
+    ids = torch.tensor(device_ids, dtype=torch.int64)  # ops validates on the host, uploads async
+    if streams is None:
         for start, end, first in contiguous_runs(page_ids):
             rows = pages[first : first + end - start]
             if direction == "out":
@@ -110,17 +142,25 @@ def move_pages(
             else:
                 ops.scatter_blocks(planes, ids[start:end], rows)
         return
-    with platform.side_stream(stream):  # pragma: no cover - accelerators only
-        ids = torch.tensor(device_ids, dtype=torch.int64).to(platform.device, non_blocking=True)
-        staging = platform.empty((len(device_ids), pages.shape[1]), torch.uint8)
+    compute, copy = streams.compute, streams.copy  # pragma: no cover - accelerators only
+    n, row_bytes = len(device_ids), pages.shape[1]  # pragma: no cover
+    with platform.side_stream(compute):  # pragma: no cover
+        staging = platform.empty((n, row_bytes), torch.uint8)
+    step = max(1, PIPELINE_CHUNK_BYTES // row_bytes)  # pragma: no cover
+    for a in range(0, n, step):  # pragma: no cover
+        b = min(n, a + step)
         if direction == "out":
-            ops.gather_blocks(planes, ids, staging)
-        for start, end, first in contiguous_runs(page_ids):  # one DMA per contiguous run
-            host = pages[first : first + end - start]
-            if direction == "out":
-                host.copy_(staging[start:end], non_blocking=True)
-            else:
-                staging[start:end].copy_(host, non_blocking=True)
-        if direction == "in":
-            ops.scatter_blocks(planes, ids, staging)
-        keep_alive += [ids, staging]
+            with platform.stream_context(compute):
+                ops.gather_blocks(planes, ids[a:b], staging[a:b])
+            copy.wait_event(platform.record_event(compute))
+            with platform.stream_context(copy):
+                _dma(pages, page_ids[a:b], staging[a:b], out=True)
+        else:
+            copy.wait_stream(compute)
+            with platform.stream_context(copy):
+                _dma(pages, page_ids[a:b], staging[a:b], out=False)
+            compute.wait_event(platform.record_event(copy))
+            with platform.stream_context(compute):
+                ops.scatter_blocks(planes, ids[a:b], staging[a:b])
+    compute.wait_stream(copy)  # pragma: no cover
+    keep_alive.append(staging)  # pragma: no cover
