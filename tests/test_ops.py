@@ -163,13 +163,14 @@ def test_empty_and_all_skipped(impl):
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("cpu", marks=IMPLS[1].marks)])
 def test_large_transfer_parallel_path(impl):
-    # 96 rows of 8448 + 37376 = 45824 bytes = 4.2 MiB: above cpu_fast.PARALLEL_MIN_BYTES (4 MiB)
+    # 128 rows of 8448 + 37376 = 45824 bytes = 5.6 MiB, one skipped: 127 * 45824 = 5,819,648
+    # bytes, above cpu_fast.PARALLEL_MIN_BYTES (4 MiB = 4,194,304): the multi-threaded path
     if impl == "cpu":
         from kvforge.ops import cpu_fast
 
-        assert cpu_fast.PARALLEL_MIN_BYTES < 96 * 45824
-    planes = make_planes([8448, 37376], 128, seed=5)
-    ids = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:96]
+        assert cpu_fast.PARALLEL_MIN_BYTES < 127 * 45824
+    planes = make_planes([8448, 37376], 160, seed=5)
+    ids = torch.randperm(160, generator=torch.Generator().manual_seed(0))[:128]
     ids[7] = -1
     check_gather(planes, ids, impl)
     check_scatter(planes, ids, impl)
@@ -187,6 +188,48 @@ def test_cpu_split_across_threads(monkeypatch, threads):
     planes = make_planes([1168, 1, 37376], 8, seed=4)
     check_gather(planes, ids_of([7, -1, 0, 7, 3]), "cpu")
     check_scatter(planes, ids_of([7, -1, 0, 2, 3]), "cpu")
+
+
+def _gather_in_child(planes, queue) -> None:
+    import signal
+
+    from kvforge.ops import cpu_fast
+
+    signal.alarm(60)  # never outlive a hung test
+    # torch's own OpenMP pool does not survive fork(): one torch thread in the child; our pool
+    # is forced to 2 threads so the child really uses a fresh kvforge-ops pool
+    torch.set_num_threads(1)
+    cpu_fast._num_threads = lambda nbytes: 2
+    ids = torch.arange(127, -1, -1)
+    out = torch.zeros(128, 45824, dtype=torch.uint8)
+    ops.gather_blocks(planes, ids, out, impl="cpu")
+    queue.put(bool(torch.equal(out, loop_gather(planes, ids, torch.zeros_like(out)))))
+
+
+@pytest.mark.skipif(not _has("cpu"), reason="numba missing")
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_cpu_path_works_in_forked_child():
+    # the parent has used the thread pool (5.6 MiB > PARALLEL_MIN_BYTES); a forked child must
+    # get a fresh pool instead of waiting on threads that did not survive the fork
+    import multiprocessing
+    import queue as queue_mod
+
+    planes = make_planes([8448, 37376], 160, seed=6)
+    out = torch.zeros(128, 45824, dtype=torch.uint8)
+    ops.gather_blocks(planes, torch.arange(128), out, impl="cpu")
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=_gather_in_child, args=(planes, results))
+    child.start()
+    try:
+        assert results.get(timeout=90) is True
+    except queue_mod.Empty:
+        pytest.fail("the forked child did not finish its gather")
+    finally:
+        child.join(timeout=10)
+        if child.exitcode is None:
+            child.kill()
+    assert child.exitcode == 0
 
 
 def test_gather_returns_and_equals_torch_on_every_impl():
