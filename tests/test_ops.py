@@ -190,48 +190,6 @@ def test_cpu_split_across_threads(monkeypatch, threads):
     check_scatter(planes, ids_of([7, -1, 0, 2, 3]), "cpu")
 
 
-def _gather_in_child(planes, queue) -> None:
-    import signal
-
-    from kvforge.ops import cpu_fast
-
-    signal.alarm(60)  # never outlive a hung test
-    # torch's own OpenMP pool does not survive fork(): one torch thread in the child; our pool
-    # is forced to 2 threads so the child really uses a fresh kvforge-ops pool
-    torch.set_num_threads(1)
-    cpu_fast._num_threads = lambda nbytes: 2
-    ids = torch.arange(127, -1, -1)
-    out = torch.zeros(128, 45824, dtype=torch.uint8)
-    ops.gather_blocks(planes, ids, out, impl="cpu")
-    queue.put(bool(torch.equal(out, loop_gather(planes, ids, torch.zeros_like(out)))))
-
-
-@pytest.mark.skipif(not _has("cpu"), reason="numba missing")
-@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
-def test_cpu_path_works_in_forked_child():
-    # the parent has used the thread pool (5.6 MiB > PARALLEL_MIN_BYTES); a forked child must
-    # get a fresh pool instead of waiting on threads that did not survive the fork
-    import multiprocessing
-    import queue as queue_mod
-
-    planes = make_planes([8448, 37376], 160, seed=6)
-    out = torch.zeros(128, 45824, dtype=torch.uint8)
-    ops.gather_blocks(planes, torch.arange(128), out, impl="cpu")
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    child = ctx.Process(target=_gather_in_child, args=(planes, results))
-    child.start()
-    try:
-        assert results.get(timeout=90) is True
-    except queue_mod.Empty:
-        pytest.fail("the forked child did not finish its gather")
-    finally:
-        child.join(timeout=10)
-        if child.exitcode is None:
-            child.kill()
-    assert child.exitcode == 0
-
-
 def test_gather_returns_and_equals_torch_on_every_impl():
     planes = make_planes([1168, 8448, 1], [8, 9, 10], seed=9)
     ids = ids_of([7, 1, 1, -1, 0])
