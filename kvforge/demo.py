@@ -248,15 +248,6 @@ def _live_blocks(group: CacheGroup, num_tokens: int) -> int:
     return group.blocks_for(num_tokens) - first_live_block(group, num_tokens)
 
 
-def _peak_live_blocks(group: CacheGroup, max_len: int) -> int:
-    """The most blocks one request holds in ``group`` while it grows to ``max_len`` tokens."""
-    if group.window is None:
-        return group.blocks_for(max_len)
-    # Past the window the count repeats with period block_size, so this range covers the max.
-    last = min(max_len, group.window + 2 * group.block_size)
-    return max(_live_blocks(group, n) for n in range(1, last + 1))
-
-
 @dataclass
 class _Sizing:
     budget: int
@@ -289,8 +280,8 @@ def _size_device(
 
     longest = max(lengths)
     groups = [(g.name, layout.bytes_per_block(g.name)) for g in layout.groups]
-    demand = {g.name: sum(_peak_live_blocks(g, n) for n in lengths) for g in layout.groups}
-    alone = {g.name: _peak_live_blocks(g, longest) for g in layout.groups}
+    demand = {g.name: sum(g.max_live_blocks(n) for n in lengths) for g in layout.groups}
+    alone = {g.name: g.max_live_blocks(longest) for g in layout.groups}
 
     def blocks_for(f: float) -> dict[str, int]:
         return {name: max(alone[name], math.ceil(f * demand[name])) + 1 for name, _ in groups}
@@ -326,7 +317,7 @@ def _size_host(
     """Host pages per group: room for ``requests`` swapped requests, or what ``budget`` holds."""
     from kvforge.cli import format_bytes
 
-    need = {g.name: _peak_live_blocks(g, max_len) for g in layout.groups}
+    need = {g.name: g.max_live_blocks(max_len) for g in layout.groups}
     page = {g.name: layout.host_page_bytes(g.name) for g in layout.groups}
     per_request = sum(need[n] * page[n] for n in need)
     held = requests

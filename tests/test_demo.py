@@ -20,7 +20,6 @@ from kvforge.demo import (
     DemoConfig,
     _Loop,
     _make_requests,
-    _peak_live_blocks,
     _size_host,
     run_demo,
 )
@@ -148,7 +147,7 @@ def test_peak_live_blocks_matches_a_request_growing_token_by_token():
     # swa: 64-token blocks, 128-token window: 3 blocks; compressed: ceil(300 / 256) = 2;
     # c4_state: 4-token blocks, 8-token window: 3; c128_state: 8-token blocks, 128 tokens: 17
     assert peak == {"swa": 3, "compressed": 2, "c4_state": 3, "c128_state": 17}
-    assert {name: _peak_live_blocks(g, 300) for name, g in groups.items()} == peak
+    assert {name: g.max_live_blocks(300) for name, g in groups.items()} == peak
     ctl.free()
 
 
