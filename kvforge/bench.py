@@ -252,25 +252,25 @@ def run_bench(
 
 
 def print_results(results: list[BenchResult]) -> None:
-    from rich.table import Table
+    from kvforge.cli import console, format_bytes, make_table
 
-    from kvforge.cli import console, format_bytes
-
-    table = Table(title="kvforge swap throughput vs baselines (same bytes, same run)")
-    for col in (
-        "layout",
-        "dir",
-        "impl",
-        "page",
-        "min plane",
-        "moved",
-        "GB/s",
-        "memcpy GB/s",
-        "loop GB/s",
-        "vs memcpy",
-        "vs loop",
-    ):
-        table.add_column(col, justify="left" if col in ("layout", "dir", "impl") else "right")
+    table = make_table(
+        "kvforge swap throughput vs baselines (same bytes, same run)",
+        (
+            "layout",
+            "dir",
+            "impl",
+            "page",
+            "min plane",
+            "moved",
+            "GB/s",
+            "memcpy GB/s",
+            "loop GB/s",
+            "vs memcpy",
+            "vs loop",
+        ),
+        left=("layout", "dir", "impl"),
+    )
     for r in results:
         table.add_row(
             r.layout,

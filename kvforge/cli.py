@@ -78,6 +78,16 @@ def parse_size(text: str) -> int:
     return value
 
 
+def make_table(title: str, columns: Sequence[str], left: Sequence[str]) -> Any:
+    """A rich table with ``columns``; those named in ``left`` align left, numbers right."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right")
+    return table
+
+
 def format_bytes(n: int) -> str:
     """``1536`` -> ``"1.50 KiB"`` (display only; byte counts stay integers elsewhere)."""
     for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
@@ -293,22 +303,22 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_plan(report: dict[str, Any]) -> None:
-    from rich.table import Table
-
     out = console()
-    roles = Table(title=f"kvforge plan: {report['model']} ({report['num_layers']} cache layers)")
-    for col in (
-        "role",
-        "group",
-        "layers",
-        "entry shape",
-        "dtype",
-        "ratio",
-        "bytes/block",
-        "storage name",
-        "total",
-    ):
-        roles.add_column(col, justify="right" if col in ("bytes/block", "total") else "left")
+    roles = make_table(
+        f"kvforge plan: {report['model']} ({report['num_layers']} cache layers)",
+        (
+            "role",
+            "group",
+            "layers",
+            "entry shape",
+            "dtype",
+            "ratio",
+            "bytes/block",
+            "storage name",
+            "total",
+        ),
+        left=("role", "group", "layers", "entry shape", "dtype", "ratio", "storage name"),
+    )
     for r in report["roles"]:
         roles.add_row(
             r["role"],
@@ -322,18 +332,20 @@ def print_plan(report: dict[str, Any]) -> None:
             format_bytes(r["total_bytes"]),
         )
     out.print(roles)
-    groups = Table(title="groups")
-    for col in (
-        "group",
-        "kind",
-        "block size",
-        "window",
-        "blocks",
-        "bytes/block",
-        "total",
-        "token capacity",
-    ):
-        groups.add_column(col, justify="left" if col in ("group", "kind") else "right")
+    groups = make_table(
+        "groups",
+        (
+            "group",
+            "kind",
+            "block size",
+            "window",
+            "blocks",
+            "bytes/block",
+            "total",
+            "token capacity",
+        ),
+        left=("group", "kind"),
+    )
     for g in report["groups"]:
         groups.add_row(
             g["group"],
