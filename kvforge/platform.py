@@ -124,6 +124,11 @@ def get_platform(device: str | torch.device | None = None) -> Platform:
     """
     if device is None or device == "auto":
         device = detect_device_type()
+    # torch only knows the "npu" device type once torch_npu has registered it.
+    if str(device).startswith("npu") and not _npu_available():
+        raise ValueError(
+            f"device {str(device)!r} requested but torch_npu is not installed or sees no NPU"
+        )
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -132,8 +137,6 @@ def get_platform(device: str | torch.device | None = None) -> Platform:
         ) from None
     if dev.type not in DEVICE_TYPES:
         raise ValueError(f"device {str(dev)!r} is not supported; use one of {list(DEVICE_TYPES)}")
-    if dev.type == "npu" and not _npu_available():
-        raise ValueError("device 'npu' requested but torch_npu is not installed or sees no NPU")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch sees no CUDA device")
     if dev.type != "cpu" and dev.index is None:  # pragma: no cover - accelerators only

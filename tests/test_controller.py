@@ -255,3 +255,22 @@ def test_create_kv_cache_override_is_checked():
         ValueError, match=r"gave \('key', 0\) shape \(3, 8, 8, 128\) .* expected \(3, 16, 8, 128\)"
     ):
         ctl.initialize_kv_cache(num_blocks=3)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("npu", "device 'npu' requested but torch_npu is not installed or sees no NPU"),
+        ("npu:1", "device 'npu:1' requested but torch_npu is not installed"),
+    ],
+)
+def test_npu_without_torch_npu_is_a_clear_error(device, message):
+    pytest.importorskip("torch")
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        pass
+    else:  # pragma: no cover - an NPU machine
+        pytest.skip("torch_npu is installed")
+    with pytest.raises(ValueError, match=message):
+        CacheController({0: GQABackend(8, 128, 16)}, device=device)
