@@ -151,6 +151,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--index-head-dim", type=_positive, default=128)
     src.add_argument("--kv-cache-dtype", choices=["fp8", "bf16"], default=None)
     src.add_argument("--compress-ratio", type=int, default=4, help="deepseek-v4 ratio")
+    src.add_argument(
+        "--tp-size", type=_positive, default=1, help="tensor-parallel size (config models)"
+    )
     src.add_argument("--list-models", action="store_true", help="list bundled configs and exit")
 
 
@@ -173,7 +176,11 @@ def build_backends(args: argparse.Namespace) -> tuple[str, dict[int, AttentionBa
         source = args.model or args.config
         config = load_model_config(source)
         backends = from_hf_config(
-            config, block_size=args.block_size, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype
+            config,
+            block_size=args.block_size,
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            tp_size=args.tp_size,
         )
         return str(source), backends
     kind = args.backend or "gqa"

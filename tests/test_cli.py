@@ -161,3 +161,14 @@ def test_bench_command_quick_json(tmp_path, monkeypatch, capsys):
     assert code == 0
     assert "tiny" in out and "vs memcpy" in out
     assert [row["direction"] for row in json.loads(path.read_text())] == ["out", "in"]
+
+
+def test_plan_tp_size_splits_kv_heads(capsys):
+    code, out, _ = run(
+        capsys, "plan", "--model", "llama-3-8b", "--tp-size", "4", "--num-blocks", "3", "--json"
+    )
+    assert code == 0
+    # 8 kv heads over 4 ranks: 2 per rank; 32 layers * (k, v) * 2 heads * 128 dims * 2 bytes
+    assert json.loads(out)["kv_bytes_per_token"] == 32 * 2 * 2 * 128 * 2
+    code, _, err = run(capsys, "plan", "--model", "llama-3-8b", "--tp-size", "3")
+    assert code == 2 and "tp_size" in err and len(err.strip().splitlines()) == 1
