@@ -39,3 +39,14 @@ def test_readme_usage_snippet_runs():
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert namespace["ctl"].closed
     assert namespace["slots"].tolist() == list(range(16, 16 + 100))  # blocks 1..7 of 16 tokens
+
+
+def test_adding_a_backend_snippets_run_in_order():
+    import re
+
+    doc = (EXAMPLES.parent / "docs" / "adding_a_backend.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert snippets
+    namespace: dict = {}
+    for i, snippet in enumerate(snippets):
+        exec(compile(snippet, f"adding_a_backend.md#{i}", "exec"), namespace)
