@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -193,10 +193,6 @@ class AttentionBackend(ABC):
         """Called after the scatter of a swap in has completed. Default: nothing."""
 
     # ------------------------------------------------------------------ identity
-
-    def spec_key(self) -> tuple[Any, ...]:
-        """A hashable description used to compare backends."""
-        return (type(self).__name__, tuple(self.cache_groups()), tuple(self.cache_roles()))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
