@@ -190,6 +190,33 @@ def test_cpu_split_across_threads(monkeypatch, threads):
     check_scatter(planes, ids_of([7, -1, 0, 2, 3]), "cpu")
 
 
+@pytest.mark.skipif(not _has("cpu"), reason="numba missing")
+@pytest.mark.parametrize("row_shift", [0, 1, 40])
+def test_cpu_streaming_stores(monkeypatch, row_shift):
+    # STREAM_MIN_BYTES = 0 puts every call on the non-temporal path: a memcpy head up to the
+    # next 32-byte boundary, 64-byte streamed lines, a memcpy tail. Pieces of 1, 3, 63, 64, 65,
+    # 1168 and 8448 bytes in rows shifted by 0, 1 and 40 bytes hit every head/body/tail mix.
+    from kvforge.ops import cpu_fast
+
+    monkeypatch.setattr(cpu_fast, "STREAM_MIN_BYTES", 0)
+    sizes = [1, 3, 63, 64, 65, 1168, 8448]
+    row_bytes = sum(sizes)
+    planes = make_planes(sizes, 6, seed=row_shift)
+    ids = ids_of([5, -1, 0, 5, 2])
+    buf = rand_bytes((5 * row_bytes + row_shift,), 3)
+    out = buf[row_shift:].view(5, row_bytes)
+    expected = loop_gather(planes, ids, out)
+    ops.gather_blocks(planes, ids, out, impl="cpu")
+    assert torch.equal(out, expected)
+    assert torch.equal(buf[:row_shift], rand_bytes((5 * row_bytes + row_shift,), 3)[:row_shift])
+
+    sids = ids_of([5, -1, 0, 2])
+    src = rand_bytes((4 * row_bytes + row_shift,), 4)[row_shift:].view(4, row_bytes)
+    expected_planes = loop_scatter(planes, sids, src)
+    ops.scatter_blocks(planes, sids, src, impl="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes, strict=True))
+
+
 def test_gather_returns_and_equals_torch_on_every_impl():
     planes = make_planes([1168, 8448, 1], [8, 9, 10], seed=9)
     ids = ids_of([7, 1, 1, -1, 0])

@@ -3,9 +3,10 @@
 Why: torch indexing needs two passes for a gather into column slices of page-first rows
 (``index_select`` into a temporary, then a strided copy) and reaches about 0.1-0.5 of a plain
 contiguous copy. Here each (row, plane) piece is one ``memcpy`` of ``block_bytes_p`` bytes
-straight from the plane block to its place in the row (or back). libc ``memcpy`` picks its best
-strategy per size, so large pages run at contiguous-copy speed; see
-``benchmarks/bench_ops.py`` for measured ratios.
+straight from the plane block to its place in the row (or back). A call moving at least
+:data:`STREAM_MIN_BYTES` writes with non-temporal (cache-bypassing) stores instead, as a large
+contiguous ``memcpy`` does; smaller calls use libc ``memcpy``. See ``benchmarks/bench_ops.py``
+and ``docs/performance.md`` for measured ratios.
 
 Work items are the (row, plane) pairs in row-major order. A call moving at least
 :data:`PARALLEL_MIN_BYTES` splits them into contiguous ranges run on a small Python thread pool
@@ -40,11 +41,23 @@ from numba.extending import intrinsic
 
 from ._common import TransferPlan
 
-__all__ = ["MIN_BYTES_PER_THREAD", "PARALLEL_MIN_BYTES", "gather_blocks_cpu", "scatter_blocks_cpu"]
+__all__ = [
+    "MIN_BYTES_PER_THREAD",
+    "PARALLEL_MIN_BYTES",
+    "STREAM_MIN_BYTES",
+    "gather_blocks_cpu",
+    "scatter_blocks_cpu",
+]
 
 #: Calls moving fewer bytes than this run on the calling thread only: waking a pool thread
 #: costs ~50 us on a small VM, and below a few MiB one thread is as fast (measured on 2 cores).
 PARALLEL_MIN_BYTES = 4 << 20
+#: Calls moving at least this many bytes write their destination with non-temporal stores.
+#: Such a transfer does not fit in the last-level cache anyway, and a normal store first reads
+#: every destination line it writes (a third more memory traffic); a contiguous ``memcpy`` this
+#: large streams too, so without this a 32 KiB-per-piece gather reached only ~0.65 of it.
+#: Smaller transfers keep normal stores: their destination stays cached for whoever reads it.
+STREAM_MIN_BYTES = 8 << 20
 #: Each extra thread gets at least this many bytes.
 MIN_BYTES_PER_THREAD = 2 << 20
 #: Work is cut into about this many chunks per thread, handed out first come first served...
@@ -67,11 +80,61 @@ def _memcpy(typingctx, dst, src, nbytes):  # pragma: no cover - compiled by numb
     return sig, codegen
 
 
+@intrinsic
+def _stream_line(typingctx, dst, src):  # pragma: no cover - compiled by numba
+    """Copy 64 bytes ``src -> dst`` with non-temporal stores; ``dst`` must be 32-byte aligned.
+
+    Two ``<4 x i64>`` loads (unaligned) and two stores tagged ``!nontemporal``: x86 lowers them
+    to ``vmovntdq`` (or pairs of ``movntdq``), AArch64 to ``stnp``.
+    """
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        d, s = args
+        vec = ir.VectorType(ir.IntType(64), 4)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        for offset in (0, 32):
+            k = ir.Constant(ir.IntType(64), offset)
+            value = builder.load(builder.inttoptr(builder.add(s, k), vec.as_pointer()), align=1)
+            store = builder.store(value, builder.inttoptr(builder.add(d, k), vec.as_pointer()), 32)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_fence(typingctx):  # pragma: no cover - compiled by numba
+    """A sequentially consistent fence: makes non-temporal stores visible to other threads."""
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 @njit(nogil=True, cache=True)
-def _move_range(table, ids, rows_addr, row_bytes, lo, hi, scatter):  # pragma: no cover - numba
+def _stream_copy(dst, src, nbytes):  # pragma: no cover - compiled by numba
+    """``memcpy`` that writes around the cache: aligned head and tail by ``memcpy``, body by
+    :func:`_stream_line`. The caller issues :func:`_store_fence` once it is done."""
+    head = min((-dst) & 31, nbytes)
+    if head:
+        _memcpy(dst, src, head)
+    done = head
+    while nbytes - done >= 64:
+        _stream_line(dst + done, src + done)
+        done += 64
+    if nbytes > done:
+        _memcpy(dst + done, src + done, nbytes - done)
+
+
+@njit(nogil=True, cache=True)
+def _move_range(table, ids, rows_addr, row_bytes, lo, hi, scatter, stream):  # pragma: no cover
     """Move work items ``[lo, hi)``; item ``w`` is (row ``w // P``, plane ``w % P``).
 
-    ``table`` is ``int64 [3 * P]``: plane base addresses | block bytes | row offsets.
+    ``table`` is ``int64 [3 * P]``: plane base addresses | block bytes | row offsets. With
+    ``stream`` the destination is written with non-temporal stores (see :data:`STREAM_MIN_BYTES`).
     """
     num_planes = table.shape[0] // 3
     for w in range(lo, hi):
@@ -83,10 +146,13 @@ def _move_range(table, ids, rows_addr, row_bytes, lo, hi, scatter):  # pragma: n
         nbytes = table[num_planes + p]
         block = table[p] + b * nbytes
         row = rows_addr + i * row_bytes + table[2 * num_planes + p]
-        if scatter:
-            _memcpy(block, row, nbytes)
+        dst, src = (block, row) if scatter else (row, block)
+        if stream:
+            _stream_copy(dst, src, nbytes)
         else:
-            _memcpy(row, block, nbytes)
+            _memcpy(dst, src, nbytes)
+    if stream:
+        _store_fence()
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -127,12 +193,13 @@ def _worker(
     addr: int,
     row_bytes: int,
     scatter: bool,
+    stream: bool,
 ) -> None:
     # next() on a shared itertools.count is atomic under the GIL; the kernel releases the GIL
     for k in chunks:
         if k + 1 >= len(bounds):
             return
-        _move_range(table, ids, addr, row_bytes, bounds[k], bounds[k + 1], scatter)
+        _move_range(table, ids, addr, row_bytes, bounds[k], bounds[k + 1], scatter, stream)
 
 
 def _run(planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor, scatter: bool):
@@ -144,8 +211,9 @@ def _run(planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor,
     total = plan.n * len(planes)
     nbytes = plan.num_valid * plan.row_bytes
     threads = min(_num_threads(nbytes), total)
+    stream = nbytes >= STREAM_MIN_BYTES
     if threads == 1:
-        _move_range(table, ids, addr, plan.row_bytes, 0, total, scatter)
+        _move_range(table, ids, addr, plan.row_bytes, 0, total, scatter, stream)
         return
     # dynamic balance: CHUNKS_PER_THREAD chunks per thread, taken first come first served, so a
     # thread slowed down (a core shared with another process or a spinning OpenMP worker) does
@@ -153,7 +221,7 @@ def _run(planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor,
     num_chunks = min(total, threads * CHUNKS_PER_THREAD, max(threads, nbytes // MIN_CHUNK_BYTES))
     bounds = [total * k // num_chunks for k in range(num_chunks + 1)]
     chunks = itertools.count()
-    args = (chunks, bounds, table, ids, addr, plan.row_bytes, scatter)
+    args = (chunks, bounds, table, ids, addr, plan.row_bytes, scatter, stream)
     pool = _pool()
     futures: list[Future] = [pool.submit(_worker, *args) for _ in range(threads - 1)]
     try:
