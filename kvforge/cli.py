@@ -442,7 +442,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvforge.bench import print_results, run_bench, write_json
 
     results = run_bench(
-        quick=args.quick, device=args.device, repeats=args.repeats, progress=not args.no_progress
+        quick=args.quick,
+        device=args.device,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+        warm_cache=args.warm_cache,
     )
     print_results(results)
     if args.json:
@@ -518,6 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="cpu, cuda or npu (default: best found)")
     bench.add_argument("--repeats", type=_positive, default=None, help="timed runs per case")
     bench.add_argument("--json", default=None, help="write the cases to this JSON file")
+    bench.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="do not flush CPU caches before each timed run (small transfers then run from cache)",
+    )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=cmd_bench)
 

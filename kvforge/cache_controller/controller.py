@@ -35,6 +35,7 @@ from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.errors import ControllerClosedError, RequestStateError
 from kvforge.host_cache.host_pool import HostCacheAllocator, HostPools
 from kvforge.host_cache.swap import SwapHandle, SwapStreams, move_pages, plane_bytes
+from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
 from kvforge.specs import SwapPurpose, TokenRange
 
@@ -110,7 +111,8 @@ class CacheController:
         self.device_id = _count("device_id", device_id)
         self.namer = StorageNamer(name_template, self.rank, self.device_id)
         self._caches: list[torch.Tensor] | None = None
-        self._planes: dict[str, list[torch.Tensor]] = {}
+        # group -> its offloadable planes, validated once (groups with none never move)
+        self._planes: dict[str, PlaneSet] = {}
         self._names: list[str] = [
             self.namer.name(e.role.name, e.layer) for e in self.layout.entries
         ]
@@ -205,10 +207,11 @@ class CacheController:
             created.update(caches)
         self._caches = [created[e.key] for e in self.layout.entries]
         self._planes = {
-            g.name: [
-                plane_bytes(self._caches[e.index]) for e in self.layout.offload_entries(g.name)
-            ]
+            g.name: PlaneSet(
+                [plane_bytes(self._caches[e.index]) for e in self.layout.offload_entries(g.name)]
+            )
             for g in self.layout.groups
+            if self.layout.offload_entries(g.name)
         }
         self._tables = tables
         self._plan = plan

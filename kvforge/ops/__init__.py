@@ -9,6 +9,8 @@ with no padding: row ``i`` is ``cat([planes[p][block_ids[i]] for p in range(P)])
   CPU directly into the host rows).
 - :func:`scatter_blocks` is the mirror image (host -> device).
 - :func:`resolve_impl` says which implementation ``impl="auto"`` picks for a device.
+- :class:`PlaneSet` holds planes validated once; callers that move the same planes many times
+  (the cache controller, one per group) pass it instead of a list and skip the per-plane checks.
 
 Implementations (``impl=``):
 
@@ -37,11 +39,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ._common import TransferPlan, validate
+from ._common import PlaneSet, TransferPlan, validate
 from .torch_ref import gather_blocks_torch, scatter_blocks_torch
 
 __all__ = [
     "IMPLS",
+    "PlaneSet",
     "TransferPlan",
     "available_impls",
     "gather_blocks",
@@ -162,6 +165,7 @@ def _run(
     name = resolve_impl(impl, plan.device)
     if plan.n == 0 or plan.num_valid == 0:
         return
+    planes = plan.planes
     scatter = op == "scatter_blocks"
     if name == "cpu" and impl == "auto" and _AUTO_CPU_BROKEN:
         name = "torch"
@@ -210,7 +214,8 @@ def gather_blocks(
     Args:
         planes: ``P`` tensors ``[num_blocks_p, block_bytes_p]``, ``torch.uint8``, row-contiguous
             (strides ``(block_bytes_p, 1)``), all on one device. ``block_bytes_p`` and
-            ``num_blocks_p`` may differ per plane.
+            ``num_blocks_p`` may differ per plane. A :class:`PlaneSet` of them skips the
+            per-plane checks (done when it was built): build one per group and reuse it.
         block_ids: ``[n]`` ``torch.int64`` on CPU or on the planes' device. ``-1`` skips the row
             (``out[i]`` is left untouched); other ids must satisfy
             ``0 <= id < min_p num_blocks_p``. Repeated ids are allowed.

@@ -10,16 +10,21 @@ its own, e.g. on a device machine with only ``torch`` and ``triton``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
 
 __all__ = [
     "ELEM_DTYPES",
+    "MAX_ACCESS_BYTES",
+    "PlaneSet",
     "TransferPlan",
+    "as_plane_set",
     "elem_width",
+    "pow2_alignment",
     "to_device",
     "validate",
     "widen",
@@ -35,6 +40,106 @@ ELEM_DTYPES: dict[int, torch.dtype] = {
 
 #: Up to this many ids are checked with Python lists (cheaper than numpy calls for few ids).
 _SMALL_N = 256
+#: Widest access, in bytes, that kernels use (16-byte vectors).
+MAX_ACCESS_BYTES = 16
+
+
+def pow2_alignment(values: Iterable[int], cap: int = MAX_ACCESS_BYTES) -> int:
+    """Largest power of two ``<= cap`` (a power of two) that divides every value.
+
+    The lowest set bit of ``cap | v0 | v1 | ...`` is exactly that power of two.
+    """
+    acc = cap
+    for v in values:
+        acc |= v
+    return acc & -acc
+
+
+class PlaneSet(Sequence[torch.Tensor]):
+    """The planes of a gather/scatter, validated once, with what every call derives from them.
+
+    Building one checks every plane: a ``torch.uint8`` tensor ``[num_blocks_p, block_bytes_p]``
+    with strides ``(block_bytes_p, 1)``, at least one byte per block, all on one device. It
+    then records block sizes, row offsets, the row width, block counts, base addresses and
+    their common alignment. :func:`kvforge.ops.gather_blocks` and
+    :func:`~kvforge.ops.scatter_blocks` accept a ``PlaneSet`` wherever they accept a list of
+    planes, and then skip those per-plane checks, which are most of the host cost of a call
+    that moves little (one request's window or state). A ``PlaneSet`` is a read-only sequence
+    of its tensors.
+
+    Invariant: addresses are read once, here. A plane whose storage is later replaced in place
+    (``set_``, ``resize_``) needs a new ``PlaneSet``; the cache controller never does that.
+
+    Attributes:
+        device: the device of every plane.
+        block_bytes: ``block_bytes[p] == planes[p].shape[1]``.
+        row_offsets: byte offset of plane ``p`` in a page-first row (prefix sum of
+            ``block_bytes``).
+        row_bytes: ``sum(block_bytes)``.
+        num_blocks: ``num_blocks[p] == planes[p].shape[0]``.
+        min_blocks: ``min(num_blocks)``: block ids must be below it.
+        addrs: ``planes[p].data_ptr()``.
+        alignment: the largest power of two up to 16 that divides every address, every block
+            size and ``row_bytes``.
+        layout_table: ``numpy.int64 [3 * P]``: addresses | block bytes | row offsets.
+    """
+
+    __slots__ = (
+        "_tensors",
+        "addrs",
+        "alignment",
+        "block_bytes",
+        "device",
+        "layout_table",
+        "min_blocks",
+        "num_blocks",
+        "row_bytes",
+        "row_offsets",
+    )
+
+    def __init__(self, planes: Sequence[torch.Tensor]) -> None:
+        device, block_bytes = _check_planes(planes)
+        self._tensors: tuple[torch.Tensor, ...] = tuple(planes)
+        self.device: torch.device = device
+        self.block_bytes: tuple[int, ...] = block_bytes
+        offsets = []
+        acc = 0
+        for nbytes in block_bytes:
+            offsets.append(acc)
+            acc += nbytes
+        self.row_offsets: tuple[int, ...] = tuple(offsets)
+        self.row_bytes: int = acc
+        self.num_blocks: tuple[int, ...] = tuple(int(t.shape[0]) for t in self._tensors)
+        self.min_blocks: int = min(self.num_blocks)
+        self.addrs: tuple[int, ...] = tuple(t.data_ptr() for t in self._tensors)
+        self.alignment: int = pow2_alignment((*self.addrs, *block_bytes, acc))
+        self.layout_table: np.ndarray = np.array(
+            [*self.addrs, *block_bytes, *offsets], dtype=np.int64
+        )
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[torch.Tensor, ...]: ...
+    def __getitem__(self, index: int | slice) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        return self._tensors[index]
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._tensors)
+
+    def __repr__(self) -> str:
+        return (
+            f"PlaneSet({len(self._tensors)} planes on {self.device}, "
+            f"row_bytes={self.row_bytes:,}, min_blocks={self.min_blocks})"
+        )
+
+
+def as_plane_set(planes: Sequence[torch.Tensor]) -> PlaneSet:
+    """``planes`` itself if it is a :class:`PlaneSet`, else a new one (which validates)."""
+    return planes if isinstance(planes, PlaneSet) else PlaneSet(planes)
 
 
 @dataclass(frozen=True)
@@ -42,6 +147,7 @@ class TransferPlan:
     """What a validated gather/scatter call moves.
 
     Attributes:
+        planes: the validated planes.
         device: the device of every plane (and of ``out`` / ``src``).
         n: number of page-first rows, ``block_ids.shape[0]``.
         block_bytes: ``block_bytes[p] == planes[p].shape[1]``, one entry per plane.
@@ -53,6 +159,7 @@ class TransferPlan:
         num_valid: number of ids that are not ``-1``.
     """
 
+    planes: PlaneSet
     device: torch.device
     n: int
     block_bytes: tuple[int, ...]
@@ -76,12 +183,9 @@ def elem_width(
 
     Moving ``w``-byte integers instead of bytes is exact (a pure bit copy) and much faster.
     """
+    limit = min(plan.planes.alignment, pow2_alignment(addrs))
     for w in widths:
-        if (
-            plan.row_bytes % w == 0
-            and all(b % w == 0 for b in plan.block_bytes)
-            and all(a % w == 0 for a in addrs)
-        ):
+        if limit % w == 0:
             return w
     return 1
 
@@ -96,9 +200,7 @@ def widen(
         ``rows_w`` is ``[n, row_bytes // w]``, both of dtype ``ELEM_DTYPES[w]``, sharing storage
         with the inputs. Falls back to ``w == 1`` (the inputs themselves) if a view is refused.
     """
-    addrs = [t.data_ptr() for t in planes]
-    addrs.append(rows.data_ptr())
-    w = elem_width(plan, addrs)
+    w = elem_width(plan, (rows.data_ptr(),))
     if w > 1:
         dtype = ELEM_DTYPES[w]
         try:
@@ -242,9 +344,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return pinned.to(device, non_blocking=True)
 
 
-def _check_id_values(
-    ids: torch.Tensor, planes: Sequence[torch.Tensor], scatter: bool, op: str
-) -> int:
+def _check_id_values(ids: torch.Tensor, planes: PlaneSet, scatter: bool, op: str) -> int:
     """Check id values (``ids`` on CPU); return how many ids are not -1.
 
     Uses numpy on the CPU view: a handful of small torch ops would cost far more per call.
@@ -260,14 +360,14 @@ def _check_id_values(
         raise ValueError(
             f"block_ids[{i}] = {int(arr[i])} is negative; only -1 (skip this row) is allowed"
         )
-    min_blocks = min(int(plane.shape[0]) for plane in planes)
+    min_blocks = planes.min_blocks
     if hi >= min_blocks:
         i = int(np.argmax(arr >= min_blocks))
         value = int(arr[i])
-        p = next(p for p, plane in enumerate(planes) if value >= plane.shape[0])
+        p = next(p for p, count in enumerate(planes.num_blocks) if value >= count)
         raise ValueError(
             f"block_ids[{i}] = {value} is out of range for planes[{p}] with "
-            f"{int(planes[p].shape[0])} blocks"
+            f"{planes.num_blocks[p]} blocks"
         )
     if values is not None:
         valid_list = [v for v in values if v >= 0] if lo < 0 else values
@@ -302,7 +402,8 @@ def validate(
 
     Args:
         planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` tensors, row-contiguous
-            (strides ``(block_bytes_p, 1)``), all on one device.
+            (strides ``(block_bytes_p, 1)``), all on one device; or a :class:`PlaneSet` of
+            them, whose planes were checked when it was built.
         block_ids: ``[n]`` ``torch.int64`` on CPU or on the planes' device; ``-1`` skips a row.
         rows: ``[n, sum(block_bytes_p)]`` ``torch.uint8`` on the planes' device, strides
             ``(row_bytes, 1)``: ``out`` of a gather or ``src`` of a scatter.
@@ -316,25 +417,21 @@ def validate(
         TypeError: a wrong type or dtype.
         ValueError: a wrong shape, stride, device, or id value (message names argument and value).
     """
-    device, block_bytes = _check_planes(planes)
+    plane_set = as_plane_set(planes)
+    device = plane_set.device
     _check_ids_tensor(block_ids, device)
     n = int(block_ids.shape[0])
-    offsets = []
-    acc = 0
-    for nbytes in block_bytes:
-        offsets.append(acc)
-        acc += nbytes
-    row_bytes = acc
-    _check_rows(rows, rows_name, n, row_bytes, device)
+    _check_rows(rows, rows_name, n, plane_set.row_bytes, device)
     ids_cpu = block_ids if block_ids.device.type == "cpu" else block_ids.cpu()
     ids_cpu = ids_cpu.contiguous()
-    num_valid = _check_id_values(ids_cpu, planes, op == "scatter_blocks", op)
+    num_valid = _check_id_values(ids_cpu, plane_set, op == "scatter_blocks", op)
     return TransferPlan(
+        planes=plane_set,
         device=device,
         n=n,
-        block_bytes=block_bytes,
-        row_offsets=tuple(offsets),
-        row_bytes=row_bytes,
+        block_bytes=plane_set.block_bytes,
+        row_offsets=plane_set.row_offsets,
+        row_bytes=plane_set.row_bytes,
         ids_cpu=ids_cpu,
         all_valid=num_valid == n,
         num_valid=num_valid,

@@ -185,9 +185,9 @@ def _launch(
             "impl 'triton' got cpu tensors but the kernels are not interpreted: set "
             "TRITON_INTERPRET=1 before kvforge.ops.triton_kernels is first imported"
         )
-    addrs = tuple(t.data_ptr() for t in planes)
+    addrs = plan.planes.addrs
     widths = tuple(x for x in (16, 8, 4, 2, 1) if x <= max_width)
-    w = elem_width(plan, (*addrs, rows.data_ptr()), widths)
+    w = elem_width(plan, (rows.data_ptr(),), widths)
     elem = min(w, 8)
     vec = w // elem
     try:
