@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,6 +218,30 @@ def test_cpu_streaming_stores(monkeypatch, row_shift):
     assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes, strict=True))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_row_ids_pick_buffer_rows(impl):
+    # 4 block ids moved to / from rows 5, 0, 3 and 1 of a 6-row buffer; the -1 entry moves
+    # nothing, and rows 2 and 4 are never touched. numpy ids and torch ids give the same bytes.
+    planes = make_planes([1168, 8448, 1], [8, 9, 10], seed=12)
+    ids, rows = [7, -1, 0, 3], [5, 0, 3, 1]
+    init = rand_bytes((6, 9617), 2)
+    expected = init.clone()
+    staged = loop_gather(planes, ids_of(ids), torch.zeros(4, 9617, dtype=torch.uint8))
+    for i, (b, r) in enumerate(zip(ids, rows, strict=True)):
+        if b >= 0:
+            expected[r] = staged[i]
+    for as_ids in (ids_of, lambda v: np.array(v, dtype=np.int64)):
+        out = init.clone()
+        ops.gather_blocks(planes, as_ids(ids), out, impl=impl, row_ids=as_ids(rows))
+        assert torch.equal(out, expected)
+
+    src = rand_bytes((6, 9617), 3)
+    got = [p.clone() for p in planes]
+    ops.scatter_blocks(got, ids_of([7, -1, 0, 2]), src, impl=impl, row_ids=ids_of([5, 5, 0, 5]))
+    want = loop_scatter(planes, ids_of([7, -1, 0, 2]), src[torch.tensor([5, 5, 0, 5])])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_gather_returns_and_equals_torch_on_every_impl():
     planes = make_planes([1168, 8448, 1], [8, 9, 10], seed=9)
     ids = ids_of([7, 1, 1, -1, 0])
@@ -259,14 +284,14 @@ def test_triton_element_width_small_tiles(sizes, width, max_width):
     # small tiles and 2 programs: many tiles per plane, many items per program (byte elements
     # get larger tiles to keep the interpreter quick)
     kw = {"block": 64 if max_width > 1 else 512, "grid_cap": 2, "max_width": max_width}
-    triton_kernels.gather_blocks_triton(planes, plan, ids, out, **kw)
+    triton_kernels.gather_blocks_triton(planes, plan, out, **kw)
     assert torch.equal(out, expected)
 
     sids = ids_of([4, -1, 1, 0])
     src = rand_bytes((4, row_bytes), 2)
     splan = _common.validate(planes, sids, src, "src", "scatter_blocks")
     expected_planes = loop_scatter(planes, sids, src)
-    triton_kernels.scatter_blocks_triton(planes, splan, sids, src, **kw)
+    triton_kernels.scatter_blocks_triton(planes, splan, src, **kw)
     assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes, strict=True))
 
 
@@ -634,7 +659,23 @@ def test_block_ids_errors(fn):
         [0, 1],
         rows,
         TypeError,
-        "block_ids is list; expected a 1-D torch.int64 tensor",
+        "block_ids is list; expected a 1-D torch.int64 tensor (or numpy int64 array)",
+    )
+    assert_rejected(
+        fn,
+        planes,
+        np.array([0, 1], dtype=np.int32),
+        rows,
+        TypeError,
+        "block_ids has dtype numpy.int32; expected int64",
+    )
+    assert_rejected(
+        fn,
+        planes,
+        np.zeros((2, 1), dtype=np.int64),
+        rows,
+        ValueError,
+        "block_ids has shape (2, 1); expected 1-D [n]",
     )
     assert_rejected(
         fn,
@@ -658,3 +699,38 @@ def test_unknown_impl(fn):
         "impl 'cuda' is not one of 'auto', 'torch', 'cpu', 'triton'",
         impl="cuda",
     )
+
+
+@pytest.mark.parametrize("fn", BOTH)
+def test_row_ids_errors(fn):
+    name = rows_name(fn)
+    planes = make_planes([40, 80], 16)
+    rows = rand_bytes((3, 120), 1)
+    ids = ids_of([0, 1])
+    for row_ids, exc, message in [
+        (ids_of([0, 1, 2]), ValueError, "row_ids has 3 entries; expected 2 (one per block id)"),
+        (ids_of([0, 3]), ValueError, f"row_ids[1] = 3 is out of range for {name} with 3 rows"),
+        (ids_of([-1, 0]), ValueError, f"row_ids[0] = -1 is out of range for {name} with 3 rows"),
+        (
+            [0, 1],
+            TypeError,
+            "row_ids is list; expected a 1-D torch.int64 tensor (or numpy int64 array)",
+        ),
+    ]:
+        with pytest.raises(exc) as info:
+            fn(planes, ids, rows, row_ids=row_ids)
+        assert str(info.value) == message
+    with pytest.raises(ValueError) as info:
+        fn(planes, ids, rand_bytes((3, 121), 1), row_ids=ids_of([0, 1]))
+    assert str(info.value) == (
+        f"{name} has shape (3, 121); expected (num_rows, 120): rows of 120 bytes (sum of plane "
+        "block bytes)"
+    )
+    if fn is ops.gather_blocks:
+        before = rows.clone()
+        with pytest.raises(ValueError) as info:
+            fn(planes, ids_of([0, 1, 2]), rows, row_ids=ids_of([2, 0, 2]))
+        assert str(info.value) == (
+            "row_ids has duplicate destination row 2 (entries 0 and 2) in gather_blocks"
+        )
+        assert torch.equal(rows, before)

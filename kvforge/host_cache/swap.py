@@ -1,11 +1,12 @@
 """Moving a request's blocks between device planes and host pages.
 
 Data path (see docs/architecture.md): on CPU the gather kernel packs the selected device
-blocks of every plane of a group straight into page-first host rows, one call per contiguous
-run of host pages. On an accelerator it packs them into a device staging buffer on a side
-stream, then one DMA per contiguous run moves the rows to pinned host memory; swap in is the
-mirror image. The current stream is made to wait for the side stream before any later kernel
-can touch the moved device blocks, so freeing or reusing them right away is safe.
+blocks of every plane of a group straight into their page-first host pages, wherever those
+pages are, in one call (``row_ids``). On an accelerator it packs them into a device staging
+buffer on a side stream, then one DMA per contiguous run of host pages moves the rows to
+pinned host memory; swap in is the mirror image. The current stream is made to wait for the
+side stream before any later kernel can touch the moved device blocks, so freeing or reusing
+them right away is safe.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from kvforge import ops
@@ -133,14 +135,13 @@ def move_pages(
     """
     if not device_ids:
         return
-    ids = torch.tensor(device_ids, dtype=torch.int64)  # ops validates on the host, uploads async
-    if streams is None:
-        for start, end, first in contiguous_runs(page_ids):
-            rows = pages[first : first + end - start]
-            if direction == "out":
-                ops.gather_blocks(planes, ids[start:end], rows)
-            else:
-                ops.scatter_blocks(planes, ids[start:end], rows)
+    ids = np.array(device_ids, dtype=np.int64)  # ops validates on the host, uploads async
+    if streams is None:  # one call, straight between device blocks and scattered host pages
+        page_rows = np.array(page_ids, dtype=np.int64)
+        if direction == "out":
+            ops.gather_blocks(planes, ids, pages, row_ids=page_rows)
+        else:
+            ops.scatter_blocks(planes, ids, pages, row_ids=page_rows)
         return
     compute, copy = streams.compute, streams.copy  # pragma: no cover - accelerators only
     n, row_bytes = len(device_ids), pages.shape[1]  # pragma: no cover

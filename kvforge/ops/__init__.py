@@ -37,6 +37,7 @@ import importlib
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ._common import PlaneSet, TransferPlan, validate
@@ -109,7 +110,8 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
         RuntimeError: an explicit name whose optional dependency (numba / triton) is missing.
     """
     impl = _check_impl_name(impl)
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if impl == "auto":
         if device.type in _ACCEL:
             return "triton" if _triton_error() is None else "torch"
@@ -156,12 +158,14 @@ _AUTO_CPU_BROKEN: list[str] = []
 def _run(
     op: str,
     planes: Sequence[torch.Tensor],
-    block_ids: torch.Tensor,
+    block_ids: torch.Tensor | np.ndarray,
     rows: torch.Tensor,
     impl: str,
+    row_ids: torch.Tensor | np.ndarray | None,
 ) -> None:
     _check_impl_name(impl)
-    plan = validate(planes, block_ids, rows, "src" if op == "scatter_blocks" else "out", op)
+    rows_name = "src" if op == "scatter_blocks" else "out"
+    plan = validate(planes, block_ids, rows, rows_name, op, row_ids)
     name = resolve_impl(impl, plan.device)
     if plan.n == 0 or plan.num_valid == 0:
         return
@@ -194,9 +198,9 @@ def _run(
         from . import triton_kernels
 
         if scatter:
-            triton_kernels.scatter_blocks_triton(planes, plan, block_ids, rows)
+            triton_kernels.scatter_blocks_triton(planes, plan, rows)
         else:
-            triton_kernels.gather_blocks_triton(planes, plan, block_ids, rows)
+            triton_kernels.gather_blocks_triton(planes, plan, rows)
 
 
 def _is_numba_error(exc: Exception) -> bool:
@@ -205,24 +209,31 @@ def _is_numba_error(exc: Exception) -> bool:
 
 def gather_blocks(
     planes: Sequence[torch.Tensor],
-    block_ids: torch.Tensor,
+    block_ids: torch.Tensor | np.ndarray,
     out: torch.Tensor,
     impl: str = "auto",
+    *,
+    row_ids: torch.Tensor | np.ndarray | None = None,
 ) -> torch.Tensor:
-    """Pack blocks of every plane into page-first rows: ``out[i] = cat_p(planes[p][ids[i]])``.
+    """Pack blocks of every plane into page-first rows: ``out[r_i] = cat_p(planes[p][ids[i]])``
+    with ``r_i = i``, or ``r_i = row_ids[i]`` when ``row_ids`` is given.
 
     Args:
         planes: ``P`` tensors ``[num_blocks_p, block_bytes_p]``, ``torch.uint8``, row-contiguous
             (strides ``(block_bytes_p, 1)``), all on one device. ``block_bytes_p`` and
             ``num_blocks_p`` may differ per plane. A :class:`PlaneSet` of them skips the
             per-plane checks (done when it was built): build one per group and reuse it.
-        block_ids: ``[n]`` ``torch.int64`` on CPU or on the planes' device. ``-1`` skips the row
-            (``out[i]`` is left untouched); other ids must satisfy
-            ``0 <= id < min_p num_blocks_p``. Repeated ids are allowed.
-        out: ``[n, row_bytes]`` ``torch.uint8`` with ``row_bytes = sum_p block_bytes_p`` and
-            strides ``(row_bytes, 1)``, on the planes' device. Plane ``p`` occupies bytes
-            ``[off_p, off_p + block_bytes_p)`` of a row, ``off_p = sum_{q<p} block_bytes_q``.
+        block_ids: ``[n]`` ``torch.int64`` on CPU or on the planes' device, or a numpy
+            ``int64`` array. ``-1`` skips the row (``out[r_i]`` is left untouched); other ids
+            must satisfy ``0 <= id < min_p num_blocks_p``. Repeated ids are allowed.
+        out: ``[n, row_bytes]`` ``torch.uint8`` (any number of rows with ``row_ids``) with
+            ``row_bytes = sum_p block_bytes_p`` and strides ``(row_bytes, 1)``, on the planes'
+            device. Plane ``p`` occupies bytes ``[off_p, off_p + block_bytes_p)`` of a row,
+            ``off_p = sum_{q<p} block_bytes_q``.
         impl: ``"auto"`` (see :func:`resolve_impl`), ``"torch"``, ``"cpu"`` or ``"triton"``.
+        row_ids: ``None``, or ``[n]`` int64 (same forms as ``block_ids``): the row of ``out``
+            each block goes to, all distinct and in ``[0, out.shape[0])``. Lets a CPU gather
+            write straight into scattered host pages in one call.
 
     Returns:
         ``out``. On accelerators the copy is enqueued on the current stream (asynchronous).
@@ -232,28 +243,34 @@ def gather_blocks(
             raised before any byte moves.
         RuntimeError: an explicitly requested implementation is not installed.
     """
-    _run("gather_blocks", planes, block_ids, out, impl)
+    _run("gather_blocks", planes, block_ids, out, impl, row_ids)
     return out
 
 
 def scatter_blocks(
     planes: Sequence[torch.Tensor],
-    block_ids: torch.Tensor,
+    block_ids: torch.Tensor | np.ndarray,
     src: torch.Tensor,
     impl: str = "auto",
+    *,
+    row_ids: torch.Tensor | np.ndarray | None = None,
 ) -> None:
-    """Unpack page-first rows into blocks: ``planes[p][ids[i]] = src[i, off_p : off_p + bytes_p]``.
+    """Unpack page-first rows into blocks: ``planes[p][ids[i]] = src[r_i, off_p : off_p +
+    bytes_p]`` with ``r_i = i``, or ``r_i = row_ids[i]`` when ``row_ids`` is given.
 
     Args:
         planes: as in :func:`gather_blocks`; written in place.
-        block_ids: ``[n]`` ``torch.int64`` on CPU or the planes' device. ``-1`` skips the row;
-            a non-negative id may appear only once (two rows writing one block is an error).
-        src: ``[n, row_bytes]`` ``torch.uint8``, strides ``(row_bytes, 1)``, on the planes'
-            device (on accelerators: a device staging buffer the caller filled from host rows).
+        block_ids: ``[n]`` int64 as in :func:`gather_blocks`. ``-1`` skips the row; a
+            non-negative id may appear only once (two rows writing one block is an error).
+        src: ``[n, row_bytes]`` ``torch.uint8`` (any number of rows with ``row_ids``), strides
+            ``(row_bytes, 1)``, on the planes' device (on accelerators: a device staging
+            buffer the caller filled from host rows).
         impl: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"triton"``.
+        row_ids: ``None``, or ``[n]`` int64: the row of ``src`` each block is read from, in
+            ``[0, src.shape[0])`` (a row may be read more than once).
 
     Raises:
         TypeError / ValueError: invalid arguments, raised before any byte moves.
         RuntimeError: an explicitly requested implementation is not installed.
     """
-    _run("scatter_blocks", planes, block_ids, src, impl)
+    _run("scatter_blocks", planes, block_ids, src, impl, row_ids)

@@ -149,12 +149,16 @@ class TransferPlan:
     Attributes:
         planes: the validated planes.
         device: the device of every plane (and of ``out`` / ``src``).
-        n: number of page-first rows, ``block_ids.shape[0]``.
+        n: number of rows moved, ``len(block_ids)``.
         block_bytes: ``block_bytes[p] == planes[p].shape[1]``, one entry per plane.
         row_offsets: ``row_offsets[p]`` is the byte offset of plane ``p`` inside a row
             (exclusive prefix sum of ``block_bytes``).
         row_bytes: ``sum(block_bytes)``, the width of one row of ``out`` / ``src``.
-        ids_cpu: ``block_ids`` as a contiguous ``torch.int64`` CPU tensor of shape ``[n]``.
+        ids: ``block_ids`` as a contiguous ``numpy.int64`` array ``[n]`` in host memory.
+        row_ids: ``None`` when transfer row ``i`` is row ``i`` of ``out`` / ``src``; else a
+            ``numpy.int64`` array ``[n]``: transfer row ``i`` is row ``row_ids[i]``.
+        ids_on_device: the caller's ``block_ids`` tensor when it already lives on the planes'
+            (accelerator) device, else ``None``.
         all_valid: ``True`` when no id is ``-1``.
         num_valid: number of ids that are not ``-1``.
     """
@@ -165,13 +169,28 @@ class TransferPlan:
     block_bytes: tuple[int, ...]
     row_offsets: tuple[int, ...]
     row_bytes: int
-    ids_cpu: torch.Tensor
+    ids: np.ndarray
+    row_ids: np.ndarray | None
+    ids_on_device: torch.Tensor | None
     all_valid: bool
     num_valid: int
 
+    @property
+    def ids_cpu(self) -> torch.Tensor:
+        """``ids`` as a ``torch.int64`` CPU tensor (shares memory)."""
+        return torch.from_numpy(self.ids)
+
     def valid_rows(self) -> torch.Tensor:
-        """Indices (``torch.int64``, CPU, shape ``[num_valid]``) of the rows whose id is not -1."""
-        return torch.nonzero(self.ids_cpu >= 0).squeeze(1)
+        """Indices (``torch.int64``, CPU, ``[num_valid]``) of the transfer rows whose id is
+        not -1."""
+        return torch.from_numpy(np.flatnonzero(self.ids >= 0))
+
+    def buffer_rows(self) -> torch.Tensor | None:
+        """Rows of ``out`` / ``src`` that valid transfer rows use, in order (``torch.int64``,
+        CPU, ``[num_valid]``); ``None`` when they are simply rows ``0 .. n - 1``."""
+        if self.row_ids is None:
+            return None if self.all_valid else self.valid_rows()
+        return torch.from_numpy(self.row_ids if self.all_valid else self.row_ids[self.ids >= 0])
 
 
 def elem_width(
@@ -277,27 +296,41 @@ def _check_planes(planes: Sequence[torch.Tensor]) -> tuple[torch.device, tuple[i
     return device, tuple(block_bytes)
 
 
-def _check_ids_tensor(block_ids: torch.Tensor, device: torch.device) -> None:
-    if not isinstance(block_ids, torch.Tensor):
+def _ids_array(value: object, name: str, device: torch.device) -> tuple[np.ndarray, bool]:
+    """``value`` (a 1-D int64 torch tensor on CPU or on ``device``, or a 1-D numpy int64
+    array) as a contiguous host numpy array, and whether it came as a tensor on ``device``."""
+    if isinstance(value, np.ndarray):
+        if value.dtype != np.int64:
+            raise TypeError(f"{name} has dtype numpy.{value.dtype}; expected int64")
+        if value.ndim != 1:
+            raise ValueError(f"{name} has shape {value.shape}; expected 1-D [n]")
+        return np.ascontiguousarray(value), False
+    if not isinstance(value, torch.Tensor):
         raise TypeError(
-            f"block_ids is {type(block_ids).__name__}; expected a 1-D torch.int64 tensor"
+            f"{name} is {type(value).__name__}; expected a 1-D torch.int64 tensor "
+            "(or numpy int64 array)"
         )
-    if block_ids.dtype != torch.int64:
-        raise TypeError(f"block_ids has dtype {block_ids.dtype}; expected torch.int64")
-    if block_ids.dim() != 1:
-        raise ValueError(f"block_ids has shape {_shape(block_ids)}; expected 1-D [n]")
-    if block_ids.device.type != "cpu" and block_ids.device != device:
+    if value.dtype != torch.int64:
+        raise TypeError(f"{name} has dtype {value.dtype}; expected torch.int64")
+    if value.dim() != 1:
+        raise ValueError(f"{name} has shape {_shape(value)}; expected 1-D [n]")
+    if value.device.type == "cpu":
+        return value.contiguous().numpy(), False
+    if value.device != device:
         raise ValueError(
-            f"block_ids is on {block_ids.device}; expected cpu or the planes' device {device}"
+            f"{name} is on {value.device}; expected cpu or the planes' device {device}"
         )
+    return value.cpu().numpy(), True
 
 
 def _check_rows(
-    rows: torch.Tensor, name: str, n: int, row_bytes: int, device: torch.device
+    rows: torch.Tensor, name: str, n: int | None, row_bytes: int, device: torch.device
 ) -> None:
+    """``n is None``: any number of rows (``row_ids`` picks them)."""
+    expected = f"[{'num_rows' if n is None else n}, {row_bytes}]"
     if not isinstance(rows, torch.Tensor):
         raise TypeError(
-            f"{name} is {type(rows).__name__}; expected a [{n}, {row_bytes}] torch.uint8 tensor"
+            f"{name} is {type(rows).__name__}; expected a {expected} torch.uint8 tensor"
         )
     if rows.dtype != torch.uint8:
         raise TypeError(
@@ -305,15 +338,62 @@ def _check_rows(
         )
     if rows.device != device:
         raise ValueError(f"{name} is on {rows.device}; expected {device} (the planes' device)")
-    if _shape(rows) != (n, row_bytes):
+    shape = _shape(rows)
+    if n is None:
+        if len(shape) != 2 or shape[1] != row_bytes:
+            raise ValueError(
+                f"{name} has shape {shape}; expected (num_rows, {row_bytes}): rows of "
+                f"{row_bytes} bytes (sum of plane block bytes)"
+            )
+    elif shape != (n, row_bytes):
         raise ValueError(
-            f"{name} has shape {_shape(rows)}; expected ({n}, {row_bytes}): {n} rows of "
+            f"{name} has shape {shape}; expected ({n}, {row_bytes}): {n} rows of "
             f"{row_bytes} bytes (sum of plane block bytes)"
         )
     if not _rows_contiguous(rows, row_bytes):
         raise ValueError(
             f"{name} has strides {tuple(rows.stride())}; expected row-contiguous ({row_bytes}, 1)"
         )
+
+
+def _first_duplicate(values: list[int]) -> tuple[int, int, int] | None:
+    """``(value, first index, second index)`` of the repeat whose second occurrence comes
+    first, ignoring negative values; ``None`` if nothing repeats."""
+    seen: dict[int, int] = {}
+    for i, v in enumerate(values):
+        if v < 0:
+            continue
+        if v in seen:
+            return v, seen[v], i
+        seen[v] = i
+    return None
+
+
+def _check_row_ids(row_ids: np.ndarray, n: int, num_rows: int, rows_name: str, op: str) -> None:
+    """Row ids: one per block id, each a row of ``rows_name``; a gather writes a row once.
+
+    Python lists for a few ids (as :func:`_check_id_values`), numpy for many.
+    """
+    if row_ids.shape[0] != n:
+        raise ValueError(f"row_ids has {row_ids.shape[0]} entries; expected {n} (one per block id)")
+    if n == 0:
+        return
+    values: list[int] | None = row_ids.tolist() if n <= _SMALL_N else None
+    if values is not None:
+        lo, hi = min(values), max(values)
+    else:
+        lo, hi = int(row_ids.min()), int(row_ids.max())
+    if lo < 0 or hi >= num_rows:
+        i = int(np.argmax((row_ids < 0) | (row_ids >= num_rows)))
+        raise ValueError(
+            f"row_ids[{i}] = {int(row_ids[i])} is out of range for {rows_name} with {num_rows} rows"
+        )
+    if op != "gather_blocks" or n == 1:
+        return
+    has_dup = len(set(values)) != n if values is not None else _has_duplicates(row_ids, num_rows)
+    if has_dup:
+        v, a, b = _first_duplicate(row_ids.tolist())  # type: ignore[misc]
+        raise ValueError(f"row_ids has duplicate destination row {v} (entries {a} and {b}) in {op}")
 
 
 def _has_duplicates(valid: np.ndarray, bound: int) -> bool:
@@ -344,16 +424,15 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return pinned.to(device, non_blocking=True)
 
 
-def _check_id_values(ids: torch.Tensor, planes: PlaneSet, scatter: bool, op: str) -> int:
-    """Check id values (``ids`` on CPU); return how many ids are not -1.
+def _check_id_values(arr: np.ndarray, planes: PlaneSet, scatter: bool, op: str) -> int:
+    """Check id values; return how many ids are not -1.
 
-    Uses numpy on the CPU view: a handful of small torch ops would cost far more per call.
+    Python lists for a few ids, numpy for many: either costs far less than torch ops.
     """
-    n = int(ids.shape[0])
+    n = int(arr.shape[0])
     if n == 0:
         return 0
-    arr = ids.numpy()
-    values: list[int] | None = ids.tolist() if n <= _SMALL_N else None
+    values: list[int] | None = arr.tolist() if n <= _SMALL_N else None
     lo, hi = (min(values), max(values)) if values is not None else (int(arr.min()), int(arr.max()))
     if lo < -1:
         i = int(np.argmax(arr < -1))
@@ -378,25 +457,18 @@ def _check_id_values(ids: torch.Tensor, planes: PlaneSet, scatter: bool, op: str
         num_valid = int(valid.shape[0])
         has_dup = scatter and num_valid > 1 and _has_duplicates(valid, min_blocks)
     if has_dup:
-        # report the duplicate whose second occurrence comes first
-        seen: dict[int, int] = {}
-        for i, v in enumerate(arr.tolist()):
-            if v < 0:
-                continue
-            if v in seen:
-                raise ValueError(
-                    f"block_ids has duplicate destination id {v} (rows {seen[v]} and {i}) in {op}"
-                )
-            seen[v] = i
+        v, a, b = _first_duplicate(arr.tolist())  # type: ignore[misc]
+        raise ValueError(f"block_ids has duplicate destination id {v} (rows {a} and {b}) in {op}")
     return num_valid
 
 
 def validate(
     planes: Sequence[torch.Tensor],
-    block_ids: torch.Tensor,
+    block_ids: torch.Tensor | np.ndarray,
     rows: torch.Tensor,
     rows_name: str,
     op: str,
+    row_ids: torch.Tensor | np.ndarray | None = None,
 ) -> TransferPlan:
     """Validate a gather/scatter call and describe it; raise before anything moves.
 
@@ -404,11 +476,16 @@ def validate(
         planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` tensors, row-contiguous
             (strides ``(block_bytes_p, 1)``), all on one device; or a :class:`PlaneSet` of
             them, whose planes were checked when it was built.
-        block_ids: ``[n]`` ``torch.int64`` on CPU or on the planes' device; ``-1`` skips a row.
-        rows: ``[n, sum(block_bytes_p)]`` ``torch.uint8`` on the planes' device, strides
-            ``(row_bytes, 1)``: ``out`` of a gather or ``src`` of a scatter.
+        block_ids: ``[n]`` int64: a torch tensor on CPU or on the planes' device, or a numpy
+            array; ``-1`` skips a row.
+        rows: ``torch.uint8`` on the planes' device, strides ``(row_bytes, 1)``: ``out`` of a
+            gather or ``src`` of a scatter; ``[n, sum(block_bytes_p)]``, or any number of rows
+            with ``row_ids``.
         rows_name: ``"out"`` or ``"src"``, used in messages.
-        op: ``"gather_blocks"`` or ``"scatter_blocks"``; scatter also rejects duplicate ids.
+        op: ``"gather_blocks"`` or ``"scatter_blocks"``; scatter rejects duplicate block ids,
+            gather duplicate row ids.
+        row_ids: ``None``, or ``[n]`` int64 (as ``block_ids``): the row of ``rows`` each
+            block id moves to or from.
 
     Returns:
         The :class:`TransferPlan` of the call.
@@ -419,12 +496,17 @@ def validate(
     """
     plane_set = as_plane_set(planes)
     device = plane_set.device
-    _check_ids_tensor(block_ids, device)
-    n = int(block_ids.shape[0])
-    _check_rows(rows, rows_name, n, plane_set.row_bytes, device)
-    ids_cpu = block_ids if block_ids.device.type == "cpu" else block_ids.cpu()
-    ids_cpu = ids_cpu.contiguous()
-    num_valid = _check_id_values(ids_cpu, plane_set, op == "scatter_blocks", op)
+    ids, ids_are_on_device = _ids_array(block_ids, "block_ids", device)
+    n = int(ids.shape[0])
+    rows_ids: np.ndarray | None = None
+    if row_ids is None:
+        _check_rows(rows, rows_name, n, plane_set.row_bytes, device)
+    else:
+        rows_ids = _ids_array(row_ids, "row_ids", device)[0]
+        _check_rows(rows, rows_name, None, plane_set.row_bytes, device)
+    num_valid = _check_id_values(ids, plane_set, op == "scatter_blocks", op)
+    if rows_ids is not None:
+        _check_row_ids(rows_ids, n, int(rows.shape[0]), rows_name, op)
     return TransferPlan(
         planes=plane_set,
         device=device,
@@ -432,7 +514,9 @@ def validate(
         block_bytes=plane_set.block_bytes,
         row_offsets=plane_set.row_offsets,
         row_bytes=plane_set.row_bytes,
-        ids_cpu=ids_cpu,
+        ids=ids,
+        row_ids=rows_ids,
+        ids_on_device=block_ids if ids_are_on_device else None,  # type: ignore[arg-type]
         all_valid=num_valid == n,
         num_valid=num_valid,
     )

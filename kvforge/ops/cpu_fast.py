@@ -131,11 +131,14 @@ def _stream_copy(dst, src, nbytes):  # pragma: no cover - compiled by numba
 
 
 @njit(nogil=True, cache=True)
-def _move_range(table, ids, rows_addr, row_bytes, lo, hi, scatter, stream):  # pragma: no cover
-    """Move work items ``[lo, hi)``; item ``w`` is (row ``w // P``, plane ``w % P``).
+def _move_range(  # pragma: no cover - compiled by numba
+    table, ids, row_ids, indirect, rows_addr, row_bytes, lo, hi, scatter, stream
+):
+    """Move work items ``[lo, hi)``; item ``w`` is (transfer row ``w // P``, plane ``w % P``).
 
-    ``table`` is ``int64 [3 * P]``: plane base addresses | block bytes | row offsets. With
-    ``stream`` the destination is written with non-temporal stores (see :data:`STREAM_MIN_BYTES`).
+    ``table`` is ``int64 [3 * P]``: plane base addresses | block bytes | row offsets. Transfer
+    row ``i`` is buffer row ``row_ids[i]`` if ``indirect``, else ``i``. With ``stream`` the
+    destination is written with non-temporal stores (see :data:`STREAM_MIN_BYTES`).
     """
     num_planes = table.shape[0] // 3
     for w in range(lo, hi):
@@ -146,7 +149,8 @@ def _move_range(table, ids, rows_addr, row_bytes, lo, hi, scatter, stream):  # p
             continue
         nbytes = table[num_planes + p]
         block = table[p] + b * nbytes
-        row = rows_addr + i * row_bytes + table[2 * num_planes + p]
+        r = row_ids[i] if indirect else i
+        row = rows_addr + r * row_bytes + table[2 * num_planes + p]
         dst, src = (block, row) if scatter else (row, block)
         if stream:
             _stream_copy(dst, src, nbytes)
@@ -184,6 +188,8 @@ def _worker(
     bounds: list[int],
     table: np.ndarray,
     ids: np.ndarray,
+    row_ids: np.ndarray,
+    indirect: bool,
     addr: int,
     row_bytes: int,
     scatter: bool,
@@ -193,21 +199,34 @@ def _worker(
     for k in chunks:
         if k + 1 >= len(bounds):
             return
-        _move_range(table, ids, addr, row_bytes, bounds[k], bounds[k + 1], scatter, stream)
+        _move_range(
+            table,
+            ids,
+            row_ids,
+            indirect,
+            addr,
+            row_bytes,
+            bounds[k],
+            bounds[k + 1],
+            scatter,
+            stream,
+        )
 
 
 def _run(planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor, scatter: bool):
     if plan.num_valid == 0:
         return
     table = plan.planes.layout_table
-    ids = plan.ids_cpu.numpy()
+    ids = plan.ids
+    indirect = plan.row_ids is not None
+    row_ids = plan.row_ids if plan.row_ids is not None else ids  # unread when not indirect
     addr = rows.data_ptr()
     total = plan.n * len(planes)
     nbytes = plan.num_valid * plan.row_bytes
     threads = min(_num_threads(nbytes), total)
     stream = nbytes >= STREAM_MIN_BYTES
     if threads == 1:
-        _move_range(table, ids, addr, plan.row_bytes, 0, total, scatter, stream)
+        _move_range(table, ids, row_ids, indirect, addr, plan.row_bytes, 0, total, scatter, stream)
         return
     # dynamic balance: CHUNKS_PER_THREAD chunks per thread, taken first come first served, so a
     # thread slowed down (a core shared with another process or a spinning OpenMP worker) does
@@ -215,7 +234,7 @@ def _run(planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor,
     num_chunks = min(total, threads * CHUNKS_PER_THREAD, max(threads, nbytes // MIN_CHUNK_BYTES))
     bounds = [total * k // num_chunks for k in range(num_chunks + 1)]
     chunks = itertools.count()
-    args = (chunks, bounds, table, ids, addr, plan.row_bytes, scatter, stream)
+    args = (chunks, bounds, table, ids, row_ids, indirect, addr, plan.row_bytes, scatter, stream)
     pool = _pool()
     futures: list[Future] = [pool.submit(_worker, *args) for _ in range(threads - 1)]
     try:
@@ -228,12 +247,14 @@ def _run(planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor,
 def gather_blocks_cpu(
     planes: Sequence[torch.Tensor], plan: TransferPlan, out: torch.Tensor
 ) -> None:
-    """Pack ``planes[p][block_ids[i]]`` into ``out[i]`` with one memcpy per (row, plane).
+    """Pack ``planes[p][block_ids[i]]`` into ``out[r_i]`` with one memcpy per (row, plane);
+    ``r_i`` is ``plan.row_ids[i]``, or ``i`` without row ids.
 
     Args:
         planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` CPU tensors, validated.
         plan: the validated transfer plan (``plan.device.type == "cpu"``).
-        out: ``[n, row_bytes]`` ``torch.uint8`` CPU, row-contiguous; rows with id -1 untouched.
+        out: ``[num_rows, row_bytes]`` ``torch.uint8`` CPU, row-contiguous; rows not written
+            (id -1, or not in ``row_ids``) are untouched.
     """
     _run(planes, plan, out, False)
 
@@ -241,11 +262,11 @@ def gather_blocks_cpu(
 def scatter_blocks_cpu(
     planes: Sequence[torch.Tensor], plan: TransferPlan, src: torch.Tensor
 ) -> None:
-    """Unpack ``src[i]`` into ``planes[p][block_ids[i]]`` with one memcpy per (row, plane).
+    """Unpack ``src[r_i]`` into ``planes[p][block_ids[i]]`` with one memcpy per (row, plane).
 
     Args:
         planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` CPU tensors, written in place.
         plan: the validated transfer plan (destination ids unique, -1 rows skipped).
-        src: ``[n, row_bytes]`` ``torch.uint8`` CPU, row-contiguous.
+        src: ``[num_rows, row_bytes]`` ``torch.uint8`` CPU, row-contiguous.
     """
     _run(planes, plan, src, True)

@@ -26,11 +26,11 @@ __all__ = ["gather_blocks_torch", "scatter_blocks_torch"]
 
 
 def _selection(plan: TransferPlan) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Return ``(rows, ids)`` on the planes' device; ``rows is None`` means every row."""
-    if plan.all_valid:
-        return None, to_device(plan.ids_cpu, plan.device)
-    rows = plan.valid_rows()
-    return to_device(rows, plan.device), to_device(plan.ids_cpu[rows], plan.device)
+    """``(rows, ids)`` on the planes' device: block ids not -1 and the buffer rows they use;
+    ``rows is None`` means rows ``0 .. n - 1`` in order."""
+    rows = plan.buffer_rows()
+    ids = plan.ids_cpu if plan.all_valid else plan.ids_cpu[plan.valid_rows()]
+    return (None if rows is None else to_device(rows, plan.device)), to_device(ids, plan.device)
 
 
 def gather_blocks_torch(

@@ -24,6 +24,8 @@ Layout of the work:
   table. Odd sizes such as 1 or 3 bytes use ``w == 1``.
 - All offsets are int64 (block id times block elements can exceed 2**31 for planes > 2 GiB).
 - A row whose id is -1 is masked out entirely (no load, no store).
+- With ``row_ids`` (``ROW_IDS``), transfer row ``i`` reads or writes buffer row
+  ``row_ids[i]`` instead of row ``i``; without it the kernel never reads ``row_ids``.
 
 Importing this module imports triton; ``kvforge.ops`` does so lazily.
 """
@@ -76,7 +78,8 @@ def _as_ptr(addr, ELEM: tl.constexpr):
 def _move_kernel(
     table,  # *int64: [3 * P + 2 * C] plane addr | plane elems | plane row off | tile plane | start
     ids,  # *int64: [n]
-    rows,  # *elem: [n, row_elems] page-first rows (out of a gather, src of a scatter)
+    row_ids,  # *int64: [n] buffer row of each transfer row (read only when ROW_IDS)
+    rows,  # *elem: [num_rows, row_elems] page-first rows (out of a gather, src of a scatter)
     total_items,  # n * C
     row_elems,
     num_planes,
@@ -85,6 +88,7 @@ def _move_kernel(
     VEC: tl.constexpr,  # 2: every size/offset/address is a multiple of 2 elements (16 bytes)
     BLOCK: tl.constexpr,  # elements per tile (a multiple of VEC)
     SCATTER: tl.constexpr,
+    ROW_IDS: tl.constexpr,  # transfer row i is buffer row row_ids[i] (else row i)
 ):
     pid = tl.program_id(0).to(tl.int64)
     grid = tl.num_programs(0).to(tl.int64)
@@ -107,7 +111,11 @@ def _move_kernel(
         offs = start + lane
         mask = offs < limit
         block_ptr = _as_ptr(base, ELEM) + tl.maximum(block, 0) * elems + offs
-        row_ptr = rows + row * row_elems + row_off + offs
+        if ROW_IDS:  # noqa: SIM108 - a static if on a constexpr, as elsewhere in this kernel
+            buffer_row = tl.load(row_ids + row).to(tl.int64)
+        else:
+            buffer_row = row
+        row_ptr = rows + buffer_row * row_elems + row_off + offs
         if VEC > 1:
             block_ptr = tl.max_contiguous(tl.multiple_of(block_ptr, ELEM * VEC), BLOCK)
             row_ptr = tl.max_contiguous(tl.multiple_of(row_ptr, ELEM * VEC), BLOCK)
@@ -171,7 +179,6 @@ def _table(
 def _launch(
     planes: Sequence[torch.Tensor],
     plan: TransferPlan,
-    block_ids: torch.Tensor,
     rows: torch.Tensor,
     scatter: bool,
     block: int | None = None,
@@ -203,16 +210,20 @@ def _launch(
         # the cached table outlives this call: keep the allocator from reusing it while a
         # kernel on the current (possibly side) stream may still read it
         table.record_stream(getattr(torch, plan.device.type).current_stream(plan.device))
-    if block_ids.device == plan.device:
-        ids = block_ids.contiguous()
+    if plan.ids_on_device is not None:
+        ids = plan.ids_on_device.contiguous()
     else:
         ids = to_device(plan.ids_cpu, plan.device)
+    row_ids = (
+        ids if plan.row_ids is None else to_device(torch.from_numpy(plan.row_ids), plan.device)
+    )
     total = plan.n * num_tiles
     cap = _grid_cap(plan.device) if grid_cap is None else grid_cap
     grid = (max(1, min(total, cap, MAX_GRID)),)
     _move_kernel[grid](
         table,
         ids,
+        row_ids,
         rows_w,
         total,
         plan.row_bytes // elem,
@@ -222,48 +233,47 @@ def _launch(
         VEC=vec,
         BLOCK=block,
         SCATTER=scatter,
+        ROW_IDS=plan.row_ids is not None,
     )
 
 
 def gather_blocks_triton(
     planes: Sequence[torch.Tensor],
     plan: TransferPlan,
-    block_ids: torch.Tensor,
     out: torch.Tensor,
     block: int | None = None,
     grid_cap: int | None = None,
     max_width: int = 16,
 ) -> None:
-    """One-launch gather of ``planes[p][block_ids[i]]`` into page-first rows ``out[i]``.
+    """One-launch gather of ``planes[p][block_ids[i]]`` into page-first rows ``out[r_i]``
+    (``r_i = plan.row_ids[i]``, or ``i`` without row ids).
 
     Args:
         planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` on one device, validated.
-        plan: the validated transfer plan.
-        block_ids: ``[n]`` ``torch.int64`` (CPU or device; copied to the device if needed).
-        out: ``[n, row_bytes]`` ``torch.uint8`` on the planes' device (a staging buffer on
-            accelerators); rows with id -1 untouched.
+        plan: the validated transfer plan (block ids already on the device, or uploaded here).
+        out: ``[num_rows, row_bytes]`` ``torch.uint8`` on the planes' device (a staging buffer
+            on accelerators); rows not written are untouched.
         block: elements per tile (default :data:`DEFAULT_BLOCK`, :data:`INTERPRET_BLOCK` on
             CPU); a power of two; for tests and tuning.
         grid_cap: programs cap (default per device); for tests and tuning.
         max_width: widest access in bytes considered (16, 8, 4, 2 or 1); for tests and tuning.
     """
-    _launch(planes, plan, block_ids, out, False, block, grid_cap, max_width)
+    _launch(planes, plan, out, False, block, grid_cap, max_width)
 
 
 def scatter_blocks_triton(
     planes: Sequence[torch.Tensor],
     plan: TransferPlan,
-    block_ids: torch.Tensor,
     src: torch.Tensor,
     block: int | None = None,
     grid_cap: int | None = None,
     max_width: int = 16,
 ) -> None:
-    """One-launch scatter of page-first rows ``src[i]`` into ``planes[p][block_ids[i]]``.
+    """One-launch scatter of page-first rows ``src[r_i]`` into ``planes[p][block_ids[i]]``.
 
-    Args: as :func:`gather_blocks_triton`, with ``src`` the ``[n, row_bytes]`` source rows.
+    Args: as :func:`gather_blocks_triton`, with ``src`` the ``[num_rows, row_bytes]`` source.
     """
-    _launch(planes, plan, block_ids, src, True, block, grid_cap, max_width)
+    _launch(planes, plan, src, True, block, grid_cap, max_width)
 
 
 def interpret_requested() -> bool:
