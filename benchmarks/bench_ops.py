@@ -406,7 +406,6 @@ def tune_cuda(
                     triton_kernels.gather_blocks_triton,
                     planes,
                     plan,
-                    ids,
                     staging,
                     block=block,
                     grid_cap=per_sm * sms,

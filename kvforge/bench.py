@@ -11,12 +11,12 @@ compared with, on the same number of bytes:
 
 Times are the best of ``repeats`` runs; ratios are throughput ratios measured in this run.
 
-On CPU every timed run starts with cold caches (unless ``warm_cache``): a scratch buffer
-larger than the last-level cache is read and written first, for the baselines and for our path
-alike. Without that, a small transfer repeated back to back is a cache-to-cache copy for the
-contiguous baseline (30-45 GB/s for 1.6 MiB on a 2-core VM with an 8 MiB L3, against about
-10 GB/s from memory), which says nothing about a swap: the blocks of a preempted request and
-the host pages it goes to were last touched long before.
+On CPU every timed run starts with the bytes it moves out of cache (unless ``warm_cache``),
+for the baselines and for our path alike: see :func:`cache_flusher`. Without that, a small
+transfer repeated back to back is a cache-to-cache copy for the contiguous baseline (30-45 GB/s
+for 1.6 MiB on a 2-core VM with an 8 MiB L3, against about 7 GB/s from memory), which says
+nothing about a swap: the blocks of a preempted request and the host pages it goes to were
+last touched long before.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class BenchResult(BaseModel):
     bytes: int
     seconds: float
     cache: str
-    """``"cold"``: caches flushed before every timed run (CPU default); ``"warm"``: not."""
+    """Cache state at the start of each timed run: ``"cold data"`` (the moved bytes evicted),
+    ``"cold"`` (whole caches flushed), ``"warm"`` (``--warm-cache``) or ``"n/a"`` (GPU)."""
     gbps: float
     memcpy_gbps: float
     loop_gbps: float
@@ -121,7 +122,7 @@ def default_cases(quick: bool) -> list[BenchCase]:
     return cases
 
 
-#: Least bytes a cache flush touches; more when the last-level cache is larger.
+#: Least bytes a whole-cache flush touches; more when the last-level cache is larger.
 FLUSH_MIN_BYTES = 64 << 20
 
 
@@ -137,24 +138,35 @@ def _last_level_cache_bytes() -> int:
     return 0
 
 
-def cache_flusher(platform: Platform) -> Callable[[], None] | None:
-    """On CPU, a function that evicts every cache level by reading and writing a scratch buffer
-    of ``max(FLUSH_MIN_BYTES, 2 * last-level cache)`` bytes; ``None`` on accelerators, whose
-    swaps cross the host link and never run from a host cache.
+def cache_flusher(
+    platform: Platform, buffers: list[torch.Tensor]
+) -> tuple[Callable[[], None] | None, str]:
+    """What to run before each timed run so that it starts with the moved bytes out of cache,
+    and its label for reports.
 
-    The flush runs on the calling thread (numpy, no thread pool): a torch op here would leave
-    torch's OpenMP workers spinning through the timed run, which helps the baseline (a torch
-    copy that reuses them) and slows any other thread.
+    - accelerators: nothing (``"n/a"``): their swaps cross the host link, not a host cache;
+    - x86-64 CPU with numba: evict exactly ``buffers`` line by line (``"cold data"``); the code
+      stays warm, as in a serving loop where the swap path runs often but the preempted
+      request's bytes were last touched long ago;
+    - other CPUs: read and write a scratch buffer of ``max(FLUSH_MIN_BYTES, 2 * last-level
+      cache)`` bytes (``"cold"``), which evicts the code too. It runs on the calling thread
+      (numpy): a torch op would leave OpenMP workers spinning into the timed run.
     """
     if platform.is_accelerator:
-        return None
+        return None, "n/a"
+    try:
+        from kvforge.ops import cpu_fast
+    except Exception:  # numba missing or broken: fall back to the whole-cache flush
+        cpu_fast = None  # type: ignore[assignment]
+    if cpu_fast is not None and cpu_fast.can_evict():
+        return (lambda: cpu_fast.evict_from_caches(buffers)), "cold data"
     size = max(FLUSH_MIN_BYTES, 2 * _last_level_cache_bytes())
     scratch = np.zeros(size // 8, dtype=np.int64)
 
     def flush() -> None:
         np.add(scratch, 1, out=scratch)
 
-    return flush
+    return flush, "cold"
 
 
 def _timed(
@@ -193,7 +205,7 @@ def _case_blocks(ctl: CacheController, case: BenchCase) -> int:
 
 
 def _measure_case(
-    case: BenchCase, platform: Platform, repeats: int, flush: Callable[[], None] | None
+    case: BenchCase, platform: Platform, repeats: int, warm_cache: bool
 ) -> list[BenchResult]:
     from kvforge import ops
 
@@ -225,16 +237,18 @@ def _measure_case(
 
     swap_out()  # warm-up: kernel compilation, first touch of pages
     swap_in()
-    t_out = _timed(platform, swap_out, repeats, flush)
-    t_in = _timed(platform, swap_in, repeats, flush)
-    keep.clear()
-
     src = platform.empty((nbytes,), torch.uint8)
     dst = platform.empty_host((nbytes,), torch.uint8)
     # Touch both first: an untouched CPU buffer reads as the kernel's shared zero page, which
     # would make the baseline a copy out of one cached 4 KiB page.
     src.fill_(0x5A)
     dst.fill_(0xA5)
+    buffers = [*planes, host.pages, src, dst]
+    flush, cache = (None, "warm") if warm_cache else cache_flusher(platform, buffers)
+
+    t_out = _timed(platform, swap_out, repeats, flush)
+    t_in = _timed(platform, swap_in, repeats, flush)
+    keep.clear()
     t_memcpy_out = _timed(platform, lambda: dst.copy_(src, non_blocking=True), repeats, flush)
     t_memcpy_in = _timed(platform, lambda: src.copy_(dst, non_blocking=True), repeats, flush)
 
@@ -278,7 +292,7 @@ def _measure_case(
                 blocks=moved,
                 bytes=nbytes,
                 seconds=t,
-                cache="warm" if flush is None else "cold",
+                cache=cache,
                 gbps=round(gbps, 3),
                 memcpy_gbps=round(memcpy_gbps, 3),
                 loop_gbps=round(loop_gbps, 3),
@@ -299,7 +313,6 @@ def run_bench(
 ) -> list[BenchResult]:
     """Measure every case in both directions; see the module docstring."""
     platform = get_platform(device)
-    flush = None if warm_cache else cache_flusher(platform)
     chosen = cases if cases is not None else default_cases(quick)
     reps = repeats or (3 if quick else 5)
     results: list[BenchResult] = []
@@ -310,7 +323,7 @@ def run_bench(
     else:
         iterator = iter(chosen)
     for case in iterator:
-        results += _measure_case(case, platform, reps, flush)
+        results += _measure_case(case, platform, reps, warm_cache)
     return results
 
 
@@ -318,7 +331,8 @@ def print_results(results: list[BenchResult]) -> None:
     from kvforge.cli import console, format_bytes, make_table
 
     table = make_table(
-        "kvforge swap throughput vs baselines (same bytes, same run)",
+        "kvforge swap throughput vs baselines (same bytes, same run; at the start of each "
+        f"run the caches were {', '.join(sorted({r.cache for r in results}))})",
         (
             "layout",
             "dir",

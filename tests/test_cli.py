@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from kvforge.cli import format_bytes, main, parse_size
 
@@ -138,6 +139,33 @@ def test_bench_runs_and_writes_json(tmp_path):
     }
 
 
+def test_bench_cache_state(monkeypatch):
+    from kvforge import bench
+    from kvforge.platform import get_platform
+
+    case = bench.BenchCase("tiny", {i: bench._SynthBackend(64) for i in range(2)}, "kv", 4096)
+    platform = get_platform("cpu")
+    buffers = [torch.arange(256, dtype=torch.int64).view(torch.uint8)]
+    before = buffers[0].clone()
+    fast = pytest.importorskip("kvforge.ops.cpu_fast")
+    flush, label = bench.cache_flusher(platform, buffers)
+    assert label == ("cold data" if fast.can_evict() else "cold")
+    flush()  # evicting (or flushing around) a buffer never changes its bytes
+    assert torch.equal(buffers[0], before)
+    warm = bench.run_bench(cases=[case], repeats=1, progress=False, device="cpu", warm_cache=True)
+    assert [r.cache for r in warm] == ["warm", "warm"]
+
+    monkeypatch.setattr(fast, "can_evict", lambda: False)  # e.g. an ARM host
+    monkeypatch.setattr(bench, "FLUSH_MIN_BYTES", 1 << 20)
+    flush, label = bench.cache_flusher(platform, buffers)
+    assert label == "cold"
+    flush()
+    results = bench.run_bench(cases=[case], repeats=1, progress=False, device="cpu")
+    assert [r.cache for r in results] == ["cold", "cold"]
+    with pytest.raises(RuntimeError, match="evict_from_caches needs x86-64"):
+        fast.evict_from_caches(buffers)
+
+
 def test_bench_command_quick_json(tmp_path, monkeypatch, capsys):
     from kvforge import bench
 
@@ -155,11 +183,13 @@ def test_bench_command_quick_json(tmp_path, monkeypatch, capsys):
         "--repeats",
         "1",
         "--no-progress",
+        "--warm-cache",
         "--json",
         str(path),
     )
     assert code == 0
     assert "tiny" in out and "vs memcpy" in out
+    assert {row["cache"] for row in json.loads(path.read_text())} == {"warm"}
     assert [row["direction"] for row in json.loads(path.read_text())] == ["out", "in"]
 
 

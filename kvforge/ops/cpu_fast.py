@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +46,8 @@ __all__ = [
     "MIN_BYTES_PER_THREAD",
     "PARALLEL_MIN_BYTES",
     "STREAM_MIN_BYTES",
+    "can_evict",
+    "evict_from_caches",
     "gather_blocks_cpu",
     "scatter_blocks_cpu",
 ]
@@ -158,6 +161,49 @@ def _move_range(  # pragma: no cover - compiled by numba
             _memcpy(dst, src, nbytes)
     if stream:
         _store_fence()
+
+
+@intrinsic
+def _flush_line(typingctx, addr):  # pragma: no cover - compiled by numba
+    """x86 ``clflush``: write the cache line holding ``addr`` back and drop it everywhere."""
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse2.clflush")
+        builder.call(fn, [builder.inttoptr(args[0], i8p)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def _evict_range(addr, nbytes):  # pragma: no cover - compiled by numba
+    line = addr - (addr & 63)
+    end = addr + nbytes
+    while line < end:
+        _flush_line(line)
+        line += 64
+    _store_fence()
+
+
+def can_evict() -> bool:
+    """Whether :func:`evict_from_caches` works here (x86-64 only)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def evict_from_caches(tensors: Sequence[torch.Tensor]) -> None:
+    """Drop every byte of ``tensors`` (CPU, contiguous) from every cache level.
+
+    For benchmarks: a swap's bytes were last touched long before the swap, while the code
+    that runs it is warm; evicting exactly those bytes reproduces that, where flushing whole
+    caches would evict the code too. x86-64 only (see :func:`can_evict`).
+    """
+    if not can_evict():
+        raise RuntimeError(f"evict_from_caches needs x86-64; this is {platform.machine()}")
+    for t in tensors:
+        _evict_range(t.data_ptr(), t.numel() * t.element_size())
 
 
 _POOL: ThreadPoolExecutor | None = None
