@@ -128,10 +128,11 @@ def move_pages(
     """Move device blocks ``device_ids`` of ``planes`` to (``"out"``) or from (``"in"``) host
     pages ``page_ids`` of ``pages`` (``uint8 [num_pages, page_bytes]``, page-first).
 
-    On CPU the kernels read and write the host rows directly. On an accelerator the work is
-    queued on ``streams`` after everything already queued on the current stream; the compute
-    stream ends after every copy, so an event recorded on it covers the whole move. Tensors
-    the queued work still uses are appended to ``keep_alive``.
+    Without ``streams`` (CPU) the kernels read and write the host rows directly. With them
+    (accelerators) the work is queued on ``streams`` after everything already queued on the
+    current stream, in chunks of about :data:`PIPELINE_CHUNK_BYTES`; the compute stream ends
+    after every copy, so an event recorded on it covers the whole move. Tensors the queued
+    work still uses are appended to ``keep_alive``.
     """
     if not device_ids:
         return
@@ -143,12 +144,12 @@ def move_pages(
         else:
             ops.scatter_blocks(planes, ids, pages, row_ids=page_rows)
         return
-    compute, copy = streams.compute, streams.copy  # pragma: no cover - accelerators only
-    n, row_bytes = len(device_ids), pages.shape[1]  # pragma: no cover
-    with platform.side_stream(compute):  # pragma: no cover
+    compute, copy = streams.compute, streams.copy
+    n, row_bytes = len(device_ids), pages.shape[1]
+    with platform.side_stream(compute):
         staging = platform.empty((n, row_bytes), torch.uint8)
-    step = max(1, PIPELINE_CHUNK_BYTES // row_bytes)  # pragma: no cover
-    for a in range(0, n, step):  # pragma: no cover
+    step = max(1, PIPELINE_CHUNK_BYTES // row_bytes)
+    for a in range(0, n, step):
         b = min(n, a + step)
         if direction == "out":
             with platform.stream_context(compute):
@@ -163,5 +164,5 @@ def move_pages(
             compute.wait_event(platform.record_event(copy))
             with platform.stream_context(compute):
                 ops.scatter_blocks(planes, ids[a:b], staging[a:b])
-    compute.wait_stream(copy)  # pragma: no cover
-    keep_alive.append(staging)  # pragma: no cover
+    compute.wait_stream(copy)
+    keep_alive.append(staging)
