@@ -381,3 +381,95 @@ def test_random_interleavings_lose_nothing(steps):
         ctl.free_request(r)
     assert all(ctl.num_used_blocks(g) == 0 for g in ctl.groups)
     assert all(used == 0 for used, _ in ctl.host_pool_usage().values())
+
+
+def test_batch_round_trip_matches_single_swaps():
+    # three DeepSeek-V4-shaped requests of different lengths leave and come back in one call
+    # per direction; every entry comes back, and the per-request handles report what a
+    # single swap_out of that request reports
+    ctl = CacheController(SMALL_V4)
+    ctl.initialize_kv_cache(num_blocks=60)
+    ctl.initialize_host_cache(num_blocks=60)
+    lengths = {"a": 300, "b": 41, "c": 700}
+    written = {}
+    for i, (r, n) in enumerate(lengths.items()):
+        ctl.allocate(r, n)
+        written[r] = write_request(ctl, r, seed=i, positions=range(n))
+    single = ctl.swap_out("a")
+    ctl.swap_in("a")
+    handles = ctl.swap_out_many(["a", "b", "c"])
+    assert [h.request_id for h in handles] == ["a", "b", "c"]
+    assert [h.num_tokens for h in handles] == [300, 41, 700]
+    assert handles[0].bytes_moved == single.bytes_moved
+    assert handles[0].blocks_moved == single.blocks_moved
+    assert len({id(h.event) for h in handles}) == 1  # one event covers the batch
+    assert all(ctl.num_used_blocks(g) == 0 for g in ctl.groups)
+    assert ctl.swapped_requests == ["a", "b", "c"]
+    ctl.allocate("blocker", 1)
+    scribble(ctl)
+    back = ctl.swap_in_many(["c", "a", "b"])
+    assert [h.request_id for h in back] == ["c", "a", "b"]
+    assert [h.bytes_moved for h in back] == [
+        handles[2].bytes_moved,
+        *(h.bytes_moved for h in handles[:2]),
+    ]
+    for i, r in enumerate(lengths):
+        check = verify_request(ctl, r, seed=i)
+        assert (check.entries, check.mismatched) == (written[r], 0)
+    assert all(used == 0 for used, _ in ctl.host_pool_usage().values())
+    assert ctl.stats.swaps_out == 4 and ctl.stats.swaps_in == 4
+    assert ctl.stats.blocks_in == ctl.stats.blocks_out
+
+
+def test_batch_errors_change_nothing():
+    ctl = CacheController({0: GQABackend(2, 8, 4)})
+    ctl.initialize_kv_cache(num_blocks=10)  # 9 usable
+    ctl.initialize_host_cache(num_blocks=6)  # 5 usable pages
+    ctl.allocate("a", 8)  # 2 blocks
+    ctl.allocate("b", 12)  # 3 blocks
+    ctl.allocate("c", 4)  # 1 block
+    tables = {r: ctl.block_table(r, "kv") for r in "abc"}
+    with pytest.raises(
+        OutOfBlocksError, match=r"swap_out: host group 'kv' needs 6 free blocks but has 5"
+    ):
+        ctl.swap_out_many(["a", "b", "c"])
+    with pytest.raises(ValueError, match="request_ids lists 'a' twice"):
+        ctl.swap_out_many(["a", "c", "a"])
+    with pytest.raises(TypeError, match="request_ids must be a sequence of request ids, got str"):
+        ctl.swap_out_many("ab")
+    with pytest.raises(RequestStateError, match="request 'zz' has no blocks on the device"):
+        ctl.swap_out_many(["a", "zz"])
+    assert {r: ctl.block_table(r, "kv") for r in "abc"} == tables
+    assert ctl.host_pool_usage() == {"kv": (0, 5)} and ctl.swapped_requests == []
+
+    ctl.swap_out_many(["a", "b"])
+    assert ctl.host_pool_usage() == {"kv": (5, 5)}
+    with pytest.raises(RequestStateError, match="request 'c' is not swapped out"):
+        ctl.swap_in_many(["a", "c"])
+    ctl.allocate("big", 20)  # 5 blocks: 1 + 5 = 6 used, 3 free; a + b need 5
+    with pytest.raises(
+        OutOfBlocksError, match="swap_in: device group 'kv' needs 5 free blocks but has 3"
+    ):
+        ctl.swap_in_many(["a", "b"])
+    assert ctl.swapped_requests == ["a", "b"] and ctl.num_used_blocks("kv") == 6
+    assert ctl.host_pool_usage() == {"kv": (5, 5)}
+    ctl.free_request("big")
+    ctl.swap_in_many(["b", "a"])
+    assert ctl.host_pool_usage() == {"kv": (0, 5)} and ctl.num_used_blocks("kv") == 6
+
+
+def test_failing_hook_gives_host_pages_back():
+    class Refuses(GQABackend):
+        def before_swap_out(self, ctx):
+            if ctx.request_id == "b":
+                raise RuntimeError("not now")
+
+    ctl = CacheController({0: Refuses(2, 8, 4)})
+    ctl.initialize_kv_cache(num_blocks=10)
+    ctl.initialize_host_cache(num_blocks=10)
+    ctl.allocate("a", 8)
+    ctl.allocate("b", 8)
+    with pytest.raises(RuntimeError, match="not now"):
+        ctl.swap_out_many(["a", "b"])
+    assert ctl.host_pool_usage() == {"kv": (0, 9)} and ctl.swapped_requests == []
+    assert ctl.num_used_blocks("kv") == 4

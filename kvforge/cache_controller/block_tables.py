@@ -133,6 +133,24 @@ class BlockTables:
             raise RequestStateError(f"request {request_id!r} already holds device blocks")
         return self.allocate(request_id, num_tokens)
 
+    def adopt_many(self, requests: Sequence[tuple[str, int]]) -> list[RequestTables]:
+        """:meth:`adopt` for several ``(request_id, num_tokens)`` at once, all or nothing.
+
+        Raises:
+            OutOfBlocksError: some group lacks the blocks of the whole batch (nothing changed).
+            RequestStateError: a request already holds device blocks (nothing changed).
+        """
+        needed = dict.fromkeys(self.order, 0)
+        for request_id, num_tokens in requests:
+            if request_id in self.requests:
+                raise RequestStateError(f"request {request_id!r} already holds device blocks")
+            for name, (count, _) in self.plan_growth(None, num_tokens).items():
+                needed[name] += count
+        for name, count in needed.items():
+            if count > self.pools[name].num_free:
+                raise OutOfBlocksError("device", name, count, self.pools[name].num_free, "swap_in")
+        return [self.allocate(r, n) for r, n in requests]
+
     def release(self, request_id: str) -> RequestTables:
         """Return every block of ``request_id`` to the pools and forget it."""
         state = self.get(request_id)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -63,6 +64,7 @@ class SwapStats:
     bytes_out: int = 0
     bytes_in: int = 0
     blocks_out: dict[str, int] = field(default_factory=dict)
+    blocks_in: dict[str, int] = field(default_factory=dict)
 
 
 def _one_sizing(num_blocks: object, memory_budget: object) -> None:
@@ -487,6 +489,27 @@ class CacheController:
             OutOfBlocksError: the host pools lack pages (nothing changed).
             RequestStateError: unknown request, or already swapped out.
         """
+        return self.swap_out_many([request_id], purpose)[0]
+
+    def swap_out_many(
+        self, request_ids: Sequence[str], purpose: SwapPurpose | str = "preempt"
+    ) -> list[SwapHandle]:
+        """:meth:`swap_out` for several requests at once, all or nothing.
+
+        Each group's blocks of every request move in one data-path call (one gather launch
+        per pipeline chunk on accelerators, one kernel call on CPU), where a loop of
+        :meth:`swap_out` pays the fixed cost of a call once per request and group. That is
+        what an engine preempting several requests in one step wants.
+
+        Returns:
+            One handle per request, in order. They share one event: waiting on any of them
+            waits for the whole batch.
+
+        Raises:
+            OutOfBlocksError: the host pools lack pages for the whole batch (nothing changed).
+            RequestStateError: an unknown request, or one already swapped out (nothing changed).
+            ValueError: a request id appears twice, or an unknown purpose.
+        """
         host = self._ready_host()
         tables = self._ready_tables()
         try:
@@ -495,43 +518,61 @@ class CacheController:
             raise ValueError(
                 f"purpose must be one of {[p.value for p in SwapPurpose]}, got {purpose!r}"
             ) from None
-        if check_request_id(request_id) in self._swapped:
-            raise RequestStateError(f"request {request_id!r} is already swapped out")
-        state = tables.get(request_id)
-        selected = self._selection(request_id, purpose)
-        moving = {g: idx for g, idx in selected.items() if idx}
-        pages = host.allocate({g: len(idx) for g, idx in moving.items()})
+        ids = self._batch_ids(request_ids)
+        for request_id in ids:
+            if request_id in self._swapped:
+                raise RequestStateError(f"request {request_id!r} is already swapped out")
+            tables.get(request_id)  # unknown ids raise before anything changes
+        moving: dict[str, dict[str, list[int]]] = {}
+        totals: dict[str, int] = {}
+        for request_id in ids:
+            selected = self._selection(request_id, purpose)
+            moving[request_id] = {g: idx for g, idx in selected.items() if idx}
+            for g, idx in moving[request_id].items():
+                totals[g] = totals.get(g, 0) + len(idx)
+        allocated = host.allocate(totals)
 
-        handle = SwapHandle(request_id, "out", purpose, state.num_tokens)
-        device_blocks = {g: [state.tables[g][i] for i in idx] for g, idx in moving.items()}
-        contexts = [
-            (b, self._swap_context(b, ls, request_id, state.num_tokens, purpose, device_blocks))
-            for b, ls in self.layout.backend_layers()
-        ]
-        for backend, ctx in contexts:
-            backend.before_swap_out(ctx)
-        for group, idx in moving.items():
-            pool = host.groups[group]
-            move_pages(
-                "out",
-                self.platform,
-                self._streams,
-                self._planes[group],
-                device_blocks[group],
-                pool.pages,
-                pages[group],
-                handle.keep_alive,
+        try:  # a hook that raises leaves the host pools as they were
+            pages: dict[str, dict[str, list[int]]] = {}
+            handles: list[SwapHandle] = []
+            device_blocks: dict[str, dict[str, list[int]]] = {}
+            taken = dict.fromkeys(allocated, 0)
+            for request_id in ids:
+                state = tables.get(request_id)
+                pages[request_id] = {}
+                for g, idx in moving[request_id].items():
+                    pages[request_id][g] = allocated[g][taken[g] : taken[g] + len(idx)]
+                    taken[g] += len(idx)
+                device_blocks[request_id] = {
+                    g: [state.tables[g][i] for i in idx] for g, idx in moving[request_id].items()
+                }
+                handles.append(
+                    self._handle(request_id, "out", purpose, state.num_tokens, moving[request_id])
+                )
+                for backend, layers in self.layout.backend_layers():
+                    backend.before_swap_out(
+                        self._swap_context(
+                            backend,
+                            layers,
+                            request_id,
+                            state.num_tokens,
+                            purpose,
+                            device_blocks[request_id],
+                        )
+                    )
+            keep_alive = self._move_batch("out", ids, device_blocks, pages)
+        except BaseException:
+            host.free(allocated)
+            raise
+        event = self._finish_copies()
+        for request_id, handle in zip(ids, handles, strict=True):
+            handle.event, handle.keep_alive = event, keep_alive
+            num_tokens = tables.release(request_id).num_tokens
+            self._swapped[request_id] = _SwappedRequest(
+                num_tokens, purpose, pages[request_id], moving[request_id]
             )
-            handle.blocks_moved[group] = len(idx)
-            handle.bytes_moved += len(idx) * pool.page_bytes
-        handle.event = self._finish_copies()
-        tables.release(request_id)
-        self._swapped[request_id] = _SwappedRequest(state.num_tokens, purpose, pages, moving)
-        self.stats.swaps_out += 1
-        self.stats.bytes_out += handle.bytes_moved
-        for group, count in handle.blocks_moved.items():
-            self.stats.blocks_out[group] = self.stats.blocks_out.get(group, 0) + count
-        return handle
+            self._record_stats("out", handle)
+        return handles
 
     def swap_in(self, request_id: str) -> SwapHandle:
         """Bring a swapped-out request back: new device blocks, scatter, free host pages.
@@ -545,42 +586,139 @@ class CacheController:
             OutOfBlocksError: the device pools lack blocks (nothing changed).
             RequestStateError: the request is not swapped out.
         """
+        return self.swap_in_many([request_id])[0]
+
+    def swap_in_many(self, request_ids: Sequence[str]) -> list[SwapHandle]:
+        """:meth:`swap_in` for several requests at once, all or nothing (see
+        :meth:`swap_out_many`).
+
+        Returns:
+            One handle per request, in order, sharing one event.
+
+        Raises:
+            OutOfBlocksError: the device pools lack blocks for the whole batch (nothing
+                changed).
+            RequestStateError: a request that is not swapped out (nothing changed).
+            ValueError: a request id appears twice.
+        """
         host = self._ready_host()
         tables = self._ready_tables()
-        swapped = self._swapped.get(check_request_id(request_id))
-        if swapped is None:
-            raise RequestStateError(
-                f"request {request_id!r} is not swapped out (swapped out: {self.swapped_requests})"
+        ids = self._batch_ids(request_ids)
+        swapped: dict[str, _SwappedRequest] = {}
+        for request_id in ids:
+            entry = self._swapped.get(request_id)
+            if entry is None:
+                raise RequestStateError(
+                    f"request {request_id!r} is not swapped out "
+                    f"(swapped out: {self.swapped_requests})"
+                )
+            swapped[request_id] = entry
+        states = tables.adopt_many([(r, swapped[r].num_tokens) for r in ids])
+        device_blocks = {
+            r: {g: [state.tables[g][i] for i in idx] for g, idx in swapped[r].indices.items()}
+            for r, state in zip(ids, states, strict=True)
+        }
+        handles = [
+            self._handle(r, "in", swapped[r].purpose, swapped[r].num_tokens, swapped[r].indices)
+            for r in ids
+        ]
+        try:
+            pages = {r: swapped[r].pages for r in ids}
+            keep_alive = self._move_batch("in", ids, device_blocks, pages)
+        except BaseException:  # nothing was scattered: give the new device blocks back
+            for r in ids:
+                tables.release(r)
+            raise
+        event = self._finish_copies()
+        for request_id, handle in zip(ids, handles, strict=True):
+            handle.event, handle.keep_alive = event, keep_alive
+            entry = swapped[request_id]
+            host.free(entry.pages)
+            del self._swapped[request_id]
+            self._record_stats("in", handle)
+            for backend, layers in self.layout.backend_layers():
+                backend.after_swap_in(
+                    self._swap_context(
+                        backend,
+                        layers,
+                        request_id,
+                        entry.num_tokens,
+                        entry.purpose,
+                        device_blocks[request_id],
+                    )
+                )
+        return handles
+
+    @staticmethod
+    def _batch_ids(request_ids: Sequence[str]) -> list[str]:
+        if isinstance(request_ids, str) or not isinstance(request_ids, Sequence):
+            raise TypeError(
+                f"request_ids must be a sequence of request ids, got {type(request_ids).__name__}"
             )
-        state = tables.adopt(request_id, swapped.num_tokens)
-        handle = SwapHandle(request_id, "in", swapped.purpose, swapped.num_tokens)
-        device_blocks = {g: [state.tables[g][i] for i in idx] for g, idx in swapped.indices.items()}
-        for group, idx in swapped.indices.items():
-            pool = host.groups[group]
+        ids = [check_request_id(r) for r in request_ids]
+        seen: set[str] = set()
+        for r in ids:
+            if r in seen:
+                raise ValueError(f"request_ids lists {r!r} twice")
+            seen.add(r)
+        return ids
+
+    def _handle(
+        self,
+        request_id: str,
+        direction: Literal["out", "in"],
+        purpose: SwapPurpose,
+        num_tokens: int,
+        indices: dict[str, list[int]],
+    ) -> SwapHandle:
+        """A handle for one request of a batch, with the blocks and bytes it moves."""
+        host = self._host
+        assert host is not None
+        handle = SwapHandle(request_id, direction, purpose, num_tokens)
+        for group, idx in indices.items():
+            handle.blocks_moved[group] = len(idx)
+            handle.bytes_moved += len(idx) * host.groups[group].page_bytes
+        return handle
+
+    def _move_batch(
+        self,
+        direction: Literal["out", "in"],
+        ids: list[str],
+        device_blocks: dict[str, dict[str, list[int]]],
+        pages: dict[str, dict[str, list[int]]],
+    ) -> list[torch.Tensor]:
+        """One ``move_pages`` per group for the blocks of every request in ``ids``."""
+        host = self._host
+        assert host is not None
+        keep_alive: list[torch.Tensor] = []
+        for group in (g.name for g in self.layout.groups):
+            blocks = [b for r in ids for b in device_blocks[r].get(group, ())]
+            if not blocks:
+                continue
             move_pages(
-                "in",
+                direction,
                 self.platform,
                 self._streams,
                 self._planes[group],
-                device_blocks[group],
-                pool.pages,
-                swapped.pages[group],
-                handle.keep_alive,
+                blocks,
+                host.groups[group].pages,
+                [p for r in ids for p in pages[r].get(group, ())],
+                keep_alive,
             )
-            handle.blocks_moved[group] = len(idx)
-            handle.bytes_moved += len(idx) * pool.page_bytes
-        handle.event = self._finish_copies()
-        host.free(swapped.pages)
-        del self._swapped[request_id]
-        self.stats.swaps_in += 1
-        self.stats.bytes_in += handle.bytes_moved
-        for backend, layers in self.layout.backend_layers():
-            backend.after_swap_in(
-                self._swap_context(
-                    backend, layers, request_id, swapped.num_tokens, swapped.purpose, device_blocks
-                )
-            )
-        return handle
+        return keep_alive
+
+    def _record_stats(self, direction: Literal["out", "in"], handle: SwapHandle) -> None:
+        stats = self.stats
+        if direction == "out":
+            stats.swaps_out += 1
+            stats.bytes_out += handle.bytes_moved
+            per_group = stats.blocks_out
+        else:
+            stats.swaps_in += 1
+            stats.bytes_in += handle.bytes_moved
+            per_group = stats.blocks_in
+        for group, count in handle.blocks_moved.items():
+            per_group[group] = per_group.get(group, 0) + count
 
     def _finish_copies(self) -> object:
         """Order later work on the current stream after the side-stream copies."""
