@@ -55,6 +55,8 @@ class BenchResult(BaseModel):
     min_plane_bytes: int
     """Smallest contiguous unit the gather moves: one block of the smallest plane."""
     num_planes: int
+    requests: int
+    """Requests moved together in one data-path call."""
     blocks: int
     bytes: int
     seconds: float
@@ -90,13 +92,16 @@ class BenchCase:
         name: label in reports.
         backends: layer id -> backend.
         group: which group's pages to measure (other groups get minimal pools).
-        target_bytes: roughly how many bytes one swap should move.
+        target_bytes: roughly how many bytes one request should move.
+        requests: how many requests move in one data-path call (as ``swap_out_many`` does);
+            1 measures a single swap.
     """
 
     name: str
     backends: Mapping[int, AttentionBackend]
     group: str
     target_bytes: int
+    requests: int = 1
 
 
 def _flash_backends(layers: int = 43) -> dict[int, AttentionBackend]:
@@ -114,6 +119,10 @@ def default_cases(quick: bool) -> list[BenchCase]:
     cases = [BenchCase("llama3-8b/kv", llama, "kv", big)]
     groups = ["swa", "compressed"] if quick else ["swa", "compressed", "c4_state", "c128_state"]
     cases += [BenchCase(f"dsv4-flash/{g}", flash, g, big) for g in groups]
+    # One request's window or state is a small transfer (latency); an engine preempting
+    # several requests in one step moves them in one call (throughput).
+    batched = ["swa"] if quick else ["swa", "c4_state"]
+    cases += [BenchCase(f"dsv4-flash/{g} x16", flash, g, big, requests=16) for g in batched]
     sweep = (1_168, 37_376) if quick else (1_168, 8_448, 32_768, 37_376)
     for size in sweep:
         cases.append(
@@ -187,12 +196,15 @@ def _timed(
     return best
 
 
-def _interleaved_request(ctl: CacheController, case: BenchCase, blocks: int) -> None:
-    """Grow ``"bench"`` and ``"other"`` in turns so their blocks interleave."""
+def _interleaved_requests(ctl: CacheController, case: BenchCase, blocks: int) -> list[str]:
+    """Grow the measured requests and ``"other"`` in turns so their blocks interleave; return
+    the measured request ids."""
     group = ctl.layout.group(case.group)
+    names = [f"bench{k}" for k in range(case.requests)]
     for i in range(1, blocks + 1):
-        ctl.allocate("bench", i * group.block_size)
-        ctl.allocate("other", i * group.block_size)
+        for name in (*names, "other"):
+            ctl.allocate(name, i * group.block_size)
+    return names
 
 
 def _case_blocks(ctl: CacheController, case: BenchCase) -> int:
@@ -213,17 +225,20 @@ def _measure_case(
     page = probe.layout.host_page_bytes(case.group)
     blocks = _case_blocks(probe, case)
     tokens = blocks * probe.layout.group(case.group).block_size
-    # Both requests fit in every group; window and state groups stay small.
-    num_blocks = {g.name: 2 * g.max_live_blocks(tokens) + 2 for g in probe.layout.groups}
+    # Every request fits in every group; window and state groups stay small.
+    num_blocks = {
+        g.name: (case.requests + 1) * g.max_live_blocks(tokens) + 2 for g in probe.layout.groups
+    }
     ctl = CacheController(case.backends, device=platform.device)
     ctl.initialize_kv_cache(num_blocks=num_blocks)
     ctl.initialize_host_cache(num_blocks=num_blocks)
-    _interleaved_request(ctl, case, blocks)
+    names = _interleaved_requests(ctl, case, blocks)
 
-    # The swap data path of one group, on the request's real (interleaved) blocks.
+    # The swap data path of one group, on the requests' real (interleaved) blocks, all of
+    # them in one call as swap_out_many moves them.
     planes = ctl._planes[case.group]
     host = ctl._host.groups[case.group]  # type: ignore[union-attr]
-    ids = [b for b in ctl.block_table("bench", case.group) if b != NULL_BLOCK]
+    ids = [b for r in names for b in ctl.block_table(r, case.group) if b != NULL_BLOCK]
     pages = host.pool.allocate(len(ids))
     moved, nbytes = len(ids), len(ids) * page
     keep: list[torch.Tensor] = []
@@ -289,6 +304,7 @@ def _measure_case(
                 page_bytes=page,
                 min_plane_bytes=min(sizes),
                 num_planes=len(planes),
+                requests=case.requests,
                 blocks=moved,
                 bytes=nbytes,
                 seconds=t,

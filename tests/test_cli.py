@@ -139,6 +139,17 @@ def test_bench_runs_and_writes_json(tmp_path):
     }
 
 
+def test_bench_batched_requests():
+    from kvforge.bench import BenchCase, _SynthBackend, run_bench
+
+    # 3 requests of 8 pages each (plus an interleaved fourth) move in one call
+    backends = {i: _SynthBackend(1_168) for i in range(2)}
+    case = BenchCase("batch", backends, "kv", 8 * 2 * 1_168, requests=3)
+    results = run_bench(cases=[case], repeats=1, progress=False, device="cpu")
+    for r in results:
+        assert (r.requests, r.blocks, r.bytes) == (3, 24, 24 * 2 * 1_168)
+
+
 def test_bench_cache_state(monkeypatch):
     from kvforge import bench
     from kvforge.platform import get_platform
