@@ -473,3 +473,88 @@ def test_failing_hook_gives_host_pages_back():
         ctl.swap_out_many(["a", "b"])
     assert ctl.host_pool_usage() == {"kv": (0, 9)} and ctl.swapped_requests == []
     assert ctl.num_used_blocks("kv") == 4
+
+
+def test_failing_after_swap_in_hook_leaves_the_batch_resident():
+    class Complains(GQABackend):
+        def after_swap_in(self, ctx):
+            if ctx.request_id == "a":
+                raise RuntimeError("resume failed")
+
+    ctl = CacheController({0: Complains(2, 8, 4)})
+    ctl.initialize_kv_cache(num_blocks=10)
+    ctl.initialize_host_cache(num_blocks=10)
+    for r in "ab":
+        ctl.allocate(r, 8)
+    written = {r: write_request(ctl, r, seed=i, positions=range(8)) for i, r in enumerate("ab")}
+    ctl.swap_out_many(["a", "b"])
+    with pytest.raises(RuntimeError, match="resume failed"):
+        ctl.swap_in_many(["a", "b"])
+    # both came back (the hook ran after the bookkeeping), none is half swapped in
+    assert ctl.swapped_requests == [] and ctl.host_pool_usage() == {"kv": (0, 9)}
+    for i, r in enumerate("ab"):
+        check = verify_request(ctl, r, seed=i)
+        assert (check.entries, check.mismatched) == (written[r], 0)
+
+
+def test_swap_in_many_failing_midway_changes_nothing(monkeypatch):
+    ctl = CacheController(SMALL_V4)
+    ctl.initialize_kv_cache(num_blocks=40)
+    ctl.initialize_host_cache(num_blocks=40)
+    ctl.allocate("a", 300)
+    written = write_request(ctl, "a", seed=5, positions=range(300))
+    ctl.swap_out("a")
+    used = {g: ctl.num_used_blocks(g) for g in ctl.groups}
+    calls = []
+    real = swap.move_pages
+
+    def fails_on_second_group(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise MemoryError("staging")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("kvforge.cache_controller.controller.move_pages", fails_on_second_group)
+    with pytest.raises(MemoryError, match="staging"):
+        ctl.swap_in("a")
+    assert {g: ctl.num_used_blocks(g) for g in ctl.groups} == used
+    assert ctl.is_swapped("a") and ctl.swapped_requests == ["a"]
+    monkeypatch.undo()
+    ctl.swap_in("a")  # the host pages were only read: the retry brings everything back
+    check = verify_request(ctl, "a", seed=5)
+    assert (check.entries, check.mismatched) == (written, 0)
+
+
+def test_adopt_many_checks_everything_first():
+    ctl = CacheController({0: GQABackend(2, 8, 4)})
+    ctl.initialize_kv_cache(num_blocks=6)  # 5 usable
+    tables = ctl._tables
+    for batch, exc, message in [
+        ([("x", 4), ("y", 0)], ValueError, "num_tokens must be an int >= 1, got 0"),
+        ([("x", 4), ("x", 8)], ValueError, "request 'x' is listed twice"),
+        (
+            [("x", 12), ("y", 12)],
+            OutOfBlocksError,
+            "swap_in: device group 'kv' needs 6 free blocks but has 5; nothing was allocated",
+        ),
+    ]:
+        with pytest.raises(exc) as info:
+            tables.adopt_many(batch)
+        assert str(info.value) == message
+        assert ctl.num_used_blocks("kv") == 0 and not tables.requests
+    with pytest.raises(RequestStateError):
+        tables.adopt_many([("x", 4), ("", 4)])
+    assert ctl.num_used_blocks("kv") == 0 and not tables.requests
+
+
+def test_evict_from_caches_rejects_views_it_cannot_flush():
+    fast = pytest.importorskip("kvforge.ops.cpu_fast")
+    if not fast.can_evict():
+        pytest.skip("clflush needs x86-64")
+    t = torch.arange(64, dtype=torch.int64)
+    fast.evict_from_caches([t])
+    assert torch.equal(t, torch.arange(64, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"tensors\[1\] must be a contiguous cpu tensor"):
+        fast.evict_from_caches([t, torch.zeros(1, dtype=torch.uint8).expand(1 << 34)])
+    with pytest.raises(ValueError, match=r"tensors\[0\] must be a contiguous cpu tensor"):
+        fast.evict_from_caches([t.view(8, 8)[:, 1]])

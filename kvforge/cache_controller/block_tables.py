@@ -138,14 +138,26 @@ class BlockTables:
 
         Raises:
             OutOfBlocksError: some group lacks the blocks of the whole batch (nothing changed).
-            RequestStateError: a request already holds device blocks (nothing changed).
+            RequestStateError: a request already holds device blocks, or an id is invalid
+                (nothing changed).
+            ValueError: an id listed twice, or a bad ``num_tokens`` (nothing changed).
         """
         needed = dict.fromkeys(self.order, 0)
+        seen: set[str] = set()
         for request_id, num_tokens in requests:
+            check_request_id(request_id)
+            if request_id in seen:
+                raise ValueError(f"request {request_id!r} is listed twice")
+            seen.add(request_id)
             if request_id in self.requests:
                 raise RequestStateError(f"request {request_id!r} already holds device blocks")
-            for name, (count, _) in self.plan_growth(None, num_tokens).items():
-                needed[name] += count
+            if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+                raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+            for name in self.order:
+                group = self.groups[name]
+                needed[name] += group.blocks_for(num_tokens) - min(
+                    first_live_block(group, num_tokens), group.blocks_for(num_tokens)
+                )
         for name, count in needed.items():
             if count > self.pools[name].num_free:
                 raise OutOfBlocksError("device", name, count, self.pools[name].num_free, "swap_in")

@@ -505,6 +505,10 @@ class CacheController:
             One handle per request, in order. They share one event: waiting on any of them
             waits for the whole batch.
 
+        Hooks: ``before_swap_out`` runs for every request before any byte moves. If it raises
+        for one of them, nothing is swapped and the host pages are given back, but the hooks
+        of the requests before it have run (there is no abort hook).
+
         Raises:
             OutOfBlocksError: the host pools lack pages for the whole batch (nothing changed).
             RequestStateError: an unknown request, or one already swapped out (nothing changed).
@@ -562,6 +566,7 @@ class CacheController:
                     )
             keep_alive = self._move_batch("out", ids, device_blocks, pages)
         except BaseException:
+            self.platform.synchronize()  # no copy of a failed batch may still target the pages
             host.free(allocated)
             raise
         event = self._finish_copies()
@@ -593,7 +598,8 @@ class CacheController:
         :meth:`swap_out_many`).
 
         Returns:
-            One handle per request, in order, sharing one event.
+            One handle per request, in order, sharing one event. ``after_swap_in`` runs once
+            every request of the batch is resident.
 
         Raises:
             OutOfBlocksError: the device pools lack blocks for the whole batch (nothing
@@ -625,17 +631,23 @@ class CacheController:
         try:
             pages = {r: swapped[r].pages for r in ids}
             keep_alive = self._move_batch("in", ids, device_blocks, pages)
-        except BaseException:  # nothing was scattered: give the new device blocks back
+        except BaseException:
+            # A group may already have scattered (or queued its scatter) into the new blocks:
+            # let it finish before they can be handed out again, then give them back.
+            self.platform.synchronize()
             for r in ids:
                 tables.release(r)
             raise
         event = self._finish_copies()
+        # Bookkeeping for the whole batch first, so a hook that raises finds every request
+        # resident and none half swapped in.
         for request_id, handle in zip(ids, handles, strict=True):
             handle.event, handle.keep_alive = event, keep_alive
-            entry = swapped[request_id]
-            host.free(entry.pages)
+            host.free(swapped[request_id].pages)
             del self._swapped[request_id]
             self._record_stats("in", handle)
+        for request_id in ids:
+            entry = swapped[request_id]
             for backend, layers in self.layout.backend_layers():
                 backend.after_swap_in(
                     self._swap_context(

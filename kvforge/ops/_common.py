@@ -298,13 +298,16 @@ def _check_planes(planes: Sequence[torch.Tensor]) -> tuple[torch.device, tuple[i
 
 def _ids_array(value: object, name: str, device: torch.device) -> tuple[np.ndarray, bool]:
     """``value`` (a 1-D int64 torch tensor on CPU or on ``device``, or a 1-D numpy int64
-    array) as a contiguous host numpy array, and whether it came as a tensor on ``device``."""
+    array) as a contiguous host numpy array, and whether it came as a tensor on ``device``.
+
+    Host ids are copied: the kernels use exactly the ids that were checked, whatever happens
+    to the caller's buffer meanwhile (another thread, or ``out`` aliasing it)."""
     if isinstance(value, np.ndarray):
         if value.dtype != np.int64:
             raise TypeError(f"{name} has dtype numpy.{value.dtype}; expected int64")
         if value.ndim != 1:
             raise ValueError(f"{name} has shape {value.shape}; expected 1-D [n]")
-        return np.ascontiguousarray(value), False
+        return np.array(value, dtype=np.int64, copy=True), False
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"{name} is {type(value).__name__}; expected a 1-D torch.int64 tensor "
@@ -315,7 +318,7 @@ def _ids_array(value: object, name: str, device: torch.device) -> tuple[np.ndarr
     if value.dim() != 1:
         raise ValueError(f"{name} has shape {_shape(value)}; expected 1-D [n]")
     if value.device.type == "cpu":
-        return value.contiguous().numpy(), False
+        return np.array(value.numpy(), dtype=np.int64, copy=True), False
     if value.device != device:
         raise ValueError(
             f"{name} is on {value.device}; expected cpu or the planes' device {device}"

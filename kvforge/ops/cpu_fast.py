@@ -31,7 +31,7 @@ import os
 import platform
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -202,6 +202,12 @@ def evict_from_caches(tensors: Sequence[torch.Tensor]) -> None:
     """
     if not can_evict():
         raise RuntimeError(f"evict_from_caches needs x86-64; this is {platform.machine()}")
+    for i, t in enumerate(tensors):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(
+                f"tensors[{i}] must be a contiguous cpu tensor; got one on {t.device} with "
+                f"strides {tuple(t.stride())} for shape {tuple(t.shape)}"
+            )
     for t in tensors:
         _evict_range(t.data_ptr(), t.numel() * t.element_size())
 
@@ -286,8 +292,11 @@ def _run(planes: Sequence[torch.Tensor], plan: TransferPlan, rows: torch.Tensor,
     try:
         _worker(*args)  # the calling thread works too
     finally:
-        for f in futures:
-            f.result()
+        # every worker must be done with the raw addresses before the caller may free them,
+        # even when one of them (or this thread) raised
+        wait(futures)
+    for f in futures:
+        f.result()
 
 
 def gather_blocks_cpu(
