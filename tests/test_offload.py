@@ -269,38 +269,50 @@ def test_contiguous_runs():
 
 
 class _Stream:
-    """Stands in for an accelerator stream: ordering is trivial when every copy is synchronous."""
+    """Stands in for an accelerator stream; copies are synchronous, so it only logs what it
+    was told to wait for."""
 
-    def wait_event(self, event: object) -> None:
-        pass
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waited_events: list[tuple[str, int]] = []
+        self.waited_streams: list[str] = []
 
-    def wait_stream(self, other: object) -> None:
-        pass
+    def wait_event(self, event: tuple[str, int]) -> None:
+        self.waited_events.append(event)
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.waited_streams.append(other.name)
 
 
 class _StagedCpuPlatform:
-    """CPU tensors driven through the accelerator branch of ``move_pages`` (staging buffer,
-    pipeline chunks, one DMA per contiguous run of host pages)."""
+    """CPU tensors driven through the accelerator branch of ``move_pages`` (staging slots,
+    pipeline chunks, one DMA per contiguous run of host pages). Events are ``(stream, n)``:
+    the n-th event recorded on that stream."""
 
     device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.recorded: dict[str, int] = {}
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.full(shape, 0xEE, dtype=dtype)  # junk: a row never written shows up
 
     @contextmanager
-    def side_stream(self, stream: object) -> Iterator[None]:
+    def side_stream(self, stream: _Stream) -> Iterator[None]:
         yield
 
-    def stream_context(self, stream: object) -> nullcontext:
+    def stream_context(self, stream: _Stream) -> nullcontext:
         return nullcontext()
 
-    def record_event(self, stream: object = None) -> None:
-        return None
+    def record_event(self, stream: _Stream) -> tuple[str, int]:
+        self.recorded[stream.name] = self.recorded.get(stream.name, 0) + 1
+        return (stream.name, self.recorded[stream.name])
 
 
 def test_staged_pipeline_moves_every_chunk_and_run(monkeypatch):
     # 7 blocks of 3 planes (rows of 40 + 8 + 1168 = 1216 bytes) to host pages in three runs
-    # ([2, 3], [6], [8, 9, 10, 11]); chunks of 2 rows cut across the runs
+    # ([2, 3], [6], [8, 9, 10, 11]); chunks of 2 rows (4 chunks) cut across the runs and take
+    # the two staging slots in turns
     monkeypatch.setattr(swap, "PIPELINE_CHUNK_BYTES", 2 * 1216)
     gen = torch.Generator().manual_seed(3)
     tensors = [
@@ -310,7 +322,8 @@ def test_staged_pipeline_moves_every_chunk_and_run(monkeypatch):
     device_ids = [9, 1, 4, 11, 0, 7, 5]
     page_ids = [2, 3, 6, 8, 9, 10, 11]
     pages = torch.zeros((12, 1216), dtype=torch.uint8)
-    streams = swap.SwapStreams(_Stream(), _Stream())
+    compute, copy = _Stream("compute"), _Stream("copy")
+    streams = swap.SwapStreams(compute, copy)
     keep: list[torch.Tensor] = []
     platform = _StagedCpuPlatform()
     swap.move_pages("out", platform, streams, planes, device_ids, pages, page_ids, keep)
@@ -318,16 +331,30 @@ def test_staged_pipeline_moves_every_chunk_and_run(monkeypatch):
     for b, page in zip(device_ids, page_ids, strict=True):
         expected[page] = torch.cat([t[b] for t in tensors])
     assert torch.equal(pages, expected)
-    assert len(keep) == 1 and tuple(keep[0].shape) == (7, 1216)
+    assert len(keep) == 1 and tuple(keep[0].shape) == (4, 1216)  # two slots of two rows
+    # each DMA waits for its gather; the gathers of chunks 2 and 3 wait for the DMAs of
+    # chunks 0 and 1 (the 1st and 2nd events on the copy stream) to drain their slots
+    assert copy.waited_events == [("compute", k) for k in (1, 2, 3, 4)]
+    assert compute.waited_events == [("copy", 1), ("copy", 2)]
+    assert compute.waited_streams == ["copy"]
 
     originals = [t.clone() for t in tensors]
     for t in tensors:
         t.zero_()
-    swap.move_pages("in", platform, streams, planes, device_ids, pages, page_ids, keep)
+    compute, copy = _Stream("compute"), _Stream("copy")
+    platform = _StagedCpuPlatform()
+    swap.move_pages(
+        "in", platform, swap.SwapStreams(compute, copy), planes, device_ids, pages, page_ids, keep
+    )
     for t, original in zip(tensors, originals, strict=True):
         assert torch.equal(t[device_ids], original[device_ids])
         untouched = [b for b in range(12) if b not in device_ids]
         assert not t[untouched].any()
+    # the first DMA starts after the compute stream's earlier work; each scatter waits for
+    # its DMA; the DMAs of chunks 2 and 3 wait for the scatters of chunks 0 and 1
+    assert copy.waited_streams == ["compute"]
+    assert compute.waited_events == [("copy", k) for k in (1, 2, 3, 4)]
+    assert copy.waited_events == [("compute", 1), ("compute", 2)]
 
 
 SMALL_V4 = {

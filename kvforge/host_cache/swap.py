@@ -146,23 +146,36 @@ def move_pages(
         return
     compute, copy = streams.compute, streams.copy
     n, row_bytes = len(device_ids), pages.shape[1]
-    with platform.side_stream(compute):
-        staging = platform.empty((n, row_bytes), torch.uint8)
     step = max(1, PIPELINE_CHUNK_BYTES // row_bytes)
-    for a in range(0, n, step):
+    # Two chunk slots, used in turns: chunk k's kernel fills one while chunk k-1's DMA drains
+    # the other, and staging stays at two chunks however many requests a batch moves (a
+    # swap runs when device memory is short).
+    with platform.side_stream(compute):
+        staging = platform.empty((min(n, 2 * step), row_bytes), torch.uint8)
+    free_again: list[Any] = [None, None]  # per slot: event after which it may be refilled
+    for k, a in enumerate(range(0, n, step)):
         b = min(n, a + step)
+        slot = staging[(k % 2) * step : (k % 2) * step + (b - a)]
+        reuse = free_again[k % 2]
         if direction == "out":
+            if reuse is not None:  # chunk k-2's DMA has drained this slot
+                compute.wait_event(reuse)
             with platform.stream_context(compute):
-                ops.gather_blocks(planes, ids[a:b], staging[a:b])
+                ops.gather_blocks(planes, ids[a:b], slot)
             copy.wait_event(platform.record_event(compute))
             with platform.stream_context(copy):
-                _dma(pages, page_ids[a:b], staging[a:b], out=True)
+                _dma(pages, page_ids[a:b], slot, out=True)
+            free_again[k % 2] = platform.record_event(copy)
         else:
-            copy.wait_stream(compute)
+            if reuse is not None:  # chunk k-2's scatter has read this slot
+                copy.wait_event(reuse)
+            elif k == 0:  # the copy stream starts after the compute stream's earlier work
+                copy.wait_stream(compute)
             with platform.stream_context(copy):
-                _dma(pages, page_ids[a:b], staging[a:b], out=False)
+                _dma(pages, page_ids[a:b], slot, out=False)
             compute.wait_event(platform.record_event(copy))
             with platform.stream_context(compute):
-                ops.scatter_blocks(planes, ids[a:b], staging[a:b])
+                ops.scatter_blocks(planes, ids[a:b], slot)
+            free_again[k % 2] = platform.record_event(compute)
     compute.wait_stream(copy)
     keep_alive.append(staging)
