@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import triton
@@ -176,6 +177,17 @@ def _table(
     return entry
 
 
+def _on_device(device: torch.device) -> AbstractContextManager[object]:
+    """Make ``device`` current when another accelerator is: Triton launches on the current
+    device, and torch uploads there."""
+    if device.type == "cpu" or device.index is None:
+        return nullcontext()
+    module = getattr(torch, device.type)  # pragma: no cover - accelerators only
+    if module.current_device() == device.index:  # pragma: no cover
+        return nullcontext()
+    return module.device(device)  # pragma: no cover - needs two accelerators
+
+
 def _launch(
     planes: Sequence[torch.Tensor],
     plan: TransferPlan,
@@ -210,31 +222,32 @@ def _launch(
         # the cached table outlives this call: keep the allocator from reusing it while a
         # kernel on the current (possibly side) stream may still read it
         table.record_stream(getattr(torch, plan.device.type).current_stream(plan.device))
-    if plan.ids_on_device is not None:
-        ids = plan.ids_on_device.contiguous()
-    else:
-        ids = to_device(plan.ids_cpu, plan.device)
-    row_ids = (
-        ids if plan.row_ids is None else to_device(torch.from_numpy(plan.row_ids), plan.device)
-    )
-    total = plan.n * num_tiles
-    cap = _grid_cap(plan.device) if grid_cap is None else grid_cap
-    grid = (max(1, min(total, cap, MAX_GRID)),)
-    _move_kernel[grid](
-        table,
-        ids,
-        row_ids,
-        rows_w,
-        total,
-        plan.row_bytes // elem,
-        len(planes),
-        num_tiles,
-        ELEM=elem,
-        VEC=vec,
-        BLOCK=block,
-        SCATTER=scatter,
-        ROW_IDS=plan.row_ids is not None,
-    )
+    with _on_device(plan.device):  # a launch (and its uploads) go to the planes' device
+        if plan.ids_on_device is not None:
+            ids = plan.ids_on_device.contiguous()
+        else:
+            ids = to_device(plan.ids_cpu, plan.device)
+        row_ids = (
+            ids if plan.row_ids is None else to_device(torch.from_numpy(plan.row_ids), plan.device)
+        )
+        total = plan.n * num_tiles
+        cap = _grid_cap(plan.device) if grid_cap is None else grid_cap
+        grid = (max(1, min(total, cap, MAX_GRID)),)
+        _move_kernel[grid](
+            table,
+            ids,
+            row_ids,
+            rows_w,
+            total,
+            plan.row_bytes // elem,
+            len(planes),
+            num_tiles,
+            ELEM=elem,
+            VEC=vec,
+            BLOCK=block,
+            SCATTER=scatter,
+            ROW_IDS=plan.row_ids is not None,
+        )
 
 
 def gather_blocks_triton(
