@@ -370,7 +370,9 @@ SMALL_V4 = {
 @given(
     steps=st.lists(
         st.tuples(
-            st.sampled_from(["grow", "out", "in", "free"]), st.integers(0, 3), st.integers(1, 200)
+            st.sampled_from(["grow", "out", "in", "free", "out_many", "in_many"]),
+            st.integers(0, 3),
+            st.integers(1, 200),
         ),
         max_size=25,
     )
@@ -384,8 +386,16 @@ def test_random_interleavings_lose_nothing(steps):
         num_blocks={"swa": 8, "compressed": 5, "c4_state": 8, "c128_state": 36}
     )
     seeds: dict[str, int] = {}
+
+    def usage() -> tuple[dict[str, int], dict[str, tuple[int, int]], list[str]]:
+        used = {g: ctl.num_used_blocks(g) for g in ctl.groups}
+        return used, ctl.host_pool_usage(), ctl.swapped_requests
+
     for op, rid, extra in steps:
         name = f"r{rid}"
+        # batches: the requests whose bit is set in `extra`, in an order that depends on `rid`
+        batch = sorted((r for r in seeds if extra >> int(r[1:]) & 1), key=lambda r: (r > name, r))
+        before = usage()
         try:
             if op == "grow" and not ctl.is_swapped(name):
                 old = ctl.num_tokens(name) if name in seeds else 0
@@ -399,8 +409,12 @@ def test_random_interleavings_lose_nothing(steps):
             elif op == "free" and name in seeds:
                 ctl.free_request(name)
                 del seeds[name]
+            elif op == "out_many":
+                ctl.swap_out_many([r for r in batch if not ctl.is_swapped(r)])
+            elif op == "in_many":
+                ctl.swap_in_many([r for r in batch if ctl.is_swapped(r)])
         except OutOfBlocksError:
-            pass
+            assert usage() == before  # a refused swap or allocation changed nothing
         for r, seed in seeds.items():
             if not ctl.is_swapped(r):
                 assert verify_request(ctl, r, seed).mismatched == 0
