@@ -73,3 +73,50 @@ def test_cuda_triton_equals_torch(sizes):
     scatter_blocks(a, dst_ids, src, impl="torch")
     scatter_blocks(b, dst_ids, src, impl="triton")
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2, 3])
+def test_cuda_batched_swaps_through_two_staging_slots(monkeypatch, chunk_rows):
+    # tiny pipeline chunks: every swap runs many chunks through the two staging slots, so the
+    # events that gate slot reuse on the real compute and copy streams are exercised
+    from kvforge.host_cache import swap
+
+    backends = {i: GQABackend(8, 128, 16) for i in range(4)}  # pages of 4 * 2 * 32 KiB
+    monkeypatch.setattr(swap, "PIPELINE_CHUNK_BYTES", chunk_rows * 4 * 2 * 32_768)
+    ctl = CacheController(backends, device="cuda")
+    ctl.initialize_kv_cache(num_blocks=64)
+    ctl.initialize_host_cache(num_blocks=64)
+    lengths = {"a": 160, "b": 37, "c": 300}
+    written = {}
+    for i, (r, n) in enumerate(lengths.items()):
+        ctl.allocate(r, n)
+        written[r] = write_request(ctl, r, seed=i, positions=range(n))
+    for h in ctl.swap_out_many(["a", "b", "c"]):
+        h.wait()
+    ctl.allocate("blocker", 1)
+    for cache in ctl.kv_caches:
+        cache.view(torch.uint8).fill_(0x5A)
+    for h in ctl.swap_in_many(["c", "a", "b"]):
+        h.wait()
+    for i, r in enumerate(lengths):
+        check = verify_request(ctl, r, seed=i)
+        assert (check.entries, check.mismatched) == (written[r], 0)
+    ctl.free()
+
+
+def test_cuda_triton_row_ids_equal_torch():
+    g = torch.Generator(device="cpu").manual_seed(1)
+    sizes = (1_168, 8_448, 16)
+    planes = [torch.randint(0, 256, (20, s), dtype=torch.uint8, generator=g).cuda() for s in sizes]
+    ids = torch.tensor([5, -1, 0, 19], dtype=torch.int64)
+    rows = torch.tensor([7, 2, 0, 3], dtype=torch.int64)
+    ref = torch.zeros(8, sum(sizes), dtype=torch.uint8, device="cuda")
+    got = torch.zeros_like(ref)
+    gather_blocks(planes, ids, ref, impl="torch", row_ids=rows)
+    gather_blocks(planes, ids, got, impl="triton", row_ids=rows)
+    assert torch.equal(ref, got)
+    a = [p.clone() for p in planes]
+    b = [p.clone() for p in planes]
+    scatter_blocks(a, ids, ref, impl="torch", row_ids=rows)
+    scatter_blocks(b, ids, ref, impl="triton", row_ids=rows)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
