@@ -1,7 +1,8 @@
 """Break one 128 MiB Llama-3-8B swap on CUDA into its pieces (figures in docs/performance.md).
 
 Times the one-launch gather into a staging buffer, the contiguous device-to-pinned copy, the
-fixed host cost of one ``gather_blocks`` call and of validation alone, and the swap data path
+fixed host cost of one ``gather_blocks`` call and of validation alone (with the controller's
+``PlaneSet`` and with a plain list of planes), and the swap data path
 (``move_pages``) at several pipeline chunk sizes, against one contiguous pinned copy.
 
 Usage (on a GPU machine)::
@@ -58,10 +59,14 @@ def main() -> None:
     t = best_of(lambda: rows.copy_(staging, non_blocking=True))
     print(f"staging -> pinned host copy: {t * 1e3:.3f} ms, {nbytes / t / 1e9:.1f} GB/s")
     two = ids_cpu[:2]
-    t = best_of(lambda: ops.gather_blocks(planes, two, staging[:2]), 50)
-    print(f"one small gather_blocks call: {t * 1e6:.0f} us")
-    t = best_of(lambda: _common.validate(planes, two, staging[:2], "out", "gather_blocks"), 50)
-    print(f"validation alone: {t * 1e6:.0f} us")
+    plane_list = list(planes)  # the controller holds a PlaneSet (checked once)
+    for label, given in (("PlaneSet", planes), ("list of planes", plane_list)):
+        t = best_of(lambda g=given: ops.gather_blocks(g, two, staging[:2]), 50)
+        print(f"one small gather_blocks call, {label}: {t * 1e6:.0f} us")
+        t = best_of(
+            lambda g=given: _common.validate(g, two, staging[:2], "out", "gather_blocks"), 50
+        )
+        print(f"validation alone, {label}: {t * 1e6:.0f} us")
 
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
