@@ -104,13 +104,20 @@ def main(model: str = "deepseek-v4-tiny", steps: int = 80) -> dict[str, int]:
             print(f"step {step + 1}: running {running}, preempted {preempted}")
         if not (waiting or running or preempted):
             break
-    for rid in list(preempted):  # bring everyone back that fits, to check their bytes
-        try:
-            ctl.swap_in(rid)
-            preempted.remove(rid)
-            running.append(rid)
-        except OutOfBlocksError:
-            pass
+    # bring everyone back to check their bytes: all in one call when they all fit (one data-path
+    # call per group), else one by one, as many as fit
+    try:
+        ctl.swap_in_many(preempted)
+        running += preempted
+        preempted.clear()
+    except OutOfBlocksError:
+        for rid in list(preempted):
+            try:
+                ctl.swap_in(rid)
+                preempted.remove(rid)
+                running.append(rid)
+            except OutOfBlocksError:
+                pass
     for rid in running:
         check = verify_request(ctl, rid, seed=ord(rid))
         counters["verified"] += check.entries
