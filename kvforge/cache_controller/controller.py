@@ -115,6 +115,8 @@ class CacheController:
         self._caches: list[torch.Tensor] | None = None
         # group -> its offloadable planes, validated once (groups with none never move)
         self._planes: dict[str, PlaneSet] = {}
+        # layers of a backend -> ((role, layer), index) of their caches, for swap contexts
+        self._context_entries: dict[tuple[int, ...], list[tuple[tuple[str, int], int]]] = {}
         self._names: list[str] = [
             self.namer.name(e.role.name, e.layer) for e in self.layout.entries
         ]
@@ -441,12 +443,11 @@ class CacheController:
         selected: dict[str, list[int]] = {}
         for group in self.layout.groups:
             start, end = n, 0
-            for e in self.layout.offload_entries(group.name):
-                backend = self.layout.backends[e.layer]
-                r = backend.offload_selection(e.role, n, purpose)
+            for backend, role in self.layout.offload_roles(group.name):
+                r = backend.offload_selection(role, n, purpose)
                 if not isinstance(r, TokenRange) or r.end > n:
                     raise ValueError(
-                        f"{backend!r}.offload_selection({e.role.name!r}, {n}, {purpose.value!r}) "
+                        f"{backend!r}.offload_selection({role.name!r}, {n}, {purpose.value!r}) "
                         f"returned {r!r}; expected a TokenRange within [0, {n})"
                     )
                 if not r.empty:
@@ -469,12 +470,17 @@ class CacheController:
         device_blocks: dict[str, list[int]],
     ) -> SwapContext:
         caches = self._ready_caches()
+        entries = self._context_entries.get(layers)
+        if entries is None:  # the same few layer sets on every swap: look them up once
+            members = set(layers)
+            entries = [(e.key, e.index) for e in self.layout.entries if e.layer in members]
+            self._context_entries[layers] = entries
         return SwapContext(
             request_id=request_id,
             num_tokens=num_tokens,
             purpose=purpose,
             layer_ids=layers,
-            caches={e.key: caches[e.index] for e in self.layout.entries if e.layer in layers},
+            caches={key: caches[index] for key, index in entries},
             device_blocks=device_blocks,
         )
 

@@ -146,17 +146,49 @@ class CacheLayout:
         """Buffers of ``group`` in list order."""
         return tuple(e for e in self.entries if e.group.name == group)
 
+    @cached_property
+    def _offload_entries(self) -> dict[str, tuple[CacheEntry, ...]]:
+        # the layout never changes after construction; swaps ask for this on every call
+        return {
+            g.name: tuple(e for e in self.entries_of(g.name) if e.role.offload) for g in self.groups
+        }
+
     def offload_entries(self, group: str) -> tuple[CacheEntry, ...]:
         """Buffers of ``group`` that swaps move, in list order: the planes of a host page."""
-        return tuple(e for e in self.entries_of(group) if e.role.offload)
+        found = self._offload_entries.get(group)
+        return found if found is not None else ()
 
-    def backend_layers(self) -> list[tuple[AttentionBackend, tuple[int, ...]]]:
-        """Each distinct backend instance with its layers, ordered by its first layer."""
+    @cached_property
+    def _offload_roles(self) -> dict[str, tuple[tuple[AttentionBackend, CacheRole], ...]]:
+        found: dict[str, dict[tuple[int, str], tuple[AttentionBackend, CacheRole]]] = {}
+        for e in self.entries:
+            if e.role.offload:
+                backend = self.backends[e.layer]
+                found.setdefault(e.group.name, {}).setdefault(
+                    (id(backend), e.role.name), (backend, e.role)
+                )
+        return {g: tuple(pairs.values()) for g, pairs in found.items()}
+
+    def offload_roles(self, group: str) -> tuple[tuple[AttentionBackend, CacheRole], ...]:
+        """Distinct (backend instance, role) pairs that swaps of ``group`` move, in list order.
+
+        ``offload_selection`` sees a role, not a layer, so a swap asks each pair once: 43
+        layers of DeepSeek-V4-Flash share three backends.
+        """
+        found = self._offload_roles.get(group)
+        return found if found is not None else ()
+
+    @cached_property
+    def _backend_layers(self) -> tuple[tuple[AttentionBackend, tuple[int, ...]], ...]:
         by_id: dict[int, tuple[AttentionBackend, list[int]]] = {}
         for layer in self.layers:
             backend = self.backends[layer]
             by_id.setdefault(id(backend), (backend, []))[1].append(layer)
-        return [(b, tuple(ls)) for b, ls in by_id.values()]
+        return tuple((b, tuple(ls)) for b, ls in by_id.values())
+
+    def backend_layers(self) -> list[tuple[AttentionBackend, tuple[int, ...]]]:
+        """Each distinct backend instance with its layers, ordered by its first layer."""
+        return list(self._backend_layers)
 
     # ------------------------------------------------------------------ bytes
 
