@@ -34,11 +34,10 @@ from pydantic import BaseModel
 
 from kvforge.attn_backends import DeepseekV4Backend, GQABackend
 from kvforge.attn_backends.base import AttentionBackend, DeclaredBackend
-from kvforge.cache_controller.block_pool import NULL_BLOCK
 from kvforge.cache_controller.controller import CacheController
 from kvforge.host_cache.swap import move_pages
 from kvforge.platform import Platform, get_platform
-from kvforge.specs import CacheGroup, CacheRole
+from kvforge.specs import CacheGroup, CacheRole, SwapPurpose
 
 __all__ = ["BenchCase", "BenchResult", "default_cases", "run_bench"]
 
@@ -86,20 +85,23 @@ class _SynthBackend(DeclaredBackend):
 
 @dataclass(frozen=True)
 class BenchCase:
-    """A model and the group of it to swap.
+    """A model and what of it to swap.
 
     Attributes:
         name: label in reports.
         backends: layer id -> backend.
-        group: which group's pages to measure (other groups get minimal pools).
-        target_bytes: roughly how many bytes one request should move.
-        requests: how many requests move in one data-path call (as ``swap_out_many`` does);
-            1 measures a single swap.
+        group: the group whose pages are measured through the swap data path
+            (``move_pages``); ``None``: whole requests through ``swap_out_many`` /
+            ``swap_in_many``, every group, hooks and bookkeeping included.
+        target_bytes: with a group, roughly how many bytes one request should move; without,
+            the request length in tokens.
+        requests: how many requests move together, in one data-path call per group (as
+            ``swap_out_many`` does); 1 measures a single swap.
     """
 
     name: str
     backends: Mapping[int, AttentionBackend]
-    group: str
+    group: str | None
     target_bytes: int
     requests: int = 1
 
@@ -123,6 +125,9 @@ def default_cases(quick: bool) -> list[BenchCase]:
     # several requests in one step moves them in one call (throughput).
     batched = ["swa"] if quick else ["swa", "c4_state"]
     cases += [BenchCase(f"dsv4-flash/{g} x16", flash, g, big, requests=16) for g in batched]
+    # One whole request, all four groups through the controller: what an engine waits for.
+    lengths = (4096,) if quick else (1024, 4096, 16384)
+    cases += [BenchCase(f"dsv4-flash/request {n // 1024}k", flash, None, n) for n in lengths]
     sweep = (1_168, 37_376) if quick else (1_168, 8_448, 32_768, 37_376)
     for size in sweep:
         cases.append(
@@ -196,18 +201,16 @@ def _timed(
     return best
 
 
-def _interleaved_requests(ctl: CacheController, case: BenchCase, blocks: int) -> list[str]:
-    """Grow the measured requests and ``"other"`` in turns so their blocks interleave; return
-    the measured request ids."""
-    group = ctl.layout.group(case.group)
-    names = [f"bench{k}" for k in range(case.requests)]
-    for i in range(1, blocks + 1):
+def _grow_interleaved(ctl: CacheController, names: list[str], tokens: int, step: int) -> None:
+    """Grow ``names`` and ``"other"`` in turns, ``step`` tokens at a time, so their blocks
+    interleave as in a live engine."""
+    for end in range(step, tokens + step, step):
         for name in (*names, "other"):
-            ctl.allocate(name, i * group.block_size)
-    return names
+            ctl.allocate(name, min(end, tokens))
 
 
 def _case_blocks(ctl: CacheController, case: BenchCase) -> int:
+    assert case.group is not None
     page = ctl.layout.host_page_bytes(case.group)
     group = ctl.layout.group(case.group)
     blocks = max(4, case.target_bytes // page)
@@ -216,74 +219,128 @@ def _case_blocks(ctl: CacheController, case: BenchCase) -> int:
     return blocks
 
 
+@dataclass
+class _GroupMove:
+    """One group's part of a measured move: the requests' device blocks and host pages."""
+
+    planes: Any
+    host: Any
+    ids: list[int]
+    pages: list[int]
+
+
+def _group_moves(ctl: CacheController, names: list[str], groups: list[str]) -> list[_GroupMove]:
+    """The blocks a swap of ``names`` moves in ``groups``, with host pages taken for them."""
+    host = ctl._host
+    assert host is not None
+    moves = []
+    for g in groups:
+        indices = {r: ctl._selection(r, SwapPurpose.PREEMPT)[g] for r in names}
+        ids = [ctl.block_table(r, g)[i] for r in names for i in indices[r]]
+        if ids:
+            pool = host.groups[g]
+            moves.append(_GroupMove(ctl._planes[g], pool, ids, pool.pool.allocate(len(ids))))
+    return moves
+
+
+def _block_loop(moves: list[_GroupMove], direction: str) -> None:
+    """What engines do today: one copy per block per plane."""
+    for m in moves:
+        sizes = [p.shape[1] for p in m.planes]
+        for b, page in zip(m.ids, m.pages, strict=True):
+            row = m.host.pages[page]
+            for plane, off, size in zip(m.planes, m.host.offsets, sizes, strict=True):
+                if direction == "out":
+                    row[off : off + size].copy_(plane[b], non_blocking=True)
+                else:
+                    plane[b].copy_(row[off : off + size], non_blocking=True)
+
+
 def _measure_case(
     case: BenchCase, platform: Platform, repeats: int, warm_cache: bool
 ) -> list[BenchResult]:
     from kvforge import ops
 
     probe = CacheController(case.backends, device=platform.device)
-    page = probe.layout.host_page_bytes(case.group)
-    blocks = _case_blocks(probe, case)
-    tokens = blocks * probe.layout.group(case.group).block_size
-    # Every request fits in every group; window and state groups stay small.
-    num_blocks = {
-        g.name: (case.requests + 1) * g.max_live_blocks(tokens) + 2 for g in probe.layout.groups
-    }
+    if case.group is not None:
+        blocks = _case_blocks(probe, case)
+        step = probe.layout.group(case.group).block_size
+        tokens = blocks * step
+    else:
+        tokens = case.target_bytes
+        step = max(g.block_size for g in probe.layout.groups)
+    # Every request fits in every group (twice over for whole requests, whose loop baseline
+    # takes its own host pages); window and state groups stay small.
+    copies = case.requests + 1 if case.group is not None else 2 * case.requests + 1
+    num_blocks = {g.name: copies * g.max_live_blocks(tokens) + 2 for g in probe.layout.groups}
     ctl = CacheController(case.backends, device=platform.device)
     ctl.initialize_kv_cache(num_blocks=num_blocks)
     ctl.initialize_host_cache(num_blocks=num_blocks)
-    names = _interleaved_requests(ctl, case, blocks)
+    names = [f"bench{k}" for k in range(case.requests)]
+    _grow_interleaved(ctl, names, tokens, step)
 
-    # The swap data path of one group, on the requests' real (interleaved) blocks, all of
-    # them in one call as swap_out_many moves them.
-    planes = ctl._planes[case.group]
-    host = ctl._host.groups[case.group]  # type: ignore[union-attr]
-    ids = [b for r in names for b in ctl.block_table(r, case.group) if b != NULL_BLOCK]
-    pages = host.pool.allocate(len(ids))
-    moved, nbytes = len(ids), len(ids) * page
+    src_dst: list[torch.Tensor] = []
+    flush: Callable[[], None] | None = None
+    cache = "warm"
+
+    def prepare(nbytes: int) -> None:
+        nonlocal flush, cache
+        src = platform.empty((nbytes,), torch.uint8)
+        dst = platform.empty_host((nbytes,), torch.uint8)
+        # Touch both first: an untouched CPU buffer reads as the kernel's shared zero page,
+        # which would make the baseline a copy out of one cached 4 KiB page.
+        src.fill_(0x5A)
+        dst.fill_(0xA5)
+        src_dst[:] = [src, dst]
+        buffers = [*ctl.kv_caches, *(p.pages for p in ctl._host.groups.values()), src, dst]  # type: ignore[union-attr]
+        if not warm_cache:
+            flush, cache = cache_flusher(platform, buffers)
+
     keep: list[torch.Tensor] = []
-    streams = ctl._streams
+    if case.group is not None:
+        # The swap data path of one group, on the requests' real (interleaved) blocks, all of
+        # them in one call as swap_out_many moves them.
+        [move] = _group_moves(ctl, names, [case.group])
+        nbytes = len(move.ids) * move.host.page_bytes
+        prepare(nbytes)
+        streams = ctl._streams
 
-    def swap_out() -> None:
-        move_pages("out", platform, streams, planes, ids, host.pages, pages, keep)
+        def swap_out() -> None:
+            move_pages(
+                "out", platform, streams, move.planes, move.ids, move.host.pages, move.pages, keep
+            )
 
-    def swap_in() -> None:
-        move_pages("in", platform, streams, planes, ids, host.pages, pages, keep)
+        def swap_in() -> None:
+            move_pages(
+                "in", platform, streams, move.planes, move.ids, move.host.pages, move.pages, keep
+            )
 
-    swap_out()  # warm-up: kernel compilation, first touch of pages
-    swap_in()
-    src = platform.empty((nbytes,), torch.uint8)
-    dst = platform.empty_host((nbytes,), torch.uint8)
-    # Touch both first: an untouched CPU buffer reads as the kernel's shared zero page, which
-    # would make the baseline a copy out of one cached 4 KiB page.
-    src.fill_(0x5A)
-    dst.fill_(0xA5)
-    buffers = [*planes, host.pages, src, dst]
-    flush, cache = (None, "warm") if warm_cache else cache_flusher(platform, buffers)
-
-    t_out = _timed(platform, swap_out, repeats, flush)
-    t_in = _timed(platform, swap_in, repeats, flush)
+        swap_out()  # warm-up: kernel compilation, first touch of pages
+        swap_in()
+        t_out = _timed(platform, swap_out, repeats, flush)
+        t_in = _timed(platform, swap_in, repeats, flush)
+        moves = [move]
+    else:
+        handles = ctl.swap_out_many(names)  # warm-up, and the bytes a swap moves
+        nbytes = sum(h.bytes_moved for h in handles)
+        ctl.swap_in_many(names)
+        prepare(nbytes)
+        t_out = t_in = float("inf")
+        for _ in range(repeats):  # out and in alternate: each needs the other's result
+            t_out = min(t_out, _timed(platform, lambda: ctl.swap_out_many(names), 1, flush))
+            t_in = min(t_in, _timed(platform, lambda: ctl.swap_in_many(names), 1, flush))
+        moves = _group_moves(ctl, names, [g.name for g in ctl.layout.groups])
     keep.clear()
+    src, dst = src_dst
     t_memcpy_out = _timed(platform, lambda: dst.copy_(src, non_blocking=True), repeats, flush)
     t_memcpy_in = _timed(platform, lambda: src.copy_(dst, non_blocking=True), repeats, flush)
-
-    offsets = host.offsets
-    sizes = [p.shape[1] for p in planes]
-
-    def loop_out() -> None:
-        for i, b in enumerate(ids):
-            row = host.pages[pages[i]]
-            for plane, off, size in zip(planes, offsets, sizes, strict=True):
-                row[off : off + size].copy_(plane[b], non_blocking=True)
-
-    def loop_in() -> None:
-        for i, b in enumerate(ids):
-            row = host.pages[pages[i]]
-            for plane, off, size in zip(planes, offsets, sizes, strict=True):
-                plane[b].copy_(row[off : off + size], non_blocking=True)
-
-    t_loop_out = _timed(platform, loop_out, max(1, repeats // 2), flush)
-    t_loop_in = _timed(platform, loop_in, max(1, repeats // 2), flush)
+    reps = max(1, repeats // 2)
+    t_loop_out = _timed(platform, lambda: _block_loop(moves, "out"), reps, flush)
+    t_loop_in = _timed(platform, lambda: _block_loop(moves, "in"), reps, flush)
+    sizes = [p.shape[1] for m in moves for p in m.planes]
+    page = max(m.host.page_bytes for m in moves)
+    moved = sum(len(m.ids) for m in moves)
+    num_planes = len(sizes)
     impl = ops.resolve_impl("auto", platform.device)
     ctl.free()
 
@@ -303,7 +360,7 @@ def _measure_case(
                 impl=impl,
                 page_bytes=page,
                 min_plane_bytes=min(sizes),
-                num_planes=len(planes),
+                num_planes=num_planes,
                 requests=case.requests,
                 blocks=moved,
                 bytes=nbytes,

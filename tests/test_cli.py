@@ -150,6 +150,31 @@ def test_bench_batched_requests():
         assert (r.requests, r.blocks, r.bytes) == (3, 24, 24 * 2 * 1_168)
 
 
+def test_bench_whole_requests():
+    from kvforge import DeepseekV4Backend
+    from kvforge.bench import BenchCase, run_bench
+
+    # two small V4 requests of 300 tokens through swap_out_many / swap_in_many, every group
+    small = {
+        i: DeepseekV4Backend(r, head_dim=64, qk_rope_head_dim=16, index_head_dim=16)
+        for i, r in enumerate((0, 4, 128))
+    }
+    case = BenchCase("request", small, None, 300, requests=2)
+    results = run_bench(cases=[case], repeats=1, progress=False, device="cpu")
+    from kvforge import CacheController
+
+    ctl = CacheController(small)
+    ctl.initialize_kv_cache(num_blocks=60)
+    ctl.initialize_host_cache(num_blocks=60)
+    for r in ("a", "b"):
+        ctl.allocate(r, 300)
+    expected = sum(h.bytes_moved for h in ctl.swap_out_many(["a", "b"]))
+    for r in results:
+        assert (r.requests, r.bytes) == (2, expected)
+        assert r.num_planes == sum(len(ctl.layout.offload_entries(g)) for g in ctl.groups)
+        assert r.gbps > 0 and r.loop_gbps > 0
+
+
 def test_bench_cache_state(monkeypatch):
     from kvforge import bench
     from kvforge.platform import get_platform
