@@ -147,14 +147,11 @@ class TransferPlan:
     """What a validated gather/scatter call moves. Read-only by convention (not ``frozen``:
     a frozen dataclass costs a few microseconds more per call, and one is built per call).
 
+    ``device``, ``block_bytes``, ``row_offsets`` and ``row_bytes`` are those of ``planes``.
+
     Attributes:
         planes: the validated planes.
-        device: the device of every plane (and of ``out`` / ``src``).
         n: number of rows moved, ``len(block_ids)``.
-        block_bytes: ``block_bytes[p] == planes[p].shape[1]``, one entry per plane.
-        row_offsets: ``row_offsets[p]`` is the byte offset of plane ``p`` inside a row
-            (exclusive prefix sum of ``block_bytes``).
-        row_bytes: ``sum(block_bytes)``, the width of one row of ``out`` / ``src``.
         ids: ``block_ids`` as a contiguous ``numpy.int64`` array ``[n]`` in host memory.
         row_ids: ``None`` when transfer row ``i`` is row ``i`` of ``out`` / ``src``; else a
             ``numpy.int64`` array ``[n]``: transfer row ``i`` is row ``row_ids[i]``.
@@ -165,16 +162,30 @@ class TransferPlan:
     """
 
     planes: PlaneSet
-    device: torch.device
     n: int
-    block_bytes: tuple[int, ...]
-    row_offsets: tuple[int, ...]
-    row_bytes: int
     ids: np.ndarray
     row_ids: np.ndarray | None
     ids_on_device: torch.Tensor | None
     all_valid: bool
     num_valid: int
+
+    @property
+    def device(self) -> torch.device:
+        """The device of every plane (and of ``out`` / ``src``)."""
+        return self.planes.device
+
+    @property
+    def block_bytes(self) -> tuple[int, ...]:
+        return self.planes.block_bytes
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        return self.planes.row_offsets
+
+    @property
+    def row_bytes(self) -> int:
+        """The width of one row of ``out`` / ``src``."""
+        return self.planes.row_bytes
 
     @property
     def ids_cpu(self) -> torch.Tensor:
@@ -514,11 +525,7 @@ def validate(
         _check_row_ids(rows_ids, n, int(rows.shape[0]), rows_name, op)
     return TransferPlan(
         planes=plane_set,
-        device=device,
         n=n,
-        block_bytes=plane_set.block_bytes,
-        row_offsets=plane_set.row_offsets,
-        row_bytes=plane_set.row_bytes,
         ids=ids,
         row_ids=rows_ids,
         ids_on_device=block_ids if ids_are_on_device else None,  # type: ignore[arg-type]
