@@ -394,11 +394,7 @@ def _check_row_ids(row_ids: np.ndarray, n: int, num_rows: int, rows_name: str, o
         raise ValueError(f"row_ids has {row_ids.shape[0]} entries; expected {n} (one per block id)")
     if n == 0:
         return
-    values: list[int] | None = row_ids.tolist() if n <= _SMALL_N else None
-    if values is not None:
-        lo, hi = min(values), max(values)
-    else:
-        lo, hi = int(row_ids.min()), int(row_ids.max())
+    values, lo, hi = _values_and_bounds(row_ids)
     if lo < 0 or hi >= num_rows:
         i = int(np.argmax((row_ids < 0) | (row_ids >= num_rows)))
         raise ValueError(
@@ -406,10 +402,27 @@ def _check_row_ids(row_ids: np.ndarray, n: int, num_rows: int, rows_name: str, o
         )
     if op != "gather_blocks" or n == 1:
         return
-    has_dup = len(set(values)) != n if values is not None else _has_duplicates(row_ids, num_rows)
-    if has_dup:
+    if _repeats(values, row_ids, num_rows):
         v, a, b = _first_duplicate(row_ids.tolist())  # type: ignore[misc]
         raise ValueError(f"row_ids has duplicate destination row {v} (entries {a} and {b}) in {op}")
+
+
+def _values_and_bounds(arr: np.ndarray) -> tuple[list[int] | None, int, int]:
+    """``(values, min, max)`` of a non-empty id array; ``values`` is the array as a Python
+    list when it holds at most :data:`_SMALL_N` ids (cheaper than numpy calls then), else
+    ``None``."""
+    if arr.shape[0] <= _SMALL_N:
+        values = arr.tolist()
+        return values, min(values), max(values)
+    return None, int(arr.min()), int(arr.max())
+
+
+def _repeats(values: list[int] | None, arr: np.ndarray, bound: int) -> bool:
+    """Whether ids in ``[0, bound)`` repeat a value: a set over ``values`` when they came as a
+    list (see :func:`_values_and_bounds`), else :func:`_has_duplicates` over ``arr``."""
+    if values is not None:
+        return len(set(values)) != len(values)
+    return arr.shape[0] > 1 and _has_duplicates(arr, bound)
 
 
 def _has_duplicates(valid: np.ndarray, bound: int) -> bool:
@@ -448,8 +461,7 @@ def _check_id_values(arr: np.ndarray, planes: PlaneSet, scatter: bool, op: str) 
     n = int(arr.shape[0])
     if n == 0:
         return 0
-    values: list[int] | None = arr.tolist() if n <= _SMALL_N else None
-    lo, hi = (min(values), max(values)) if values is not None else (int(arr.min()), int(arr.max()))
+    values, lo, hi = _values_and_bounds(arr)
     if lo < -1:
         i = int(np.argmax(arr < -1))
         raise ValueError(
@@ -464,15 +476,11 @@ def _check_id_values(arr: np.ndarray, planes: PlaneSet, scatter: bool, op: str) 
             f"block_ids[{i}] = {value} is out of range for planes[{p}] with "
             f"{planes.num_blocks[p]} blocks"
         )
-    if values is not None:
-        valid_list = [v for v in values if v >= 0] if lo < 0 else values
-        num_valid = len(valid_list)
-        has_dup = scatter and len(set(valid_list)) != num_valid
-    else:
-        valid = arr[arr >= 0] if lo < 0 else arr
-        num_valid = int(valid.shape[0])
-        has_dup = scatter and num_valid > 1 and _has_duplicates(valid, min_blocks)
-    if has_dup:
+    valid = arr[arr >= 0] if lo < 0 else arr
+    num_valid = int(valid.shape[0])
+    if values is not None and lo < 0:
+        values = [v for v in values if v >= 0]
+    if scatter and _repeats(values, valid, min_blocks):
         v, a, b = _first_duplicate(arr.tolist())  # type: ignore[misc]
         raise ValueError(f"block_ids has duplicate destination id {v} (rows {a} and {b}) in {op}")
     return num_valid
