@@ -21,6 +21,7 @@ last touched long before.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -35,7 +36,9 @@ from pydantic import BaseModel
 from kvforge.attn_backends import DeepseekV4Backend, GQABackend
 from kvforge.attn_backends.base import AttentionBackend, DeclaredBackend
 from kvforge.cache_controller.controller import CacheController
+from kvforge.host_cache.host_pool import HostGroupPool
 from kvforge.host_cache.swap import move_pages
+from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
 from kvforge.specs import CacheGroup, CacheRole, SwapPurpose
 
@@ -223,8 +226,8 @@ def _case_blocks(ctl: CacheController, case: BenchCase) -> int:
 class _GroupMove:
     """One group's part of a measured move: the requests' device blocks and host pages."""
 
-    planes: Any
-    host: Any
+    planes: PlaneSet
+    host: HostGroupPool
     ids: list[int]
     pages: list[int]
 
@@ -269,8 +272,8 @@ def _measure_case(
     else:
         tokens = case.target_bytes
         step = max(g.block_size for g in probe.layout.groups)
-    # Every request fits in every group (twice over for whole requests, whose loop baseline
-    # takes its own host pages); window and state groups stay small.
+    # Every request fits in every group; window and state groups stay small. Whole-request
+    # swaps take host pages of their own besides those of the loop baseline: twice as many.
     copies = case.requests + 1 if case.group is not None else 2 * case.requests + 1
     num_blocks = {g.name: copies * g.max_live_blocks(tokens) + 2 for g in probe.layout.groups}
     ctl = CacheController(case.backends, device=platform.device)
@@ -279,59 +282,41 @@ def _measure_case(
     names = [f"bench{k}" for k in range(case.requests)]
     _grow_interleaved(ctl, names, tokens, step)
 
-    src_dst: list[torch.Tensor] = []
-    flush: Callable[[], None] | None = None
-    cache = "warm"
-
-    def prepare(nbytes: int) -> None:
-        nonlocal flush, cache
-        src = platform.empty((nbytes,), torch.uint8)
-        dst = platform.empty_host((nbytes,), torch.uint8)
-        # Touch both first: an untouched CPU buffer reads as the kernel's shared zero page,
-        # which would make the baseline a copy out of one cached 4 KiB page.
-        src.fill_(0x5A)
-        dst.fill_(0xA5)
-        src_dst[:] = [src, dst]
-        buffers = [*ctl.kv_caches, *(p.pages for p in ctl._host.groups.values()), src, dst]  # type: ignore[union-attr]
-        if not warm_cache:
-            flush, cache = cache_flusher(platform, buffers)
+    # What one swap of the requests moves, per group, with host pages of its own for the
+    # data-path cases and for the per-block loop baseline.
+    groups = [case.group] if case.group is not None else [g.name for g in ctl.layout.groups]
+    moves = _group_moves(ctl, names, groups)
+    nbytes = sum(len(m.ids) * m.host.page_bytes for m in moves)
+    src = platform.empty((nbytes,), torch.uint8)
+    dst = platform.empty_host((nbytes,), torch.uint8)
+    # Touch both first: an untouched CPU buffer reads as the kernel's shared zero page, which
+    # would make the baseline a copy out of one cached 4 KiB page.
+    src.fill_(0x5A)
+    dst.fill_(0xA5)
+    host_pages = [p.pages for p in ctl._host.groups.values()]  # type: ignore[union-attr]
+    buffers = [*ctl.kv_caches, *host_pages, src, dst]
+    flush, cache = (None, "warm") if warm_cache else cache_flusher(platform, buffers)
 
     keep: list[torch.Tensor] = []
     if case.group is not None:
         # The swap data path of one group, on the requests' real (interleaved) blocks, all of
         # them in one call as swap_out_many moves them.
-        [move] = _group_moves(ctl, names, [case.group])
-        nbytes = len(move.ids) * move.host.page_bytes
-        prepare(nbytes)
-        streams = ctl._streams
-
-        def swap_out() -> None:
-            move_pages(
-                "out", platform, streams, move.planes, move.ids, move.host.pages, move.pages, keep
-            )
-
-        def swap_in() -> None:
-            move_pages(
-                "in", platform, streams, move.planes, move.ids, move.host.pages, move.pages, keep
-            )
-
+        [m] = moves
+        args = (platform, ctl._streams, m.planes, m.ids, m.host.pages, m.pages, keep)
+        swap_out = functools.partial(move_pages, "out", *args)
+        swap_in = functools.partial(move_pages, "in", *args)
         swap_out()  # warm-up: kernel compilation, first touch of pages
         swap_in()
         t_out = _timed(platform, swap_out, repeats, flush)
         t_in = _timed(platform, swap_in, repeats, flush)
-        moves = [move]
     else:
-        handles = ctl.swap_out_many(names)  # warm-up, and the bytes a swap moves
-        nbytes = sum(h.bytes_moved for h in handles)
+        ctl.swap_out_many(names)  # warm-up
         ctl.swap_in_many(names)
-        prepare(nbytes)
         t_out = t_in = float("inf")
         for _ in range(repeats):  # out and in alternate: each needs the other's result
             t_out = min(t_out, _timed(platform, lambda: ctl.swap_out_many(names), 1, flush))
             t_in = min(t_in, _timed(platform, lambda: ctl.swap_in_many(names), 1, flush))
-        moves = _group_moves(ctl, names, [g.name for g in ctl.layout.groups])
     keep.clear()
-    src, dst = src_dst
     t_memcpy_out = _timed(platform, lambda: dst.copy_(src, non_blocking=True), repeats, flush)
     t_memcpy_in = _timed(platform, lambda: src.copy_(dst, non_blocking=True), repeats, flush)
     reps = max(1, repeats // 2)
