@@ -115,8 +115,6 @@ class CacheController:
         self._caches: list[torch.Tensor] | None = None
         # group -> its offloadable planes, validated once (groups with none never move)
         self._planes: dict[str, PlaneSet] = {}
-        # layers of a backend -> ((role, layer), index) of their caches, for swap contexts
-        self._context_entries: dict[tuple[int, ...], list[tuple[tuple[str, int], int]]] = {}
         self._names: list[str] = [
             self.namer.name(e.role.name, e.layer) for e in self.layout.entries
         ]
@@ -470,17 +468,12 @@ class CacheController:
         device_blocks: dict[str, list[int]],
     ) -> SwapContext:
         caches = self._ready_caches()
-        entries = self._context_entries.get(layers)
-        if entries is None:  # the same few layer sets on every swap: look them up once
-            members = set(layers)
-            entries = [(e.key, e.index) for e in self.layout.entries if e.layer in members]
-            self._context_entries[layers] = entries
         return SwapContext(
             request_id=request_id,
             num_tokens=num_tokens,
             purpose=purpose,
             layer_ids=layers,
-            caches={key: caches[index] for key, index in entries},
+            caches={e.key: caches[e.index] for e in self.layout.entries_of_layers(layers)},
             device_blocks=device_blocks,
         )
 

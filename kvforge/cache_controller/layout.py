@@ -116,6 +116,7 @@ class CacheLayout:
                 ordered.append(e.group)
         self.groups: tuple[CacheGroup, ...] = tuple(ordered)
         self._index = {e.key: e for e in self.entries}
+        self._entries_by_layers: dict[tuple[int, ...], tuple[CacheEntry, ...]] = {}
 
     # ------------------------------------------------------------------ lookups
 
@@ -145,6 +146,15 @@ class CacheLayout:
     def entries_of(self, group: str) -> tuple[CacheEntry, ...]:
         """Buffers of ``group`` in list order."""
         return tuple(e for e in self.entries if e.group.name == group)
+
+    def entries_of_layers(self, layers: tuple[int, ...]) -> tuple[CacheEntry, ...]:
+        """Buffers of ``layers`` in list order (a backend's layers, asked on every swap)."""
+        found = self._entries_by_layers.get(layers)
+        if found is None:
+            members = set(layers)
+            found = tuple(e for e in self.entries if e.layer in members)
+            self._entries_by_layers[layers] = found
+        return found
 
     @cached_property
     def _offload_entries(self) -> dict[str, tuple[CacheEntry, ...]]:
