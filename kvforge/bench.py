@@ -293,8 +293,12 @@ def _measure_case(
     # would make the baseline a copy out of one cached 4 KiB page.
     src.fill_(0x5A)
     dst.fill_(0xA5)
-    host_pages = [p.pages for p in ctl._host.groups.values()]  # type: ignore[union-attr]
-    buffers = [*ctl.kv_caches, *host_pages, src, dst]
+    if case.group is not None:  # exactly the moved bytes: each block of each plane, each page
+        buffers = [p[b] for m in moves for p in m.planes for b in m.ids]
+        buffers += [m.host.pages[page] for m in moves for page in m.pages]
+    else:  # the blocks a whole-request swap picks are known only once it runs: every pool
+        buffers = [*ctl.kv_caches, *(p.pages for p in ctl._host.groups.values())]  # type: ignore[union-attr]
+    buffers += [src, dst]
     flush, cache = (None, "warm") if warm_cache else cache_flusher(platform, buffers)
 
     keep: list[torch.Tensor] = []

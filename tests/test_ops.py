@@ -217,6 +217,23 @@ def test_cpu_streaming_stores(monkeypatch, row_shift):
     ops.scatter_blocks(planes, sids, src, impl="cpu")
     assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes, strict=True))
 
+    # Through row ids (the swap path): each streamed piece prefetches the start of the next
+    # one, which here lives in another row, after a skipped (-1) entry or in another plane.
+    rows = np.array([3, 0, 4, 1], dtype=np.int64)
+    gids = np.array([2, -1, 5, 0], dtype=np.int64)
+    packed = loop_gather(
+        planes, ids_of(gids.tolist()), torch.zeros(4, row_bytes, dtype=torch.uint8)
+    )
+    out = rand_bytes((5, row_bytes), 5)
+    expected = out.clone()
+    expected[rows[[0, 2, 3]]] = packed[[0, 2, 3]]
+    ops.gather_blocks(planes, gids, out, impl="cpu", row_ids=rows)
+    assert torch.equal(out, expected)
+    src = rand_bytes((5, row_bytes), 6)
+    expected_planes = loop_scatter(planes, ids_of(gids.tolist()), src[rows])
+    ops.scatter_blocks(planes, gids, src, impl="cpu", row_ids=rows)
+    assert all(torch.equal(a, b) for a, b in zip(planes, expected_planes, strict=True))
+
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_row_ids_pick_buffer_rows(impl):

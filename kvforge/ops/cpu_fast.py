@@ -62,6 +62,12 @@ PARALLEL_MIN_BYTES = 4 << 20
 #: (44 planes of 37,376 B): streaming is equal at 1.6 MiB, 2.6x faster at 3 MiB and 1.5x
 #: faster from 6 MiB up; a large contiguous ``memcpy`` streams as well.
 STREAM_MIN_BYTES = 1 << 20
+#: Streaming copies prefetch their source this many bytes ahead, and the first this many bytes
+#: of the next (row, plane) piece before each piece. A swap reads many pieces of 8-37 KiB from
+#: scattered blocks; the hardware prefetcher retrains at every piece, and without the hint a
+#: gather of one request's window (44 pieces of 37,376 B, cold) ran about 15% slower than a
+#: contiguous copy of its bytes on 2 cores. 256-1,536 B measured within noise of each other.
+PREFETCH_BYTES = 512
 #: Each extra thread gets at least this many bytes.
 MIN_BYTES_PER_THREAD = 2 << 20
 #: Work is cut into about this many chunks per thread, handed out first come first served...
@@ -108,6 +114,24 @@ def _stream_line(typingctx, dst, src):  # pragma: no cover - compiled by numba
 
 
 @intrinsic
+def _prefetch(typingctx, addr):  # pragma: no cover - compiled by numba
+    """Hint that the line holding ``addr`` is read soon (``llvm.prefetch``: read, no temporal
+    locality, data cache): x86 ``prefetchnta``, AArch64 ``prfm pldl1strm``. Never faults."""
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        read, no_locality, data = (ir.Constant(i32, v) for v in (0, 0, 1))
+        builder.call(fn, [builder.inttoptr(args[0], i8p), read, no_locality, data])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _store_fence(typingctx):  # pragma: no cover - compiled by numba
     """A sequentially consistent fence: makes non-temporal stores visible to other threads."""
 
@@ -121,44 +145,67 @@ def _store_fence(typingctx):  # pragma: no cover - compiled by numba
 @njit(nogil=True, cache=True)
 def _stream_copy(dst, src, nbytes):  # pragma: no cover - compiled by numba
     """``memcpy`` that writes around the cache: aligned head and tail by ``memcpy``, body by
-    :func:`_stream_line`. The caller issues :func:`_store_fence` once it is done."""
+    :func:`_stream_line`, reading :data:`PREFETCH_BYTES` ahead. The caller issues
+    :func:`_store_fence` once it is done."""
     head = min((-dst) & 31, nbytes)
     if head:
         _memcpy(dst, src, head)
     done = head
     while nbytes - done >= 64:
+        if done + PREFETCH_BYTES < nbytes:
+            _prefetch(src + done + PREFETCH_BYTES)
         _stream_line(dst + done, src + done)
         done += 64
     if nbytes > done:
         _memcpy(dst + done, src + done, nbytes - done)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _item(table, ids, row_ids, indirect, rows_addr, row_bytes, w, scatter):  # pragma: no cover
+    """Work item ``w`` as ``(dst, src, nbytes)``; ``nbytes == 0`` when its block id is -1.
+
+    Item ``w`` is (transfer row ``i = w // P``, plane ``p = w % P``). ``table`` is ``int64
+    [3 * P]``: plane base addresses | block bytes | row offsets. Transfer row ``i`` is buffer
+    row ``row_ids[i]`` if ``indirect``, else ``i``.
+    """
+    num_planes = table.shape[0] // 3
+    i = w // num_planes
+    p = w - i * num_planes
+    b = ids[i]
+    if b < 0:
+        return 0, 0, 0
+    nbytes = table[num_planes + p]
+    block = table[p] + b * nbytes
+    r = row_ids[i] if indirect else i
+    row = rows_addr + r * row_bytes + table[2 * num_planes + p]
+    if scatter:
+        return block, row, nbytes
+    return row, block, nbytes
+
+
 @njit(nogil=True, cache=True)
 def _move_range(  # pragma: no cover - compiled by numba
     table, ids, row_ids, indirect, rows_addr, row_bytes, lo, hi, scatter, stream
 ):
-    """Move work items ``[lo, hi)``; item ``w`` is (transfer row ``w // P``, plane ``w % P``).
-
-    ``table`` is ``int64 [3 * P]``: plane base addresses | block bytes | row offsets. Transfer
-    row ``i`` is buffer row ``row_ids[i]`` if ``indirect``, else ``i``. With ``stream`` the
-    destination is written with non-temporal stores (see :data:`STREAM_MIN_BYTES`).
-    """
-    num_planes = table.shape[0] // 3
+    """Move work items ``[lo, hi)`` (see :func:`_item`). With ``stream`` the destination is
+    written with non-temporal stores (see :data:`STREAM_MIN_BYTES`), and the start of each
+    next item's source is prefetched while the current one copies."""
     for w in range(lo, hi):
-        i = w // num_planes
-        p = w - i * num_planes
-        b = ids[i]
-        if b < 0:
+        dst, src, nbytes = _item(table, ids, row_ids, indirect, rows_addr, row_bytes, w, scatter)
+        if nbytes == 0:
             continue
-        nbytes = table[num_planes + p]
-        block = table[p] + b * nbytes
-        r = row_ids[i] if indirect else i
-        row = rows_addr + r * row_bytes + table[2 * num_planes + p]
-        dst, src = (block, row) if scatter else (row, block)
-        if stream:
-            _stream_copy(dst, src, nbytes)
-        else:
+        if not stream:
             _memcpy(dst, src, nbytes)
+            continue
+        if w + 1 < hi:
+            _, ahead, ahead_bytes = _item(
+                table, ids, row_ids, indirect, rows_addr, row_bytes, w + 1, scatter
+            )
+            k = 0
+            while k < min(ahead_bytes, PREFETCH_BYTES):
+                _prefetch(ahead + k)
+                k += 64
+        _stream_copy(dst, src, nbytes)
     if stream:
         _store_fence()
 
