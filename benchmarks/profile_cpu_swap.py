@@ -7,8 +7,9 @@ Times, on this machine:
   of 44 planes, and of ``validate`` alone;
 - the selection step of a DeepSeek-V4-Flash swap (``CacheController._selection``);
 - handing one task to the kernel's worker pool, warm and after 10 ms idle;
-- one request's ``swa`` and ``c4_state`` transfer against a one-thread and a two-thread
-  contiguous ``copy_`` of the same bytes, with the moved bytes evicted first (x86-64).
+- one request's ``swa`` and ``c4_state`` transfer (and the kernel alone, validation and
+  dispatch left out) against a one-thread and a two-thread contiguous ``copy_`` of the same
+  bytes, with exactly the moved bytes evicted first (x86-64).
 
 Usage::
 
@@ -96,13 +97,20 @@ def small_transfers(flash: dict) -> None:
         args = ("out", ctl.platform, None, m.planes, m.ids, m.host.pages, m.pages, [])
         move_pages(*args)
         ours = best_us(lambda a_=args: move_pages(*a_), 15, evict)
+        plan = _common.validate(
+            m.planes, np.array(m.ids), m.host.pages, "out", "gather_blocks", np.array(m.pages)
+        )
+        kernel = best_us(
+            lambda p=plan, m_=m: cpu_fast.gather_blocks_cpu(m_.planes, p, m_.host.pages), 15, evict
+        )
         two = best_us(lambda s=a, d=b: d.copy_(s), 15, evict)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         one = best_us(lambda s=a, d=b: d.copy_(s), 15, evict)
         torch.set_num_threads(threads)
         print(
-            f"{group} of one request, {nbytes / 2**20:.2f} MiB: ours {ours:.0f} us, copy_ "
+            f"{group} of one request, {nbytes / 2**20:.2f} MiB: ours {ours:.0f} us (kernel "
+            f"{kernel:.0f} us), copy_ "
             f"{one:.0f} us on 1 thread ({one / ours:.2f}), {two:.0f} us on {threads} "
             f"({two / ours:.2f})"
         )
