@@ -5,7 +5,8 @@ Why: torch indexing needs two passes for a gather into column slices of page-fir
 contiguous copy. Here each (row, plane) piece is one ``memcpy`` of ``block_bytes_p`` bytes
 straight from the plane block to its place in the row (or back). A call moving at least
 :data:`STREAM_MIN_BYTES` writes with non-temporal (cache-bypassing) stores instead, as a large
-contiguous ``memcpy`` does; smaller calls use libc ``memcpy``. See ``benchmarks/bench_ops.py``
+contiguous ``memcpy`` does, and prefetches its source (:data:`PREFETCH_BYTES`); smaller calls
+use libc ``memcpy``. See ``benchmarks/bench_ops.py``
 and ``docs/performance.md`` for measured ratios.
 
 Work items are the (row, plane) pairs in row-major order. A call moving at least
