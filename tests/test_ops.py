@@ -650,58 +650,41 @@ def test_planes_errors(fn):
     )
 
 
-@pytest.mark.parametrize("fn", BOTH)
-def test_block_ids_errors(fn):
-    planes = make_planes([40, 80], 16)
-    rows = rand_bytes((2, 120), 1)
-    assert_rejected(
-        fn,
-        planes,
+BAD_BLOCK_IDS = [
+    (
         torch.tensor([0, 1], dtype=torch.int32),
-        rows,
         TypeError,
         "block_ids has dtype torch.int32; expected torch.int64",
-    )
-    assert_rejected(
-        fn,
-        planes,
+    ),
+    (
         torch.zeros(2, 1, dtype=torch.int64),
-        rows,
         ValueError,
         "block_ids has shape (2, 1); expected 1-D [n]",
-    )
-    assert_rejected(
-        fn,
-        planes,
+    ),
+    (
         [0, 1],
-        rows,
         TypeError,
         "block_ids is list; expected a 1-D torch.int64 tensor (or numpy int64 array)",
-    )
-    assert_rejected(
-        fn,
-        planes,
+    ),
+    (
         np.array([0, 1], dtype=np.int32),
-        rows,
         TypeError,
         "block_ids has dtype numpy.int32; expected int64",
-    )
-    assert_rejected(
-        fn,
-        planes,
-        np.zeros((2, 1), dtype=np.int64),
-        rows,
-        ValueError,
-        "block_ids has shape (2, 1); expected 1-D [n]",
-    )
-    assert_rejected(
-        fn,
-        planes,
+    ),
+    (np.zeros((2, 1), dtype=np.int64), ValueError, "block_ids has shape (2, 1); expected 1-D [n]"),
+    (
         torch.zeros(2, dtype=torch.int64, device="meta"),
-        rows,
         ValueError,
         "block_ids is on meta; expected cpu or the planes' device cpu",
-    )
+    ),
+]
+
+
+@pytest.mark.parametrize("fn", BOTH)
+@pytest.mark.parametrize(("ids", "exc", "message"), BAD_BLOCK_IDS)
+def test_block_ids_errors(fn, ids, exc, message):
+    planes = make_planes([40, 80], 16)
+    assert_rejected(fn, planes, ids, rand_bytes((2, 120), 1), exc, message)
 
 
 @pytest.mark.parametrize("fn", BOTH)
