@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvforge import CacheController, SwapPurpose, ops
-from kvforge.bench import _flash_backends, _group_moves, _grow_interleaved
+from kvforge.bench import _flash_backends, _group_moves, _grow_interleaved, _moved_bytes
 from kvforge.host_cache.swap import move_pages
 from kvforge.ops import _common, cpu_fast
 
@@ -88,8 +88,7 @@ def small_transfers(flash: dict) -> None:
         b = torch.full((nbytes,), 2, dtype=torch.uint8)
         # exactly the moved bytes, as kvforge bench does: evicting whole pools takes long
         # enough that the code path goes cold too
-        buffers = [p[b] for p in m.planes for b in m.ids]
-        buffers += [m.host.pages[page] for page in m.pages] + [a, b]
+        buffers = [*_moved_bytes([m]), a, b]
 
         def evict(bufs: list[torch.Tensor] = buffers) -> None:
             cpu_fast.evict_from_caches(bufs)

@@ -246,6 +246,13 @@ def _group_moves(ctl: CacheController, names: list[str], groups: list[str]) -> l
     return moves
 
 
+def _moved_bytes(moves: list[_GroupMove]) -> list[torch.Tensor]:
+    """Exactly the bytes ``moves`` read and write: each moved block of each plane and each
+    host page they use, as contiguous views (what a "cold data" flush evicts)."""
+    views = [p[b] for m in moves for p in m.planes for b in m.ids]
+    return views + [m.host.pages[page] for m in moves for page in m.pages]
+
+
 def _block_loop(moves: list[_GroupMove], direction: str) -> None:
     """What engines do today: one copy per block per plane."""
     for m in moves:
@@ -293,9 +300,8 @@ def _measure_case(
     # would make the baseline a copy out of one cached 4 KiB page.
     src.fill_(0x5A)
     dst.fill_(0xA5)
-    if case.group is not None:  # exactly the moved bytes: each block of each plane, each page
-        buffers = [p[b] for m in moves for p in m.planes for b in m.ids]
-        buffers += [m.host.pages[page] for m in moves for page in m.pages]
+    if case.group is not None:
+        buffers = _moved_bytes(moves)
     else:  # the blocks a whole-request swap picks are known only once it runs: every pool
         buffers = [*ctl.kv_caches, *(p.pages for p in ctl._host.groups.values())]  # type: ignore[union-attr]
     buffers += [src, dst]

@@ -202,6 +202,24 @@ def test_bench_cache_state(monkeypatch):
         fast.evict_from_caches(buffers)
 
 
+def test_bench_moved_bytes_are_exactly_the_moved_blocks_and_pages():
+    from kvforge import CacheController, bench
+
+    # two planes of 64 and 16 bytes per block; a request of 3 blocks, interleaved with another
+    backends = {0: bench._SynthBackend(64), 1: bench._SynthBackend(16)}
+    ctl = CacheController(backends)
+    ctl.initialize_kv_cache(num_blocks=10)
+    ctl.initialize_host_cache(num_blocks=10)
+    bench._grow_interleaved(ctl, ["r"], 3 * ctl.layout.group("kv").block_size, 1)
+    [move] = bench._group_moves(ctl, ["r"], ["kv"])
+    views = bench._moved_bytes([move])
+    want = [(p.data_ptr() + b * p.shape[1], p.shape[1]) for p in move.planes for b in move.ids]
+    page = move.host.page_bytes
+    want += [(move.host.pages.data_ptr() + i * page, page) for i in move.pages]
+    assert [(v.data_ptr(), v.numel()) for v in views] == want
+    assert all(v.is_contiguous() for v in views) and len(move.ids) == 3
+
+
 def test_bench_command_quick_json(tmp_path, monkeypatch, capsys):
     from kvforge import bench
 
