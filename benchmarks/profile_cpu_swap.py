@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvforge import CacheController, SwapPurpose, ops
-from kvforge.bench import _flash_backends, _group_moves, _grow_interleaved, _moved_bytes
+from kvforge.commands.bench import _flash_backends, _group_moves, _grow_interleaved, _moved_bytes
 from kvforge.host_cache.swap import move_pages
 from kvforge.ops import _common, cpu_fast
 

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from kvforge.cli import format_bytes, main, parse_size
+from kvforge.commands.cli import main
+from kvforge.commands.formatting import format_bytes, parse_size
 
 
 def run(capsys, *argv):
@@ -114,7 +115,7 @@ def test_list_models(capsys):
 
 
 def test_bench_runs_and_writes_json(tmp_path):
-    from kvforge.bench import BenchCase, _SynthBackend, run_bench, write_json
+    from kvforge.commands.bench import BenchCase, _SynthBackend, run_bench, write_json
 
     case = BenchCase("tiny", {i: _SynthBackend(1_168) for i in range(3)}, "kv", 64 * 1_168 * 3)
     results = run_bench(cases=[case], repeats=1, progress=False, device="cpu")
@@ -140,7 +141,7 @@ def test_bench_runs_and_writes_json(tmp_path):
 
 
 def test_bench_batched_requests():
-    from kvforge.bench import BenchCase, _SynthBackend, run_bench
+    from kvforge.commands.bench import BenchCase, _SynthBackend, run_bench
 
     # 3 requests of 8 pages each (plus an interleaved fourth) move in one call
     backends = {i: _SynthBackend(1_168) for i in range(2)}
@@ -152,7 +153,7 @@ def test_bench_batched_requests():
 
 def test_bench_whole_requests():
     from kvforge import DeepseekV4Backend
-    from kvforge.bench import BenchCase, run_bench
+    from kvforge.commands.bench import BenchCase, run_bench
 
     # two small V4 requests of 300 tokens through swap_out_many / swap_in_many, every group
     small = {
@@ -176,7 +177,7 @@ def test_bench_whole_requests():
 
 
 def test_bench_cache_state(monkeypatch):
-    from kvforge import bench
+    from kvforge.commands import bench
     from kvforge.platform import get_platform
 
     case = bench.BenchCase("tiny", {i: bench._SynthBackend(64) for i in range(2)}, "kv", 4096)
@@ -203,7 +204,8 @@ def test_bench_cache_state(monkeypatch):
 
 
 def test_bench_moved_bytes_are_exactly_the_moved_blocks_and_pages():
-    from kvforge import CacheController, bench
+    from kvforge import CacheController
+    from kvforge.commands import bench
 
     # two planes of 64 and 16 bytes per block; a request of 3 blocks, interleaved with another
     backends = {0: bench._SynthBackend(64), 1: bench._SynthBackend(16)}
@@ -221,7 +223,7 @@ def test_bench_moved_bytes_are_exactly_the_moved_blocks_and_pages():
 
 
 def test_bench_command_quick_json(tmp_path, monkeypatch, capsys):
-    from kvforge import bench
+    from kvforge.commands import bench
 
     small = bench.BenchCase(
         "tiny", {i: bench._SynthBackend(37_376) for i in range(2)}, "kv", 1 << 20

@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from kvforge import CacheController
 from kvforge.attn_backends.hf_config import from_hf_config, load_model_config
-from kvforge.cli import main
-from kvforge.demo import (
+from kvforge.commands.cli import main
+from kvforge.commands.demo import (
     DemoConfig,
     _Loop,
     _make_requests,

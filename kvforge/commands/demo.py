@@ -276,7 +276,7 @@ def _size_device(
     Raises:
         ValueError: the budget cannot hold the longest request alone (says what would).
     """
-    from kvforge.cli import format_bytes
+    from kvforge.commands.formatting import format_bytes
 
     longest = max(lengths)
     groups = [(g.name, layout.bytes_per_block(g.name)) for g in layout.groups]
@@ -315,7 +315,7 @@ def _size_host(
     layout: CacheLayout, max_len: int, requests: int, budget: int | None
 ) -> dict[str, int]:
     """Host pages per group: room for ``requests`` swapped requests, or what ``budget`` holds."""
-    from kvforge.cli import format_bytes
+    from kvforge.commands.formatting import format_bytes
 
     need = {g.name: g.max_live_blocks(max_len) for g in layout.groups}
     page = {g.name: layout.host_page_bytes(g.name) for g in layout.groups}
@@ -783,11 +783,11 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
 
     Args:
         result: what :func:`run_demo` returned.
-        out: a rich ``Console`` (default: :func:`kvforge.cli.console`).
+        out: a rich ``Console`` (default: :func:`kvforge.commands.formatting.console`).
     """
     from rich.table import Table
 
-    from kvforge.cli import console, format_bytes
+    from kvforge.commands.formatting import console, format_bytes
 
     out = out or console()
 

@@ -396,7 +396,7 @@ def run_bench(
 
 
 def print_results(results: list[BenchResult]) -> None:
-    from kvforge.cli import console, format_bytes, make_table
+    from kvforge.commands.formatting import console, format_bytes, make_table
 
     table = make_table(
         "kvforge swap throughput vs baselines (same bytes, same run; at the start of each "
