@@ -17,10 +17,11 @@ and prints throughput ratios: ``impl / copy`` (1.0 = as fast as a contiguous cop
 its own steady state.
 
 CUDA (``--device cuda``): checks ``triton`` against ``torch`` byte for byte on the GPU
-(mixed odd sizes, -1 ids, repeated ids, 40 planes, n == 0, ids on CPU and on the GPU, a plane
-larger than 2 GiB), then times the offload data path: gather into a device staging buffer plus
-one device->pinned-host copy, against one contiguous device->pinned copy of the same bytes (and
-the mirror: pinned->device + scatter), plus kernel-only ratios against a device-to-device copy.
+(mixed odd sizes, -1 ids, repeated ids, 40 planes, n == 0, ids on CPU and on the GPU, strided
+planes, a plane larger than 2 GiB), then times the offload data path: gather into a device
+staging buffer plus one device->pinned-host copy, against one contiguous device->pinned copy of
+the same bytes (and the mirror: pinned->device + scatter), plus kernel-only ratios against a
+device-to-device copy.
 ``--tune`` sweeps the tile size and programs per SM.
 
 Usage::
@@ -291,6 +292,7 @@ def check_cuda_equality(ops: types.ModuleType, dev: str, gen: torch.Generator) -
                 torch.equal(a, b) for a, b in zip(res["torch"], res["triton"], strict=True)
             ), f"scatter {name} ({ids_dev} ids)"
         done.append(name)
+    done.append(check_cuda_strided(ops, dev, gen))
     # > 2 GiB plane and > 2 GiB rows: 64-bit offsets
     nb, nblk = 37376, 60000  # 60000 * 37376 = 2,242,560,000 bytes > 2**31 = 2,147,483,648
     free = torch.cuda.mem_get_info()[0]
@@ -308,6 +310,40 @@ def check_cuda_equality(ops: types.ModuleType, dev: str, gen: torch.Generator) -
         torch.cuda.empty_cache()
         done.append("2.2 GiB plane and rows (64-bit offsets)")
     return done
+
+
+def check_cuda_strided(ops: types.ModuleType, dev: str, gen: torch.Generator) -> str:
+    """triton == torch on strided planes: blocks padded to multiples of 576 B (1168 -> 1728,
+    37376 -> 37440) and a key [0, 8448) with its scale [8448, 8640) in one 8640-byte stride;
+    the padding bytes must keep their sentinel through a scatter."""
+    pad = 0xA5
+    shared = rand_bytes((9, 8640), gen, dev)
+    padded = [rand_bytes((9, s), gen, dev) for s in (1728, 37440)]
+    for a, size in zip(padded, (1168, 37376), strict=True):
+        a[:, size:] = pad
+    planes = [shared[:, :8448], padded[0][:, :1168], shared[:, 8448:], padded[1][:, :37376]]
+    row_bytes = 8448 + 1168 + 192 + 37376
+    ids = torch.tensor([3, -1, 0, 3, 8], dtype=torch.int64, device=dev)
+    outs = {}
+    for impl in ("torch", "triton"):
+        out = torch.zeros(5, row_bytes, dtype=torch.uint8, device=dev)
+        ops.gather_blocks(planes, ids, out, impl=impl)
+        outs[impl] = out
+    assert torch.equal(outs["torch"], outs["triton"]), "gather strided"
+    sids = torch.tensor([3, -1, 0, 8], dtype=torch.int64, device=dev)
+    src = rand_bytes((4, row_bytes), gen, dev)
+    after = {}
+    for impl in ("torch", "triton"):
+        allocs = [shared.clone(), *(a.clone() for a in padded)]
+        views = [allocs[0][:, :8448], allocs[1][:, :1168], allocs[0][:, 8448:]]
+        ops.scatter_blocks([*views, allocs[2][:, :37376]], sids, src, impl=impl)
+        after[impl] = allocs
+    assert all(torch.equal(a, b) for a, b in zip(after["torch"], after["triton"], strict=True)), (
+        "scatter strided"
+    )
+    for a, size in zip(after["triton"][1:], (1168, 37376), strict=True):
+        assert bool((a[:, size:] == pad).all()), "padding overwritten"
+    return "strided planes (576-byte padding, key + scale in one stride)"
 
 
 def bench_cuda(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -629,16 +629,6 @@ def test_planes_errors(fn):
         "planes[1] has shape (16, 0): block_bytes is 0; every plane must hold at least one "
         "byte per block",
     )
-    strided = rand_bytes((16, 160), 0)[:, :80]  # a column slice: row stride 160, not 80
-    assert_rejected(
-        fn,
-        [good[0], strided],
-        ids,
-        rows,
-        ValueError,
-        "planes[1] rows are not contiguous: strides (160, 1); expected (80, 1) for shape "
-        "(16, 80) (row stride == block_bytes)",
-    )
     meta = torch.empty(16, 80, dtype=torch.uint8, device="meta")
     assert_rejected(
         fn,
@@ -734,3 +724,237 @@ def test_row_ids_errors(fn):
             "row_ids has duplicate destination row 2 (entries 0 and 2) in gather_blocks"
         )
         assert torch.equal(rows, before)
+
+
+# --------------------------------------------------------------------------------------------
+# strided planes: a block stride above the block bytes (padding, or roles packed in one buffer)
+
+PAD = 0xA5  # padding sentinel: must survive every scatter
+
+
+def alloc(num_blocks: int, stride: int, seed: int) -> torch.Tensor:
+    """One allocation ``[num_blocks, stride]`` of random bytes (planes are column ranges)."""
+    return rand_bytes((num_blocks, stride), seed)
+
+
+def padded(sizes: Sequence[int], strides: Sequence[int], num_blocks: int, seed: int = 0):
+    """One allocation per plane: plane ``p`` is bytes ``[0, sizes[p])`` of each ``strides[p]``
+    byte block; the rest of the block is ``PAD``. Returns ``(allocations, spans)`` where
+    ``spans[p] = (allocation, first byte, bytes)``."""
+    allocs = []
+    for p, (size, stride) in enumerate(zip(sizes, strides, strict=True)):
+        a = alloc(num_blocks, stride, seed * 1000 + p)
+        a[:, size:] = PAD
+        allocs.append(a)
+    return allocs, [(p, 0, size) for p, size in enumerate(sizes)]
+
+
+def views(allocs: Sequence[torch.Tensor], spans) -> list[torch.Tensor]:
+    return [allocs[a][:, start : start + nb] for a, start, nb in spans]
+
+
+def ref_scatter_allocs(allocs, spans, ids: Sequence[int], src: torch.Tensor):
+    """The definition of a scatter, on whole allocations: only the span bytes of each target
+    block change; padding and every other byte stay."""
+    allocs = [a.clone() for a in allocs]
+    for i, b in enumerate(ids):
+        if b == -1:
+            continue
+        off = 0
+        for a, start, nb in spans:
+            allocs[a][b, start : start + nb] = src[i, off : off + nb]
+            off += nb
+    return allocs
+
+
+def check_strided(allocs, spans, gather_ids, scatter_ids, impl: str, **kernel_kw) -> None:
+    """Gather and scatter through strided views of ``allocs``, byte-exact against the loop
+    reference over whole allocations (padding bytes included). ``kernel_kw`` calls the Triton
+    kernels directly (tile size, grid cap)."""
+    from kvforge.ops import _common, triton_kernels
+
+    planes = views(allocs, spans)
+    row_bytes = sum(nb for _, _, nb in spans)
+    before = [a.clone() for a in allocs]
+    # gather: rows equal the loop over views; allocations untouched
+    ids = ids_of(gather_ids)
+    out = rand_bytes((len(gather_ids), row_bytes), 21)
+    expected = loop_gather(planes, ids, out)
+    if kernel_kw:
+        plan = _common.validate(planes, ids, out, "out", "gather_blocks")
+        triton_kernels.gather_blocks_triton(planes, plan, out, **kernel_kw)
+    else:
+        ops.gather_blocks(planes, ids, out, impl=impl)
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(allocs, before, strict=True))
+    # scatter: whole allocations equal the reference (padding and untargeted blocks kept)
+    ids = ids_of(scatter_ids)
+    src = rand_bytes((len(scatter_ids), row_bytes), 22)
+    want = ref_scatter_allocs(allocs, spans, scatter_ids, src)
+    if kernel_kw:
+        plan = _common.validate(planes, ids, src, "src", "scatter_blocks")
+        triton_kernels.scatter_blocks_triton(planes, plan, src, **kernel_kw)
+    else:
+        ops.scatter_blocks(planes, ids, src, impl=impl)
+    for p, (a, b) in enumerate(zip(allocs, want, strict=True)):
+        assert torch.equal(a, b), f"allocation {p} differs"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padded_planes(impl):
+    # FlashMLA-style padding to multiples of 576 B: 1168 -> 3 * 576 = 1728, 8448 -> 15 * 576 =
+    # 8640, 37376 -> 65 * 576 = 37440; and 3 bytes in 8-byte blocks. Rows stay packed:
+    # 1168 + 8448 + 37376 + 3 = 49995 bytes.
+    sizes, strides = [1168, 8448, 37376, 3], [1728, 8640, 37440, 8]
+    assert [s // 576 for s in strides[:3]] == [3, 15, 65]
+    allocs, spans = padded(sizes, strides, 7, seed=1)
+    check_strided(allocs, spans, [3, -1, 0, 3, 6], [3, -1, 0, 6, 5], impl)
+    for a, size in zip(allocs, sizes, strict=True):
+        assert bool((a[:, size:] == PAD).all())  # the padding survived the scatter
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("stride", [8640, 8704])
+@pytest.mark.parametrize("scale_first", [False, True])
+def test_interleaved_views_of_one_allocation(impl, stride, scale_first):
+    # An indexer key in bytes [0, 8448) of each block and its scale in [8448, 8640), one
+    # allocation with blocks `stride` bytes apart (8704: 64 more bytes of padding after the
+    # scale). Two strided views of one buffer, plus a plane of another allocation. Row order is
+    # plane order, whatever the memory order: rows of 192 + 8448 + 1168 = 9808 bytes.
+    shared = alloc(6, stride, 5)
+    shared[:, 8640:] = PAD
+    other = alloc(6, 1168, 6)
+    key, scale = (0, 0, 8448), (0, 8448, 192)
+    spans = [scale, key, (1, 0, 1168)] if scale_first else [key, scale, (1, 0, 1168)]
+    planes = views([shared, other], spans)
+    assert [p.stride() for p in planes[:2]] == [(stride, 1), (stride, 1)]
+    assert ops.PlaneSet(planes).block_strides == (stride, stride, 1168)
+    check_strided([shared, other], spans, [5, 0, -1, 5], [5, -1, 0, 2], impl)
+    assert bool((shared[:, 8640:] == PAD).all())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_two_mib_block_stride(impl):
+    # an engine that aligns every block to 2 MiB: 37376 meaningful bytes per 2,097,152
+    allocs, spans = padded([37376], [2 << 20], 3, seed=2)
+    check_strided(allocs, spans, [2, -1, 0], [2, 0], impl)
+    assert bool((allocs[0][:, 37376:] == PAD).all())
+
+
+def test_plane_set_records_strides_and_alignment():
+    # Fresh CPU allocations start 64-byte aligned, so strides and sizes decide the alignment:
+    # 1168 = 16 * 73 with stride 1728 = 16 * 108 -> 16; stride 1176 = 8 * 147 -> 8;
+    # stride 1170 = 2 * 585 -> 2. A one-block plane has no meaningful stride: its own bytes.
+    bufs = {s: alloc(4, s, s) for s in (1168, 1728, 1176, 1170)}
+    assert all(b.data_ptr() % 64 == 0 for b in bufs.values())
+    for stride, align in [(1168, 16), (1728, 16), (1176, 8), (1170, 2)]:
+        ps = ops.PlaneSet([bufs[stride][:, :1168]])
+        assert (ps.block_bytes, ps.block_strides, ps.alignment) == ((1168,), (stride,), align)
+    ps = ops.PlaneSet([bufs[1728][:, :1168], bufs[1176][:, :8], bufs[1170][:1, :80]])
+    assert ps.block_strides == (1728, 1176, 80)
+    assert ps.row_offsets == (0, 1168, 1176) and ps.row_bytes == 1256
+    assert ps.alignment == 8  # 1256 = 8 * 157; the one-block plane's stride (1170) is ignored
+    assert ps.layout_table.tolist() == [
+        *(p.data_ptr() for p in ps),
+        *(1168, 8, 80),
+        *(0, 1168, 1176),
+        *(1728, 1176, 80),
+    ]
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("sizes", "strides", "width"),
+    [
+        ([1168, 8448], [1728, 8640], 16),  # 1728 = 16 * 108, 8640 = 16 * 540
+        ([1168, 8448], [1176, 8448], 8),  # the 1176 = 8 * 147 stride limits it
+        ([12, 1164], [20, 1168], 4),  # 20 = 4 * 5
+        ([1168], [1170], 2),
+        ([3, 1168], [5, 1728], 1),
+    ],
+)
+def test_triton_strided_element_width_small_tiles(sizes, strides, width):
+    from kvforge.ops import _common
+
+    allocs, spans = padded(sizes, strides, 5, seed=len(sizes))
+    planes = views(allocs, spans)
+    rows = torch.empty(2, sum(sizes), dtype=torch.uint8)
+    plan = _common.validate(planes, ids_of([0, 1]), rows, "out", "gather_blocks")
+    assert _common.elem_width(plan, [rows.data_ptr()], (16, 8, 4, 2, 1)) == width
+    # tiles of 64 elements (128 bytes for 1-byte elements) and 2 programs: several tiles per
+    # block, tails masked at the block bytes, never at the stride
+    block = 64 if width > 1 else 128
+    check_strided(allocs, spans, [4, -1, 1, 4, 0], [4, -1, 1, 0], "triton", block=block, grid_cap=2)
+    for a, size in zip(allocs, sizes, strict=True):
+        assert bool((a[:, size:] == PAD).all())
+
+
+BAD_PLANE_STRIDES = [
+    (
+        torch.zeros(16 * 40 + 40, dtype=torch.uint8).as_strided((16, 80), (40, 1)),
+        ValueError,
+        "planes[1] has strides (40, 1): block stride 40 is below block_bytes 80 (blocks would "
+        "overlap); expected (block_stride, 1) with block_stride >= 80",
+    ),
+    (
+        torch.zeros(1, 80, dtype=torch.uint8).expand(16, 80),
+        ValueError,
+        "planes[1] has strides (0, 1): block stride 0 is not positive (blocks would alias); "
+        "expected (block_stride, 1) with block_stride >= 80",
+    ),
+    (
+        torch.zeros(16, 160, dtype=torch.uint8)[:, ::2],
+        ValueError,
+        "planes[1] has strides (160, 2): inner stride 2; expected (block_stride, 1): the 80 "
+        "bytes of a block must be contiguous",
+    ),
+    (
+        torch.zeros(80, 16, dtype=torch.uint8).t(),
+        ValueError,
+        "planes[1] has strides (1, 16): inner stride 16; expected (block_stride, 1): the 80 "
+        "bytes of a block must be contiguous",
+    ),
+    (
+        torch.zeros(16, 48, dtype=torch.float16)[:, :40],
+        TypeError,
+        "planes[1] has dtype torch.float16; expected torch.uint8 (use .view(torch.uint8))",
+    ),
+    (
+        torch.zeros(16, 96, dtype=torch.float16)[:, :80].view(torch.uint8),
+        None,  # a uint8 view of a padded fp16 buffer is fine: 160 bytes per block, stride 192
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize("fn", BOTH)
+@pytest.mark.parametrize(("bad", "exc", "message"), BAD_PLANE_STRIDES)
+def test_plane_stride_errors(fn, bad, exc, message):
+    good = make_planes([40], 16)[0]
+    row_bytes = 40 + bad.shape[1] * (bad.element_size() if bad.dtype != torch.uint8 else 1)
+    rows = rand_bytes((2, row_bytes), 1)
+    if exc is None:
+        assert ops.PlaneSet([good, bad]).block_strides == (40, 192)
+        fn([good, bad], ids_of([0, 15]), rows)
+        return
+    assert_rejected(fn, [good, bad], ids_of([0, 1]), rows, exc, message)
+    with pytest.raises(exc) as info:
+        ops.PlaneSet([good, bad])
+    assert str(info.value) == message
+
+
+def test_negative_block_stride_is_refused():
+    # torch cannot build a tensor with a negative stride (as_strided refuses); the check that
+    # every implementation relies on still names it
+    from kvforge.ops import _common
+
+    with pytest.raises(ValueError) as info:
+        _common.block_stride_of(2, (16, 80), (-80, 1))
+    assert str(info.value) == (
+        "planes[2] has strides (-80, 1): block stride -80 is not positive (blocks would alias); "
+        "expected (block_stride, 1) with block_stride >= 80"
+    )
+    assert _common.block_stride_of(2, (16, 80), (80, 1)) == 80
+    assert _common.block_stride_of(2, (16, 80), (8640, 1)) == 8640
+    assert _common.block_stride_of(2, (1, 80), (3, 1)) == 80  # one block: stride meaningless
+    assert _common.block_stride_of(2, (16, 1), (5, 7)) == 5  # one byte: inner stride meaningless

@@ -1,8 +1,11 @@
 """Gather / scatter of KV cache blocks between block-major planes and page-first rows.
 
 A *plane* is one (layer, role) cache buffer seen as raw bytes, ``[num_blocks, block_bytes]``
-``torch.uint8``. A *page-first row* packs one block of every plane of a group, in plane order,
-with no padding: row ``i`` is ``cat([planes[p][block_ids[i]] for p in range(P)])``.
+``torch.uint8`` with strides ``(block_stride, 1)``, ``block_stride >= block_bytes``: the stride
+may exceed the meaningful bytes (alignment padding, an engine-owned allocation, several roles
+packed in one buffer as strided views); only ``block_bytes`` bytes per block are ever read or
+written. A *page-first row* packs one block of every plane of a group, in plane order, with no
+padding: row ``i`` is ``cat([planes[p][block_ids[i]] for p in range(P)])``.
 
 - :func:`gather_blocks` packs selected blocks into rows (device -> host direction: on an
   accelerator into a device staging buffer that the caller then DMAs to pinned host memory; on
@@ -219,10 +222,12 @@ def gather_blocks(
     with ``r_i = i``, or ``r_i = row_ids[i]`` when ``row_ids`` is given.
 
     Args:
-        planes: ``P`` tensors ``[num_blocks_p, block_bytes_p]``, ``torch.uint8``, row-contiguous
-            (strides ``(block_bytes_p, 1)``), all on one device. ``block_bytes_p`` and
-            ``num_blocks_p`` may differ per plane. A :class:`PlaneSet` of them skips the
-            per-plane checks (done when it was built): build one per group and reuse it.
+        planes: ``P`` tensors ``[num_blocks_p, block_bytes_p]``, ``torch.uint8``, strides
+            ``(block_stride_p, 1)`` with ``block_stride_p >= block_bytes_p`` (the bytes past
+            ``block_bytes_p`` in each block stride are never touched), all on one device.
+            ``block_bytes_p``, ``block_stride_p`` and ``num_blocks_p`` may differ per plane. A
+            :class:`PlaneSet` of them skips the per-plane checks (done when it was built): build
+            one per group and reuse it.
         block_ids: ``[n]`` ``torch.int64`` on CPU or on the planes' device, or a numpy
             ``int64`` array. ``-1`` skips the row (``out[r_i]`` is left untouched); other ids
             must satisfy ``0 <= id < min_p num_blocks_p``. Repeated ids are allowed.

@@ -4,6 +4,17 @@ Every implementation (``torch``, ``cpu``, ``triton``) receives a :class:`Transfe
 :func:`validate` *before* any byte moves, so all of them reject exactly the same inputs with
 exactly the same messages, and a rejected call never changes a byte.
 
+Invariants:
+
+- A plane is ``uint8 [num_blocks, block_bytes]`` with strides ``(block_stride, 1)``,
+  ``block_stride >= block_bytes``: block ``b`` is the ``block_bytes`` bytes at
+  ``addr + b * block_stride``. The bytes between ``block_bytes`` and ``block_stride`` (alignment
+  padding, or another role packed in the same allocation) belong to someone else: no
+  implementation reads or writes them.
+- Rows (``out`` / ``src``, the page-first side) are packed: strides ``(row_bytes, 1)``.
+- Element widths wider than a byte are used only when they divide every address, block size,
+  block stride and ``row_bytes`` (:attr:`PlaneSet.alignment`).
+
 This module imports nothing from the rest of ``kvforge`` (``kvforge.ops`` must be importable on
 its own, e.g. on a device machine with only ``torch`` and ``triton``).
 """
@@ -23,6 +34,7 @@ __all__ = [
     "PlaneSet",
     "TransferPlan",
     "as_plane_set",
+    "block_stride_of",
     "elem_width",
     "pow2_alignment",
     "to_device",
@@ -59,9 +71,11 @@ class PlaneSet(Sequence[torch.Tensor]):
     """The planes of a gather/scatter, validated once, with what every call derives from them.
 
     Building one checks every plane: a ``torch.uint8`` tensor ``[num_blocks_p, block_bytes_p]``
-    with strides ``(block_bytes_p, 1)``, at least one byte per block, all on one device. It
-    then records block sizes, row offsets, the row width, block counts, base addresses and
-    their common alignment. :func:`kvforge.ops.gather_blocks` and
+    with strides ``(block_stride_p, 1)`` where ``block_stride_p >= block_bytes_p`` (a stride
+    above the block size is padding, or other data sharing the allocation, that is never
+    touched), at least one byte per block, all on one device. It then records block sizes,
+    block strides, row offsets, the row width, block counts, base addresses and their common
+    alignment. :func:`kvforge.ops.gather_blocks` and
     :func:`~kvforge.ops.scatter_blocks` accept a ``PlaneSet`` wherever they accept a list of
     planes, and then skip those per-plane checks, which are most of the host cost of a call
     that moves little (one request's window or state). A ``PlaneSet`` is a read-only sequence
@@ -72,7 +86,11 @@ class PlaneSet(Sequence[torch.Tensor]):
 
     Attributes:
         device: the device of every plane.
-        block_bytes: ``block_bytes[p] == planes[p].shape[1]``.
+        block_bytes: ``block_bytes[p] == planes[p].shape[1]``: the bytes moved per block.
+        block_strides: ``block_strides[p] == planes[p].stride(0)`` (``>= block_bytes[p]``): the
+            distance between consecutive blocks. A plane with at most one block has no
+            meaningful stride (torch reports any value for a dimension of size <= 1); it is
+            recorded as ``block_bytes[p]``.
         row_offsets: byte offset of plane ``p`` in a page-first row (prefix sum of
             ``block_bytes``).
         row_bytes: ``sum(block_bytes)``.
@@ -80,8 +98,9 @@ class PlaneSet(Sequence[torch.Tensor]):
         min_blocks: ``min(num_blocks)``: block ids must be below it.
         addrs: ``planes[p].data_ptr()``.
         alignment: the largest power of two up to 16 that divides every address, every block
-            size and ``row_bytes``.
-        layout_table: ``numpy.int64 [3 * P]``: addresses | block bytes | row offsets.
+            size, every block stride and ``row_bytes``.
+        layout_table: ``numpy.int64 [4 * P]``: addresses | block bytes | row offsets | block
+            strides.
     """
 
     __slots__ = (
@@ -89,6 +108,7 @@ class PlaneSet(Sequence[torch.Tensor]):
         "addrs",
         "alignment",
         "block_bytes",
+        "block_strides",
         "device",
         "layout_table",
         "min_blocks",
@@ -98,10 +118,11 @@ class PlaneSet(Sequence[torch.Tensor]):
     )
 
     def __init__(self, planes: Sequence[torch.Tensor]) -> None:
-        device, block_bytes = _check_planes(planes)
+        device, block_bytes, block_strides = _check_planes(planes)
         self._tensors: tuple[torch.Tensor, ...] = tuple(planes)
         self.device: torch.device = device
         self.block_bytes: tuple[int, ...] = block_bytes
+        self.block_strides: tuple[int, ...] = block_strides
         offsets = []
         acc = 0
         for nbytes in block_bytes:
@@ -112,9 +133,11 @@ class PlaneSet(Sequence[torch.Tensor]):
         self.num_blocks: tuple[int, ...] = tuple(int(t.shape[0]) for t in self._tensors)
         self.min_blocks: int = min(self.num_blocks)
         self.addrs: tuple[int, ...] = tuple(t.data_ptr() for t in self._tensors)
-        self.alignment: int = pow2_alignment((*self.addrs, *block_bytes, acc))
+        # a block starts at addr + b * stride: the stride bounds the alignment as much as the
+        # address does
+        self.alignment: int = pow2_alignment((*self.addrs, *block_bytes, *block_strides, acc))
         self.layout_table: np.ndarray = np.array(
-            [*self.addrs, *block_bytes, *offsets], dtype=np.int64
+            [*self.addrs, *block_bytes, *offsets, *block_strides], dtype=np.int64
         )
 
     @overload
@@ -147,7 +170,8 @@ class TransferPlan:
     """What a validated gather/scatter call moves. Read-only by convention (not ``frozen``:
     a frozen dataclass costs a few microseconds more per call, and one is built per call).
 
-    ``device``, ``block_bytes``, ``row_offsets`` and ``row_bytes`` are those of ``planes``.
+    ``device``, ``block_bytes``, ``block_strides``, ``row_offsets`` and ``row_bytes`` are those
+    of ``planes``.
 
     Attributes:
         planes: the validated planes.
@@ -179,6 +203,10 @@ class TransferPlan:
         return self.planes.block_bytes
 
     @property
+    def block_strides(self) -> tuple[int, ...]:
+        return self.planes.block_strides
+
+    @property
     def row_offsets(self) -> tuple[int, ...]:
         return self.planes.row_offsets
 
@@ -208,9 +236,9 @@ class TransferPlan:
 def elem_width(
     plan: TransferPlan, addrs: Sequence[int], widths: Sequence[int] = (8, 4, 2, 1)
 ) -> int:
-    """Widest width ``w`` in ``widths`` (bytes, descending) that divides every block size,
-    ``row_bytes`` (hence every row offset) and every address in ``addrs`` (plane and row buffer
-    ``data_ptr()``); 1 if none does.
+    """Widest width ``w`` in ``widths`` (bytes, descending) that divides every block size, every
+    block stride, ``row_bytes`` (hence every row offset), every plane address and every address
+    in ``addrs`` (row buffer ``data_ptr()``); 1 if none does.
 
     Moving ``w``-byte integers instead of bytes is exact (a pure bit copy) and much faster.
     """
@@ -227,9 +255,10 @@ def widen(
     """Views of ``planes`` and ``rows`` as ``w``-byte integers, ``w`` from :func:`elem_width`.
 
     Returns:
-        ``(w, planes_w, rows_w)``: ``planes_w[p]`` is ``[num_blocks_p, block_bytes_p // w]`` and
-        ``rows_w`` is ``[n, row_bytes // w]``, both of dtype ``ELEM_DTYPES[w]``, sharing storage
-        with the inputs. Falls back to ``w == 1`` (the inputs themselves) if a view is refused.
+        ``(w, planes_w, rows_w)``: ``planes_w[p]`` is ``[num_blocks_p, block_bytes_p // w]``
+        (strides ``(block_stride_p // w, 1)``) and ``rows_w`` is ``[n, row_bytes // w]``, both of
+        dtype ``ELEM_DTYPES[w]``, sharing storage with the inputs. Falls back to ``w == 1``
+        (the inputs themselves) if a view is refused.
     """
     w = elem_width(plan, (rows.data_ptr(),))
     if w > 1:
@@ -257,7 +286,41 @@ def _rows_contiguous(t: torch.Tensor, row_bytes: int) -> bool:
     return not (rows > 1 and t.stride(0) != row_bytes)
 
 
-def _check_planes(planes: Sequence[torch.Tensor]) -> tuple[torch.device, tuple[int, ...]]:
+def block_stride_of(p: int, shape: Sequence[int], stride: Sequence[int]) -> int:
+    """The block stride of ``planes[p]`` (shape ``[num_blocks, block_bytes]``, ``stride`` its
+    strides in bytes), or a ``ValueError`` naming the plane and its strides.
+
+    A block's bytes must be contiguous (inner stride 1, unless a block is one byte), and blocks
+    must not overlap (``block_stride >= block_bytes``; zero and negative strides are refused).
+    A dimension of size <= 1 has no meaningful stride (torch gives it any value): it is not
+    checked, and a plane of at most one block reports ``block_bytes`` as its stride.
+    """
+    num_blocks, nbytes = shape
+    inner, outer = stride[1], stride[0]
+    if nbytes > 1 and inner != 1:
+        raise ValueError(
+            f"planes[{p}] has strides {tuple(stride)}: inner stride {inner}; expected "
+            f"(block_stride, 1): the {nbytes} bytes of a block must be contiguous"
+        )
+    if num_blocks <= 1:
+        return nbytes
+    if outer <= 0:
+        raise ValueError(
+            f"planes[{p}] has strides {tuple(stride)}: block stride {outer} is not positive "
+            f"(blocks would alias); expected (block_stride, 1) with block_stride >= {nbytes}"
+        )
+    if outer < nbytes:
+        raise ValueError(
+            f"planes[{p}] has strides {tuple(stride)}: block stride {outer} is below "
+            f"block_bytes {nbytes} (blocks would overlap); expected (block_stride, 1) with "
+            f"block_stride >= {nbytes}"
+        )
+    return outer
+
+
+def _check_planes(
+    planes: Sequence[torch.Tensor],
+) -> tuple[torch.device, tuple[int, ...], tuple[int, ...]]:
     if isinstance(planes, torch.Tensor) or not isinstance(planes, Sequence):
         raise TypeError(
             f"planes is {type(planes).__name__}; expected a sequence (list or tuple) of "
@@ -269,6 +332,7 @@ def _check_planes(planes: Sequence[torch.Tensor]) -> tuple[torch.device, tuple[i
         )
     device: torch.device | None = None
     block_bytes: list[int] = []
+    block_strides: list[int] = []
     uint8 = torch.uint8
     for p, plane in enumerate(planes):  # hot path: few attribute reads per plane
         if not isinstance(plane, torch.Tensor):
@@ -290,11 +354,10 @@ def _check_planes(planes: Sequence[torch.Tensor]) -> tuple[torch.device, tuple[i
                 "every plane must hold at least one byte per block"
             )
         stride = plane.stride()
-        if (nbytes > 1 and stride[1] != 1) or (shape[0] > 1 and stride[0] != nbytes):
-            raise ValueError(
-                f"planes[{p}] rows are not contiguous: strides {tuple(stride)}; "
-                f"expected ({nbytes}, 1) for shape {_shape(plane)} (row stride == block_bytes)"
-            )
+        if stride[1] == 1 and stride[0] >= nbytes:  # the common case, checked cheaply
+            block_strides.append(stride[0] if shape[0] > 1 else nbytes)
+        else:
+            block_strides.append(block_stride_of(p, shape, stride))
         dev = plane.device
         if device is None:
             device = dev
@@ -305,7 +368,7 @@ def _check_planes(planes: Sequence[torch.Tensor]) -> tuple[torch.device, tuple[i
             )
         block_bytes.append(nbytes)
     assert device is not None
-    return device, tuple(block_bytes)
+    return device, tuple(block_bytes), tuple(block_strides)
 
 
 def _ids_array(value: object, name: str, device: torch.device) -> tuple[np.ndarray, bool]:
@@ -497,9 +560,9 @@ def validate(
     """Validate a gather/scatter call and describe it; raise before anything moves.
 
     Args:
-        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` tensors, row-contiguous
-            (strides ``(block_bytes_p, 1)``), all on one device; or a :class:`PlaneSet` of
-            them, whose planes were checked when it was built.
+        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` tensors with strides
+            ``(block_stride_p, 1)``, ``block_stride_p >= block_bytes_p``, all on one device; or
+            a :class:`PlaneSet` of them, whose planes were checked when it was built.
         block_ids: ``[n]`` int64: a torch tensor on CPU or on the planes' device, or a numpy
             array; ``-1`` skips a row.
         rows: ``torch.uint8`` on the planes' device, strides ``(row_bytes, 1)``: ``out`` of a

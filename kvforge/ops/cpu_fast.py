@@ -20,7 +20,10 @@ module only when ``impl="cpu"`` (or ``"auto"`` on CPU) is used. Without numba, `
 back to the torch reference.
 
 Kernels take raw addresses (``int64``) of already validated tensors: one table of plane base
-addresses, plane block bytes and plane row offsets, the block ids and the row buffer address.
+addresses, plane block bytes, plane row offsets and plane block strides, the block ids and the
+row buffer address. Block ``b`` of plane ``p`` starts at ``addr_p + b * block_stride_p`` and
+exactly ``block_bytes_p`` bytes of it move: padding past them in a strided plane is never
+touched.
 They are compiled with ``cache=True`` (the first use in a fresh environment compiles for about
 a second; later processes load numba's on-disk cache).
 """
@@ -166,17 +169,17 @@ def _item(table, ids, row_ids, indirect, rows_addr, row_bytes, w, scatter):  # p
     """Work item ``w`` as ``(dst, src, nbytes)``; ``nbytes == 0`` when its block id is -1.
 
     Item ``w`` is (transfer row ``i = w // P``, plane ``p = w % P``). ``table`` is ``int64
-    [3 * P]``: plane base addresses | block bytes | row offsets. Transfer row ``i`` is buffer
-    row ``row_ids[i]`` if ``indirect``, else ``i``.
+    [4 * P]``: plane base addresses | block bytes | row offsets | block strides. Transfer row
+    ``i`` is buffer row ``row_ids[i]`` if ``indirect``, else ``i``.
     """
-    num_planes = table.shape[0] // 3
+    num_planes = table.shape[0] // 4
     i = w // num_planes
     p = w - i * num_planes
     b = ids[i]
     if b < 0:
         return 0, 0, 0
     nbytes = table[num_planes + p]
-    block = table[p] + b * nbytes
+    block = table[p] + b * table[3 * num_planes + p]
     r = row_ids[i] if indirect else i
     row = rows_addr + r * row_bytes + table[2 * num_planes + p]
     if scatter:
@@ -354,7 +357,8 @@ def gather_blocks_cpu(
     ``r_i`` is ``plan.row_ids[i]``, or ``i`` without row ids.
 
     Args:
-        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` CPU tensors, validated.
+        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` CPU tensors (strides
+            ``(block_stride_p, 1)``), validated.
         plan: the validated transfer plan (``plan.device.type == "cpu"``).
         out: ``[num_rows, row_bytes]`` ``torch.uint8`` CPU, row-contiguous; rows not written
             (id -1, or not in ``row_ids``) are untouched.

@@ -4,7 +4,9 @@ This is the definition every other implementation is tested against, and the fal
 runs everywhere torch runs (CPU, CUDA, NPU through torch_npu). It is simple on purpose: per
 plane ``p`` it moves ``planes[p][block_ids]`` into the column slice
 ``rows[:, row_offsets[p] : row_offsets[p] + block_bytes[p]]`` (gather), or back (scatter).
-Rows whose id is ``-1`` are left out of both directions.
+Rows whose id is ``-1`` are left out of both directions. A plane with a block stride above its
+block bytes is indexed as the strided view it is: only its ``block_bytes`` columns are read or
+written, never the padding between blocks.
 
 Bytes are moved as the widest integer type (8/4/2/1 bytes, :func:`~kvforge.ops._common.widen`)
 that divides every size and address: a pure bit copy, and on CPU ~8x faster than indexing
@@ -39,7 +41,8 @@ def gather_blocks_torch(
     """Pack ``planes[p][block_ids[i]]`` into ``out[i]`` (page-first rows), skipping id -1.
 
     Args:
-        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8``, validated.
+        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` (strides
+            ``(block_stride_p, 1)``), validated.
         plan: the validated transfer plan.
         out: ``[n, row_bytes]`` ``torch.uint8`` on the planes' device; rows with id -1 are
             left untouched.

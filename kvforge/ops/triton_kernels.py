@@ -11,12 +11,17 @@ Layout of the work:
   ``tile_start[c]`` of that plane's block. ``n * num_tiles`` work items in all.
 - Bounded persistent grid: ``min(n * num_tiles, cap)`` programs, ``cap <= 65535`` (the
   triton-ascend limit); program ``pid`` handles items ``pid, pid + grid, pid + 2 * grid, ...``.
-- One int64 table on the device, in five segments of lengths ``P, P, P, C, C``
+- One int64 table on the device, in six segments of lengths ``P, P, P, P, C, C``
   (``P`` planes, ``C`` tiles per row): plane base addresses (``data_ptr()``), plane block
-  elements, plane row offsets (elements), tile plane index, tile start (elements). A base address
-  is loaded and cast to a pointer with ``.to(tl.pointer_type(...))``.
-- Vectorised tiles: ``w``, the widest of 16/8/4/2/1 bytes that divides every block size,
-  ``row_bytes`` (hence every row offset) and every base address (planes and rows), sets the
+  elements, plane row offsets (elements), plane block strides (elements), tile plane index, tile
+  start (elements). A base address is loaded and cast to a pointer with
+  ``.to(tl.pointer_type(...))``.
+- Strided planes: block ``b`` of plane ``p`` starts at element ``b * stride_p``; tiles cover
+  only its ``block_elems_p`` elements (masked past them), so padding between ``block_bytes``
+  and the block stride is never loaded or stored.
+- Vectorised tiles: ``w``, the widest of 16/8/4/2/1 bytes that divides every block size, every
+  block stride, ``row_bytes`` (hence every row offset) and every base address (planes and
+  rows), sets the
   element type: ``ELEM = min(w, 8)`` bytes (int64/int32/int16/uint8 pointers) and
   ``VEC = w // ELEM`` (2 when w == 16). With ``VEC == 2`` the kernel tells the compiler that
   every tile starts 16-byte aligned (``tl.multiple_of`` / ``tl.max_contiguous``), so CUDA moves
@@ -77,7 +82,7 @@ def _as_ptr(addr, ELEM: tl.constexpr):
 
 @triton.jit
 def _move_kernel(
-    table,  # *int64: [3 * P + 2 * C] plane addr | plane elems | plane row off | tile plane | start
+    table,  # *int64 [4P + 2C]: plane addr | elems | row off | block stride | tile plane | start
     ids,  # *int64: [n]
     row_ids,  # *int64: [n] buffer row of each transfer row (read only when ROW_IDS)
     rows,  # *elem: [num_rows, row_elems] page-first rows (out of a gather, src of a scatter)
@@ -98,20 +103,22 @@ def _move_kernel(
         row = item // num_tiles
         tile = item - row * num_tiles
         block = tl.load(ids + row).to(tl.int64)
-        plane = tl.load(table + 3 * num_planes + tile)
-        start = tl.load(table + 3 * num_planes + num_tiles + tile)
+        plane = tl.load(table + 4 * num_planes + tile)
+        start = tl.load(table + 4 * num_planes + num_tiles + tile)
         base = tl.load(table + plane)
         elems = tl.load(table + num_planes + plane)
         row_off = tl.load(table + 2 * num_planes + plane)
+        stride = tl.load(table + 3 * num_planes + plane)
         limit = tl.where(block >= 0, elems, 0)  # a -1 row moves nothing
         if VEC > 1:  # true by construction (host side): lets the compiler vectorise
             elems = tl.multiple_of(elems, VEC)
+            stride = tl.multiple_of(stride, VEC)
             row_off = tl.multiple_of(row_off, VEC)
             start = tl.multiple_of(start, VEC)
             limit = tl.multiple_of(limit, VEC)
         offs = start + lane
         mask = offs < limit
-        block_ptr = _as_ptr(base, ELEM) + tl.maximum(block, 0) * elems + offs
+        block_ptr = _as_ptr(base, ELEM) + tl.maximum(block, 0) * stride + offs
         if ROW_IDS:  # noqa: SIM108 - a static if on a constexpr, as elsewhere in this kernel
             buffer_row = tl.load(row_ids + row).to(tl.int64)
         else:
@@ -152,24 +159,29 @@ _TABLES_MAX = 64
 def _table(
     addrs: tuple[int, ...], plan: TransferPlan, w: int, block: int
 ) -> tuple[torch.Tensor, int]:
-    """Device table and tiles-per-row, cached by value (addresses, sizes, element bytes, tile).
+    """Device table and tiles-per-row, cached by value (addresses, sizes, strides, element
+    bytes, tile).
 
-    ``w`` here is the element size in bytes; sizes and offsets in the table are in elements.
+    ``w`` here is the element size in bytes; sizes, offsets and strides in the table are in
+    elements.
     """
-    key = (plan.device, addrs, plan.block_bytes, w, block)
+    key = (plan.device, addrs, plan.block_bytes, plan.block_strides, w, block)
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
         return hit
     elems = [b // w for b in plan.block_bytes]
     offs = [o // w for o in plan.row_offsets]
+    strides = [s // w for s in plan.block_strides]
     tile_plane: list[int] = []
     tile_start: list[int] = []
     for p, e in enumerate(elems):
         for s in range(0, e, block):
             tile_plane.append(p)
             tile_start.append(s)
-    host = torch.tensor([*addrs, *elems, *offs, *tile_plane, *tile_start], dtype=torch.int64)
+    host = torch.tensor(
+        [*addrs, *elems, *offs, *strides, *tile_plane, *tile_start], dtype=torch.int64
+    )
     entry = (host.to(plan.device), len(tile_plane))
     _TABLES[key] = entry
     if len(_TABLES) > _TABLES_MAX:
@@ -262,7 +274,8 @@ def gather_blocks_triton(
     (``r_i = plan.row_ids[i]``, or ``i`` without row ids).
 
     Args:
-        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` on one device, validated.
+        planes: ``[num_blocks_p, block_bytes_p]`` ``torch.uint8`` (strides
+            ``(block_stride_p, 1)``) on one device, validated.
         plan: the validated transfer plan (block ids already on the device, or uploaded here).
         out: ``[num_rows, row_bytes]`` ``torch.uint8`` on the planes' device (a staging buffer
             on accelerators); rows not written are untouched.
