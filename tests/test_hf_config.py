@@ -6,6 +6,7 @@ Byte counts are written as the arithmetic a reader can check by hand.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections import Counter
 from pathlib import Path
@@ -18,9 +19,20 @@ from kvforge.attn_backends import (
     DSABackend,
     GQABackend,
     MLABackend,
+    ModelBackends,
     bundled_models,
     from_hf_config,
     load_model_config,
+    registered_model_types,
+)
+from kvforge.attn_backends import registry as registry_module
+from kvforge.attn_backends.hf_config import (
+    build_deepseek_v4,
+    build_dsa,
+    build_gqa,
+    build_mistral,
+    build_mla,
+    build_qwen,
 )
 from kvforge.cache_controller.layout import CacheLayout
 
@@ -414,6 +426,94 @@ def test_architectures_fallback_with_unknown_model_type():
     assert isinstance(from_hf_config(cfg)[0], DeepseekV4Backend)
 
 
+def test_bundled_families_are_registered_through_the_registry():
+    types = registered_model_types()
+    # plugins installed in the environment may add more; the bundled ones are exactly these
+    bundled = {
+        t: (e.builder, e.architectures)
+        for t, e in types.items()
+        if e.builder.__module__ == "kvforge.attn_backends.hf_config"
+    }
+    assert bundled == {
+        "deepseek_v2": (build_mla, ("DeepseekV2ForCausalLM",)),
+        "deepseek_v3": (build_mla, ("DeepseekV3ForCausalLM",)),
+        "deepseek_v32": (build_dsa, ("DeepseekV32ForCausalLM",)),
+        "deepseek_v4": (build_deepseek_v4, ("DeepseekV4ForCausalLM",)),
+        "llama": (build_gqa, ("LlamaForCausalLM",)),
+        "mistral": (build_mistral, ("MistralForCausalLM",)),
+        "mixtral": (build_mistral, ("MixtralForCausalLM",)),
+        "qwen2": (build_qwen, ("Qwen2ForCausalLM",)),
+        "qwen2_moe": (build_qwen, ("Qwen2MoeForCausalLM",)),
+        "qwen3": (build_qwen, ("Qwen3ForCausalLM",)),
+        "qwen3_moe": (build_qwen, ("Qwen3MoeForCausalLM",)),
+    }
+    assert list(types) == sorted(types)
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch):
+    """Registrations made by a test vanish with it."""
+    monkeypatch.setattr(registry_module, "_model_types", dict(registry_module._model_types))
+    monkeypatch.setattr(registry_module, "_backends", dict(registry_module._backends))
+
+
+def test_a_registered_model_type_is_dispatched_to(isolated_registry):
+    # A GQA model kvforge does not bundle reuses the public GQA builder.
+    registry_module.register_model_type(
+        "internlm3", build_gqa, architectures=("InternLM3ForCausalLM",)
+    )
+    backends = from_hf_config(llama(model_type="internlm3"))
+    assert backends.model_type == "internlm3" and len(backends) == 4
+    backends = from_hf_config(llama(model_type=..., architectures=["InternLM3ForCausalLM"]))
+    assert backends.model_type == "internlm3"
+
+
+@pytest.mark.parametrize(
+    ("returned", "pattern"),
+    [
+        ([], r"returned list, not a mapping"),
+        ({}, r"returned no layers"),
+        ({-1: GQABackend(1, 8)}, r"returned layer id -1; ids are ints >= 0"),
+        ({True: GQABackend(1, 8)}, r"returned layer id True"),
+        ({"0": GQABackend(1, 8)}, r"returned layer id '0'"),
+        ({0: "kv"}, r"returned str for layer 0, not an AttentionBackend"),
+    ],
+)
+def test_a_builder_that_breaks_its_contract_is_a_type_error(isolated_registry, returned, pattern):
+    registry_module.register_model_type("broken", lambda config, model_type, options: returned)
+    with pytest.raises(TypeError, match=r"the builder of model_type 'broken' .*" + pattern):
+        from_hf_config({"model_type": "broken"})
+
+
+def test_a_builder_with_too_many_layers_is_refused(isolated_registry):
+    b = GQABackend(1, 8)
+    registry_module.register_model_type("huge", lambda c, t, o: dict.fromkeys(range(4097), b))
+    with pytest.raises(ValueError, match=r"model_type 'huge' has 4097 cache layers; kvforge supports at most 4096"):
+        from_hf_config({"model_type": "huge"})
+
+
+def test_result_is_a_dict_that_carries_max_position_embeddings():
+    backends = from_hf_config("llama-3-8b")
+    assert isinstance(backends, ModelBackends) and isinstance(backends, dict)
+    assert (backends.model_type, backends.max_position_embeddings) == ("llama", 8192)
+    assert backends == dict(backends) and backends[0] is backends[31]
+    copy = backends.copy()
+    assert isinstance(copy, ModelBackends) and copy.max_position_embeddings == 8192
+    again = pickle.loads(pickle.dumps(backends))
+    assert (again.model_type, again.max_position_embeddings, list(again)) == ("llama", 8192, list(range(32)))
+    assert from_hf_config(llama()).max_position_embeddings is None
+
+
+@pytest.mark.parametrize("value", ["8192", 0, -1, 8192.0, True])
+def test_invalid_max_position_embeddings(value):
+    with pytest.raises(ValueError) as info:
+        from_hf_config(llama(max_position_embeddings=value))
+    assert str(info.value) == (
+        f"config field max_position_embeddings = {value!r} is invalid for model_type 'llama': "
+        "it must be a positive integer"
+    )
+
+
 # ------------------------------------------------------------------ loading
 
 
@@ -493,9 +593,16 @@ def test_unknown_model_type():
     with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'") as info:
         from_hf_config(cfg)
     msg = str(info.value)
-    assert "GPT2LMHeadModel" in msg
+    assert "(architectures ['GPT2LMHeadModel']); registered model_type values: " in msg
+    assert ", ".join(registered_model_types()) in msg
     for supported in ("llama", "qwen3", "deepseek_v3", "deepseek_v32", "deepseek_v4"):
         assert supported in msg
+
+
+def test_unknown_model_type_lists_a_newly_registered_one(isolated_registry):
+    registry_module.register_model_type("my_gqa", build_gqa)
+    with pytest.raises(ValueError, match=r"registered model_type values: .*my_gqa"):
+        from_hf_config(llama(model_type="gpt2"))
 
 
 def test_no_model_type_and_no_architectures():
@@ -557,6 +664,26 @@ def test_null_required_field():
             deepseek_v3,
             {"num_hidden_layers": 0},
             r"num_hidden_layers = 0 is invalid .* greater than 0",
+        ),
+        (
+            llama,
+            {"num_hidden_layers": 1e9},
+            r"num_hidden_layers = 1000000000\.0 is invalid for model_type 'llama': Input should be a valid integer",
+        ),
+        (
+            llama,
+            {"num_hidden_layers": 10**9},
+            r"^config field num_hidden_layers = 1000000000 is out of range: kvforge supports at most 4096 cache layers per model \(MAX_LAYERS\)$",
+        ),
+        (
+            deepseek_v3,
+            {"num_nextn_predict_layers": 10**9},
+            r"^config field num_nextn_predict_layers = 1000000000 is out of range",
+        ),
+        (
+            llama,
+            {"num_hidden_layers": 4097},
+            r"num_hidden_layers = 4097 is out of range: kvforge supports at most 4096",
         ),
         (deepseek_v3, {"kv_lora_rank": True}, r"kv_lora_rank = True is invalid"),
         (

@@ -2,30 +2,39 @@
 
 :func:`from_hf_config` reads the cache-relevant fields of a ``config.json`` (a dict, a path, or
 the name of a config bundled under :mod:`kvforge.model_configs`) and returns one backend per
-cache layer. Layers of the same kind share one backend instance.
+cache layer, as a :class:`~kvforge.attn_backends.registry.ModelBackends` (a ``dict`` that also
+carries the config's ``max_position_embeddings``). Layers of the same kind share one backend
+instance.
 
-Supported families (dispatch on ``model_type``; ``architectures`` is the fallback when the
-``model_type`` is absent or unknown):
+Dispatch goes through :mod:`kvforge.attn_backends.registry`: ``model_type`` selects a
+registered builder; ``architectures`` is the fallback when the ``model_type`` is absent or not
+registered. The bundled families register there like any plugin:
 
 =======================================================  =====================================
-``model_type``                                           backend
+``model_type`` (builder)                                 backend
 =======================================================  =====================================
-``llama``, ``mistral``, ``mixtral``, ``qwen2``,          :class:`GQABackend` (MHA when
-``qwen2_moe``, ``qwen3``, ``qwen3_moe``                  ``num_key_value_heads`` is absent)
-``deepseek_v2``, ``deepseek_v3``                         :class:`MLABackend`
-``deepseek_v32`` (or V2/V3 with ``index_head_dim``)      :class:`DSABackend`
-``deepseek_v4``                                          :class:`DeepseekV4Backend`, one per
+``llama`` (:func:`build_gqa`), ``mistral``, ``mixtral``  :class:`GQABackend` (MHA when
+(:func:`build_mistral`), ``qwen2``, ``qwen2_moe``,       ``num_key_value_heads`` is absent)
+``qwen3``, ``qwen3_moe`` (:func:`build_qwen`)
+``deepseek_v2``, ``deepseek_v3`` (:func:`build_mla`)     :class:`MLABackend`
+``deepseek_v32`` (:func:`build_dsa`; or V2/V3 with       :class:`DSABackend`
+``index_head_dim``)
+``deepseek_v4`` (:func:`build_deepseek_v4`)              :class:`DeepseekV4Backend`, one per
                                                          compress ratio in ``compress_ratios``
 =======================================================  =====================================
+
+The ``build_*`` functions are public so a plugin can register one of them for another
+``model_type`` of the same shape (``register_model_type("internlm3", build_gqa, ...)``).
 
 Rules a reader can check against the code:
 
 - **Layer ids.** Main layers are ``0 .. num_hidden_layers - 1``. MTP / next-n layers
   (``num_nextn_predict_layers``, default 0) are cache layers too, with ids
-  ``num_hidden_layers .. num_hidden_layers + n - 1``. GQA, MLA and DSA MTP layers use the
-  main (full-attention) backend. A DeepSeek-V4 MTP layer ``k`` takes its ratio from
+  ``num_hidden_layers .. num_hidden_layers + n - 1``. GQA, MLA and DSA MTP layers use the main
+  (full-attention) backend. A DeepSeek-V4 MTP layer ``k`` takes its ratio from
   ``compress_ratios[num_hidden_layers + k]`` when the list is that long, else ratio 0.
   Entries past the last cache layer are ignored (a published V4-Flash variant pads the list).
+  A model has at most :data:`~kvforge.attn_backends.registry.MAX_LAYERS` (4096) cache layers.
 - **GQA head counts.** ``num_key_value_heads`` defaults to ``num_attention_heads`` (MHA);
   ``head_dim`` defaults to ``hidden_size // num_attention_heads``. With tensor parallelism the
   cache holds ``max(1, num_key_value_heads // tp_size)`` kv heads per rank: ``tp_size`` must
@@ -49,7 +58,8 @@ Rules a reader can check against the code:
   block sizes are fixed by its groups, so passing ``block_size`` for V4 is an error.
 
 Every problem is a ``ValueError`` (or ``FileNotFoundError`` / ``TypeError``) whose message
-names the field, its value and the model type.
+names the field, its value and the model type. A builder that returns something other than
+``{int >= 0: AttentionBackend}`` is a bug in that builder: ``TypeError``.
 """
 
 from __future__ import annotations
@@ -59,7 +69,7 @@ import os
 from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -68,10 +78,27 @@ from kvforge.attn_backends.deepseek_v4 import COMPRESS_RATIOS, DeepseekV4Backend
 from kvforge.attn_backends.dsa import DSABackend
 from kvforge.attn_backends.gqa import GQABackend, KVCacheQuant
 from kvforge.attn_backends.mla import MLABackend
+from kvforge.attn_backends.registry import (
+    MAX_LAYERS,
+    ModelBackends,
+    ModelOptions,
+    RegisteredModelType,
+    parse_fields,
+    register_model_type,
+    registered_model_types,
+    short_repr,
+)
 from kvforge.specs import canonical_dtype
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
+    "ModelBackends",
+    "ModelOptions",
+    "build_deepseek_v4",
+    "build_dsa",
+    "build_gqa",
+    "build_mistral",
+    "build_mla",
+    "build_qwen",
     "bundled_models",
     "from_hf_config",
     "load_model_config",
@@ -81,30 +108,6 @@ ConfigSource = Mapping[str, Any] | str | os.PathLike
 
 _BUNDLE_PACKAGE = "kvforge.model_configs"
 
-_GQA_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
-_DSA_TYPES = ("deepseek_v32",)
-_V4_TYPES = ("deepseek_v4",)
-
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(
-    sorted(_GQA_TYPES + _MLA_TYPES + _DSA_TYPES + _V4_TYPES)
-)
-"""Every ``model_type`` :func:`from_hf_config` understands."""
-
-_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "DeepseekV32ForCausalLM": "deepseek_v32",
-    "DeepseekV4ForCausalLM": "deepseek_v4",
-}
-
 _MODEL_DTYPES = ("float16", "bfloat16", "float32")
 _FP8_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
 _BF16_NAMES = ("bf16", "bfloat16")
@@ -113,6 +116,7 @@ _BF16_NAMES = ("bf16", "bfloat16")
 
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+LayerCount = Annotated[StrictInt, Field(gt=0, le=MAX_LAYERS)]
 
 
 class _LayerFields(BaseModel):
@@ -120,8 +124,8 @@ class _LayerFields(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    num_hidden_layers: PositiveInt
-    num_nextn_predict_layers: NonNegativeInt = 0
+    num_hidden_layers: LayerCount
+    num_nextn_predict_layers: Annotated[StrictInt, Field(ge=0, le=MAX_LAYERS)] = 0
 
 
 class GQAFields(_LayerFields):
@@ -158,44 +162,6 @@ class V4Fields(_LayerFields):
     head_dim: PositiveInt
     qk_rope_head_dim: PositiveInt
     index_head_dim: PositiveInt
-
-
-class _Options(BaseModel):
-    """The keyword arguments of :func:`from_hf_config`, validated once."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    block_size: PositiveInt | None = None
-    dtype: StrictStr | None = None
-    kv_cache_dtype: StrictStr | None = None
-    tp_size: PositiveInt = 1
-
-
-_F = TypeVar("_F", bound=_LayerFields)
-
-
-def _where(loc: tuple[int | str, ...]) -> str:
-    text = str(loc[0])
-    for part in loc[1:]:
-        text += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return text
-
-
-def _parse(fields: type[_F], config: Mapping[str, Any], model_type: str) -> _F:
-    """Validate the fields ``fields`` reads from ``config``, with errors that name them."""
-    for name, info in fields.model_fields.items():
-        if info.is_required() and config.get(name) is None:
-            state = "is missing" if name not in config else "has null for"
-            raise ValueError(f"config {state} {name!r} (needed for model_type {model_type!r})")
-    data = {k: v for k, v in config.items() if k in fields.model_fields and v is not None}
-    try:
-        return fields.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ValueError(
-            f"config field {_where(err['loc'])} = {err.get('input')!r} is invalid for "
-            f"model_type {model_type!r}: {err['msg']}"
-        ) from None
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -259,22 +225,7 @@ def load_model_config(name_or_path: str | os.PathLike) -> dict[str, Any]:
     )
 
 
-# ---------------------------------------------------------------------------------- dispatch
-
-
-def _model_type(config: Mapping[str, Any]) -> str:
-    model_type = config.get("model_type")
-    if isinstance(model_type, str) and model_type in SUPPORTED_MODEL_TYPES:
-        return model_type
-    architectures = config.get("architectures")
-    if isinstance(architectures, (list, tuple)):
-        for arch in architectures:
-            if isinstance(arch, str) and arch in _ARCHITECTURES:
-                return _ARCHITECTURES[arch]
-    raise ValueError(
-        f"unsupported model_type {model_type!r} (architectures {architectures!r}); "
-        f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}"
-    )
+# ---------------------------------------------------------------------------------- helpers
 
 
 def _model_dtype(config: Mapping[str, Any], dtype: str | None) -> str:
@@ -317,8 +268,15 @@ def _float_cache_dtype(kv_cache_dtype: str, model_type: str, allowed: str) -> st
     return name
 
 
-def _gqa(config: Mapping[str, Any], model_type: str, opts: _Options) -> dict[int, AttentionBackend]:
-    f = _parse(GQAFields, config, model_type)
+# ---------------------------------------------------------------------------------- GQA
+
+_SlidingRule = Callable[[GQAFields, str], frozenset[int]]
+
+
+def _gqa(
+    config: Mapping[str, Any], model_type: str, opts: ModelOptions, rule: _SlidingRule
+) -> dict[int, AttentionBackend]:
+    f = parse_fields(GQAFields, config, model_type)
     heads = f.num_attention_heads
     kv_heads = f.num_key_value_heads if f.num_key_value_heads is not None else heads
     if heads % kv_heads:
@@ -370,7 +328,10 @@ def _gqa(config: Mapping[str, Any], model_type: str, opts: _Options) -> dict[int
         )
 
     n = f.num_hidden_layers
-    sliding = _sliding_layers(f, model_type)
+    sliding = _layer_types_sliding(f, model_type)
+    if sliding is None:
+        sliding = rule(f, model_type)
+    mtp = range(n, n + f.num_nextn_predict_layers)
     block_size = opts.block_size if opts.block_size is not None else 16
     full_backend: GQABackend | None = None
     swa_backend: GQABackend | None = None
@@ -392,57 +353,94 @@ def _gqa(config: Mapping[str, Any], model_type: str, opts: _Options) -> dict[int
     backends: dict[int, AttentionBackend] = {
         layer: swa() if layer in sliding else full() for layer in range(n)
     }
-    for layer in range(n, n + f.num_nextn_predict_layers):
+    for layer in mtp:
         backends[layer] = full()
     return backends
 
 
-def _sliding_layers(f: GQAFields, model_type: str) -> frozenset[int]:
-    """Main layers that attend over a sliding window (see the module docstring)."""
+def _layer_types_sliding(f: GQAFields, model_type: str) -> frozenset[int] | None:
+    """Sliding main layers per ``layer_types``; ``None`` when the config has no list."""
+    if f.layer_types is None:
+        return None
     n = f.num_hidden_layers
-    if f.layer_types is not None:
-        if len(f.layer_types) != n:
+    if len(f.layer_types) != n:
+        raise ValueError(
+            f"layer_types has {len(f.layer_types)} entries but num_hidden_layers={n} "
+            f"(model_type {model_type!r})"
+        )
+    kinds = ("full_attention", "sliding_attention")
+    for i, kind in enumerate(f.layer_types):
+        if kind not in kinds:
             raise ValueError(
-                f"layer_types has {len(f.layer_types)} entries but num_hidden_layers={n} "
+                f"layer_types[{i}]={short_repr(kind)} is not one of {list(kinds)} "
                 f"(model_type {model_type!r})"
             )
-        kinds = ("full_attention", "sliding_attention")
-        for i, kind in enumerate(f.layer_types):
-            if kind not in kinds:
-                raise ValueError(
-                    f"layer_types[{i}]={kind!r} is not one of {list(kinds)} "
-                    f"(model_type {model_type!r})"
-                )
-        sliding = frozenset(i for i, k in enumerate(f.layer_types) if k == "sliding_attention")
-        if sliding and f.sliding_window is None:
-            raise ValueError(
-                f"config is missing 'sliding_window' (needed for model_type {model_type!r}: "
-                f"layer_types has sliding_attention layers)"
-            )
-        return sliding
-    if model_type in ("mistral", "mixtral"):
-        return frozenset(range(n)) if f.sliding_window is not None else frozenset()
-    if model_type.startswith("qwen") and f.use_sliding_window:
-        if f.sliding_window is None:
-            raise ValueError(
-                f"config is missing 'sliding_window' (needed for model_type {model_type!r} "
-                f"with use_sliding_window=true)"
-            )
-        if f.max_window_layers is None:
-            raise ValueError(
-                f"config is missing 'max_window_layers' (needed for model_type {model_type!r} "
-                f"with use_sliding_window=true)"
-            )
-        return frozenset(range(f.max_window_layers, n))
+    sliding = frozenset(i for i, k in enumerate(f.layer_types) if k == "sliding_attention")
+    if sliding and f.sliding_window is None:
+        raise ValueError(
+            f"config is missing 'sliding_window' (needed for model_type {model_type!r}: "
+            f"layer_types has sliding_attention layers)"
+        )
+    return sliding
+
+
+def _never_slides(f: GQAFields, model_type: str) -> frozenset[int]:
     return frozenset()
 
 
-def _mla(config: Mapping[str, Any], model_type: str, opts: _Options) -> dict[int, AttentionBackend]:
+def _slides_everywhere(f: GQAFields, model_type: str) -> frozenset[int]:
+    return frozenset(range(f.num_hidden_layers)) if f.sliding_window is not None else frozenset()
+
+
+def _qwen_slides(f: GQAFields, model_type: str) -> frozenset[int]:
+    if not f.use_sliding_window:
+        return frozenset()
+    if f.sliding_window is None:
+        raise ValueError(
+            f"config is missing 'sliding_window' (needed for model_type {model_type!r} "
+            f"with use_sliding_window=true)"
+        )
+    if f.max_window_layers is None:
+        raise ValueError(
+            f"config is missing 'max_window_layers' (needed for model_type {model_type!r} "
+            f"with use_sliding_window=true)"
+        )
+    return frozenset(range(f.max_window_layers, f.num_hidden_layers))
+
+
+def build_gqa(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """GQA / MHA, Llama's rule: only ``layer_types`` makes a layer slide."""
+    return _gqa(config, model_type, options, _never_slides)
+
+
+def build_mistral(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """GQA, Mistral's rule: every layer slides when ``sliding_window`` is not null."""
+    return _gqa(config, model_type, options, _slides_everywhere)
+
+
+def build_qwen(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """GQA, Qwen's rule: with ``use_sliding_window``, layers ``>= max_window_layers`` slide."""
+    return _gqa(config, model_type, options, _qwen_slides)
+
+
+# ---------------------------------------------------------------------------------- MLA / DSA
+
+
+def build_mla(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """DeepSeek V2 / V3 (MLA); a config with ``index_head_dim`` is DSA (:func:`build_dsa`)."""
     if config.get("index_head_dim") is not None:
-        return _dsa(config, model_type, opts)
-    f = _parse(MLAFields, config, model_type)
-    dtype = _model_dtype(config, opts.dtype)
-    kv = opts.kv_cache_dtype
+        return build_dsa(config, model_type, options)
+    f = parse_fields(MLAFields, config, model_type)
+    dtype = _model_dtype(config, options.dtype)
+    kv = options.kv_cache_dtype
     if kv is None or kv == "auto":
         pass
     elif kv in _FP8_NAMES:
@@ -451,57 +449,74 @@ def _mla(config: Mapping[str, Any], model_type: str, opts: _Options) -> dict[int
         dtype = _float_cache_dtype(
             kv, model_type, "'auto', 'fp8', 'bfloat16', 'float16' or 'float32'"
         )
+    mtp = range(f.num_hidden_layers, f.num_hidden_layers + f.num_nextn_predict_layers)
     backend = MLABackend(
         kv_lora_rank=f.kv_lora_rank,
         qk_rope_head_dim=f.qk_rope_head_dim,
-        block_size=opts.block_size if opts.block_size is not None else 64,
+        block_size=options.block_size if options.block_size is not None else 64,
         dtype=dtype,
     )
-    return dict.fromkeys(range(f.num_hidden_layers + f.num_nextn_predict_layers), backend)
+    return dict.fromkeys([*range(f.num_hidden_layers), *mtp], backend)
 
 
-def _dsa(config: Mapping[str, Any], model_type: str, opts: _Options) -> dict[int, AttentionBackend]:
-    f = _parse(DSAFields, config, model_type)
+def build_dsa(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """DeepSeek V3.2 (DSA): MLA's latent plus an indexer key per token."""
+    f = parse_fields(DSAFields, config, model_type)
+    kv_cache_dtype = _latent_cache_dtype(options.kv_cache_dtype, model_type)
+    mtp = range(f.num_hidden_layers, f.num_hidden_layers + f.num_nextn_predict_layers)
     backend = DSABackend(
         kv_lora_rank=f.kv_lora_rank,
         qk_rope_head_dim=f.qk_rope_head_dim,
         index_head_dim=f.index_head_dim,
-        block_size=opts.block_size if opts.block_size is not None else 64,
-        kv_cache_dtype=_latent_cache_dtype(opts.kv_cache_dtype, model_type),
+        block_size=options.block_size if options.block_size is not None else 64,
+        kv_cache_dtype=kv_cache_dtype,
     )
-    return dict.fromkeys(range(f.num_hidden_layers + f.num_nextn_predict_layers), backend)
+    return dict.fromkeys([*range(f.num_hidden_layers), *mtp], backend)
 
 
-def _v4(config: Mapping[str, Any], model_type: str, opts: _Options) -> dict[int, AttentionBackend]:
-    f = _parse(V4Fields, config, model_type)
-    if opts.block_size is not None:
+# ---------------------------------------------------------------------------------- V4
+
+
+def build_deepseek_v4(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """DeepSeek-V4: one :class:`DeepseekV4Backend` per compress ratio, shared by its layers."""
+    f = parse_fields(V4Fields, config, model_type)
+    if options.block_size is not None:
         raise ValueError(
-            f"block_size={opts.block_size} cannot be set for model_type {model_type!r}: its "
+            f"block_size={options.block_size} cannot be set for model_type {model_type!r}: its "
             "groups fix the block sizes (swa 64, compressed 256, c4_state 4, c128_state 8)"
         )
-    n, mtp = f.num_hidden_layers, f.num_nextn_predict_layers
+    n = f.num_hidden_layers
+    mtp = range(n, n + f.num_nextn_predict_layers)
     ratios = f.compress_ratios
     if len(ratios) < n:
         raise ValueError(
             f"compress_ratios has {len(ratios)} entries but num_hidden_layers={n} "
             f"(model_type {model_type!r}): every main layer needs a ratio"
         )
-    per_layer = [ratios[i] if i < len(ratios) else 0 for i in range(n + mtp)]
-    for i, ratio in enumerate(per_layer):
+    layers = [*range(n), *mtp]
+    per_layer: dict[int, int] = {}
+    for i in layers:
+        ratio = ratios[i] if i < len(ratios) else 0
         if ratio not in COMPRESS_RATIOS:
             raise ValueError(
                 f"compress_ratios[{i}]={ratio!r} is not one of {list(COMPRESS_RATIOS)} "
                 f"(model_type {model_type!r})"
             )
+        per_layer[i] = ratio
     if not 0 < f.qk_rope_head_dim < f.head_dim:
         raise ValueError(
             f"qk_rope_head_dim={f.qk_rope_head_dim} must be smaller than head_dim={f.head_dim} "
             f"(model_type {model_type!r})"
         )
-    kv_cache_dtype = _latent_cache_dtype(opts.kv_cache_dtype, model_type)
+    kv_cache_dtype = _latent_cache_dtype(options.kv_cache_dtype, model_type)
     kinds: dict[int, DeepseekV4Backend] = {}
     backends: dict[int, AttentionBackend] = {}
-    for layer, ratio in enumerate(per_layer):
+    for layer in layers:
+        ratio = per_layer[layer]
         if ratio not in kinds:
             kinds[ratio] = DeepseekV4Backend(
                 compress_ratio=ratio,
@@ -515,14 +530,93 @@ def _v4(config: Mapping[str, Any], model_type: str, opts: _Options) -> dict[int,
     return backends
 
 
-_Builder = Callable[[Mapping[str, Any], str, _Options], dict[int, AttentionBackend]]
+# ---------------------------------------------------------------------------------- dispatch
 
-_BUILDERS: dict[str, _Builder] = {
-    **dict.fromkeys(_GQA_TYPES, _gqa),
-    **dict.fromkeys(_MLA_TYPES, _mla),
-    **dict.fromkeys(_DSA_TYPES, _dsa),
-    **dict.fromkeys(_V4_TYPES, _v4),
-}
+
+def _registration(config: Mapping[str, Any]) -> RegisteredModelType:
+    types = registered_model_types()
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in types:
+        return types[model_type]
+    architectures = config.get("architectures")
+    if isinstance(architectures, (list, tuple)):
+        for arch in architectures:
+            for entry in types.values():
+                if isinstance(arch, str) and arch in entry.architectures:
+                    return entry
+    raise ValueError(
+        f"unsupported model_type {short_repr(model_type)} (architectures "
+        f"{short_repr(architectures)}); registered model_type values: {', '.join(types)} "
+        "(a plugin registers more: kvforge.attn_backends.registry.register_model_type)"
+    )
+
+
+def _check_layer_counts(config: Mapping[str, Any]) -> None:
+    """Refuse an absurd layer count before any builder loops over it."""
+    for key in ("num_hidden_layers", "num_nextn_predict_layers"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_LAYERS:
+            raise ValueError(
+                f"config field {key} = {short_repr(value)} is out of range: kvforge supports "
+                f"at most {MAX_LAYERS} cache layers per model (MAX_LAYERS)"
+            )
+
+
+def _max_position_embeddings(config: Mapping[str, Any], model_type: str) -> int | None:
+    value = config.get("max_position_embeddings")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(
+            f"config field max_position_embeddings = {short_repr(value)} is invalid for "
+            f"model_type {model_type!r}: it must be a positive integer"
+        )
+    return value
+
+
+def _checked_result(result: object, entry: RegisteredModelType) -> dict[int, AttentionBackend]:
+    """What a builder returned, checked: a builder that breaks its contract is a bug."""
+    where = f"the builder of model_type {entry.model_type!r} ({entry.builder!r})"
+    if not isinstance(result, Mapping):
+        raise TypeError(f"{where} returned {type(result).__name__}, not a mapping")
+    if not result:
+        raise TypeError(f"{where} returned no layers")
+    for layer, backend in result.items():
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            raise TypeError(f"{where} returned layer id {short_repr(layer)}; ids are ints >= 0")
+        if not isinstance(backend, AttentionBackend):
+            raise TypeError(
+                f"{where} returned {type(backend).__name__} for layer {layer}, not an "
+                "AttentionBackend"
+            )
+    if len(result) > MAX_LAYERS:
+        raise ValueError(
+            f"model_type {entry.model_type!r} has {len(result)} cache layers; kvforge supports "
+            f"at most {MAX_LAYERS} (MAX_LAYERS)"
+        )
+    return {layer: result[layer] for layer in sorted(result)}
+
+
+def _options(**kwargs: Any) -> ModelOptions:
+    try:
+        opts = ModelOptions(**kwargs)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(part) for part in err["loc"])
+        raise ValueError(
+            f"{field}={short_repr(err.get('input'))} is invalid: {err['msg']}"
+        ) from None
+    if opts.dtype is not None:
+        try:
+            name = canonical_dtype(opts.dtype)
+        except ValueError:
+            name = ""
+        if name not in _MODEL_DTYPES:
+            raise ValueError(
+                f"dtype={opts.dtype!r} is not a model dtype; use one of {list(_MODEL_DTYPES)}"
+            )
+        opts = opts.model_copy(update={"dtype": name})
+    return opts
 
 
 def from_hf_config(
@@ -532,7 +626,7 @@ def from_hf_config(
     dtype: str | None = None,
     kv_cache_dtype: str | None = None,
     tp_size: int = 1,
-) -> dict[int, AttentionBackend]:
+) -> ModelBackends:
     """The ``layer id -> backend`` mapping of a model, from its Hugging Face config.
 
     Args:
@@ -547,14 +641,19 @@ def from_hf_config(
         tp_size: tensor-parallel ranks; GQA caches hold ``max(1, kv_heads // tp_size)`` heads.
 
     Returns:
-        ``{layer_id: backend}`` with ascending ids, main layers first, then MTP layers. Layers
-        of the same kind share one backend instance.
+        A :class:`~kvforge.attn_backends.registry.ModelBackends`: ``{layer_id: backend}``
+        with ascending ids, main layers first, then MTP layers; layers of the same kind share
+        one backend instance. It is a ``dict`` subclass (index it by layer id as before) that
+        also carries ``model_type`` and the config's ``max_position_embeddings`` (``None``
+        when absent), the default ``max_model_len`` of a memory plan.
 
     Raises:
-        ValueError: an unsupported ``model_type``, a missing, null or invalid field, an
-            inconsistent config, or bad options; the message names the field and the value.
+        ValueError: an unsupported ``model_type``, a missing, null or invalid field, more than
+            :data:`~kvforge.attn_backends.registry.MAX_LAYERS` layers, an inconsistent config,
+            or bad options; the message names the field and the value.
         FileNotFoundError: ``config`` is a path or name that does not exist.
-        TypeError: ``config`` is not a mapping, string or path.
+        TypeError: ``config`` is not a mapping, string or path; or a registered builder
+            returned something other than ``{int >= 0: AttentionBackend}``.
     """
     if isinstance(config, (str, os.PathLike)):
         config = load_model_config(config)
@@ -563,24 +662,39 @@ def from_hf_config(
             f"config must be a mapping (a parsed config.json), a path or a bundled model "
             f"name, got {type(config).__name__}"
         )
-    try:
-        opts = _Options(
-            block_size=block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp_size=tp_size
-        )
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ValueError(
-            f"{_where(err['loc'])}={err.get('input')!r} is invalid: {err['msg']}"
-        ) from None
-    if opts.dtype is not None:
-        try:
-            name = canonical_dtype(opts.dtype)
-        except ValueError:
-            name = ""
-        if name not in _MODEL_DTYPES:
-            raise ValueError(
-                f"dtype={opts.dtype!r} is not a model dtype; use one of {list(_MODEL_DTYPES)}"
-            )
-        opts = opts.model_copy(update={"dtype": name})
-    model_type = _model_type(config)
-    return _BUILDERS[model_type](config, model_type, opts)
+    opts = _options(
+        block_size=block_size,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        tp_size=tp_size,
+    )
+    entry = _registration(config)
+    _check_layer_counts(config)
+    max_len = _max_position_embeddings(config, entry.model_type)
+    result = entry.builder(config, entry.model_type, opts)
+    if isinstance(result, ModelBackends) and result.max_position_embeddings is not None:
+        max_len = result.max_position_embeddings
+    return ModelBackends(
+        _checked_result(result, entry), model_type=entry.model_type, max_position_embeddings=max_len
+    )
+
+
+# ---------------------------------------------------------------------------------- bundled
+# Registered through the public API, exactly as a plugin would.
+
+_BUNDLED: tuple[tuple[str, Callable[..., dict[int, AttentionBackend]], str], ...] = (
+    ("llama", build_gqa, "LlamaForCausalLM"),
+    ("mistral", build_mistral, "MistralForCausalLM"),
+    ("mixtral", build_mistral, "MixtralForCausalLM"),
+    ("qwen2", build_qwen, "Qwen2ForCausalLM"),
+    ("qwen2_moe", build_qwen, "Qwen2MoeForCausalLM"),
+    ("qwen3", build_qwen, "Qwen3ForCausalLM"),
+    ("qwen3_moe", build_qwen, "Qwen3MoeForCausalLM"),
+    ("deepseek_v2", build_mla, "DeepseekV2ForCausalLM"),
+    ("deepseek_v3", build_mla, "DeepseekV3ForCausalLM"),
+    ("deepseek_v32", build_dsa, "DeepseekV32ForCausalLM"),
+    ("deepseek_v4", build_deepseek_v4, "DeepseekV4ForCausalLM"),
+)
+
+for _model_type, _builder, _arch in _BUNDLED:
+    register_model_type(_model_type, _builder, architectures=(_arch,))
