@@ -274,6 +274,12 @@ class CacheGroup(BaseModel):
             )
         return self
 
+    def __repr_args__(self) -> Any:
+        # slots_per_request means something only for per_request groups: keep other reprs short
+        for name, value in super().__repr_args__():
+            if name != "slots_per_request" or self.kind is GroupKind.PER_REQUEST:
+                yield name, value
+
     # ------------------------------------------------------------------ semantics
 
     @property

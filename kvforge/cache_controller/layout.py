@@ -4,6 +4,12 @@
 that depends only on the declarations: which groups exist, the ordered list of (role, layer)
 buffers, per-group byte counts. It allocates nothing.
 
+Bytes come in two figures: *device* bytes count each role's block stride, alignment padding
+included (``CacheRole.device_block_bytes``); *host page* bytes count only the meaningful bytes
+of the offloaded roles (host pages never carry device padding). Per-token figures are exact
+:class:`~fractions.Fraction` values, since a compressed role stores a fraction of an entry per
+token.
+
 Ordering invariant: buffers are layer-major (ascending layer id) and, within a layer, follow
 the backend's ``cache_roles()`` order. Groups are ordered by the first buffer that uses them.
 Neither depends on the order in which the mapping was built.
@@ -13,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cached_property
 
 from kvforge.attn_backends.base import AttentionBackend
-from kvforge.specs import CacheGroup, CacheRole, GroupKind
+from kvforge.specs import CacheGroup, CacheRole, GroupKind, strict_int
 
 __all__ = ["CacheEntry", "CacheLayout"]
 
@@ -43,7 +50,13 @@ class CacheEntry:
 
     @property
     def block_bytes(self) -> int:
+        """Meaningful bytes of one block (its share of a host page)."""
         return self.role.block_bytes(self.group)
+
+    @property
+    def device_block_bytes(self) -> int:
+        """Device stride of one block: :attr:`block_bytes` rounded up to the role's alignment."""
+        return self.role.device_block_bytes(self.group)
 
 
 def _check_backends(backends: Mapping[int, AttentionBackend]) -> dict[int, AttentionBackend]:
@@ -73,15 +86,28 @@ class CacheLayout:
     Args:
         backends: layer id -> backend (layers may use different backends, an instance may
             serve several layers).
+        max_model_len: the model's longest sequence in tokens, when known (a config's
+            ``max_position_embeddings``); memory plans default to it. When omitted, a
+            ``max_model_len`` attribute of ``backends`` (a mapping that carries it) is used.
 
     Raises:
         ValueError: empty mapping, bad layer ids, a backend whose declaration is inconsistent,
-            or two backends that declare the same group name with different specs.
+            two backends that declare the same group name with different specs, or a
+            ``max_model_len`` that is not a positive int.
         TypeError: a value is not an :class:`AttentionBackend`.
     """
 
-    def __init__(self, backends: Mapping[int, AttentionBackend]) -> None:
+    def __init__(
+        self, backends: Mapping[int, AttentionBackend], max_model_len: int | None = None
+    ) -> None:
         checked = _check_backends(backends)
+        if max_model_len is None:
+            max_model_len = getattr(backends, "max_model_len", None)
+        self.max_model_len: int | None = (
+            None
+            if max_model_len is None
+            else strict_int("max_model_len", max_model_len, unit="tokens")
+        )
         self.layers: tuple[int, ...] = tuple(sorted(checked))
         self.backends: dict[int, AttentionBackend] = {
             layer: checked[layer] for layer in self.layers
@@ -202,24 +228,66 @@ class CacheLayout:
 
     # ------------------------------------------------------------------ bytes
 
+    @cached_property
+    def _device_block_bytes(self) -> dict[str, int]:
+        return {
+            g.name: sum(e.device_block_bytes for e in self.entries_of(g.name)) for g in self.groups
+        }
+
+    @cached_property
+    def _host_page_bytes(self) -> dict[str, int]:
+        return {
+            g.name: sum(e.block_bytes for e in self.offload_entries(g.name)) for g in self.groups
+        }
+
     def bytes_per_block(self, group: str) -> int:
-        """Device bytes of one block of ``group`` across every layer and role."""
-        return sum(e.block_bytes for e in self.entries_of(self.group(group).name))
+        """Device bytes of one block of ``group`` across every layer and role, alignment
+        padding included (the sum of the roles' device block strides)."""
+        return self._device_block_bytes[self.group(group).name]
 
     def host_page_bytes(self, group: str) -> int:
         """Bytes of one host page of ``group``: its offloaded roles, packed, no padding."""
-        return sum(e.block_bytes for e in self.offload_entries(self.group(group).name))
+        return self._host_page_bytes[self.group(group).name]
 
-    def kv_bytes_per_token(self) -> int:
-        """Device bytes one more token of history costs, block-amortised, over full groups.
+    def bytes_per_token_by_kind(self) -> dict[GroupKind, Fraction]:
+        """Exact device bytes per token, block-amortised, summed per group kind.
 
-        ``sum(bytes_per_block(g) // block_size(g))`` over ``full`` groups: exact for
-        uncompressed roles (e.g. 2 * layers * kv_heads * head_dim * itemsize for GQA), rounded
-        down where a compressed role makes the per-token share fractional. Window and state
-        groups cost a bounded amount per sequence instead; see ``cache_bytes_per_sequence``.
+        ``sum(bytes_per_block(g) / block_size(g))`` over the groups of each token-indexed kind
+        present (``full``, ``sliding_window``, ``state``, ``chunked``). What a token costs
+        while it is live: for ``full`` groups for ever, for the others only while it is inside
+        their window. ``per_request`` groups cost per request, not per token (see
+        :meth:`bytes_per_request`) and are left out.
         """
+        found: dict[GroupKind, Fraction] = {}
+        for g in self.groups:
+            if g.kind is GroupKind.PER_REQUEST:
+                continue
+            share = Fraction(self.bytes_per_block(g.name), g.block_size)
+            found[g.kind] = found.get(g.kind, Fraction(0)) + share
+        return found
+
+    def bytes_per_request(self) -> int:
+        """Device bytes every request holds in ``per_request`` groups, whatever its length."""
         return sum(
-            self.bytes_per_block(g.name) // g.block_size
+            g.slots_per_request * self.bytes_per_block(g.name)
             for g in self.groups
-            if g.kind is GroupKind.FULL
+            if g.kind is GroupKind.PER_REQUEST
         )
+
+    def kv_bytes_per_token(self) -> int | Fraction:
+        """Device bytes one more token of history costs, block-amortised and exact.
+
+        Over the ``full`` groups: ``sum(bytes_per_block(g) / block_size(g))``, e.g.
+        ``2 * layers * kv_heads * head_dim * itemsize`` for GQA. An ``int`` when whole, else a
+        :class:`~fractions.Fraction` (a compressed role stores 584 B per 128 tokens).
+
+        A model with no full group (every layer slides, as in Mistral-7B-v0.1) keeps no
+        history; its figure is then what a token costs while it is live in the window groups
+        (``sliding_window``, ``chunked`` and ``state``), never 0. The per-kind breakdown is
+        :meth:`bytes_per_token_by_kind`.
+        """
+        by_kind = self.bytes_per_token_by_kind()
+        total = by_kind.get(GroupKind.FULL)
+        if total is None:
+            total = sum(by_kind.values(), Fraction(0))
+        return total.numerator if total.denominator == 1 else total
