@@ -1,6 +1,12 @@
 """``kvforge plan | demo | bench``: the command-line front door.
 
 Every command reports bad input as one line on stderr and exit code 2, never a traceback.
+
+Plugins: at start the CLI imports every entry point of the group ``kvforge.backends``
+(:func:`~kvforge.attn_backends.registry.load_plugins`) and every ``--plugin MODULE``; what
+they register is then known to ``--config`` (model types) and ``--backend`` (backends).
+``--backend NAME`` builds one layer's backend with the registered builder, passing the model
+options the user gave as keyword arguments: the builder's parameters are the options it takes.
 """
 
 from __future__ import annotations
@@ -12,6 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.attn_backends.registry import (
+    PluginError,
+    load_plugin_module,
+    load_plugins,
+    registered_backends,
+)
 from kvforge.commands.formatting import (
     UsageError,
     console,
@@ -21,6 +33,27 @@ from kvforge.commands.formatting import (
 )
 
 __all__ = ["main"]
+
+# Options of --backend, by argparse dest: each is passed to the chosen backend's builder
+# under this name, and refused when the builder has no parameter of that name.
+BACKEND_OPTIONS = (
+    "num_kv_heads",
+    "head_dim",
+    "block_size",
+    "dtype",
+    "kv_cache_quant",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "index_head_dim",
+    "kv_cache_dtype",
+    "compress_ratio",
+)
+DEFAULT_LAYERS = 32
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (no usage dump) and exit code 2."""
@@ -69,36 +102,33 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="path to a Hugging Face config.json")
     src.add_argument(
         "--backend",
-        choices=["gqa", "mha", "mla", "dsa", "deepseek-v4"],
-        help="describe the model by backend and sizes instead of a config",
+        choices=list(registered_backends()),
+        help="describe the model by a registered backend and its sizes instead of a config "
+        "(default gqa)",
     )
-    src.add_argument("--layers", type=_positive, default=32, help="layer count (default 32)")
-    src.add_argument("--num-kv-heads", type=_positive, default=8)
-    src.add_argument("--head-dim", type=_positive, default=128)
+    src.add_argument(
+        "--layers", type=_positive, default=None, help=f"layer count (default {DEFAULT_LAYERS})"
+    )
+    # Backend options default to None, so that "given" is visible: the backend's builder
+    # supplies the defaults of those not given (gqa: 8 kv heads of 128, mla: 512 + 64, ...).
+    src.add_argument("--num-kv-heads", type=_positive, default=None)
+    src.add_argument("--head-dim", type=_positive, default=None)
     src.add_argument("--block-size", type=_positive, default=None, help="tokens per block")
     src.add_argument("--dtype", default=None, help="cache dtype (default bfloat16)")
     src.add_argument("--kv-cache-quant", choices=["fp8", "block_wise_fp8"], default=None)
-    src.add_argument("--kv-lora-rank", type=_positive, default=512)
-    src.add_argument("--qk-rope-head-dim", type=_positive, default=64)
-    src.add_argument("--index-head-dim", type=_positive, default=128)
-    src.add_argument("--kv-cache-dtype", choices=["fp8", "bf16"], default=None)
-    src.add_argument("--compress-ratio", type=int, default=4, help="deepseek-v4 ratio")
+    src.add_argument("--kv-lora-rank", type=_positive, default=None)
+    src.add_argument("--qk-rope-head-dim", type=_positive, default=None)
+    src.add_argument("--index-head-dim", type=_positive, default=None)
+    src.add_argument("--kv-cache-dtype", default=None, help="cache storage, e.g. fp8 or bf16")
+    src.add_argument("--compress-ratio", type=int, default=None, help="deepseek-v4 ratio")
     src.add_argument(
-        "--tp-size", type=_positive, default=1, help="tensor-parallel size (config models)"
+        "--tp-size", type=_positive, default=None, help="tensor-parallel size (config models)"
     )
     src.add_argument("--list-models", action="store_true", help="list bundled configs and exit")
 
 
 def build_backends(args: argparse.Namespace) -> tuple[str, dict[int, AttentionBackend]]:
     """The model named by the options: ``(description, layer id -> backend)``."""
-    from kvforge.attn_backends import (
-        DeepseekV4Backend,
-        DSABackend,
-        GQABackend,
-        MHABackend,
-        MLABackend,
-    )
-
     chosen = [opt for opt in ("model", "config", "backend") if getattr(args, opt)]
     if len(chosen) > 1:
         raise UsageError(f"give one of --model, --config or --backend, not {chosen}")
@@ -112,39 +142,38 @@ def build_backends(args: argparse.Namespace) -> tuple[str, dict[int, AttentionBa
             block_size=args.block_size,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
-            tp_size=args.tp_size,
+            tp_size=args.tp_size if args.tp_size is not None else 1,
         )
         return str(source), backends
     kind = args.backend or "gqa"
-    dtype = args.dtype or "bfloat16"
-    kv_dtype = args.kv_cache_dtype or "fp8"
-    backend: AttentionBackend
-    if kind == "gqa":
-        backend = GQABackend(
-            args.num_kv_heads, args.head_dim, args.block_size or 16, dtype, args.kv_cache_quant
+    layers = args.layers if args.layers is not None else DEFAULT_LAYERS
+    backend = _backend_from_options(kind, args)
+    return f"{backend!r} x {layers} layers", dict.fromkeys(range(layers), backend)
+
+
+def _backend_from_options(kind: str, args: argparse.Namespace) -> AttentionBackend:
+    """One layer's backend of the registered backend ``kind``, from the options given."""
+    entry = registered_backends()[kind]
+    params = entry.parameters()
+    given = {d: getattr(args, d) for d in BACKEND_OPTIONS if getattr(args, d) is not None}
+    extra = [dest for dest in given if dest not in params]
+    if extra:
+        takes = [_flag(p) for p in params if p in BACKEND_OPTIONS]
+        verb = "does" if len(extra) == 1 else "do"
+        raise UsageError(
+            f"{', '.join(_flag(d) for d in extra)} {verb} not apply to --backend {kind}; it "
+            f"takes {', '.join([*takes, '--layers'])}"
         )
-    elif kind == "mha":
-        backend = MHABackend(
-            args.num_kv_heads, args.head_dim, args.block_size or 16, dtype, args.kv_cache_quant
+    missing = [p.name for p in params.values() if p.default is p.empty and p.name not in given]
+    unsettable = [name for name in missing if name not in BACKEND_OPTIONS]
+    if unsettable:
+        raise UsageError(
+            f"--backend {kind} cannot be built from command-line options: its builder needs "
+            f"{unsettable}, which no option sets (register it with a cli_builder)"
         )
-    elif kind == "mla":
-        backend = MLABackend(args.kv_lora_rank, args.qk_rope_head_dim, args.block_size or 64, dtype)
-    elif kind == "dsa":
-        backend = DSABackend(
-            args.kv_lora_rank,
-            args.qk_rope_head_dim,
-            args.index_head_dim,
-            args.block_size or 64,
-            kv_dtype,
-        )
-    else:
-        backend = DeepseekV4Backend(
-            args.compress_ratio,
-            qk_rope_head_dim=args.qk_rope_head_dim,
-            index_head_dim=args.index_head_dim,
-            kv_cache_dtype=kv_dtype,
-        )
-    return f"{backend!r} x {args.layers} layers", dict.fromkeys(range(args.layers), backend)
+    if missing:
+        raise UsageError(f"--backend {kind} needs {', '.join(_flag(m) for m in missing)}")
+    return entry.builder(**given)
 
 
 def _list_models() -> int:
@@ -166,14 +195,21 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
 
     description, backends = build_backends(args)
     layout = CacheLayout(backends)
+    max_model_len = args.max_model_len
     if args.num_blocks is not None:
         blocks = dict.fromkeys((g.name for g in layout.groups), args.num_blocks)
         budget = sum(n * layout.bytes_per_block(g) for g, n in blocks.items())
         plan = None
     else:
-        if (args.max_num_seqs is None) != (args.max_model_len is None):
-            raise UsageError("--max-num-seqs and --max-model-len go together")
-        plan = plan_memory(layout, args.device_memory, args.max_num_seqs, args.max_model_len)
+        if args.max_num_seqs is not None and max_model_len is None:
+            # vLLM's rule: max_model_len defaults to the model's max_position_embeddings
+            max_model_len = getattr(backends, "max_position_embeddings", None)
+        if (args.max_num_seqs is None) != (max_model_len is None):
+            raise UsageError(
+                "--max-num-seqs and --max-model-len go together (the model's config gives no "
+                "max_position_embeddings to default --max-model-len to)"
+            )
+        plan = plan_memory(layout, args.device_memory, args.max_num_seqs, max_model_len)
         blocks = plan.num_blocks
         budget = args.device_memory
     namer = StorageNamer(rank=args.rank)
@@ -225,10 +261,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "total_bytes": sum(g["total_bytes"] for g in groups),
         "max_tokens": plan.max_tokens if plan else None,
     }
-    if args.max_model_len:
-        report["bytes_per_sequence"] = cache_bytes_per_sequence(layout, args.max_model_len)
+    if max_model_len:
+        report["bytes_per_sequence"] = cache_bytes_per_sequence(layout, max_model_len)
         report["max_num_seqs"] = args.max_num_seqs
-        report["max_model_len"] = args.max_model_len
+        report["max_model_len"] = max_model_len
     if args.host_memory:
         host = plan_memory(layout, args.host_memory, host=True)
         report["host"] = {
@@ -393,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvforge", description="KV cache allocation, paging and offload for LLM inference"
     )
+    plugin_help = "import MODULE first, which registers backends and model types (repeatable)"
+    parser.add_argument("--plugin", action="append", metavar="MODULE", help=plugin_help)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     plan = sub.add_parser("plan", help="size and name every cache of a model")
@@ -410,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-num-seqs", type=_positive, default=None)
     plan.add_argument("--rank", type=int, default=0, help="tensor-parallel rank for names")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.add_argument(
+        "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
+    )
     plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser(
@@ -445,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STEP",
         help="self-test: flip one cached byte after STEP steps; the run must fail (exit 1)",
     )
+    demo.add_argument(
+        "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
+    )
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser(
@@ -460,12 +504,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not flush CPU caches before each timed run (small transfers then run from cache)",
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
+    )
     bench.set_defaults(func=cmd_bench)
 
     return parser
 
 
+def _load_plugins(argv: list[str]) -> int | None:
+    """Import the installed plugins and those of ``--plugin``; an exit code on failure."""
+    pre = _Parser(prog="kvforge", add_help=False)
+    pre.add_argument("--plugin", action="append", default=[])
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        load_plugins()
+        for module in known.plugin:
+            load_plugin_module(module)
+    except PluginError as exc:
+        # A plugin that cannot be found or that conflicts with a registration is a problem of
+        # the command line or the installation: one line. Any other failure is a bug in the
+        # plugin and keeps its traceback.
+        if not isinstance(exc.__cause__, (ImportError, ValueError)):
+            raise
+        print(f"kvforge: error: {exc}", file=sys.stderr)
+        return 2
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    failed = _load_plugins(argv)
+    if failed is not None:
+        return failed
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
