@@ -24,9 +24,18 @@ the same bytes (and the mirror: pinned->device + scatter), plus kernel-only rati
 device-to-device copy.
 ``--tune`` sweeps the tile size and programs per SM.
 
+Slot mapping (``--case slots``, also part of the default ``--case all``): one engine step of
+256 tokens (256 decoding requests) and of 8192 tokens (8 prefills of 1024), mapped through a
+1024 x 512 int32 block table with ``kvforge.ops.slot_mapping``, against baselines timed in the
+same run: ``vllm_numpy``, the vectorised formula an engine's model runner uses
+(``table.ravel()[rows * M + p // bs] * bs + p % bs``: block size 16, no compression, no null
+block or past-the-table handling), and ``loop``, the per-token Python definition. Ratios are
+``baseline time / kvforge time``; figures are reported, never asserted. On CUDA the Triton
+kernel is timed against the torch-ops path and the same vectorised formula in torch.
+
 Usage::
 
-    python benchmarks/bench_ops.py [--quick] [--json PATH]
+    python benchmarks/bench_ops.py [--quick] [--json PATH] [--case all|blocks|slots]
     PYTHONPATH=. python benchmarks/bench_ops.py --device cuda --quick [--tune]
 """
 
@@ -500,10 +509,154 @@ def report_cuda(records: list[dict[str, Any]]) -> None:
             )
 
 
+# ------------------------------------------------------------------------------- slot mapping
+
+SLOT_STEPS = ((256, 256), (8192, 8))  # (tokens, requests) of one step
+SLOT_TABLE = (1024, 512)  # max_num_seqs x max_blocks_per_req
+SLOT_BLOCK = 16
+
+
+def slot_step(ops: types.ModuleType, tokens: int, requests: int, seed: int = 0):
+    """A step of ``tokens`` tokens over ``requests`` requests in scattered table rows, as numpy
+    arrays: ``(table, rows int32, positions int64)``. Requests already hold 0-4000 tokens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    table = rng.integers(1, 1 << 20, size=SLOT_TABLE, dtype=np.int32)
+    computed = rng.integers(0, 4000, size=requests)
+    new = np.full(requests, tokens // requests, dtype=np.int64)
+    step = ops.token_positions(computed, new)
+    req_rows = rng.permutation(SLOT_TABLE[0])[:requests].astype(np.int32)
+    return table, req_rows[step.request_index], step.positions, (computed, new)
+
+
+def bench_slots(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [slot_case_cpu(ops, args, tokens, requests) for tokens, requests in SLOT_STEPS]
+
+
+def slot_case_cpu(
+    ops: types.ModuleType, args: argparse.Namespace, tokens: int, requests: int
+) -> dict[str, Any]:
+    import numpy as np
+
+    bs = SLOT_BLOCK
+    table, rows, pos, (computed, new) = slot_step(ops, tokens, requests)
+    out = np.empty(tokens, dtype=np.int64)
+    max_blocks = table.shape[1]
+    flat = table.reshape(-1)
+    tensors = [torch.from_numpy(a) for a in (table, rows, pos)]
+
+    def vllm_numpy() -> None:
+        index = rows * max_blocks + pos // bs
+        np.add(flat[index] * bs, pos % bs, out=out)
+
+    def loop() -> list[int]:
+        res = []
+        for r, p in zip(rows.tolist(), pos.tolist(), strict=True):
+            b = int(table[r, p // bs])
+            res.append(b * bs + p % bs if b else -1)
+        return res
+
+    fns: dict[str, Callable[[], Any]] = {
+        "vllm_numpy": vllm_numpy,
+        "loop": loop,
+        "numpy": lambda: ops.slot_mapping(table, rows, pos, bs, out=out),
+        "numpy_nocheck": lambda: ops.slot_mapping(table, rows, pos, bs, out=out, check=False),
+        "numpy_ratio4": lambda: ops.slot_mapping(table, rows, pos, 4 * bs, 4, out=out),
+        "cpu_tensors": lambda: ops.slot_mapping(*tensors, bs),
+        "torch": lambda: ops.slot_mapping(*tensors, bs, impl="torch"),
+        "token_positions": lambda: ops.token_positions(computed, new),
+    }
+    reps = max(args.reps * 20, 200)
+    t = median_times(fns, reps, slow=frozenset({"loop"}), slow_reps=max(3, reps // 50))
+    assert ops.slot_mapping(table, rows, pos, bs).tolist() == loop(), "slot_mapping differs"
+    rec: dict[str, Any] = {
+        "device": "cpu",
+        "tokens": tokens,
+        "requests": requests,
+        "us": {k: v * 1e6 for k, v in t.items()},
+    }
+    for name in ("numpy", "numpy_nocheck", "cpu_tensors", "torch"):
+        rec[f"{name}_vs_vllm_numpy"] = t["vllm_numpy"] / t[name]
+        rec[f"{name}_vs_loop"] = t["loop"] / t[name]
+    return rec
+
+
+def bench_slots_cuda(ops: types.ModuleType, args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [slot_case_cuda(ops, args, tokens, requests) for tokens, requests in SLOT_STEPS]
+
+
+def slot_case_cuda(
+    ops: types.ModuleType, args: argparse.Namespace, tokens: int, requests: int
+) -> dict[str, Any]:
+    dev = "cuda"
+    bs = SLOT_BLOCK
+    table_np, rows_np, pos_np, _ = slot_step(ops, tokens, requests)
+    table, rows, pos = (torch.from_numpy(a).to(dev) for a in (table_np, rows_np, pos_np))
+    out = torch.empty(tokens, dtype=torch.int64, device=dev)
+    max_blocks = table.shape[1]
+    flat = table.reshape(-1)
+
+    def vllm_torch() -> None:
+        index = rows.long() * max_blocks + pos // bs
+        torch.add(flat[index].long() * bs, pos % bs, out=out)
+
+    def run(impl: str, check: bool) -> Any:
+        return ops.slot_mapping(table, rows, pos, bs, out=out, impl=impl, check=check)
+
+    fns: dict[str, Callable[[], Any]] = {
+        "vllm_torch": vllm_torch,
+        "triton_nocheck": lambda: run("triton", False),
+        "triton": lambda: run("triton", True),
+        "torch_nocheck": lambda: run("torch", False),
+    }
+    t = median_times(fns, max(args.reps * 4, 50), sync=torch.cuda.synchronize)
+    want = ops.slot_mapping(table_np, rows_np, pos_np, bs)
+    got = ops.slot_mapping(table, rows, pos, bs, impl="triton").cpu().numpy()
+    assert (got == want).all(), "triton slot_mapping differs from numpy"
+    rec: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "tokens": tokens,
+        "requests": requests,
+        "us": {k: v * 1e6 for k, v in t.items()},
+    }
+    for name in ("triton_nocheck", "triton", "torch_nocheck"):
+        rec[f"{name}_vs_vllm_torch"] = t["vllm_torch"] / t[name]
+    return rec
+
+
+def report_slots(records: list[dict[str, Any]]) -> None:
+    base = "vllm_numpy" if records[0]["device"] == "cpu" else "vllm_torch"
+    cpu = records[0]["device"] == "cpu"
+    columns = ["tokens", "requests", "path", "us / call", f"{base} / path"]
+    if cpu:
+        columns.append("loop / path")
+    rows = []
+    for r in records:
+        us = r["us"]
+        for name, t in us.items():
+            row = [str(r["tokens"]), str(r["requests"]), name, f"{t:.1f}", f"{us[base] / t:.2f}"]
+            if cpu:
+                row.append(f"{us['loop'] / t:.1f}")
+            rows.append(row)
+    print_table(
+        f"kvforge.ops.slot_mapping on {records[0]['device']} (median microseconds per call; "
+        "ratios: baseline time / path time, higher is better)",
+        columns,
+        rows,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true", help="fewer cases and repetitions")
+    parser.add_argument(
+        "--case",
+        choices=("all", "blocks", "slots"),
+        default="all",
+        help="gather/scatter throughput (blocks), slot mapping (slots), or both",
+    )
     parser.add_argument("--json", type=Path, help="write the records to this file")
     parser.add_argument("--mib", type=float, help="MiB of rows per transfer")
     parser.add_argument("--reps", type=int, help="timed repetitions per case")
@@ -520,19 +673,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps is None:
         args.reps = 10 if args.quick else 25
     ops = import_ops()
+    records: list[dict[str, Any]] = []
+    slot_records: list[dict[str, Any]] = []
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("CUDA is not available", file=sys.stderr)
             return 2
-        records = bench_cuda(ops, args)
-        report_cuda(records)
+        if args.case in ("all", "blocks"):
+            records = bench_cuda(ops, args)
+            report_cuda(records)
+        if args.case in ("all", "slots"):
+            slot_records = bench_slots_cuda(ops, args)
+            report_slots(slot_records)
     else:
-        print(
-            f"impls on cpu: {ops.available_impls('cpu')} (auto -> "
-            f"{ops.resolve_impl('auto', 'cpu')})"
-        )
-        records = bench_cpu(ops, args)
-        report_cpu(records)
+        if args.case in ("all", "blocks"):
+            print(
+                f"impls on cpu: {ops.available_impls('cpu')} (auto -> "
+                f"{ops.resolve_impl('auto', 'cpu')})"
+            )
+            records = bench_cpu(ops, args)
+            report_cpu(records)
+        if args.case in ("all", "slots"):
+            slot_records = bench_slots(ops, args)
+            report_slots(slot_records)
     if args.json:
         meta = {
             "python": platform.python_version(),
@@ -540,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(),
             "args": {k: str(v) for k, v in vars(args).items()},
         }
-        args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=2))
+        doc = {"meta": meta, "records": records, "slot_records": slot_records}
+        args.json.write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
     return 0
 

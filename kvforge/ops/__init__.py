@@ -14,6 +14,10 @@ padding: row ``i`` is ``cat([planes[p][block_ids[i]] for p in range(P)])``.
 - :func:`resolve_impl` says which implementation ``impl="auto"`` picks for a device.
 - :class:`PlaneSet` holds planes validated once; callers that move the same planes many times
   (the cache controller, one per group) pass it instead of a list and skip the per-plane checks.
+- :func:`slot_mapping` computes the cache slot of every scheduled token of a step from a
+  group's block table (numpy on CPU, a Triton kernel on accelerators), and
+  :func:`token_positions` expands per-request token ranges into the per-token arrays it takes
+  (module :mod:`kvforge.ops.slots`).
 
 Implementations (``impl=``):
 
@@ -44,16 +48,28 @@ import numpy as np
 import torch
 
 from ._common import PlaneSet, TransferPlan, validate
+from .slots import (
+    SLOT_IMPLS,
+    TokenPositions,
+    resolve_slot_impl,
+    slot_mapping,
+    token_positions,
+)
 from .torch_ref import gather_blocks_torch, scatter_blocks_torch
 
 __all__ = [
     "IMPLS",
+    "SLOT_IMPLS",
     "PlaneSet",
+    "TokenPositions",
     "TransferPlan",
     "available_impls",
     "gather_blocks",
     "resolve_impl",
+    "resolve_slot_impl",
     "scatter_blocks",
+    "slot_mapping",
+    "token_positions",
 ]
 
 #: Concrete implementation names (``"auto"`` resolves to one of them).
