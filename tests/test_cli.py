@@ -73,7 +73,7 @@ def test_plan_json_for_bundled_flash(capsys):
     assert groups["c128_state"]["num_blocks"] == 16 * 17 + 1
     assert report["total_bytes"] <= 60 * 1024**3
     roles = {(r["role"], r["group"]): r for r in report["roles"]}
-    assert len(roles[("swa_kv", "swa")]["layers"]) == 44
+    assert len(roles[("swa_kv", "swa")]["layers"]) == 43  # the MTP layer only with drafts
     assert len(roles[("indexer", "compressed")]["layers"]) == 21
     assert (
         roles[("indexer", "compressed")]["storage_name"] == "indexer_caches_{layer}_rank0.device0"
@@ -167,8 +167,9 @@ def test_bench_whole_requests():
     ctl = CacheController(small)
     ctl.initialize_kv_cache(num_blocks=60)
     ctl.initialize_host_cache(num_blocks=60)
-    for r in ("a", "b"):
-        ctl.allocate(r, 300)
+    for end in (64, 128, 192, 256, 300):  # grown step by step, as the benchmark grows them
+        for r in ("a", "b"):
+            ctl.allocate(r, end)
     expected = sum(h.bytes_moved for h in ctl.swap_out_many(["a", "b"]))
     for r in results:
         assert (r.requests, r.bytes) == (2, expected)
@@ -247,6 +248,24 @@ def test_bench_command_quick_json(tmp_path, monkeypatch, capsys):
     assert "tiny" in out and "vs memcpy" in out
     assert {row["cache"] for row in json.loads(path.read_text())} == {"warm"}
     assert [row["direction"] for row in json.loads(path.read_text())] == ["out", "in"]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "layers", "ranges"), [(None, 61, "0-60"), ("0", 61, "0-60"), ("3", 62, "0-61")]
+)
+def test_plan_num_speculative_tokens_adds_the_mtp_layer(capsys, tokens, layers, ranges):
+    argv = ["plan", "--model", "deepseek-v3", "--num-blocks", "3"]
+    if tokens is not None:
+        argv += ["--num-speculative-tokens", tokens]
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["num_layers"] == layers
+    # (512 + 64) bf16 values per layer
+    assert report["kv_bytes_per_token"] == layers * 576 * 2
+    assert report["roles"][0]["layers"] == list(range(layers))
+    code, out, _ = run(capsys, *argv)
+    assert f"({layers} cache layers)" in out and ranges in out
 
 
 def test_plan_tp_size_splits_kv_heads(capsys):

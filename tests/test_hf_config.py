@@ -96,9 +96,13 @@ def test_every_bundled_config_loads(name):
     for key in ("model_type", "architectures", "torch_dtype", "num_hidden_layers"):
         assert key in cfg, key
     backends = from_hf_config(name)
-    n = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
-    assert list(backends) == list(range(n))
+    n, mtp = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers", 0)
+    assert list(backends) == list(range(n))  # MTP layers only with speculative decoding
     CacheLayout(backends)  # the declarations merge without conflict
+    if mtp:
+        speculative = from_hf_config(name, num_speculative_tokens=1)
+        assert list(speculative) == list(range(n + mtp))
+        CacheLayout(speculative)
 
 
 @pytest.mark.parametrize("name", BUNDLED)
@@ -207,14 +211,17 @@ def test_explicit_head_dim_wins_over_hidden_size():
 
 
 def test_gqa_mtp_layers_follow_main_layers():
-    backends = from_hf_config(llama(num_nextn_predict_layers=2))
-    assert list(backends) == [0, 1, 2, 3, 4, 5]
-    assert backends[4] is backends[0] and backends[5] is backends[0]
+    assert list(from_hf_config(llama(num_nextn_predict_layers=2))) == [0, 1, 2, 3]
+    # two MTP layers, whatever the number of draft tokens they produce
+    for tokens in (1, 2, 5):
+        backends = from_hf_config(llama(num_nextn_predict_layers=2), num_speculative_tokens=tokens)
+        assert list(backends) == [0, 1, 2, 3, 4, 5]
+        assert backends[4] is backends[0] and backends[5] is backends[0]
 
 
 def test_gqa_mtp_layer_of_a_sliding_model_is_full():
     cfg = load_model_config("mistral-7b-v0.1") | {"num_nextn_predict_layers": 1}
-    backends = from_hf_config(cfg)
+    backends = from_hf_config(cfg, num_speculative_tokens=1)
     assert backends[31].sliding_window == 4096 and backends[32].sliding_window is None
 
 
@@ -268,15 +275,25 @@ def test_explicit_dtype_wins_over_config():
 # ------------------------------------------------------------------ MLA / DSA
 
 
-def test_deepseek_v3_with_mtp_layer():
+def test_deepseek_v3_without_speculative_decoding_has_61_cache_layers():
+    # vLLM and SGLang allocate 61 cache layers unless speculative decoding uses the MTP layer
     backends = from_hf_config("deepseek-v3")
-    # 61 main layers (0..60) + 1 MTP layer with id 61
-    assert list(backends) == list(range(62))
+    assert list(backends) == list(range(61))
     b = backends[0]
     assert isinstance(b, MLABackend) and all(x is b for x in backends.values())
     assert (b.kv_lora_rank, b.qk_rope_head_dim, b.block_size, b.dtype) == (512, 64, 64, "bfloat16")
     layout = CacheLayout(backends)
     # (kv_lora_rank + qk_rope_head_dim) * bf16 = (512 + 64) * 2 = 1152 bytes per layer
+    assert layout.kv_bytes_per_token() == 61 * (512 + 64) * 2 == 70_272
+    assert layout.bytes_per_block("kv") == 61 * 64 * 1152
+
+
+def test_deepseek_v3_with_mtp_layer():
+    backends = from_hf_config("deepseek-v3", num_speculative_tokens=1)
+    # 61 main layers (0..60) + 1 MTP layer with id 61
+    assert list(backends) == list(range(62))
+    assert all(x is backends[0] for x in backends.values())
+    layout = CacheLayout(backends)
     assert layout.kv_bytes_per_token() == 62 * (512 + 64) * 2 == 71_424
     assert layout.bytes_per_block("kv") == 62 * 64 * 1152
 
@@ -298,13 +315,16 @@ def test_mla_options():
 
 def test_deepseek_v3_2_dsa():
     backends = from_hf_config("deepseek-v3.2")
-    assert list(backends) == list(range(62))
-    b = backends[61]
+    assert list(backends) == list(range(61))
+    b = backends[60]
     assert isinstance(b, DSABackend) and all(x is b for x in backends.values())
     assert (b.index_head_dim, b.block_size, b.kv_cache_dtype) == (128, 64, "fp8")
     # fp8 key: 512 fp8 + 4 float32 tile scales + 64 bf16 rope = 512 + 16 + 128 = 656 bytes;
     # indexer: 128 fp8 + 1 float32 scale = 132 bytes
-    assert CacheLayout(backends).kv_bytes_per_token() == 62 * (656 + 132) == 48_856
+    assert CacheLayout(backends).kv_bytes_per_token() == 61 * (656 + 132) == 48_068
+    speculative = from_hf_config("deepseek-v3.2", num_speculative_tokens=2)
+    assert list(speculative) == list(range(62)) and speculative[61] is speculative[0]
+    assert CacheLayout(speculative).kv_bytes_per_token() == 62 * (656 + 132) == 48_856
 
 
 def test_dsa_bf16():
@@ -321,7 +341,8 @@ def test_v3_with_index_head_dim_is_dsa():
 
 
 def test_deepseek_v4_flash_layers_and_shared_instances():
-    backends = from_hf_config("deepseek-v4-flash")
+    assert list(from_hf_config("deepseek-v4-flash")) == list(range(43))  # the main layers
+    backends = from_hf_config("deepseek-v4-flash", num_speculative_tokens=1)
     assert list(backends) == list(range(44))  # 43 main layers + MTP layer 43
     assert [b.compress_ratio for b in backends.values()] == FLASH_RATIOS
     assert all(isinstance(b, DeepseekV4Backend) for b in backends.values())
@@ -336,7 +357,7 @@ def test_deepseek_v4_flash_layers_and_shared_instances():
 
 
 def test_deepseek_v4_flash_role_counts_per_group():
-    backends = from_hf_config("deepseek-v4-flash")
+    backends = from_hf_config("deepseek-v4-flash", num_speculative_tokens=1)
     r4 = [i for i, r in enumerate(FLASH_RATIOS) if r == 4]
     r128 = [i for i, r in enumerate(FLASH_RATIOS) if r == 128]
     r0 = [i for i, r in enumerate(FLASH_RATIOS) if r == 0]
@@ -372,6 +393,9 @@ def test_deepseek_v4_flash_role_counts_per_group():
 
 def test_deepseek_v4_tiny():
     backends = from_hf_config("deepseek-v4-tiny")
+    assert [b.compress_ratio for b in backends.values()] == [0, 0, 4, 128, 4, 128]
+    assert roles_in(CacheLayout(backends), "swa") == {"swa_kv": 6}
+    backends = from_hf_config("deepseek-v4-tiny", num_speculative_tokens=1)
     assert [b.compress_ratio for b in backends.values()] == [0, 0, 4, 128, 4, 128, 0]
     layout = CacheLayout(backends)
     assert roles_in(layout, "swa") == {"swa_kv": 7}
@@ -381,13 +405,38 @@ def test_deepseek_v4_tiny():
 
 
 def test_v4_mtp_ratio_defaults_to_zero_when_the_list_stops_at_the_main_layers():
-    backends = from_hf_config(v4(compress_ratios=[0, 0, 4, 128, 4, 128]))
+    backends = from_hf_config(v4(compress_ratios=[0, 0, 4, 128, 4, 128]), num_speculative_tokens=1)
     assert list(backends) == list(range(7)) and backends[6].compress_ratio == 0
 
 
 def test_v4_mtp_ratio_comes_from_the_list():
-    backends = from_hf_config(v4(num_hidden_layers=2, compress_ratios=[0, 4, 128]))
+    cfg = v4(num_hidden_layers=2, compress_ratios=[0, 4, 128])
+    backends = from_hf_config(cfg, num_speculative_tokens=1)
     assert [b.compress_ratio for b in backends.values()] == [0, 4, 128]
+    assert [b.compress_ratio for b in from_hf_config(cfg).values()] == [0, 4]
+
+
+def test_v4_mtp_ratio_is_not_read_without_speculative_decoding():
+    cfg = v4(compress_ratios=[0, 0, 4, 128, 4, 128, 64])
+    assert len(from_hf_config(cfg)) == 6
+    with pytest.raises(ValueError, match=r"compress_ratios\[6\]=64 is not one of"):
+        from_hf_config(cfg, num_speculative_tokens=1)
+
+
+@pytest.mark.parametrize(
+    ("ratios", "loaded"),
+    [
+        ([1, 1, 4, 128], [0, 0, 4, 128]),  # vllm-ascend's test config
+        ([0, 1, 128, 4], [0, 0, 128, 4]),
+    ],
+)
+def test_v4_ratio_1_loads_as_an_uncompressed_layer(ratios, loaded):
+    cfg = v4(num_hidden_layers=4, num_nextn_predict_layers=..., compress_ratios=ratios)
+    backends = from_hf_config(cfg)
+    assert [b.compress_ratio for b in backends.values()] == loaded
+    # a ratio-1 layer is the same layer kind (the same instance) as a ratio-0 layer
+    assert backends[0] is backends[1]
+    assert roles_in(CacheLayout(backends), "swa") == {"swa_kv": 4}
 
 
 def test_v4_entries_past_the_last_cache_layer_are_ignored():
@@ -395,7 +444,7 @@ def test_v4_entries_past_the_last_cache_layer_are_ignored():
     cfg = load_model_config("deepseek-v4-flash") | {
         "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0, 0, 0]
     }
-    backends = from_hf_config(cfg)
+    backends = from_hf_config(cfg, num_speculative_tokens=1)
     assert len(backends) == 44 and backends[43].compress_ratio == 0
 
 
@@ -522,7 +571,7 @@ def test_load_from_a_path(tmp_path):
     path.write_text(json.dumps(load_model_config("deepseek-v3")))
     for source in (path, str(path), tmp_path, str(tmp_path)):
         backends = from_hf_config(source)
-        assert len(backends) == 62
+        assert len(backends) == 61
     assert load_model_config(path) == load_model_config("deepseek-v3")
 
 
@@ -720,14 +769,27 @@ def test_compress_ratios_shorter_than_num_hidden_layers():
     )
 
 
-@pytest.mark.parametrize(("index", "ratio"), [(3, 8), (0, 1), (6, 64)])  # 6 = the MTP layer
+@pytest.mark.parametrize(("index", "ratio"), [(3, 8), (0, 2), (1, -1), (6, 64)])  # 6: MTP layer
 def test_compress_ratio_not_allowed(index, ratio):
     ratios = [0, 0, 4, 128, 4, 128, 0]
     ratios[index] = ratio
     with pytest.raises(ValueError) as info:
-        from_hf_config(v4(compress_ratios=ratios))
+        from_hf_config(v4(compress_ratios=ratios), num_speculative_tokens=1)
     assert str(info.value) == (
-        f"compress_ratios[{index}]={ratio} is not one of [0, 4, 128] (model_type 'deepseek_v4')"
+        f"compress_ratios[{index}]={ratio} is not one of [0, 1, 4, 128] (model_type 'deepseek_v4')"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "model_type"),
+    [("llama-3-8b", "llama"), ("deepseek-v2-lite", "deepseek_v2"), ("qwen3-8b", "qwen3")],
+)
+def test_speculative_tokens_need_mtp_layers(source, model_type):
+    with pytest.raises(ValueError) as info:
+        from_hf_config(source, num_speculative_tokens=2)
+    assert str(info.value) == (
+        f"num_speculative_tokens=2 needs MTP layers, but the config has "
+        f"num_nextn_predict_layers=0 (model_type {model_type!r})"
     )
 
 
@@ -781,6 +843,9 @@ def test_tp_size_does_not_fit_the_heads(heads, kv_heads, tp_size, pattern):
         ({"tp_size": 2.0}, r"tp_size=2\.0 is invalid"),
         ({"block_size": -16}, r"block_size=-16 is invalid"),
         ({"block_size": True}, r"block_size=True is invalid"),
+        ({"num_speculative_tokens": -1}, r"num_speculative_tokens=-1 is invalid"),
+        ({"num_speculative_tokens": 1.0}, r"num_speculative_tokens=1\.0 is invalid"),
+        ({"num_speculative_tokens": None}, r"num_speculative_tokens=None is invalid"),
         ({"dtype": 16}, r"dtype=16 is invalid"),
         (
             {"dtype": "int8"},

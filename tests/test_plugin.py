@@ -236,6 +236,11 @@ def test_sample_config_options(example):
         ({"n_layer": 10**9}, {}, "config field n_layer = 1000000000 is invalid for model_type 'gpt_bigcode'"),
         ({"n_embd": 6100}, {}, "n_embd=6100 is not divisible by n_head=48 (model_type 'gpt_bigcode')"),
         ({}, {"tp_size": 5}, "n_head=48 is not divisible by tp_size=5 (model_type 'gpt_bigcode')"),
+        (
+            {},
+            {"num_speculative_tokens": 1},
+            "num_speculative_tokens=1 does not apply to model_type 'gpt_bigcode': GPT-BigCode has no MTP layers to cache",
+        ),
         ({}, {"kv_cache_dtype": "int4"}, "kv_cache_dtype='int4' is not supported for model_type 'gpt_bigcode'"),
     ],
 )

@@ -29,7 +29,9 @@ The ``build_*`` functions are public so a plugin can register one of them for an
 Rules a reader can check against the code:
 
 - **Layer ids.** Main layers are ``0 .. num_hidden_layers - 1``. MTP / next-n layers
-  (``num_nextn_predict_layers``, default 0) are cache layers too, with ids
+  (``num_nextn_predict_layers``, default 0) are cache layers only with
+  ``num_speculative_tokens > 0`` (as in vLLM and SGLang, which allocate 61 cache layers for
+  DeepSeek-V3 unless speculative decoding is on); they then have ids
   ``num_hidden_layers .. num_hidden_layers + n - 1``. GQA, MLA and DSA MTP layers use the main
   (full-attention) backend. A DeepSeek-V4 MTP layer ``k`` takes its ratio from
   ``compress_ratios[num_hidden_layers + k]`` when the list is that long, else ratio 0.
@@ -54,6 +56,8 @@ Rules a reader can check against the code:
   ``"auto"`` (model dtype), a float dtype, ``"fp8"`` or ``"block_wise_fp8"``; for MLA: ``None``
   / ``"auto"``, a float dtype or ``"fp8"`` (576 fp8 values per token); for DSA and V4:
   ``"fp8"`` (default) or ``"bf16"``.
+- **DeepSeek-V4 ratios.** ``compress_ratios`` entries are 0, 4 or 128; an entry 1 (no
+  compression, as some configs write it, e.g. vllm-ascend's ``[1, 1, 4, 128]``) loads as 0.
 - **Block sizes.** ``block_size`` defaults to 16 for GQA and 64 for MLA / DSA. DeepSeek-V4
   block sizes are fixed by its groups, so passing ``block_size`` for V4 is an error.
 
@@ -331,7 +335,7 @@ def _gqa(
     sliding = _layer_types_sliding(f, model_type)
     if sliding is None:
         sliding = rule(f, model_type)
-    mtp = range(n, n + f.num_nextn_predict_layers)
+    mtp = opts.mtp_layer_ids(n, f.num_nextn_predict_layers, model_type)
     block_size = opts.block_size if opts.block_size is not None else 16
     full_backend: GQABackend | None = None
     swa_backend: GQABackend | None = None
@@ -449,7 +453,7 @@ def build_mla(
         dtype = _float_cache_dtype(
             kv, model_type, "'auto', 'fp8', 'bfloat16', 'float16' or 'float32'"
         )
-    mtp = range(f.num_hidden_layers, f.num_hidden_layers + f.num_nextn_predict_layers)
+    mtp = options.mtp_layer_ids(f.num_hidden_layers, f.num_nextn_predict_layers, model_type)
     backend = MLABackend(
         kv_lora_rank=f.kv_lora_rank,
         qk_rope_head_dim=f.qk_rope_head_dim,
@@ -465,7 +469,7 @@ def build_dsa(
     """DeepSeek V3.2 (DSA): MLA's latent plus an indexer key per token."""
     f = parse_fields(DSAFields, config, model_type)
     kv_cache_dtype = _latent_cache_dtype(options.kv_cache_dtype, model_type)
-    mtp = range(f.num_hidden_layers, f.num_hidden_layers + f.num_nextn_predict_layers)
+    mtp = options.mtp_layer_ids(f.num_hidden_layers, f.num_nextn_predict_layers, model_type)
     backend = DSABackend(
         kv_lora_rank=f.kv_lora_rank,
         qk_rope_head_dim=f.qk_rope_head_dim,
@@ -490,7 +494,7 @@ def build_deepseek_v4(
             "groups fix the block sizes (swa 64, compressed 256, c4_state 4, c128_state 8)"
         )
     n = f.num_hidden_layers
-    mtp = range(n, n + f.num_nextn_predict_layers)
+    mtp = options.mtp_layer_ids(n, f.num_nextn_predict_layers, model_type)
     ratios = f.compress_ratios
     if len(ratios) < n:
         raise ValueError(
@@ -501,9 +505,11 @@ def build_deepseek_v4(
     per_layer: dict[int, int] = {}
     for i in layers:
         ratio = ratios[i] if i < len(ratios) else 0
+        if ratio == 1:  # "compress every token by 1" is no compression: ratio 0's layer
+            ratio = 0
         if ratio not in COMPRESS_RATIOS:
             raise ValueError(
-                f"compress_ratios[{i}]={ratio!r} is not one of {list(COMPRESS_RATIOS)} "
+                f"compress_ratios[{i}]={ratio!r} is not one of {sorted({*COMPRESS_RATIOS, 1})} "
                 f"(model_type {model_type!r})"
             )
         per_layer[i] = ratio
@@ -626,6 +632,7 @@ def from_hf_config(
     dtype: str | None = None,
     kv_cache_dtype: str | None = None,
     tp_size: int = 1,
+    num_speculative_tokens: int = 0,
 ) -> ModelBackends:
     """The ``layer id -> backend`` mapping of a model, from its Hugging Face config.
 
@@ -639,6 +646,9 @@ def from_hf_config(
         kv_cache_dtype: cache storage (see the module docstring); default: the model dtype for
             GQA / MLA, ``"fp8"`` for DSA / V4.
         tp_size: tensor-parallel ranks; GQA caches hold ``max(1, kv_heads // tp_size)`` heads.
+        num_speculative_tokens: draft tokens per step; the MTP layers
+            (``num_nextn_predict_layers``) get caches only when it is > 0, and then the model
+            must have some.
 
     Returns:
         A :class:`~kvforge.attn_backends.registry.ModelBackends`: ``{layer_id: backend}``
@@ -667,6 +677,7 @@ def from_hf_config(
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         tp_size=tp_size,
+        num_speculative_tokens=num_speculative_tokens,
     )
     entry = _registration(config)
     _check_layer_counts(config)

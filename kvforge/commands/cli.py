@@ -72,6 +72,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a non-negative integer")
+    return value
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -124,6 +134,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--tp-size", type=_positive, default=None, help="tensor-parallel size (config models)"
     )
+    src.add_argument(
+        "--num-speculative-tokens",
+        type=_non_negative,
+        default=None,
+        metavar="N",
+        help="draft tokens per step; MTP layers get caches only when N > 0 (config models)",
+    )
     src.add_argument("--list-models", action="store_true", help="list bundled configs and exit")
 
 
@@ -143,6 +160,7 @@ def build_backends(args: argparse.Namespace) -> tuple[str, dict[int, AttentionBa
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             tp_size=args.tp_size if args.tp_size is not None else 1,
+            num_speculative_tokens=args.num_speculative_tokens or 0,
         )
         return str(source), backends
     kind = args.backend or "gqa"
