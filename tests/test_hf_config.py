@@ -9,6 +9,7 @@ import json
 import pickle
 import re
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,9 @@ def test_mistral_slides_on_every_layer():
     assert [g.name for g in layout.groups] == ["swa"]
     assert layout.group("swa").window == 4096
     assert all(b.sliding_window == 4096 for b in backends.values())
-    assert layout.kv_bytes_per_token() == 0  # no full group: bounded per sequence
+    # no full group: a token costs its bytes only while it is in the window
+    # layers * (K + V) * kv_heads * head_dim * bf16
+    assert layout.kv_bytes_per_token() == 32 * 2 * 8 * 128 * 2 == 131_072
     # layers * (K + V) * block_size * kv_heads * head_dim * bf16
     assert layout.bytes_per_block("swa") == 32 * 2 * 16 * 8 * 128 * 2 == 2_097_152
 
@@ -387,8 +390,8 @@ def test_deepseek_v4_flash_role_counts_per_group():
     assert layout.bytes_per_block("compressed") == 985_664
     assert layout.bytes_per_block("c4_state") == 21 * (4 * 8192 + 4 * 2048) == 860_160
     assert layout.bytes_per_block("c128_state") == 20 * 8 * 4096 == 655_360
-    # One token's share of the full group (256-token blocks), rounded down: 985_664 / 256
-    assert layout.kv_bytes_per_token() == 985_664 // 256 == 3_850
+    # One token's share of the full group (256-token blocks), exact: 985_664 / 256
+    assert layout.kv_bytes_per_token() == Fraction(985_664, 256) == Fraction(15_401, 4)
 
 
 def test_deepseek_v4_tiny():
