@@ -1,0 +1,830 @@
+#!/usr/bin/env python
+"""The vLLM 0.33 side of the per-step and prefix-cache benchmarks, measured in the same process.
+
+kvforge's per-step bookkeeping is compared against vLLM's own code, driven the way vLLM's
+scheduler and V1 GPU model runner drive it, on the schedules of :mod:`step_workloads`:
+
+- scheduler side: one ``KVCacheManager`` (prefix caching off) over a ``KVCacheConfig`` with one
+  ``KVCacheGroupSpec`` per workload group (``FullAttentionSpec`` / ``SlidingWindowSpec``); per
+  step ``new_step_starts``, then per scheduled request what ``Scheduler.schedule`` does: for a
+  new request ``get_computed_blocks`` + ``allocate_slots(..., full_sequence_must_fit=True)`` +
+  ``get_blocks(...).get_block_ids()`` (``NewRequestData``), for a running one
+  ``allocate_slots(request, n)`` + ``get_block_ids(allow_none=True)`` (``CachedRequestData``),
+  then ``take_new_block_ids`` and the token counters of ``_update_after_schedule``;
+- worker side: one ``MultiGroupBlockTable``; per step what ``GPUModelRunner._update_states`` and
+  ``_prepare_inputs`` do with blocks: ``add_row`` / ``append_row`` of the new block ids per
+  request, ``commit_block_table``, request indices and positions (numpy, as ``_prepare_inputs``),
+  ``query_start_loc``, then the slot mapping of every group.
+
+vLLM computes the slot mapping with a Triton kernel (``ComputeSlotMappingKernel`` in
+``vllm/v1/worker/block_table.py``) that cannot run on a CPU-only build. :func:`_slot_mapping_port`
+is a faithful torch port: the same inputs (``query_start_loc``, ``positions``, the committed
+block table), the same arithmetic (``slot = block_table[req, pos // block_size] * block_size +
+pos % block_size``, context parallelism of 1) and the same padding of the rest of the buffer
+with ``PAD_SLOT_ID`` (-1), vectorized over all tokens as the kernel is over a request's tokens.
+
+Timings are medians over ``repeats`` runs of the whole schedule (after one warm-up run), on one
+torch thread with the garbage collector off, in microseconds. Nothing here imports kvforge, and
+vLLM is imported lazily: the module loads (and :func:`vllm_available` says False) without it.
+
+Usage::
+
+    /work/.venv-vllm/bin/python benchmarks/vllm_baseline.py [--repeats N] [--workloads a,b]
+        [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+if __package__:
+    from .step_workloads import GroupDef, Schedule, Step, StepWorkload, all_workloads, schedule
+else:  # run as a script, or imported with benchmarks/ on sys.path
+    from step_workloads import GroupDef, Schedule, Step, StepWorkload, all_workloads, schedule
+
+__all__ = [
+    "VLLM_VERSION",
+    "build_kv_cache_config",
+    "check_port_against_kernel",
+    "run_vllm_prefix_cost",
+    "run_vllm_step",
+    "vllm_available",
+]
+
+VLLM_VERSION = "0.33.0"
+STEP_KEYS = ("prefill_alloc", "decode_alloc", "kernel_inputs", "step", "free")
+
+
+def vllm_available() -> bool:
+    """Whether vLLM's KV cache manager and worker block table import here."""
+    try:
+        _vllm()
+    except ImportError:
+        return False
+    return True
+
+
+def _vllm() -> Any:
+    """Import the vLLM pieces the benchmark drives (lazily: vLLM is optional)."""
+    # vLLM logs an INFO line per hybrid config; the figures are the output here.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import torch
+    import vllm.v1.utils as v1_utils
+    from vllm.config import CacheConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    # CpuGpuBuffer.copy_to_gpu pins its source on every copy when vLLM believes pinned memory
+    # exists (its platform default); a CPU-only torch cannot pin. The benchmark's buffers are
+    # not pinned (pin_memory=False), so copy_to_gpu must copy them as they are.
+    v1_utils.PIN_MEMORY = False
+    return _Vllm(
+        torch=torch,
+        CacheConfig=CacheConfig,
+        SamplingParams=SamplingParams,
+        get_hash_fn_by_name=get_hash_fn_by_name,
+        PAD_SLOT_ID=PAD_SLOT_ID,
+        KVCacheManager=KVCacheManager,
+        get_request_block_hasher=get_request_block_hasher,
+        init_none_hash=init_none_hash,
+        FullAttentionSpec=FullAttentionSpec,
+        KVCacheConfig=KVCacheConfig,
+        KVCacheGroupSpec=KVCacheGroupSpec,
+        KVCacheTensor=KVCacheTensor,
+        SlidingWindowSpec=SlidingWindowSpec,
+        Request=Request,
+        RequestStatus=RequestStatus,
+        MultiGroupBlockTable=MultiGroupBlockTable,
+        CpuGpuBuffer=v1_utils.CpuGpuBuffer,
+    )
+
+
+@dataclass(frozen=True)
+class _Vllm:
+    """The imported vLLM names, passed around instead of module globals."""
+
+    torch: Any
+    CacheConfig: Any
+    SamplingParams: Any
+    get_hash_fn_by_name: Any
+    PAD_SLOT_ID: int
+    KVCacheManager: Any
+    get_request_block_hasher: Any
+    init_none_hash: Any
+    FullAttentionSpec: Any
+    KVCacheConfig: Any
+    KVCacheGroupSpec: Any
+    KVCacheTensor: Any
+    SlidingWindowSpec: Any
+    Request: Any
+    RequestStatus: Any
+    MultiGroupBlockTable: Any
+    CpuGpuBuffer: Any
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+def _kv_cache_spec(v: _Vllm, group: GroupDef) -> Any:
+    """The vLLM spec of one group, with ``page_size_bytes == group.bytes_per_block``.
+
+    One head slot whose packed state is ``bytes_per_block // block_size`` bytes per token gives
+    the group's exact page size (vLLM's ``page = heads * states * state_content_bytes``).
+    """
+    if group.bytes_per_block % group.block_size:
+        raise ValueError(
+            f"GroupDef.bytes_per_block {group.bytes_per_block} is not a multiple of block_size "
+            f"{group.block_size} (group {group.name!r})"
+        )
+    common = {
+        "block_size": group.block_size,
+        "num_kv_heads": 1,
+        "head_size": 1,
+        "dtype": v.torch.uint8,
+        "state_content_bytes": group.bytes_per_block // group.block_size,
+    }
+    if group.kind == "full":
+        spec = v.FullAttentionSpec(**common)
+    else:
+        spec = v.SlidingWindowSpec(sliding_window=group.window, **common)
+    assert spec.page_size_bytes == group.bytes_per_block
+    return spec
+
+
+def _num_blocks(v: _Vllm, wl: StepWorkload) -> int:
+    """Blocks in the shared pool: every request at its largest footprint, plus the null block.
+
+    Per request a full group needs ``cdiv(max_model_len, block_size)`` blocks and a
+    sliding-window group ``SlidingWindowSpec.max_admission_blocks_per_request`` (the bound vLLM
+    sizes its own pool with), so no allocation of the schedule can ever be short.
+    """
+    per_request = 0
+    for group in wl.groups:
+        spec = _kv_cache_spec(v, group)
+        if group.kind == "full":
+            per_request += -(-wl.max_model_len // group.block_size)
+        else:
+            per_request += spec.max_admission_blocks_per_request(
+                max_in_flight_tokens=wl.max_num_batched_tokens, max_model_len=wl.max_model_len
+            )
+    return 1 + wl.num_requests * per_request
+
+
+def build_kv_cache_config(wl: StepWorkload) -> Any:
+    """vLLM's ``KVCacheConfig`` for ``wl``: one group and one cache tensor per workload group.
+
+    All groups share one block pool of :func:`_num_blocks` blocks, as in vLLM's hybrid
+    allocator; each group gets one layer whose tensor holds ``num_blocks`` pages of
+    ``bytes_per_block`` bytes (the tensors only describe memory: nothing here allocates it).
+    """
+    v = _vllm()
+    num_blocks = _num_blocks(v, wl)
+    groups, tensors = [], []
+    for group in wl.groups:
+        layer = f"{group.name}.layer0"
+        groups.append(
+            v.KVCacheGroupSpec(layer_names=[layer], kv_cache_spec=_kv_cache_spec(v, group))
+        )
+        tensors.append(
+            v.KVCacheTensor(
+                size=num_blocks * group.bytes_per_block,
+                layers=[layer],
+                layer_stride=num_blocks * group.bytes_per_block,
+                block_stride=group.bytes_per_block,
+            )
+        )
+    return v.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def _scheduler_block_size(wl: StepWorkload) -> int:
+    # resolve_kv_cache_block_sizes: one group -> its block size; several -> the LCM of the group
+    # block sizes. With prefix caching off the hash block size equals it.
+    return math.lcm(*(g.block_size for g in wl.groups))
+
+
+# --- the step driver ---------------------------------------------------------------------------
+
+
+@dataclass
+class _StepTimes:
+    """Nanoseconds of one run of a schedule."""
+
+    prefill_alloc: list[int] = field(default_factory=list)
+    decode_alloc: list[int] = field(default_factory=list)
+    kernel_inputs: list[int] = field(default_factory=list)
+    step: list[int] = field(default_factory=list)
+    free: int = 0
+
+
+class _VllmStepDriver:
+    """One scheduler-side KV cache manager and one worker-side block table, driven per step.
+
+    Rows of the worker's persistent batch are request indices (a request keeps its row from
+    admission to its end, as it does in the V1 runner's persistent batch while it keeps being
+    scheduled); a step's batch is rows ``[0, max scheduled row]``, with zero scheduled tokens for
+    a row not in the step, which the slot-mapping kernel handles as an empty range.
+    """
+
+    def __init__(self, v: _Vllm, wl: StepWorkload) -> None:
+        self.v, self.wl = v, wl
+        torch = v.torch
+        block_size = _scheduler_block_size(wl)
+        self.manager = v.KVCacheManager(
+            build_kv_cache_config(wl),
+            max_model_len=wl.max_model_len,
+            scheduler_block_size=block_size,
+            hash_block_size=block_size,
+            max_in_flight_tokens=wl.max_num_batched_tokens,
+            enable_caching=False,
+        )
+        # GPUModelRunner.may_reinitialize_input_batch: one block table per group, rows of
+        # cdiv(max_model_len, block_size) entries (AttentionSpec.max_num_blocks_per_req, DCP 1).
+        self.block_table = v.MultiGroupBlockTable(
+            max_num_reqs=wl.num_requests,
+            max_num_batched_tokens=wl.max_num_batched_tokens,
+            pin_memory=False,
+            device=torch.device("cpu"),
+            block_sizes=[g.block_size for g in wl.groups],
+            max_num_blocks=[-(-wl.max_model_len // g.block_size) for g in wl.groups],
+            cp_kv_cache_interleave_size=1,
+        )
+        # Requests exist before they are scheduled (EngineCore.add_request); prefix caching is
+        # off, so EngineCore gives them no block hasher.
+        rng = np.random.default_rng(0)
+        self.requests = [
+            v.Request(
+                request_id=f"req-{i}",
+                prompt_token_ids=rng.integers(0, 128_000, wl.prompt_len).tolist(),
+                sampling_params=v.SamplingParams(max_tokens=wl.decode_steps + 1),
+                pooling_params=None,
+                block_hasher=None,
+            )
+            for i in range(wl.num_requests)
+        ]
+        self.num_running = 0
+        # GPUModelRunner / InputBatch buffers.
+        n = max(wl.num_requests + 1, wl.max_num_batched_tokens)
+        self.arange_np = np.arange(n, dtype=np.int64)
+        self.query_pos = np.zeros(n, dtype=np.int64)
+        self.num_computed_tokens_cpu = np.zeros(wl.num_requests, dtype=np.int32)
+        self.num_scheduled_tokens = np.zeros(wl.num_requests, dtype=np.int32)
+        self.query_start_loc = v.CpuGpuBuffer(
+            wl.num_requests + 1, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False
+        )
+        self.positions = torch.zeros(wl.max_num_batched_tokens, dtype=torch.int64)
+
+    # scheduler side -----------------------------------------------------------------------
+
+    def schedule_blocks(
+        self, step: Step
+    ) -> tuple[list[tuple[int, tuple[list[int], ...]]], list[tuple[int, Any, int]]]:
+        """The block part of ``Scheduler.schedule`` for one step.
+
+        Returns the new requests' ``(row, block ids)`` (``NewRequestData.block_ids``) and the
+        running requests' ``(row, new block ids or None, num_computed_tokens)``
+        (``CachedRequestData``).
+        """
+        manager, waiting = self.manager, self.v.RequestStatus.WAITING
+        manager.new_step_starts()
+        new_reqs: list[tuple[int, tuple[list[int], ...]]] = []
+        cached_reqs: list[tuple[int, Any, int]] = []
+        for i, num_new_tokens in step.scheduled:
+            request = self.requests[i]
+            if request.status == waiting:
+                computed_blocks, num_local, _ = manager.get_computed_blocks(request)
+                new_blocks = manager.allocate_slots(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_local,
+                    new_computed_blocks=computed_blocks,
+                    num_lookahead_tokens=0,
+                    num_external_computed_tokens=0,
+                    delay_cache_blocks=False,
+                    num_encoder_tokens=0,
+                    full_sequence_must_fit=True,  # SchedulerConfig.scheduler_reserve_full_isl
+                    reserved_blocks=0,
+                    has_scheduled_reqs=self.num_running > 0,
+                )
+                self._check_allocated(new_blocks, i, num_new_tokens)
+                self.num_running += 1
+                new_reqs.append((i, manager.get_blocks(request.request_id).get_block_ids()))
+                request.status = self.v.RequestStatus.RUNNING
+                request.num_computed_tokens = num_local
+            else:
+                new_blocks = manager.allocate_slots(request, num_new_tokens, num_lookahead_tokens=0)
+                self._check_allocated(new_blocks, i, num_new_tokens)
+                cached_reqs.append(
+                    (i, new_blocks.get_block_ids(allow_none=True), request.num_computed_tokens)
+                )
+        manager.take_new_block_ids()  # Scheduler._get_new_block_ids_to_zero drains every step
+        # Scheduler._update_after_schedule
+        for i, num_new_tokens in step.scheduled:
+            request = self.requests[i]
+            request.num_computed_tokens += num_new_tokens
+            request.num_in_flight_tokens += num_new_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+        return new_reqs, cached_reqs
+
+    def _check_allocated(self, new_blocks: Any, i: int, n: int) -> None:
+        if new_blocks is None:
+            raise RuntimeError(
+                f"vLLM KVCacheManager could not allocate {n} tokens for request {i} of workload "
+                f"{self.wl.name!r}: the pool of {self.manager.block_pool.num_gpu_blocks} blocks "
+                "is too small"
+            )
+
+    def settle(self, step: Step) -> None:
+        """``Scheduler.update_from_output``: in-flight tokens land, finished prefills sample."""
+        for i, num_new_tokens in step.scheduled:
+            request = self.requests[i]
+            request.num_in_flight_tokens -= num_new_tokens
+            if request.num_computed_tokens >= request.num_tokens:
+                request.append_output_token_ids(1)
+
+    # worker side --------------------------------------------------------------------------
+
+    def kernel_inputs(
+        self,
+        step: Step,
+        new_reqs: Sequence[tuple[int, tuple[list[int], ...]]],
+        cached_reqs: Sequence[tuple[int, Any, int]],
+    ) -> int:
+        """Block-table update, commit, positions and slot mappings; returns the token count."""
+        block_table = self.block_table
+        num_computed = self.num_computed_tokens_cpu
+        # GPUModelRunner._update_states (InputBatch.add_request -> add_row; cached -> append_row)
+        for row, block_ids in new_reqs:
+            num_computed[row] = 0
+            block_table.add_row(block_ids, row)
+        for row, new_block_ids, computed in cached_reqs:
+            num_computed[row] = computed
+            if new_block_ids is not None:
+                block_table.append_row(new_block_ids, row)
+        # GPUModelRunner._prepare_inputs
+        num_reqs = step.scheduled[-1][0] + 1
+        num_scheduled = self.num_scheduled_tokens[:num_reqs]
+        num_scheduled.fill(0)
+        for i, n in step.scheduled:
+            num_scheduled[i] = n
+        block_table.commit_block_table(num_reqs)
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled)
+        cu_num_tokens = np.cumsum(num_scheduled)  # _get_cumsum_and_arange
+        total = int(cu_num_tokens[-1])
+        offsets = np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        np.subtract(self.arange_np[:total], offsets, out=self.query_pos[:total])
+        positions_np = num_computed[req_indices] + self.query_pos[:total]
+        qsl = self.query_start_loc
+        qsl.np[0] = 0
+        qsl.np[1 : num_reqs + 1] = cu_num_tokens
+        qsl.np[num_reqs + 1 :].fill(total)
+        qsl.copy_to_gpu()
+        positions = self.positions[:total]
+        positions.copy_(self.v.torch.from_numpy(positions_np))
+        query_start_loc = qsl.gpu[: num_reqs + 1]
+        for table in block_table.block_tables:  # MultiGroupBlockTable.compute_slot_mapping
+            _slot_mapping_port(self.v, table, num_reqs, query_start_loc, positions)
+        return total
+
+    def free_all(self, finished: Sequence[int]) -> None:
+        """``Scheduler._free_request_blocks`` and ``InputBatch.remove_request`` per request."""
+        for i in finished:
+            self.manager.free(self.requests[i])
+            self.block_table.clear_row(i)
+
+    # checking -----------------------------------------------------------------------------
+
+    def check_slot_mapping(self, step: Step, total: int) -> None:
+        """Slot mappings agree with the manager's block ids at every scheduled position."""
+        block_ids = {
+            i: self.manager.get_block_ids(self.requests[i].request_id) for i, _ in step.scheduled
+        }
+        pad = self.v.PAD_SLOT_ID
+        for g, table in enumerate(self.block_table.block_tables):
+            slots = table.slot_mapping.gpu.numpy()
+            bs = table.block_size
+            start = 0
+            for i, n in step.scheduled:
+                first = self.requests[i].num_computed_tokens - n
+                pos = np.arange(first, first + n)
+                expected = np.asarray(block_ids[i][g], dtype=np.int64)[pos // bs] * bs + pos % bs
+                got = slots[start : start + n]
+                if not np.array_equal(got, expected):
+                    raise AssertionError(
+                        f"slot mapping of group {g} request {i} differs from the manager's blocks"
+                    )
+                if (expected // bs == 0).any():
+                    raise AssertionError(
+                        f"group {g} request {i} maps a live token to the null block"
+                    )
+                start += n
+            if not (slots[total:] == pad).all():
+                raise AssertionError(f"group {g}: padding past {total} tokens is not {pad}")
+
+
+def _slot_mapping_port(
+    v: _Vllm, table: Any, num_reqs: int, query_start_loc: Any, positions: Any
+) -> None:
+    """Torch port of vLLM 0.33's ``ComputeSlotMappingKernel`` (Triton; not runnable on CPU).
+
+    The kernel runs one program per request over ``[query_start_loc[r], query_start_loc[r+1])``
+    and one more that pads ``slot_mapping[num_tokens:max_num_tokens]`` with ``PAD_SLOT_ID``.
+    Here the same arithmetic runs over all tokens at once: the request of each token comes from
+    ``query_start_loc``, ``slot = block_table[req, pos // block_size] * block_size + pos %
+    block_size`` with the block table's row stride, and the tail is padded. Context parallelism
+    is 1, so every position is local (the kernel's ``is_local`` is always true).
+    """
+    torch = v.torch
+    num_tokens = positions.shape[0]
+    block_table = table.block_table.gpu
+    block_size = table.block_size
+    counts = query_start_loc[1:] - query_start_loc[:-1]
+    req_idx = torch.repeat_interleave(
+        torch.arange(num_reqs, dtype=torch.int64), counts, output_size=num_tokens
+    )
+    block_indices = positions // block_size
+    block_offsets = positions - block_indices * block_size
+    flat = req_idx * block_table.stride(0) + block_indices
+    block_numbers = block_table.view(-1).index_select(0, flat).to(torch.int64)
+    slot_mapping = table.slot_mapping.gpu
+    torch.add(block_numbers * block_size, block_offsets, out=slot_mapping[:num_tokens])
+    slot_mapping[num_tokens : table.max_num_batched_tokens].fill_(v.PAD_SLOT_ID)
+
+
+def check_port_against_kernel(wl: StepWorkload) -> int:
+    """Compare :func:`_slot_mapping_port` with vLLM's own Triton kernel, run interpreted.
+
+    Needs ``TRITON_INTERPRET=1`` in the environment before Python starts and the ``triton``
+    package. vLLM replaces triton with placeholders when no GPU driver is active, so the
+    kernel's source is taken from ``ComputeSlotMappingKernel.kernel`` and compiled with the real
+    ``triton.jit``. Checks the last two prefill steps, the first two decode steps and the last
+    step, every group; returns how many (step, group) pairs were compared.
+    """
+    import inspect
+    import textwrap
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("check_port_against_kernel needs TRITON_INTERPRET=1 set before start")
+    import triton
+    import triton.language as tl
+    from vllm.v1.worker.block_table import ComputeSlotMappingKernel
+
+    source = textwrap.dedent(inspect.getsource(ComputeSlotMappingKernel.kernel))
+    source = "\n".join(line for line in source.splitlines() if line.strip() != "@staticmethod")
+    namespace: dict[str, Any] = {"triton": triton, "tl": tl}
+    exec(source, namespace)
+    kernel = namespace["kernel"]
+    v = _vllm()
+    sched = schedule(wl)
+    driver = _VllmStepDriver(v, wl)
+    first_decode = sched.num_prefill_steps
+    wanted = {first_decode - 2, first_decode - 1, first_decode, first_decode + 1}
+    wanted.add(len(sched.steps) - 1)
+    compared = 0
+    for k, step in enumerate(sched.steps):
+        new_reqs, cached_reqs = driver.schedule_blocks(step)
+        total = driver.kernel_inputs(step, new_reqs, cached_reqs)
+        if k in wanted:
+            num_reqs = step.scheduled[-1][0] + 1
+            for table in driver.block_table.block_tables:
+                out = v.torch.full_like(table.slot_mapping.gpu, 12345)
+                kernel[(num_reqs + 1,)](
+                    total,
+                    table.max_num_batched_tokens,
+                    driver.query_start_loc.gpu[: num_reqs + 1],
+                    driver.positions[:total],
+                    table.block_table.gpu,
+                    table.block_table.gpu.stride(0),
+                    out,
+                    KV_CACHE_BLOCK_SIZE=table.block_size,
+                    TOTAL_CP_WORLD_SIZE=1,
+                    TOTAL_CP_RANK=0,
+                    CP_KV_CACHE_INTERLEAVE_SIZE=1,
+                    PAD_ID=v.PAD_SLOT_ID,
+                    BLOCK_SIZE=ComputeSlotMappingKernel.triton_block_size,
+                )
+                if not v.torch.equal(out, table.slot_mapping.gpu):
+                    raise AssertionError(
+                        f"{wl.name} step {k} block size {table.block_size}: the port's slot "
+                        "mapping differs from vLLM's kernel"
+                    )
+                compared += 1
+        driver.settle(step)
+    return compared
+
+
+def _run_schedule(v: _Vllm, wl: StepWorkload, sched: Schedule, check: bool) -> _StepTimes:
+    driver = _VllmStepDriver(v, wl)
+    times = _StepTimes()
+    clock = time.perf_counter_ns
+    decode_indices = [k for k, s in enumerate(sched.steps) if s.phase == "decode"]
+    check_steps = {decode_indices[0], decode_indices[-1]} if decode_indices else set()
+    if sched.num_prefill_steps:
+        check_steps.add(sched.num_prefill_steps - 1)
+    gc.collect()
+    gc.disable()
+    try:
+        for k, step in enumerate(sched.steps):
+            t0 = clock()
+            new_reqs, cached_reqs = driver.schedule_blocks(step)
+            t1 = clock()
+            total = driver.kernel_inputs(step, new_reqs, cached_reqs)
+            t2 = clock()
+            if step.phase == "prefill":
+                times.prefill_alloc.append(t1 - t0)
+            else:
+                times.decode_alloc.append(t1 - t0)
+                times.kernel_inputs.append(t2 - t1)
+                times.step.append(t2 - t0)
+            if check and k in check_steps:
+                driver.check_slot_mapping(step, total)
+            driver.settle(step)
+        t0 = clock()
+        driver.free_all(sched.finished)
+        times.free = clock() - t0
+    finally:
+        gc.enable()
+    if check and driver.manager.block_pool.get_num_free_blocks() != (
+        driver.manager.block_pool.num_gpu_blocks - 1
+    ):
+        raise AssertionError(f"{wl.name}: blocks leaked after freeing every request")
+    return times
+
+
+def run_vllm_step(wl: StepWorkload, repeats: int = 15) -> dict[str, float]:
+    """Median microseconds of vLLM's per-step block bookkeeping on ``wl``'s schedule.
+
+    Keys: ``prefill_alloc`` (scheduler-side allocation of a whole prefill step, mean over prefill
+    steps), ``decode_alloc`` (the same per decode step), ``kernel_inputs`` (worker block-table
+    update, commit, positions and slot mappings per decode step), ``step`` (both, per decode
+    step), ``free`` (freeing every request, scheduler and worker, in total); each the median
+    over ``repeats`` runs of the whole schedule, after one warm-up run that also checks every
+    slot mapping against the manager's blocks.
+    """
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    v = _vllm()
+    torch = v.torch
+    sched = schedule(wl)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _run_schedule(v, wl, sched, check=True)
+        runs = [_run_schedule(v, wl, sched, check=False) for _ in range(repeats)]
+    finally:
+        torch.set_num_threads(threads)
+
+    def med(values: Sequence[float]) -> float:
+        return statistics.median(values) / 1000.0
+
+    def mean(ns: list[int]) -> float:
+        return sum(ns) / len(ns) if ns else 0.0
+
+    return {
+        "prefill_alloc": med([mean(r.prefill_alloc) for r in runs]),
+        "decode_alloc": med([mean(r.decode_alloc) for r in runs]),
+        "kernel_inputs": med([mean(r.kernel_inputs) for r in runs]),
+        "step": med([mean(r.step) for r in runs]),
+        "free": med([r.free for r in runs]),
+        # Out-of-window blocks of sliding-window groups are freed lazily, by the next
+        # allocate_slots of their request: the first decode step pays for a whole prompt's.
+        "decode_alloc_first": med([r.decode_alloc[0] if r.decode_alloc else 0 for r in runs]),
+    }
+
+
+# --- prefix cache ------------------------------------------------------------------------------
+
+
+def run_vllm_prefix_cost(
+    prompt_len: int = 2048, block_size: int = 16, repeats: int = 200
+) -> dict[str, float]:
+    """Median microseconds of vLLM's prefix-cache hashing and full-hit lookup of one prompt.
+
+    ``hash_us``: the request block hasher vLLM's EngineCore builds by default
+    (``get_request_block_hasher`` over ``get_hash_fn_by_name`` of
+    ``CacheConfig().prefix_caching_hash_algo``, i.e. sha256 of pickled ``(parent hash, block
+    tokens, extra keys)``, after ``init_none_hash``) turning the prompt into ``prompt_len //
+    block_size`` chained block hashes.
+    ``lookup_us``: ``KVCacheManager.get_computed_blocks`` (prefix caching on, one full-attention
+    group) for a new request with the same prompt, after a first request computed and cached
+    it and was freed; the hit is every full block below the last prompt token.
+    """
+    for name, value in (
+        ("prompt_len", prompt_len),
+        ("block_size", block_size),
+        ("repeats", repeats),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if prompt_len < block_size:
+        raise ValueError(f"prompt_len {prompt_len} is shorter than block_size {block_size}")
+    v = _vllm()
+    torch = v.torch
+    algo = v.CacheConfig().prefix_caching_hash_algo
+    hash_fn = v.get_hash_fn_by_name(algo)
+    v.init_none_hash(hash_fn)
+    hasher = v.get_request_block_hasher(block_size, hash_fn, 0)
+    tokens = np.random.default_rng(1).integers(0, 128_000, prompt_len).tolist()
+
+    def new_request(request_id: str) -> Any:
+        return v.Request(
+            request_id=request_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=v.SamplingParams(max_tokens=1),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+
+    group = GroupDef(
+        name="kv",
+        kind="full",
+        block_size=block_size,
+        window=None,
+        bytes_per_block=block_size * 4096,
+    )
+    max_model_len = prompt_len + block_size
+    num_blocks = 1 + 2 * (-(-max_model_len // block_size))
+    spec = _kv_cache_spec(v, group)
+    config = v.KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            v.KVCacheTensor(
+                size=num_blocks * group.bytes_per_block,
+                layers=["kv.layer0"],
+                layer_stride=num_blocks * group.bytes_per_block,
+                block_stride=group.bytes_per_block,
+            )
+        ],
+        kv_cache_groups=[v.KVCacheGroupSpec(layer_names=["kv.layer0"], kv_cache_spec=spec)],
+    )
+    manager = v.KVCacheManager(
+        config,
+        max_model_len=max_model_len,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        enable_caching=True,
+    )
+    first = new_request("first")
+    blocks, hit, _ = manager.get_computed_blocks(first)
+    assert hit == 0
+    if (
+        manager.allocate_slots(
+            first, prompt_len, num_new_computed_tokens=0, new_computed_blocks=blocks
+        )
+        is None
+    ):
+        raise RuntimeError("vLLM KVCacheManager could not allocate the first prompt")
+    manager.free(first)
+    second = new_request("second")
+    expected_hit = (prompt_len - 1) // block_size * block_size
+
+    clock = time.perf_counter_ns
+    hash_ns, lookup_ns = [], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats + 1):  # the first round warms up
+            second.block_hashes = []
+            t0 = clock()
+            hashes = hasher(second)
+            t1 = clock()
+            second.block_hashes = hashes
+            hash_ns.append(t1 - t0)
+            t0 = clock()
+            _, hit, _ = manager.get_computed_blocks(second)
+            t1 = clock()
+            lookup_ns.append(t1 - t0)
+            if len(hashes) != prompt_len // block_size or hit != expected_hit:
+                raise AssertionError(
+                    f"{len(hashes)} hashes and a hit of {hit} tokens; expected "
+                    f"{prompt_len // block_size} and {expected_hit}"
+                )
+    finally:
+        gc.enable()
+        torch.set_num_threads(threads)
+    return {
+        "hash_us": statistics.median(hash_ns[1:]) / 1000.0,
+        "lookup_us": statistics.median(lookup_ns[1:]) / 1000.0,
+        "hit_tokens": float(expected_hit),
+    }
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+    import vllm
+
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per workload")
+    parser.add_argument(
+        "--workloads",
+        default="",
+        help="comma-separated workload names (default: all, scaling set included)",
+    )
+    parser.add_argument("--prefix-repeats", type=int, default=200)
+    parser.add_argument("--json", type=str, default=None, metavar="PATH")
+    parser.add_argument(
+        "--check-kernel",
+        action="store_true",
+        help="only compare the slot-mapping port with vLLM's Triton kernel (TRITON_INTERPRET=1)",
+    )
+    args = parser.parse_args(argv)
+
+    if not vllm_available():
+        print(f"vLLM {VLLM_VERSION} is not importable here; see docs/vllm_baseline.md")
+        return 1
+    from rich.console import Console
+    from rich.table import Table
+
+    wanted = [w for w in args.workloads.split(",") if w]
+    known = {w.name: w for w in all_workloads()}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; known: {', '.join(known)}")
+    workloads = [known[w] for w in wanted] if wanted else list(all_workloads())
+
+    console = Console(width=150)
+    if args.check_kernel:
+        for wl in workloads:
+            compared = check_port_against_kernel(wl)
+            console.print(f"{wl.name}: port == vLLM kernel on {compared} (step, group) pairs")
+        return 0
+    env = _environment()
+    console.print(
+        f"vLLM {env['vllm']}, torch {env['torch']}, Python {env['python']}, "
+        f"{args.repeats} repeats, one thread"
+    )
+    table = Table(title="vLLM per-step block bookkeeping (us, median)")
+    table.add_column("workload")
+    table.add_column("groups", justify="right")
+    table.add_column("reqs", justify="right")
+    for key in (*STEP_KEYS, "decode_alloc_first"):
+        table.add_column(key, justify="right")
+    results: dict[str, Any] = {"environment": env, "repeats": args.repeats, "step": {}}
+    for wl in workloads:
+        t0 = time.perf_counter()
+        figures = run_vllm_step(wl, repeats=args.repeats)
+        results["step"][wl.name] = figures
+        table.add_row(
+            wl.name,
+            str(len(wl.groups)),
+            str(wl.num_requests),
+            *(f"{figures[k]:.1f}" for k in (*STEP_KEYS, "decode_alloc_first")),
+        )
+        console.print(f"  {wl.name}: {time.perf_counter() - t0:.1f} s", style="dim")
+    console.print(table)
+
+    prefix = run_vllm_prefix_cost(repeats=args.prefix_repeats)
+    results["prefix"] = prefix
+    console.print(
+        f"prefix cache, 2048-token prompt, block 16: hash {prefix['hash_us']:.1f} us, "
+        f"full-hit lookup {prefix['lookup_us']:.1f} us ({int(prefix['hit_tokens'])} tokens)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
