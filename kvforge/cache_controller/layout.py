@@ -88,7 +88,8 @@ class CacheLayout:
             serve several layers).
         max_model_len: the model's longest sequence in tokens, when known (a config's
             ``max_position_embeddings``); memory plans default to it. When omitted, a
-            ``max_model_len`` attribute of ``backends`` (a mapping that carries it) is used.
+            ``max_model_len`` or else ``max_position_embeddings`` attribute of ``backends`` is
+            used (``from_hf_config`` returns a mapping that carries the latter).
 
     Raises:
         ValueError: empty mapping, bad layer ids, a backend whose declaration is inconsistent,
@@ -101,8 +102,10 @@ class CacheLayout:
         self, backends: Mapping[int, AttentionBackend], max_model_len: int | None = None
     ) -> None:
         checked = _check_backends(backends)
-        if max_model_len is None:
+        if max_model_len is None:  # what the model's config says, when the mapping carries it
             max_model_len = getattr(backends, "max_model_len", None)
+            if max_model_len is None:
+                max_model_len = getattr(backends, "max_position_embeddings", None)
         self.max_model_len: int | None = (
             None
             if max_model_len is None
