@@ -81,6 +81,9 @@ LEGAL = {
     "deepseek_v4_ratio_4": lambda: DeepseekV4Backend(4),
     "deepseek_v4_ratio_128": lambda: DeepseekV4Backend(128),
     "deepseek_v4_tiny": lambda: from_hf_config("deepseek-v4-tiny"),
+    "deepseek_v4_tiny_with_mtp": lambda: from_hf_config(
+        "deepseek-v4-tiny", num_speculative_tokens=1
+    ),
     "fused_kv_allocation": lambda: FusedKV(2, 16, 8),
     "role_not_offloaded": Scratch,
     "prefix_keys_only": lambda: PrefixKeysOnly(2, 16, 8),
