@@ -12,6 +12,7 @@ from kvforge.cache_controller.memory_plan import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     MAX_ADDRESSABLE_BYTES,
+    MAX_BLOCKS_PER_GROUP,
     cache_bytes_per_sequence,
     check_allocatable,
     device_memory_capacity,
@@ -487,11 +488,13 @@ def test_one_sequence_cost_in_the_refusal_is_exact():
     [
         (
             {"kv": 10**40},
-            r"num_blocks\['kv'\]=10,000,000,000,000,000,000,000,000,000,000,000,000,000 blocks "
-            r"of 1,024 B brings the plan to [\d,]+ bytes, more than any device can address",
+            r"num_blocks\['kv'\]=10,000,000,000,000,000,000,000,000,000,000,000,000,000 is more "
+            r"blocks than int32 block ids can number \(at most 2,147,483,647\)",
         ),
+        ({"kv": 1 << 31}, r"num_blocks\['kv'\]=2,147,483,648 is more blocks than int32"),
         ({"kv": 1}, r"num_blocks\['kv'\] must be an int >= 2 .* got 1"),
         ({"kv": True}, r"num_blocks\['kv'\] must be an int >= 2 .* got True"),
+        ({"kv": 4.0}, r"num_blocks\['kv'\] must be an int >= 2 .* got 4.0"),
         ({"kv": 4, "swa": 4}, r"unknown \['swa'\], missing \[\]"),
         ({}, r"unknown \[\], missing \['kv'\]"),
     ],
@@ -502,11 +505,40 @@ def test_plan_from_blocks_refusals(blocks, message):
         plan_from_blocks(layout, blocks)
 
 
+def test_plan_from_blocks_beyond_64_bit_bytes():
+    class Huge(DeclaredBackend):
+        def __init__(self) -> None:
+            self._declare(
+                [CacheGroup(name="g", block_size=1)],
+                [CacheRole(name="x", group="g", entry_shape=(1 << 17, 1 << 16), dtype="uint8")],
+            )
+
+    layout = CacheLayout({0: Huge()})
+    assert layout.bytes_per_block("g") == 1 << 33
+    with pytest.raises(
+        ValueError,
+        match=r"num_blocks\['g'\]=1,073,741,824 blocks of 8,589,934,592 B brings the plan to "
+        r"9,223,372,036,854,775,808 bytes, more than any device can address",
+    ):
+        plan_from_blocks(layout, {"g": 1 << 30})
+
+
 def test_plan_from_blocks_for_another_machine_is_legal():
     layout = CacheLayout({0: GQABackend(2, 8, 16)})  # 1,024 B per block
-    plan = plan_from_blocks(layout, {"kv": 1 << 40})  # 1 PiB: no machine here has it
-    assert plan.total_bytes == 1 << 50
-    assert plan.max_tokens == ((1 << 40) - 1) * 16
+    blocks = MAX_BLOCKS_PER_GROUP  # 2 TiB: more than this machine has
+    plan = plan_from_blocks(layout, {"kv": blocks})
+    assert plan.total_bytes == blocks * 1024
+    assert plan.max_tokens == (blocks - 1) * 16
+
+
+def test_budget_beyond_int32_block_ids_stays_unallocated_and_says_so():
+    plan = plan_memory({0: GQABackend(2, 8, 16)}, 1 << 50)  # 1 PiB in 1,024 B blocks
+    assert plan.num_blocks == {"kv": MAX_BLOCKS_PER_GROUP}
+    spare = (1 << 50) - MAX_BLOCKS_PER_GROUP * 1024
+    assert plan.warnings == (
+        f"groups ['kv'] reached 2,147,483,647 blocks, the most int32 block ids can number; "
+        f"{spare:,} bytes of the budget stay unallocated",
+    )
 
 
 def test_check_allocatable_refuses_what_this_machine_cannot_hold():

@@ -58,6 +58,7 @@ __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
     "MAX_ADDRESSABLE_BYTES",
+    "MAX_BLOCKS_PER_GROUP",
     "GroupPlan",
     "MemoryPlan",
     "cache_bytes_per_sequence",
@@ -73,6 +74,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 """Engine default for tokens scheduled in one step (vLLM's ``max_num_batched_tokens``)."""
 MAX_ADDRESSABLE_BYTES = (1 << 63) - 1
 """No device addresses more: tensor sizes and the kernels' byte offsets are 64-bit."""
+MAX_BLOCKS_PER_GROUP = (1 << 31) - 1
+"""Block ids are int32 in block tables and slot mappings: no pool has more blocks."""
 
 
 class GroupPlan(BaseModel):
@@ -311,12 +314,14 @@ def _balanced_blocks(
     Returns ``(T, blocks per group)`` or ``None`` when not even ``T = 1`` fits.
     """
 
-    def cost(tokens: int) -> int:
-        return sum(_blocks_for_tokens(g, tokens) * bpb for g, bpb in groups)
+    def fits(tokens: int) -> bool:
+        counts = [_blocks_for_tokens(g, tokens) for g, _ in groups]
+        within = max(counts) <= MAX_BLOCKS_PER_GROUP
+        return within and sum(c * bpb for c, (_, bpb) in zip(counts, groups, strict=True)) <= budget
 
-    if cost(1) > budget:
+    if not fits(1):
         return None
-    tokens = _largest(lambda t: cost(t) <= budget, 1)
+    tokens = _largest(fits, 1)
     return tokens, {g.name: _blocks_for_tokens(g, tokens) for g, _ in groups}
 
 
@@ -329,11 +334,12 @@ def _fill_full(
     def blocks(tokens: int) -> dict[str, int]:
         return {g.name: max(floor[g.name], _blocks_for_tokens(g, tokens)) for g, _ in full}
 
-    def cost(tokens: int) -> int:
+    def fits(tokens: int) -> bool:
         got = blocks(tokens)
-        return sum(got[g.name] * bpb for g, bpb in full)
+        within = tokens == 0 or max(got.values()) <= MAX_BLOCKS_PER_GROUP
+        return within and sum(got[g.name] * bpb for g, bpb in full) <= rest
 
-    return blocks(_largest(lambda t: cost(t) <= rest, 0))
+    return blocks(_largest(fits, 0))
 
 
 def _give_rest_to_full(
@@ -559,6 +565,9 @@ def _plan_with_length(
     def cost(n: int) -> int:
         return sum(reserve(g, n) * bpb for g, bpb in sized)
 
+    def fits(n: int) -> bool:
+        return cost(n) <= budget and max(reserve(g, n) for g, _ in sized) <= MAX_BLOCKS_PER_GROUP
+
     # what does not depend on sequences: per-request slots, step allowances, null blocks
     fixed = {
         g.name: (reserve(g, 0) if g.kind is not GroupKind.FULL else 1) * bpb for g, bpb in sized
@@ -576,7 +585,12 @@ def _plan_with_length(
     if cost(1) > budget:
         what = "host pages" if host else "groups' reservations"
         raise _no_sequence(budget, model_len, cost(1), what)
-    n = _largest(lambda k: cost(k) <= budget, 1, seqs)
+    if not fits(1):
+        raise ValueError(
+            f"max_model_len={model_len:,} tokens needs more than {MAX_BLOCKS_PER_GROUP:,} "
+            "blocks in a group, the most int32 block ids can number"
+        )
+    n = _largest(fits, 1, seqs)
     blocks = {g.name: reserve(g, n) for g, _ in sized}
     steps = {  # what the window blocks hold beyond n resident windows
         g.name: blocks[g.name] - 1 - n * _per_sequence(g, model_len)
@@ -640,6 +654,13 @@ def _assemble(
     helds = [p.max_sequences for p in plans if p.max_sequences is not None]
     concurrency = min(helds) if helds else None
     warnings = list(sizing.warnings)
+    capped = [p.group for p in plans if p.num_blocks == MAX_BLOCKS_PER_GROUP]
+    if capped and budget is not None:
+        spare = budget - sum(p.total_bytes for p in plans)
+        warnings.append(
+            f"groups {capped} reached {MAX_BLOCKS_PER_GROUP:,} blocks, the most int32 block ids "
+            f"can number; {spare:,} bytes of the budget stay unallocated"
+        )
     if concurrency is not None and seqs is not None and not host and concurrency < seqs:
         assert setting is not None and model_len is not None
         warnings.append(_short_of_seqs(plans, concurrency, seqs, model_len, setting))
@@ -701,6 +722,11 @@ def plan_from_blocks(
             raise ValueError(
                 f"num_blocks[{g.name!r}] must be an int >= 2 (one usable block plus the "
                 f"reserved null block), got {count!r}"
+            )
+        if count > MAX_BLOCKS_PER_GROUP:
+            raise ValueError(
+                f"num_blocks[{g.name!r}]={count:,} is more blocks than int32 block ids can "
+                f"number (at most {MAX_BLOCKS_PER_GROUP:,})"
             )
         total += count * bpb
         if total > MAX_ADDRESSABLE_BYTES:
