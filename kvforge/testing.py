@@ -357,11 +357,17 @@ def _check_tensor(
         )
     if tensor.device.type != device.type:
         raise _fail("bytes", f"{where} is on {tensor.device}, expected {device}")
-    if tensor.dim() == 0 or tensor.shape[0] != num_blocks:
-        found = tuple(tensor.shape)[:1] or "no block dim"
+    if tensor.dim() == 0:
         raise _fail(
             "bytes",
-            f"{where} has block dim {found}, expected num_blocks[{group.name!r}] = {num_blocks}",
+            f"{where} is a 0-d tensor, expected dim 0 to hold num_blocks[{group.name!r}] = "
+            f"{num_blocks} blocks",
+        )
+    if tensor.shape[0] != num_blocks:
+        raise _fail(
+            "bytes",
+            f"{where} has block dim ({tensor.shape[0]},), expected num_blocks[{group.name!r}] = "
+            f"{num_blocks}",
         )
     try:
         extent = plane_extent(where, tensor)

@@ -214,6 +214,20 @@ class WrongShapeRightBytes(GQABackend):
         return caches
 
 
+class ZeroDimKey(GQABackend):
+    def create_kv_cache(self, layer_ids, num_blocks, device):
+        caches = super().create_kv_cache(layer_ids, num_blocks, device)
+        caches[("key", 0)] = torch.tensor(0, dtype=torch.bfloat16)
+        return caches
+
+
+class NotATensor(GQABackend):
+    def create_kv_cache(self, layer_ids, num_blocks, device):
+        caches = super().create_kv_cache(layer_ids, num_blocks, device)
+        caches[("key", 0)] = caches[("key", 0)].tolist()
+        return caches
+
+
 class UndeclaredRole(GQABackend):
     def create_kv_cache(self, layer_ids, num_blocks, device):
         caches = super().create_kv_cache(layer_ids, num_blocks, device)
@@ -390,6 +404,19 @@ BROKEN = [
         WrongShapeRightBytes(2, 8, 4),
         "bytes",
         f"{K0} from WrongShapeRightBytes{G}.create_kv_cache has shape (5, 8, 8), expected (5, 4, 2, 8)",
+    ),
+    (
+        "0-d tensor",
+        ZeroDimKey(2, 8, 4),
+        "bytes",
+        f"{K0} from ZeroDimKey{G}.create_kv_cache is a 0-d tensor, expected dim 0 to hold "
+        "num_blocks['kv'] = 5 blocks",
+    ),
+    (
+        "not a tensor",
+        NotATensor(2, 8, 4),
+        "bytes",
+        f"{K0} from NotATensor{G}.create_kv_cache is a list, expected a torch.Tensor",
     ),
     (
         "undeclared role",
