@@ -796,6 +796,58 @@ def test_speculative_tokens_need_mtp_layers(source, model_type):
     )
 
 
+@pytest.mark.parametrize(
+    ("make", "model_type"),
+    [
+        (lambda: load_model_config("deepseek-v3.2"), "deepseek_v32"),
+        (lambda: deepseek_v3(index_head_dim=128), "deepseek_v3"),  # DSA by its fields
+        (lambda: v4(), "deepseek_v4"),
+    ],
+)
+def test_dtype_does_not_apply_to_latent_caches_of_fixed_dtype(make, model_type):
+    with pytest.raises(ValueError) as info:
+        from_hf_config(make(), dtype="float16")
+    assert str(info.value) == (
+        f"dtype='float16' does not apply to model_type {model_type!r}: its cache dtype is set "
+        "by kv_cache_dtype ('fp8' or 'bf16')"
+    )
+
+
+def test_deeply_nested_json_is_refused_not_a_recursion_error(tmp_path):
+    path = tmp_path / "config.json"
+    depth = 100_000
+    path.write_text('{"model_type": "llama", "x": ' + "[" * depth + "]" * depth + "}")
+    with pytest.raises(ValueError) as info:
+        from_hf_config(path)
+    assert str(info.value) == (
+        f"config file {str(path)!r} nests JSON arrays or objects too deeply to be a model config"
+    )
+
+
+def test_an_integer_literal_past_the_digit_limit_is_refused(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "num_hidden_layers": 1' + "0" * 5000 + "}")
+    with pytest.raises(ValueError, match=r"is not a usable JSON config: Exceeds the limit"):
+        load_model_config(path)
+
+
+def test_deeply_nested_values_give_short_messages():
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    with pytest.raises(ValueError) as info:
+        from_hf_config(llama(layer_types=nested))
+    assert str(info.value) == (
+        "config field layer_types[0] = [[[[...]]]] is invalid for model_type 'llama': Input "
+        "should be a valid string"
+    )
+    with pytest.raises(ValueError) as info:
+        from_hf_config({"model_type": nested, "architectures": nested})
+    assert str(info.value).startswith(
+        "unsupported model_type [[[[...]]]] (architectures [[[[...]]]]); registered model_type values:"
+    )
+
+
 def test_v4_rope_not_smaller_than_head_dim():
     with pytest.raises(ValueError, match=r"qk_rope_head_dim=512 must be smaller than head_dim=512"):
         from_hf_config(v4(qk_rope_head_dim=512))

@@ -21,6 +21,7 @@ import torch
 from kvforge.attn_backends import (
     GQABackend,
     MLABackend,
+    ModelOptions,
     PluginError,
     from_hf_config,
     load_plugins,
@@ -31,6 +32,7 @@ from kvforge.attn_backends import (
 )
 from kvforge.attn_backends import registry as registry_module
 from kvforge.attn_backends.hf_config import build_gqa, build_qwen
+from kvforge.attn_backends.registry import load_plugin_module
 from kvforge.cache_controller.layout import CacheLayout
 from kvforge.commands.cli import main
 
@@ -186,6 +188,36 @@ def test_register_in_process(isolated_registry):
         64,
     )
     assert all(isinstance(b, Tiny) for b in backends.values())
+
+
+def test_model_options_refuse_what_is_set():
+    options = ModelOptions(tp_size=2, dtype="float16")
+    assert options.is_set("tp_size") and options.is_set("dtype")
+    assert not options.is_set("block_size") and not options.is_set("num_speculative_tokens")
+    options.refuse("m", "block_size", "num_speculative_tokens", why="unused")  # not set: fine
+    with pytest.raises(ValueError) as info:
+        options.refuse("m", "block_size", "dtype", why="its cache dtype is fixed")
+    assert str(info.value) == "dtype='float16' does not apply to model_type 'm': its cache dtype is fixed"
+    with pytest.raises(KeyError, match=r"'dtypes' is not a ModelOptions field"):
+        options.is_set("dtypes")
+    assert ModelOptions(num_speculative_tokens=3).mtp_layer_ids(61, 1, "m") == range(61, 62)
+    assert ModelOptions().mtp_layer_ids(61, 1, "m") == range(61, 61)
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [
+        (3, TypeError, "plugin module name must be a str, got int"),
+        (" ", ValueError, "plugin module name is empty"),
+        ("kvforge_no_such_plugin", PluginError, "cannot import plugin module 'kvforge_no_such_plugin': ModuleNotFoundError"),
+    ],
+)
+def test_load_plugin_module_bad_names(name, error, message):
+    before = _snapshot()
+    with pytest.raises(error) as info:
+        load_plugin_module(name)
+    assert message in str(info.value)
+    assert _snapshot() == before
 
 
 # ------------------------------------------------------------------ the example plugin

@@ -55,7 +55,7 @@ Rules a reader can check against the code:
   and MLA unless ``kv_cache_dtype`` says otherwise. ``kv_cache_dtype`` for GQA: ``None`` /
   ``"auto"`` (model dtype), a float dtype, ``"fp8"`` or ``"block_wise_fp8"``; for MLA: ``None``
   / ``"auto"``, a float dtype or ``"fp8"`` (576 fp8 values per token); for DSA and V4:
-  ``"fp8"`` (default) or ``"bf16"``.
+  ``"fp8"`` (default) or ``"bf16"``, and ``dtype`` does not apply (it is an error to set it).
 - **DeepSeek-V4 ratios.** ``compress_ratios`` entries are 0, 4 or 128; an entry 1 (no
   compression, as some configs write it, e.g. vllm-ascend's ``[1, 1, 4, 128]``) loads as 0.
 - **Block sizes.** ``block_size`` defaults to 16 for GQA and 64 for MLA / DSA. DeepSeek-V4
@@ -115,6 +115,7 @@ _BUNDLE_PACKAGE = "kvforge.model_configs"
 _MODEL_DTYPES = ("float16", "bfloat16", "float32")
 _FP8_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
 _BF16_NAMES = ("bf16", "bfloat16")
+_LATENT_DTYPE = "its cache dtype is set by kv_cache_dtype ('fp8' or 'bf16')"
 
 # ---------------------------------------------------------------------------------- fields
 
@@ -186,6 +187,13 @@ def _read_json(text: str, origin: str) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{origin} is not valid JSON: {exc}") from None
+    except RecursionError:
+        # json's decoder recurses once per nesting level; no config nests more than a few.
+        raise ValueError(
+            f"{origin} nests JSON arrays or objects too deeply to be a model config"
+        ) from None
+    except ValueError as exc:  # e.g. an integer literal past Python's digit limit
+        raise ValueError(f"{origin} is not a usable JSON config: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(
             f"{origin} must hold a JSON object (a Hugging Face config), got {type(data).__name__}"
@@ -201,7 +209,8 @@ def load_model_config(name_or_path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: nothing exists at the path and no bundled config has that name.
-        ValueError: the file is not valid JSON or does not hold a JSON object.
+        ValueError: the file is not valid JSON, nests too deeply, or does not hold a JSON
+            object.
         TypeError: the argument is neither a string nor a path.
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
@@ -468,6 +477,7 @@ def build_dsa(
 ) -> dict[int, AttentionBackend]:
     """DeepSeek V3.2 (DSA): MLA's latent plus an indexer key per token."""
     f = parse_fields(DSAFields, config, model_type)
+    options.refuse(model_type, "dtype", why=_LATENT_DTYPE)
     kv_cache_dtype = _latent_cache_dtype(options.kv_cache_dtype, model_type)
     mtp = options.mtp_layer_ids(f.num_hidden_layers, f.num_nextn_predict_layers, model_type)
     backend = DSABackend(
@@ -493,6 +503,7 @@ def build_deepseek_v4(
             f"block_size={options.block_size} cannot be set for model_type {model_type!r}: its "
             "groups fix the block sizes (swa 64, compressed 256, c4_state 4, c128_state 8)"
         )
+    options.refuse(model_type, "dtype", why=_LATENT_DTYPE)
     n = f.num_hidden_layers
     mtp = options.mtp_layer_ids(n, f.num_nextn_predict_layers, model_type)
     ratios = f.compress_ratios
@@ -642,7 +653,7 @@ def from_hf_config(
         block_size: tokens per block; default 16 for GQA, 64 for MLA / DSA. Not allowed for
             DeepSeek-V4, whose groups fix their block sizes.
         dtype: model / cache dtype for GQA and MLA; default from the config's ``torch_dtype``
-            when it is a float dtype, else ``"bfloat16"``.
+            when it is a float dtype, else ``"bfloat16"``. Not allowed for DSA and V4.
         kv_cache_dtype: cache storage (see the module docstring); default: the model dtype for
             GQA / MLA, ``"fp8"`` for DSA / V4.
         tp_size: tensor-parallel ranks; GQA caches hold ``max(1, kv_heads // tp_size)`` heads.
@@ -660,7 +671,8 @@ def from_hf_config(
     Raises:
         ValueError: an unsupported ``model_type``, a missing, null or invalid field, more than
             :data:`~kvforge.attn_backends.registry.MAX_LAYERS` layers, an inconsistent config,
-            or bad options; the message names the field and the value.
+            or bad options (also one that does not apply to the model); the message names the
+            field and the value.
         FileNotFoundError: ``config`` is a path or name that does not exist.
         TypeError: ``config`` is not a mapping, string or path; or a registered builder
             returned something other than ``{int >= 0: AttentionBackend}``.

@@ -1,6 +1,16 @@
 """``kvforge plan | demo | bench``: the command-line front door.
 
-Every command reports bad input as one line on stderr and exit code 2, never a traceback.
+Every command reports bad input as one line on stderr and exit code 2, never a traceback:
+input is checked up front (output paths before any work, layer counts against
+:data:`~kvforge.attn_backends.registry.MAX_LAYERS`, options against the model they describe).
+Only ``ValueError`` (``UsageError`` and pydantic's errors included) and ``FileNotFoundError``
+are input errors; any other exception escaping a command is a bug and keeps its traceback.
+
+No option is silently ignored. With ``--model`` / ``--config`` only the options that
+:func:`~kvforge.attn_backends.hf_config.from_hf_config` takes apply (``--block-size``,
+``--dtype``, ``--kv-cache-dtype``, ``--tp-size``, ``--num-speculative-tokens``), and it refuses
+those the model's family does not use; with ``--backend NAME`` only ``--layers`` and the
+parameters of the backend's builder apply.
 
 Plugins: at start the CLI imports every entry point of the group ``kvforge.backends``
 (:func:`~kvforge.attn_backends.registry.load_plugins`) and every ``--plugin MODULE``; what
@@ -15,10 +25,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.attn_backends.registry import (
+    MAX_LAYERS,
     PluginError,
     load_plugin_module,
     load_plugins,
@@ -26,9 +38,12 @@ from kvforge.attn_backends.registry import (
 )
 from kvforge.commands.formatting import (
     UsageError,
+    check_output_path,
     console,
     format_bytes,
+    format_exact,
     make_table,
+    one_line,
     parse_size,
 )
 
@@ -48,6 +63,9 @@ BACKEND_OPTIONS = (
     "kv_cache_dtype",
     "compress_ratio",
 )
+# What from_hf_config takes; every other model option describes a model without a config.
+CONFIG_OPTIONS = ("block_size", "dtype", "kv_cache_dtype", "tp_size", "num_speculative_tokens")
+MODEL_OPTIONS = (*BACKEND_OPTIONS, "layers", "tp_size", "num_speculative_tokens")
 DEFAULT_LAYERS = 32
 
 
@@ -69,6 +87,25 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
+
+
+def _layer_count(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_LAYERS:
+        raise argparse.ArgumentTypeError(
+            f"{value} exceeds the maximum of {MAX_LAYERS} cache layers a model may have"
+        )
+    return value
+
+
+def _num_blocks(text: str) -> int:
+    value = _positive(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"{value} leaves no usable block (block 0 of every group is the null block); "
+            "give at least 2"
+        )
     return value
 
 
@@ -117,7 +154,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "(default gqa)",
     )
     src.add_argument(
-        "--layers", type=_positive, default=None, help=f"layer count (default {DEFAULT_LAYERS})"
+        "--layers",
+        type=_layer_count,
+        default=None,
+        help=f"layer count with --backend (default {DEFAULT_LAYERS}, at most {MAX_LAYERS})",
     )
     # Backend options default to None, so that "given" is visible: the backend's builder
     # supplies the defaults of those not given (gqa: 8 kv heads of 128, mla: 512 + 64, ...).
@@ -144,6 +184,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--list-models", action="store_true", help="list bundled configs and exit")
 
 
+def _given(args: argparse.Namespace, dests: Sequence[str]) -> list[str]:
+    return [d for d in dests if getattr(args, d, None) is not None]
+
+
+def _refuse(extra: Sequence[str], where: str, takes: Sequence[str]) -> None:
+    if extra:
+        verb = "does" if len(extra) == 1 else "do"
+        raise UsageError(
+            f"{', '.join(_flag(d) for d in extra)} {verb} not apply to {where}; it takes "
+            f"{', '.join(_flag(d) for d in takes)}"
+        )
+
+
 def build_backends(args: argparse.Namespace) -> tuple[str, dict[int, AttentionBackend]]:
     """The model named by the options: ``(description, layer id -> backend)``."""
     chosen = [opt for opt in ("model", "config", "backend") if getattr(args, opt)]
@@ -153,7 +206,15 @@ def build_backends(args: argparse.Namespace) -> tuple[str, dict[int, AttentionBa
         from kvforge.attn_backends.hf_config import from_hf_config, load_model_config
 
         source = args.model or args.config
-        config = load_model_config(source)
+        option = "--model" if args.model else "--config"
+        extra = [d for d in _given(args, MODEL_OPTIONS) if d not in CONFIG_OPTIONS]
+        _refuse(extra, f"a model from a config ({option} {source})", CONFIG_OPTIONS)
+        try:
+            config = load_model_config(source)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # unreadable (permissions, a device): input, not a bug
+            raise UsageError(f"cannot read {option} {source!r}: {exc.strerror or exc}") from None
         backends = from_hf_config(
             config,
             block_size=args.block_size,
@@ -173,15 +234,9 @@ def _backend_from_options(kind: str, args: argparse.Namespace) -> AttentionBacke
     """One layer's backend of the registered backend ``kind``, from the options given."""
     entry = registered_backends()[kind]
     params = entry.parameters()
-    given = {d: getattr(args, d) for d in BACKEND_OPTIONS if getattr(args, d) is not None}
-    extra = [dest for dest in given if dest not in params]
-    if extra:
-        takes = [_flag(p) for p in params if p in BACKEND_OPTIONS]
-        verb = "does" if len(extra) == 1 else "do"
-        raise UsageError(
-            f"{', '.join(_flag(d) for d in extra)} {verb} not apply to --backend {kind}; it "
-            f"takes {', '.join([*takes, '--layers'])}"
-        )
+    takes = [*(p for p in params if p in BACKEND_OPTIONS), "layers"]
+    _refuse([d for d in _given(args, MODEL_OPTIONS) if d not in takes], f"--backend {kind}", takes)
+    given = {d: getattr(args, d) for d in _given(args, BACKEND_OPTIONS)}
     missing = [p.name for p in params.values() if p.default is p.empty and p.name not in given]
     unsettable = [name for name in missing if name not in BACKEND_OPTIONS]
     if unsettable:
@@ -194,9 +249,15 @@ def _backend_from_options(kind: str, args: argparse.Namespace) -> AttentionBacke
     return entry.builder(**given)
 
 
-def _list_models() -> int:
+def _list_models(args: argparse.Namespace) -> int:
     from kvforge.attn_backends.hf_config import bundled_models
 
+    others = _given(args, ("model", "config", "backend", *MODEL_OPTIONS))
+    if others:
+        raise UsageError(
+            f"--list-models lists the bundled configs and takes no model options, got "
+            f"{', '.join(_flag(d) for d in others)}"
+        )
     for name in bundled_models():
         print(name)
     return 0
@@ -211,7 +272,17 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     from kvforge.cache_controller.memory_plan import cache_bytes_per_sequence, plan_memory
     from kvforge.cache_controller.naming import StorageNamer
 
+    if args.num_blocks is not None and args.max_num_seqs is not None:
+        raise UsageError(
+            "--max-num-seqs does not apply with --num-blocks: it sizes the pools from "
+            "--device-memory, and --num-blocks gives their sizes"
+        )
     description, backends = build_backends(args)
+    if args.tp_size is not None and args.rank >= args.tp_size:
+        raise UsageError(
+            f"--rank {args.rank} is out of range for --tp-size {args.tp_size} "
+            f"(ranks 0..{args.tp_size - 1})"
+        )
     layout = CacheLayout(backends)
     max_model_len = args.max_model_len
     if args.num_blocks is not None:
@@ -274,7 +345,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "num_layers": len(layout.layers),
         "roles": list(rows.values()),
         "groups": groups,
-        "kv_bytes_per_token": layout.kv_bytes_per_token(),
+        # exact: an int when whole, else the string of a fraction ("15401/4"): no float bytes
+        "kv_bytes_per_token": _exact(layout.kv_bytes_per_token()),
         "device_memory": budget,
         "total_bytes": sum(g["total_bytes"] for g in groups),
         "max_tokens": plan.max_tokens if plan else None,
@@ -293,6 +365,12 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": host.max_tokens,
         }
     return report
+
+
+def _exact(value: int | Fraction) -> int | str:
+    if isinstance(value, Fraction) and value.denominator != 1:
+        return str(value)
+    return int(value)
 
 
 def print_plan(report: dict[str, Any]) -> None:
@@ -351,7 +429,8 @@ def print_plan(report: dict[str, Any]) -> None:
             f"{g['token_capacity']:,}",
         )
     out.print(groups)
-    out.print(f"KV bytes per token (full groups): {report['kv_bytes_per_token']:,}")
+    per_token = Fraction(report["kv_bytes_per_token"])
+    out.print(f"KV bytes per token: {format_exact(per_token)}")
     out.print(
         f"device memory: {format_bytes(report['total_bytes'])} of "
         f"{format_bytes(report['device_memory'])}"
@@ -372,14 +451,30 @@ def print_plan(report: dict[str, Any]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """``kvforge plan``: tables on stdout; ``--json`` prints JSON instead, ``--json PATH``
+    writes it there as well."""
     if args.list_models:
-        return _list_models()
+        return _list_models(args)
+    to_file = args.json not in (None, "-")
+    if to_file:
+        check_output_path(args.json, "--json")
     report = plan_report(args)
-    if args.json:
-        print(json.dumps(report, indent=2))
+    text = json.dumps(report, indent=2)
+    if to_file:
+        _write_text(args.json, text + "\n")
+    if args.json == "-":
+        print(text)
     else:
         print_plan(report)
     return 0
+
+
+def _write_text(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:  # checked before the work; this is a race with the filesystem
+        raise UsageError(f"cannot write --json {path!r}: {exc.strerror or exc}") from None
 
 
 # ---------------------------------------------------------------------------------- demo
@@ -388,7 +483,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """``kvforge demo``: the serving loop of :mod:`~kvforge.commands.demo`; exit 1 on a mismatch."""
     if args.list_models:
-        return _list_models()
+        return _list_models(args)
+    if args.json is not None:
+        check_output_path(args.json, "--json")
     from kvforge.commands.demo import DEFAULT_MODEL, DemoConfig, print_summary, run_demo
 
     if not (args.model or args.config or args.backend):
@@ -403,20 +500,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         host_memory=args.host_memory,
         corrupt_after_step=args.self_test_corrupt,
     )
-    out = None
-    if args.json:  # opened first, so a bad path fails before the run, not after it
-        try:
-            out = open(args.json, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-        except OSError as exc:
-            raise UsageError(f"cannot write --json {args.json!r}: {exc.strerror or exc}") from None
-    try:
-        progress = not args.no_progress and sys.stderr.isatty()
-        result = run_demo(config, progress=progress, backends=backends)
-        if out is not None:
-            out.write(result.model_dump_json(indent=2) + "\n")
-    finally:
-        if out is not None:
-            out.close()
+    progress = not args.no_progress and sys.stderr.isatty()
+    result = run_demo(config, progress=progress, backends=backends)
+    if args.json is not None:
+        _write_text(args.json, result.model_dump_json(indent=2) + "\n")
     print_summary(result)
     return 0 if result.ok else 1
 
@@ -427,6 +514,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvforge.commands.bench import print_results, run_bench, write_json
 
+    if args.json is not None:
+        check_output_path(args.json, "--json")
     results = run_bench(
         quick=args.quick,
         device=args.device,
@@ -454,7 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="size and name every cache of a model")
     add_model_args(plan)
     size = plan.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=_positive, help="blocks per group (null block included)")
+    size.add_argument(
+        "--num-blocks",
+        type=_num_blocks,
+        help="blocks per group, the null block included (at least 2)",
+    )
     size.add_argument(
         "--device-memory",
         type=_size,
@@ -464,8 +557,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-memory", type=_size, default=None, help="host budget, e.g. 32GiB")
     plan.add_argument("--max-model-len", type=_positive, default=None)
     plan.add_argument("--max-num-seqs", type=_positive, default=None)
-    plan.add_argument("--rank", type=int, default=0, help="tensor-parallel rank for names")
-    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.add_argument(
+        "--rank", type=_non_negative, default=0, help="tensor-parallel rank for names"
+    )
+    plan.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="print JSON instead of tables; with PATH, write it there and print the tables",
+    )
     plan.add_argument(
         "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
     )
@@ -565,9 +667,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     try:
         return int(args.func(args))
-    except (UsageError, ValueError, TypeError, KeyError, FileNotFoundError) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"kvforge {args.command}: error: {message}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as exc:
+        # Input errors only (UsageError and pydantic's ValidationError are ValueErrors). A
+        # TypeError, KeyError, ... escaping a command is a bug: it keeps its traceback.
+        print(f"kvforge {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

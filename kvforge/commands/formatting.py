@@ -1,16 +1,30 @@
-"""Formatting shared by the commands: byte counts, sizes with units, rich tables.
+"""Helpers shared by the commands: byte counts, sizes with units, rich tables, and the checks
+and one-line messages of command-line input.
 
-Display only: byte counts stay integers everywhere else in kvforge.
+Display only: byte counts stay integers (or exact fractions) everywhere else in kvforge.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
-__all__ = ["UsageError", "console", "format_bytes", "make_table", "parse_size"]
+from pydantic import ValidationError
+
+__all__ = [
+    "UsageError",
+    "check_output_path",
+    "console",
+    "format_bytes",
+    "format_exact",
+    "make_table",
+    "one_line",
+    "parse_size",
+]
 
 _UNITS = {
     "": 1,
@@ -85,3 +99,52 @@ def format_bytes(n: int) -> str:
     return f"{n:,} B"
 
 
+
+
+def format_exact(value: int | Fraction) -> str:
+    """An exact byte figure: ``131072`` -> ``"131,072"``, ``15401/4`` -> ``"3,850 1/4"``."""
+    value = Fraction(value)
+    whole, rest = divmod(value.numerator, value.denominator)
+    if not rest:
+        return f"{whole:,}"
+    return f"{whole:,} {rest}/{value.denominator}"
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of an input error as one line (a pydantic error: its first problem)."""
+    if isinstance(exc, ValidationError):
+        from kvforge.attn_backends.registry import short_repr
+
+        err = exc.errors()[0]
+        where = ".".join(str(part) for part in err["loc"]) or exc.title
+        return f"{where}={short_repr(err.get('input'))} is invalid: {err['msg']}"
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text or type(exc).__name__
+
+
+def check_output_path(path: str, option: str) -> None:
+    """Refuse an output path that cannot be written, before any work is done.
+
+    The path must be a file that can be opened for writing (checked without truncating it)
+    or a new file in an existing, writable directory (checked by creating and removing it).
+
+    Raises:
+        UsageError: naming the option, the path and why.
+    """
+    target = Path(path)
+    cannot = f"cannot write {option} {path!r}"
+    if target.is_dir():
+        raise UsageError(f"{cannot}: it is a directory; give a file path")
+    parent = target.parent
+    if not parent.exists():
+        raise UsageError(f"{cannot}: directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise UsageError(f"{cannot}: {str(parent)!r} is not a directory")
+    try:
+        if target.exists():
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+        else:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            target.unlink()
+    except OSError as exc:
+        raise UsageError(f"{cannot}: {exc.strerror or exc}") from None
