@@ -74,15 +74,17 @@ class GroupDef:
                 f"GroupDef.kind must be 'full' or 'sliding_window', got {self.kind!r} "
                 f"(group {self.name!r})"
             )
-        _check_positive_int("GroupDef.block_size", self.block_size, self.name)
-        _check_positive_int("GroupDef.bytes_per_block", self.bytes_per_block, self.name)
+        _check_positive_int("GroupDef.block_size", self.block_size, f"group {self.name!r}")
+        _check_positive_int(
+            "GroupDef.bytes_per_block", self.bytes_per_block, f"group {self.name!r}"
+        )
         if self.kind == "full" and self.window is not None:
             raise ValueError(
                 f"GroupDef.window must be None for a full group, got {self.window!r} "
                 f"(group {self.name!r})"
             )
         if self.kind == "sliding_window":
-            _check_positive_int("GroupDef.window", self.window, self.name)
+            _check_positive_int("GroupDef.window", self.window, f"group {self.name!r}")
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,9 @@ class StepWorkload:
                 f"StepWorkload.groups has duplicate group names {names!r} (workload {self.name!r})"
             )
         for field in ("num_requests", "prompt_len", "max_num_batched_tokens", "max_model_len"):
-            _check_positive_int(f"StepWorkload.{field}", getattr(self, field), self.name)
+            _check_positive_int(
+                f"StepWorkload.{field}", getattr(self, field), f"workload {self.name!r}"
+            )
         if not isinstance(self.decode_steps, int) or self.decode_steps < 0:
             raise ValueError(
                 f"StepWorkload.decode_steps must be an int >= 0, got {self.decode_steps!r} "
@@ -140,7 +144,9 @@ class StepWorkload:
                     f"{self.max_num_batched_tokens} with chunk_size None (workload {self.name!r})"
                 )
         else:
-            _check_positive_int("StepWorkload.chunk_size", self.chunk_size, self.name)
+            _check_positive_int(
+                "StepWorkload.chunk_size", self.chunk_size, f"workload {self.name!r}"
+            )
             if self.chunk_size > self.max_num_batched_tokens:
                 raise ValueError(
                     f"StepWorkload.chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
@@ -248,7 +254,7 @@ def schedule(wl: StepWorkload) -> Schedule:
 def _check_positive_int(field: str, value: object, owner: str) -> None:
     # bool is an int subclass; True as a block size is a bug, not a 1.
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{field} must be a positive int, got {value!r} ({owner!r})")
+        raise ValueError(f"{field} must be a positive int, got {value!r} ({owner})")
 
 
 # --- groups -------------------------------------------------------------------------------------
