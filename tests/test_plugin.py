@@ -315,6 +315,17 @@ def test_fused_kv_caches_round_trip_through_the_controller(example):
     ctl.free()
 
 
+def test_fused_kv_backend_passes_the_conformance_kit(example):
+    from kvforge.testing import CHECKS, check_backend
+
+    report = check_backend(example.FusedKVBackend(2, 8, block_size=4, dtype="bfloat16"))
+    assert [c.name for c in report.checks] == list(CHECKS)
+    assert (report.layers, report.tokens, report.num_blocks) == ((0, 1), 13, {"kv": 6})
+    round_trip = report.checks[CHECKS.index("swap_round_trip")]
+    # 13 tokens x 2 layers x 2 purposes, each entry (key, value) x 2 heads x 8 dims x bf16 = 64 B
+    assert (round_trip.entries, round_trip.bytes) == (13 * 2 * 2, 13 * 2 * 2 * 64)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -494,3 +505,37 @@ def test_a_broken_entry_point_is_named(tmp_path, monkeypatch, capsys):
     # the CLI says the same in one line, exit 2, and tries again next time
     code, out, err = run(capsys, "plan", "--list-models")
     assert (code, out, err) == (2, "", f"kvforge: error: {message}\n")
+
+
+def test_an_entry_point_may_name_a_register_function(isolated_registry, tmp_path, monkeypatch):
+    (tmp_path / "kvforge_ep_function.py").write_text(
+        "from kvforge.attn_backends import register_model_type\n"
+        "from kvforge.attn_backends.hf_config import build_gqa\n"
+        "CALLS = []\n"
+        "def register():\n"
+        "    CALLS.append(1)\n"
+        "    register_model_type('ep_gqa', build_gqa)\n"
+    )
+    write_dist_info(tmp_path, "kvforge-ep-function", "ep-function = kvforge_ep_function:register")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "ep-function" in load_plugins()
+    assert "ep-function" not in load_plugins()
+    import kvforge_ep_function
+
+    assert kvforge_ep_function.CALLS == [1]  # called once
+    assert registered_model_types()["ep_gqa"].builder is build_gqa
+
+
+def test_a_backend_the_cli_cannot_build_says_so(isolated_registry, capsys):
+    class Windowed(GQABackend):
+        def __init__(self, window: int, block_size: int = 16) -> None:
+            super().__init__(1, 8, block_size, sliding_window=window)
+
+    register_backend("windowed", Windowed)
+    code, _, err = run(capsys, "plan", "--backend", "windowed")
+    assert code == 2
+    assert err == (
+        "kvforge plan: error: --backend windowed cannot be built from command-line options: its "
+        "builder needs ['window'], which no option sets (register it with a cli_builder)\n"
+    )
+
