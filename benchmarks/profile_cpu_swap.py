@@ -5,7 +5,7 @@ Times, on this machine:
 
 - the fixed cost of one small ``gather_blocks`` call with a ``PlaneSet`` and with a plain list
   of 44 planes, and of ``validate`` alone;
-- the selection step of a DeepSeek-V4-Flash swap (``CacheController._selection``);
+- the selection step of a DeepSeek-V4-Flash swap (``BlockManager.selection``);
 - handing one task to the kernel's worker pool, warm and after 10 ms idle;
 - one request's ``swa`` and ``c4_state`` transfer (and the kernel alone, validation and
   dispatch left out) against a one-thread and a two-thread contiguous ``copy_`` of the same
@@ -61,7 +61,7 @@ def selection_cost(flash: dict) -> None:
     ctl = CacheController(flash)
     ctl.initialize_kv_cache(num_blocks={g.name: 40 for g in ctl.layout.groups})
     ctl.allocate("r", 1024)
-    t = best_us(lambda: ctl._selection("r", SwapPurpose.PREEMPT), 200)
+    t = best_us(lambda: ctl.block_manager.selection("r", SwapPurpose.PREEMPT), 200)
     print(f"selection of a V4-Flash swap ({len(ctl.layout.entries)} buffers): {t:.0f} us")
 
 

@@ -44,8 +44,8 @@ def main() -> None:
     for i in range(1, 65):  # two requests in turns: interleaved blocks
         ctl.allocate("a", i * 16)
         ctl.allocate("b", i * 16)
-    planes = ctl._planes["kv"]
-    host = ctl._host.groups["kv"]
+    planes = ctl.storage.planes("kv")
+    host = ctl.storage.host.groups["kv"]
     ids = [b for b in ctl.block_table("a", "kv") if b != NULL_BLOCK]
     pages = host.pool.allocate(len(ids))
     nbytes = len(ids) * host.page_bytes
@@ -75,7 +75,7 @@ def main() -> None:
     keep: list[torch.Tensor] = []
     for chunk in (1 << 40, 64 << 20, 32 << 20, 16 << 20, 8 << 20):
         swap.PIPELINE_CHUNK_BYTES = chunk
-        args = (ctl.platform, ctl._streams, planes, ids, host.pages, pages, keep)
+        args = (ctl.platform, ctl.storage.streams, planes, ids, host.pages, pages, keep)
         out = nbytes / best_of(lambda a=args: swap.move_pages("out", *a)) / 1e9
         back = nbytes / best_of(lambda a=args: swap.move_pages("in", *a)) / 1e9
         keep.clear()

@@ -43,8 +43,15 @@ class AttentionLayer:
 def main(model: str = "deepseek-v4-tiny", steps: int = 80) -> dict[str, int]:
     backends = from_hf_config(model)
     ctl = CacheController(backends, device="cpu")
-    # Small on purpose: four requests cannot all stay on the device.
-    plan = ctl.initialize_kv_cache(memory_budget=10 << 20, max_num_seqs=4, max_model_len=4096)
+    # Small on purpose: 11 usable compressed blocks of 256 tokens cannot hold all four
+    # requests (5 + 6 + 3 + 4 blocks), so decoding preempts. Prompts are prefilled in
+    # 256-token chunks; a window group holds a chunk's blocks on top of its window until the
+    # request's next step.
+    plan = ctl.initialize_kv_cache(
+        num_blocks={"swa": 24, "compressed": 12, "c4_state": 96, "c128_state": 78},
+        max_num_seqs=4,
+        max_model_len=2048,
+    )
     ctl.initialize_host_cache(memory_budget=32 << 20)
     print(f"{model}: groups {ctl.groups}, blocks {plan.num_blocks}, max tokens {plan.max_tokens}")
     layers = [AttentionLayer(ctl, layer) for layer in ctl.layout.layers]
@@ -67,10 +74,13 @@ def main(model: str = "deepseek-v4-tiny", steps: int = 80) -> dict[str, int]:
                 counters["resumes"] += 1
             except OutOfBlocksError:
                 pass
-        for rid, prompt in list(waiting.items()):  # admit: allocate and prefill the prompt
+        for rid, prompt in list(waiting.items()):  # admit: prefill in chunks of 256 tokens
             try:
-                ctl.allocate(rid, prompt)
+                for end in range(256, prompt + 256, 256):
+                    ctl.allocate(rid, min(end, prompt))
             except OutOfBlocksError:
+                if rid in ctl.requests:
+                    ctl.free_request(rid)  # a chunk did not fit: try again next step
                 break
             write(rid, list(range(prompt)))
             running.append(rid)

@@ -1,49 +1,61 @@
 """kvforge: attention-backend-centric KV cache allocation, paging and offload.
 
-Import cost is torch + pydantic only: Triton, ``torch_npu`` and ``triton-ascend`` are imported
-lazily when a kernel or an NPU is first used.
+Import cost is torch + pydantic only, and names are loaded on first use: a scheduler process
+that imports :mod:`kvforge.cache_controller` never loads the worker side, the host cache or
+the kernels. Triton, ``torch_npu`` and ``triton-ascend`` are imported when first used.
 """
 
-from kvforge.attn_backends import (
-    AttentionBackend,
-    DeepseekV4Backend,
-    DSABackend,
-    GQABackend,
-    MHABackend,
-    MLABackend,
-)
-from kvforge.cache_controller import (
-    NULL_BLOCK,
-    CacheController,
-    MemoryPlan,
-    cache_bytes_per_sequence,
-    plan_memory,
-)
-from kvforge.errors import ControllerClosedError, OutOfBlocksError, RequestStateError
-from kvforge.host_cache import SwapHandle
-from kvforge.specs import CacheGroup, CacheRole, GroupKind, SwapPurpose, TokenRange
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "NULL_BLOCK",
-    "AttentionBackend",
-    "CacheController",
-    "CacheGroup",
-    "CacheRole",
-    "ControllerClosedError",
-    "DSABackend",
-    "DeepseekV4Backend",
-    "GQABackend",
-    "GroupKind",
-    "MHABackend",
-    "MLABackend",
-    "MemoryPlan",
-    "OutOfBlocksError",
-    "RequestStateError",
-    "SwapHandle",
-    "SwapPurpose",
-    "TokenRange",
-    "cache_bytes_per_sequence",
-    "plan_memory",
-]
+# public name -> module that defines it, loaded on first attribute access
+_EXPORTS: dict[str, str] = {
+    "AttentionBackend": "kvforge.attn_backends.base",
+    "DeclaredBackend": "kvforge.attn_backends.base",
+    "SwapContext": "kvforge.attn_backends.base",
+    "DeepseekV4Backend": "kvforge.attn_backends.deepseek_v4",
+    "DSABackend": "kvforge.attn_backends.dsa",
+    "GQABackend": "kvforge.attn_backends.gqa",
+    "MHABackend": "kvforge.attn_backends.gqa",
+    "MLABackend": "kvforge.attn_backends.mla",
+    "from_hf_config": "kvforge.attn_backends.hf_config",
+    "NULL_BLOCK": "kvforge.cache_controller.block_pool",
+    "BlockManager": "kvforge.cache_controller.block_manager",
+    "CacheLayout": "kvforge.cache_controller.layout",
+    "MemoryPlan": "kvforge.cache_controller.memory_plan",
+    "cache_bytes_per_sequence": "kvforge.cache_controller.memory_plan",
+    "plan_memory": "kvforge.cache_controller.memory_plan",
+    "StepAllocation": "kvforge.cache_controller.values",
+    "SwapPlan": "kvforge.cache_controller.values",
+    "SwapResult": "kvforge.cache_controller.values",
+    "CacheController": "kvforge.cache_controller.controller",
+    "CacheStorage": "kvforge.worker.storage",
+    "ControllerClosedError": "kvforge.errors",
+    "OutOfBlocksError": "kvforge.errors",
+    "RequestStateError": "kvforge.errors",
+    "SwapHandle": "kvforge.host_cache.swap",
+    "CacheGroup": "kvforge.specs",
+    "CacheRole": "kvforge.specs",
+    "GroupKind": "kvforge.specs",
+    "SwapPurpose": "kvforge.specs",
+    "TokenRange": "kvforge.specs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvforge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

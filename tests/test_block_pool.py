@@ -56,7 +56,7 @@ def test_bad_free_changes_nothing(ids, message):
 def test_bad_sizes():
     with pytest.raises(ValueError, match="num_blocks for device group 'kv' must be an int >= 2"):
         BlockPool(1, "kv")
-    with pytest.raises(ValueError, match="count must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="count must be an int >= 0, got -1"):
         BlockPool(3, "kv").allocate(-1)
     with pytest.raises(ValueError, match="incref: block 1 of device group 'kv' is free"):
         BlockPool(3, "kv").incref([1])

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _helpers import grow
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,29 +40,34 @@ def test_full_group_grows_block_by_block():
     assert ctl.num_free_blocks("kv") == 9
 
 
-def test_window_groups_return_blocks_outside_the_window():
-    ctl = v4_controller()
+def test_window_groups_keep_a_step_then_return_blocks_outside_the_window():
+    ctl = v4_controller(c4=60, c128=40)
     ctl.allocate("r", 100)
-    # swa: block 64, window 128: tokens 0..99 all live -> 2 blocks
+    # one 100-token step writes every token, so every window group holds every block
     assert ctl.block_table("r", "swa") == [1, 2]
-    # c4_state: block 4, window 8: tokens 92..99 live -> blocks 23, 24 of 25
-    table = ctl.block_table("r", "c4_state")
-    assert len(table) == 25 and table[:23] == [NULL_BLOCK] * 23 and NULL_BLOCK not in table[23:]
+    assert NULL_BLOCK not in ctl.block_table("r", "c4_state")  # 25 blocks of 4 tokens
+    assert ctl.num_used_blocks("c4_state") == 25
     ctl.allocate("r", 200)
-    # swa tokens 72..199 live -> blocks 1..3 (block 0 covers 0..63, wholly outside)
+    # the step reads back from token 100: swa keeps 100 + 1 - 128 < 0 -> all 4 blocks;
+    # c4_state (window 8) from token 93 -> block 23 on; c128_state (window 128) all 25
+    assert ctl.num_used_blocks("swa") == 4
+    c4 = ctl.block_table("r", "c4_state")
+    assert c4[:23] == [NULL_BLOCK] * 23 and NULL_BLOCK not in c4[23:] and len(c4) == 50
+    assert ctl.num_used_blocks("c128_state") == 25
+    ctl.allocate("r", 201)  # a decode step: token 200 reads 73..200
     swa = ctl.block_table("r", "swa")
     assert swa[0] == NULL_BLOCK and NULL_BLOCK not in swa[1:] and len(swa) == 4
     assert ctl.num_used_blocks("swa") == 3
-    # c128_state: block 8, window 128: tokens 72..199 -> blocks 9..24 = 16 blocks
-    assert ctl.num_used_blocks("c128_state") == 16
-    # compressed is full: 200 tokens -> 1 block of 256
+    # c4_state: 193..200 -> blocks 48..50; c128_state: 73..200 -> blocks 9..25 = 17
+    assert ctl.num_used_blocks("c4_state") == 3
+    assert ctl.num_used_blocks("c128_state") == 17
+    # compressed is full: 201 tokens -> 1 block of 256
     assert ctl.num_used_blocks("compressed") == 1
 
 
 def test_allocation_is_all_or_nothing_across_groups():
-    ctl = v4_controller(
-        c128=10
-    )  # 9 usable c128_state blocks of 8 tokens; 40 tokens take 5, 80 need 5 more
+    # 9 usable c128_state blocks of 8 tokens; 40 tokens take 5, 80 need 5 more
+    ctl = v4_controller(c4=40, c128=10)
     ctl.allocate("a", 40)
     before = {g: ctl.num_free_blocks(g) for g in ctl.groups}
     with pytest.raises(
@@ -111,8 +117,8 @@ def test_slot_mapping_ratio_1():
 
 @pytest.mark.parametrize("ratio", [4, 128])
 def test_slot_mapping_compressed(ratio):
-    ctl = v4_controller()
-    ctl.allocate("r", 600)
+    ctl = v4_controller(c4=60, c128=60)
+    grow(ctl, "r", 600)
     table = ctl.block_table("r", "compressed")  # 600 tokens -> 3 blocks of 256
     per_block = 256 // ratio
     positions = list(range(600))
@@ -127,8 +133,8 @@ def test_slot_mapping_compressed(ratio):
 
 
 def test_slot_mapping_window_positions_map_to_minus_one():
-    ctl = v4_controller()
-    ctl.allocate("r", 200)
+    ctl = v4_controller(c4=60, c128=60)
+    grow(ctl, "r", 200)
     table = ctl.block_table("r", "swa")
     slots = ctl.slot_mapping("r", "swa", [0, 71, 72, 130, 199]).tolist()
     assert slots[:2] == [-1, -1]  # outside the last 128 tokens
@@ -158,7 +164,7 @@ def test_slot_mapping_errors():
     steps=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.booleans()), max_size=30)
 )
 def test_random_growth_and_frees_never_leak(steps):
-    ctl = v4_controller(swa=12, compressed=6, c4=12, c128=40)
+    ctl = v4_controller(swa=12, compressed=6, c4=120, c128=80)
     lengths: dict[str, int] = {}
     for rid, extra, free in steps:
         name = f"r{rid}"

@@ -5,6 +5,7 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
+from _helpers import grow
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -56,7 +57,7 @@ def test_round_trip_every_variant(model):
     ctl.initialize_kv_cache(num_blocks=40 if v4 else 12)
     ctl.initialize_host_cache(num_blocks=40 if v4 else 12)
     n = 700 if v4 else 150
-    ctl.allocate("r", n)
+    grow(ctl, "r", n)
     written = write_request(ctl, "r", seed=7, positions=range(n))
     assert written > 0
     before = {g: ctl.block_table("r", g) for g in ctl.groups}
@@ -64,7 +65,7 @@ def test_round_trip_every_variant(model):
     assert handle.done()
     handle.wait()
     assert all(ctl.num_used_blocks(g) == 0 for g in ctl.groups)
-    ctl.allocate("blocker", 1)  # takes the lowest free ids so swap-in lands elsewhere
+    grow(ctl, "blocker", 1)  # takes the lowest free ids so swap-in lands elsewhere
     scribble(ctl)
     back = ctl.swap_in("r")
     after = {g: ctl.block_table("r", g) for g in ctl.groups}
@@ -87,12 +88,12 @@ def test_flash_moves_only_live_window_and_state_blocks():
     ctl.initialize_host_cache(
         num_blocks={"swa": 8, "compressed": 8, "c4_state": 8, "c128_state": 20}
     )
-    ctl.allocate("r", 1000)
+    grow(ctl, "r", 1000)
     handle = ctl.swap_out("r")
     # swa: last 128 tokens (872..999) -> blocks 13..15 = 3; compressed: 1000 tokens -> 4 blocks;
     # c4_state: last 8 tokens (992..999) -> blocks 248, 249 = 2; c128_state: 872..999 -> 109..124 = 16
     assert handle.blocks_moved == {"swa": 3, "compressed": 4, "c4_state": 2, "c128_state": 16}
-    page = {g: p.page_bytes for g, p in ctl._host.groups.items()}
+    page = {g: ctl.block_manager.page_bytes(g) for g in ctl.groups}
     # swa page: 6 layers * 37,376; compressed page: 2 ratio-4 layers (37,376 + 8,448) + 1 ratio-128 (1,168)
     assert page["swa"] == 6 * 37_376
     assert page["compressed"] == 2 * (37_376 + 8_448) + 1_168
@@ -105,7 +106,7 @@ def test_prefix_purpose_skips_state_groups():
     ctl = CacheController(flash_like(layers=4))
     ctl.initialize_kv_cache(num_blocks=64)
     ctl.initialize_host_cache(num_blocks=64)
-    ctl.allocate("r", 300)
+    grow(ctl, "r", 300)
     written = write_request(ctl, "r", seed=3, positions=range(300))
     handle = ctl.swap_out("r", purpose="prefix")
     assert set(handle.blocks_moved) == {"swa", "compressed"}
@@ -137,7 +138,7 @@ def test_backend_can_override_selection_per_role():
     ctl = CacheController({0: hooked, 1: hooked})
     ctl.initialize_kv_cache(num_blocks=8)
     ctl.initialize_host_cache(num_blocks=8)
-    ctl.allocate("r", 10)
+    grow(ctl, "r", 10)
     ctl.swap_out("r", purpose="prefix")  # key still selected: the page (key and value) moves
     ctl.swap_in("r")
     assert calls[0] == ("out", "r", (0, 1), {"kv": [1, 2, 3]})
@@ -150,7 +151,7 @@ def test_backend_can_override_selection_per_role():
     ctl = CacheController({0: KeepNothing(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=8)
     ctl.initialize_host_cache(num_blocks=8)
-    ctl.allocate("r", 10)
+    grow(ctl, "r", 10)
     assert ctl.swap_out("r").blocks_moved == {}
 
     class Broken(GQABackend):
@@ -160,7 +161,7 @@ def test_backend_can_override_selection_per_role():
     ctl = CacheController({0: Broken(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=8)
     ctl.initialize_host_cache(num_blocks=8)
-    ctl.allocate("r", 10)
+    grow(ctl, "r", 10)
     with pytest.raises(
         ValueError, match=r"offload_selection\('key', 10, 'preempt'\) returned .* within \[0, 10\)"
     ):
@@ -187,7 +188,7 @@ def test_roles_not_offloaded_have_no_host_plane():
     ctl = CacheController({0: Scratch()})
     ctl.initialize_kv_cache(num_blocks=4)
     ctl.initialize_host_cache(num_blocks=4)
-    assert ctl._host.groups["kv"].page_bytes == 4 * 8
+    assert ctl.storage.host.groups["kv"].page_bytes == 4 * 8
     assert set(ctl.host_kv_caches) == {("key", 0)}
     assert ctl.host_kv_caches[("key", 0)].shape == (4, 4, 8)
 
@@ -204,14 +205,14 @@ def test_host_views_alias_host_pages():
         views[("key_scale", 0)].shape == (3, 4, 2)
         and views[("key_scale", 0)].dtype == torch.float32
     )
-    ctl.allocate("r", 4)
+    grow(ctl, "r", 4)
     write_request(ctl, "r", seed=1, positions=range(4))
     ctl.swap_out("r")
     # the key bytes of device block 1 are now the first 32 bytes of host page 1
     (page,) = [1]
     assert torch.equal(
         views[("key", 0)][page].view(torch.uint8).reshape(-1),
-        ctl._host.groups["kv"].pages[page, :32],
+        ctl.storage.host.groups["kv"].pages[page, :32],
     )
 
 
@@ -221,7 +222,7 @@ def test_swap_errors_change_nothing():
     with pytest.raises(RuntimeError, match="call initialize_host_cache before swapping"):
         ctl.swap_out("r")
     ctl.initialize_host_cache(num_blocks=3)  # 2 usable pages
-    ctl.allocate("r", 12)  # 3 blocks
+    grow(ctl, "r", 12)  # 3 blocks
     with pytest.raises(
         OutOfBlocksError, match=r"swap_out: host group 'kv' needs 3 free blocks but has 2"
     ):
@@ -236,13 +237,13 @@ def test_swap_errors_change_nothing():
     ):
         ctl.swap_out("r", purpose="later")
     ctl.free_request("r")
-    ctl.allocate("s", 8)
+    grow(ctl, "s", 8)
     ctl.swap_out("s")
     with pytest.raises(RequestStateError, match="request 's' is already swapped out"):
         ctl.swap_out("s")
     with pytest.raises(RequestStateError, match="request 's' is swapped out; swap_in it first"):
-        ctl.allocate("s", 9)
-    ctl.allocate("big", 36)  # 9 blocks: all device blocks
+        grow(ctl, "s", 9)
+    grow(ctl, "big", 36)  # 9 blocks: all device blocks
     with pytest.raises(OutOfBlocksError, match="device group 'kv' needs 2 free blocks but has 0"):
         ctl.swap_in("s")
     assert ctl.is_swapped("s") and ctl.host_pool_usage() == {"kv": (2, 2)}
@@ -399,7 +400,7 @@ def test_random_interleavings_lose_nothing(steps):
         try:
             if op == "grow" and not ctl.is_swapped(name):
                 old = ctl.num_tokens(name) if name in seeds else 0
-                ctl.allocate(name, old + extra)
+                grow(ctl, name, old + extra)
                 seeds[name] = rid
                 write_request(ctl, name, rid, range(old, old + extra))
             elif op == "out" and name in seeds and not ctl.is_swapped(name):
@@ -434,7 +435,7 @@ def test_batch_round_trip_matches_single_swaps():
     lengths = {"a": 300, "b": 41, "c": 700}
     written = {}
     for i, (r, n) in enumerate(lengths.items()):
-        ctl.allocate(r, n)
+        grow(ctl, r, n)
         written[r] = write_request(ctl, r, seed=i, positions=range(n))
     single = ctl.swap_out("a")
     ctl.swap_in("a")
@@ -446,7 +447,7 @@ def test_batch_round_trip_matches_single_swaps():
     assert len({id(h.event) for h in handles}) == 1  # one event covers the batch
     assert all(ctl.num_used_blocks(g) == 0 for g in ctl.groups)
     assert ctl.swapped_requests == ["a", "b", "c"]
-    ctl.allocate("blocker", 1)
+    grow(ctl, "blocker", 1)
     scribble(ctl)
     back = ctl.swap_in_many(["c", "a", "b"])
     assert [h.request_id for h in back] == ["c", "a", "b"]
@@ -466,9 +467,9 @@ def test_batch_errors_change_nothing():
     ctl = CacheController({0: GQABackend(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=10)  # 9 usable
     ctl.initialize_host_cache(num_blocks=6)  # 5 usable pages
-    ctl.allocate("a", 8)  # 2 blocks
-    ctl.allocate("b", 12)  # 3 blocks
-    ctl.allocate("c", 4)  # 1 block
+    grow(ctl, "a", 8)  # 2 blocks
+    grow(ctl, "b", 12)  # 3 blocks
+    grow(ctl, "c", 4)  # 1 block
     tables = {r: ctl.block_table(r, "kv") for r in "abc"}
     with pytest.raises(
         OutOfBlocksError, match=r"swap_out: host group 'kv' needs 6 free blocks but has 5"
@@ -487,7 +488,7 @@ def test_batch_errors_change_nothing():
     assert ctl.host_pool_usage() == {"kv": (5, 5)}
     with pytest.raises(RequestStateError, match="request 'c' is not swapped out"):
         ctl.swap_in_many(["a", "c"])
-    ctl.allocate("big", 20)  # 5 blocks: 1 + 5 = 6 used, 3 free; a + b need 5
+    grow(ctl, "big", 20)  # 5 blocks: 1 + 5 = 6 used, 3 free; a + b need 5
     with pytest.raises(
         OutOfBlocksError, match="swap_in: device group 'kv' needs 5 free blocks but has 3"
     ):
@@ -508,15 +509,15 @@ def test_failing_hook_gives_host_pages_back():
     ctl = CacheController({0: Refuses(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=10)
     ctl.initialize_host_cache(num_blocks=10)
-    ctl.allocate("a", 8)
-    ctl.allocate("b", 8)
+    grow(ctl, "a", 8)
+    grow(ctl, "b", 8)
     with pytest.raises(RuntimeError, match="not now"):
         ctl.swap_out_many(["a", "b"])
     assert ctl.host_pool_usage() == {"kv": (0, 9)} and ctl.swapped_requests == []
     assert ctl.num_used_blocks("kv") == 4
 
 
-def test_failing_after_swap_in_hook_leaves_the_batch_resident():
+def test_failing_after_swap_in_hook_rolls_the_batch_back():
     class Complains(GQABackend):
         def after_swap_in(self, ctx):
             if ctx.request_id == "a":
@@ -526,13 +527,18 @@ def test_failing_after_swap_in_hook_leaves_the_batch_resident():
     ctl.initialize_kv_cache(num_blocks=10)
     ctl.initialize_host_cache(num_blocks=10)
     for r in "ab":
-        ctl.allocate(r, 8)
+        grow(ctl, r, 8)
     written = {r: write_request(ctl, r, seed=i, positions=range(8)) for i, r in enumerate("ab")}
     ctl.swap_out_many(["a", "b"])
     with pytest.raises(RuntimeError, match="resume failed"):
         ctl.swap_in_many(["a", "b"])
-    # both came back (the hook ran after the bookkeeping), none is half swapped in
-    assert ctl.swapped_requests == [] and ctl.host_pool_usage() == {"kv": (0, 9)}
+    # the worker reported the failure; the scheduler side gave the new device blocks back and
+    # both requests are still swapped out, their host pages intact
+    assert ctl.swapped_requests == ["a", "b"] and ctl.host_pool_usage() == {"kv": (4, 9)}
+    assert ctl.num_used_blocks("kv") == 0
+    Complains.after_swap_in = GQABackend.after_swap_in  # the engine fixes the cause, retries
+    ctl.swap_in_many(["a", "b"])
+    assert ctl.host_pool_usage() == {"kv": (0, 9)}
     for i, r in enumerate("ab"):
         check = verify_request(ctl, r, seed=i)
         assert (check.entries, check.mismatched) == (written[r], 0)
@@ -542,7 +548,7 @@ def test_swap_in_many_failing_midway_changes_nothing(monkeypatch):
     ctl = CacheController(SMALL_V4)
     ctl.initialize_kv_cache(num_blocks=40)
     ctl.initialize_host_cache(num_blocks=40)
-    ctl.allocate("a", 300)
+    grow(ctl, "a", 300)
     written = write_request(ctl, "a", seed=5, positions=range(300))
     ctl.swap_out("a")
     used = {g: ctl.num_used_blocks(g) for g in ctl.groups}
@@ -555,7 +561,7 @@ def test_swap_in_many_failing_midway_changes_nothing(monkeypatch):
             raise MemoryError("staging")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("kvforge.cache_controller.controller.move_pages", fails_on_second_group)
+    monkeypatch.setattr("kvforge.worker.storage.move_pages", fails_on_second_group)
     with pytest.raises(MemoryError, match="staging"):
         ctl.swap_in("a")
     assert {g: ctl.num_used_blocks(g) for g in ctl.groups} == used
@@ -566,26 +572,29 @@ def test_swap_in_many_failing_midway_changes_nothing(monkeypatch):
     assert (check.entries, check.mismatched) == (written, 0)
 
 
-def test_adopt_many_checks_everything_first():
+def test_swap_in_batch_checks_everything_first():
     ctl = CacheController({0: GQABackend(2, 8, 4)})
-    ctl.initialize_kv_cache(num_blocks=6)  # 5 usable
-    tables = ctl._tables
+    ctl.initialize_kv_cache(num_blocks=8)  # 7 usable
+    ctl.initialize_host_cache(num_blocks=8)
+    grow(ctl, "x", 12)  # 3 blocks
+    grow(ctl, "y", 12)
+    ctl.swap_out_many(["x", "y"])
+    grow(ctl, "z", 8)  # 2 blocks: 5 free, x + y need 6
     for batch, exc, message in [
-        ([("x", 4), ("y", 0)], ValueError, "num_tokens must be an int >= 1, got 0"),
-        ([("x", 4), ("x", 8)], ValueError, "request 'x' is listed twice"),
+        (["x", "x"], ValueError, "request_ids lists 'x' twice"),
+        (["x", "z"], RequestStateError, "request 'z' is not swapped out (swapped out: ['x', 'y'])"),
         (
-            [("x", 12), ("y", 12)],
+            ["x", "y"],
             OutOfBlocksError,
             "swap_in: device group 'kv' needs 6 free blocks but has 5; nothing was allocated",
         ),
+        (["x", ""], RequestStateError, "request_id must be a non-empty str, got ''"),
     ]:
         with pytest.raises(exc) as info:
-            tables.adopt_many(batch)
+            ctl.swap_in_many(batch)
         assert str(info.value) == message
-        assert ctl.num_used_blocks("kv") == 0 and not tables.requests
-    with pytest.raises(RequestStateError):
-        tables.adopt_many([("x", 4), ("", 4)])
-    assert ctl.num_used_blocks("kv") == 0 and not tables.requests
+        assert ctl.num_used_blocks("kv") == 2 and ctl.requests == ["z"]
+        assert ctl.swapped_requests == ["x", "y"] and ctl.host_pool_usage() == {"kv": (6, 7)}
 
 
 def test_evict_from_caches_rejects_views_it_cannot_flush():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -24,12 +24,22 @@ from kvforge.specs import (
     check_role_in_group,
 )
 
-if TYPE_CHECKING:
-    from kvforge.host_cache.host_pool import HostCacheAllocator
-
-__all__ = ["AttentionBackend", "DeclaredBackend", "SwapContext"]
+__all__ = ["AttentionBackend", "DeclaredBackend", "HostViewSource", "SwapContext"]
 
 CacheDict = dict[tuple[str, int], torch.Tensor]
+
+
+@runtime_checkable
+class HostViewSource(Protocol):
+    """Where :meth:`AttentionBackend.create_host_kv_cache` gets its host views from.
+
+    The worker side passes its host pools (``kvforge.host_cache.HostViews``); the contract
+    names only this protocol so that backends import nothing from the host package.
+    """
+
+    def view(self, role: CacheRole, layer: int) -> torch.Tensor:
+        """Role ``role`` of ``layer`` across every host page of its group."""
+        ...
 
 
 @dataclass
@@ -149,7 +159,7 @@ class AttentionBackend(ABC):
         self,
         layer_ids: Iterable[int],
         num_blocks: Mapping[str, int],
-        allocator: HostCacheAllocator,
+        allocator: HostViewSource,
     ) -> CacheDict:
         """Host-side views of the offloaded roles of ``layer_ids``.
 

@@ -5,14 +5,20 @@ Invariants:
 - block id ``NULL_BLOCK`` (0) is reserved: it is never handed out, never freed, and block
   tables use it for positions that hold no block (outside a window, not yet written). Kernels
   may read or write it harmlessly, so padded tables need no special case.
-- every other id is either free (ref count 0, on the free list exactly once) or used
-  (ref count >= 1, not on the free list); ``num_free + num_used == num_usable``.
+- every other id is either free (ref count 0, on the free stack exactly once) or used
+  (ref count >= 1, not on the free stack); ``num_free + num_used == num_usable``.
 - a failed call changes nothing: inputs are checked in full before any count moves.
+
+The free stack and the counts are numpy arrays, so the scheduler side can take or return the
+blocks of a whole step in a few array operations (:meth:`BlockPool.take`,
+:meth:`BlockPool.release`) instead of a Python loop per block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from kvforge.errors import OutOfBlocksError
 
@@ -39,11 +45,18 @@ class BlockPool:
                 f"num_blocks for {kind} group {name!r} must be an int >= 2 (one usable block "
                 f"plus the null block), got {num_blocks!r}"
             )
+        if num_blocks > np.iinfo(np.int32).max:
+            raise ValueError(
+                f"num_blocks for {kind} group {name!r} is {num_blocks:,}; block ids are int32, "
+                f"so at most {np.iinfo(np.int32).max:,}"
+            )
         self.num_blocks = num_blocks
         self.name = name
         self.kind = kind
-        self._ref = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() yields 1, 2, 3, ...
+        self._ref = np.zeros(num_blocks, dtype=np.int32)
+        # The free stack: the top is at index _num_free - 1, so a fresh pool pops 1, 2, 3, ...
+        self._stack = np.arange(num_blocks - 1, NULL_BLOCK, -1, dtype=np.int32)
+        self._num_free = num_blocks - 1
 
     @property
     def num_usable(self) -> int:
@@ -51,15 +64,17 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_usable - len(self._free)
+        return self.num_usable - self._num_free
 
     def ref_count(self, block_id: int) -> int:
         self._check_ids([block_id], "ref_count")
-        return self._ref[block_id]
+        return int(self._ref[block_id])
+
+    # ------------------------------------------------------------------ checked API
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` free blocks (ref count 1 each).
@@ -67,14 +82,11 @@ class BlockPool:
         Raises:
             OutOfBlocksError: fewer than ``count`` blocks are free.
         """
-        if count < 0:
-            raise ValueError(f"count must be >= 0, got {count}")
-        if count > len(self._free):
-            raise OutOfBlocksError(self.kind, self.name, count, len(self._free), "allocate")
-        ids = [self._free.pop() for _ in range(count)]
-        for i in ids:
-            self._ref[i] = 1
-        return ids
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if count > self._num_free:
+            raise OutOfBlocksError(self.kind, self.name, count, self._num_free, "allocate")
+        return self.take(count).tolist()
 
     def incref(self, block_ids: Sequence[int]) -> None:
         """Share used blocks once more (e.g. a prefix shared by two requests)."""
@@ -82,8 +94,7 @@ class BlockPool:
         for i in block_ids:
             if self._ref[i] == 0:
                 raise ValueError(f"incref: block {i} of {self.kind} group {self.name!r} is free")
-        for i in block_ids:
-            self._ref[i] += 1
+        np.add.at(self._ref, np.asarray(block_ids, dtype=np.int64), 1)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block; blocks reaching zero return to the pool.
@@ -98,19 +109,41 @@ class BlockPool:
             drops[i] = drops.get(i, 0) + 1
         for i, n in drops.items():
             if n > self._ref[i]:
-                state = "already free" if self._ref[i] == 0 else f"referenced {self._ref[i]} times"
+                ref = int(self._ref[i])
+                state = "already free" if ref == 0 else f"referenced {ref} times"
                 raise ValueError(
                     f"free: block {i} of {self.kind} group {self.name!r} is {state}, "
                     f"cannot drop {n} reference(s)"
                 )
-        for i in block_ids:
-            self._ref[i] -= 1
-            if self._ref[i] == 0:
-                self._free.append(i)
+        self.release(np.asarray(block_ids, dtype=np.int32))
+
+    # ------------------------------------------------------------------ unchecked, batched
+
+    def take(self, count: int) -> np.ndarray:
+        """``count`` free blocks as ``int32 [count]`` (ref count 1 each); the caller has
+        checked ``count <= num_free``."""
+        top = self._num_free
+        ids = self._stack[top - count : top][::-1].copy()
+        self._num_free = top - count
+        self._ref[ids] = 1
+        return ids
+
+    def release(self, block_ids: np.ndarray) -> None:
+        """Drop one reference to each of ``block_ids`` (ids may repeat); the caller holds
+        those references. Blocks reaching zero go back on the free stack."""
+        if not len(block_ids):
+            return
+        np.subtract.at(self._ref, block_ids, 1)
+        zero = block_ids[self._ref[block_ids] == 0]
+        if len(zero) > 1:
+            zero = np.unique(zero)
+        top = self._num_free
+        self._stack[top : top + len(zero)] = zero[::-1]
+        self._num_free = top + len(zero)
 
     def _check_ids(self, block_ids: Sequence[int], action: str) -> None:
         for i in block_ids:
-            if not isinstance(i, int) or isinstance(i, bool):
+            if not isinstance(i, int | np.integer) or isinstance(i, bool):
                 raise TypeError(f"{action}: block id {i!r} is not an int")
             if i == NULL_BLOCK:
                 raise ValueError(

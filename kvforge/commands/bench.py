@@ -234,15 +234,15 @@ class _GroupMove:
 
 def _group_moves(ctl: CacheController, names: list[str], groups: list[str]) -> list[_GroupMove]:
     """The blocks a swap of ``names`` moves in ``groups``, with host pages taken for them."""
-    host = ctl._host
-    assert host is not None
+    host = ctl.storage.host
+    manager = ctl.block_manager
     moves = []
     for g in groups:
-        indices = {r: ctl._selection(r, SwapPurpose.PREEMPT)[g] for r in names}
+        indices = {r: manager.selection(r, SwapPurpose.PREEMPT).get(g, ()) for r in names}
         ids = [ctl.block_table(r, g)[i] for r in names for i in indices[r]]
         if ids:
-            pool = host.groups[g]
-            moves.append(_GroupMove(ctl._planes[g], pool, ids, pool.pool.allocate(len(ids))))
+            pages = manager.host_pool(g).allocate(len(ids))
+            moves.append(_GroupMove(ctl.storage.planes(g), host.groups[g], ids, pages))
     return moves
 
 
@@ -282,7 +282,11 @@ def _measure_case(
     # Every request fits in every group; window and state groups stay small. Whole-request
     # swaps take host pages of their own besides those of the loop baseline: twice as many.
     copies = case.requests + 1 if case.group is not None else 2 * case.requests + 1
-    num_blocks = {g.name: copies * g.max_live_blocks(tokens) + 2 for g in probe.layout.groups}
+    # a window group also holds the blocks of the step that grew it (one ``step`` of tokens)
+    num_blocks = {
+        g.name: copies * (g.max_live_blocks(tokens) + -(-step // g.block_size) + 1) + 2
+        for g in probe.layout.groups
+    }
     ctl = CacheController(case.backends, device=platform.device)
     ctl.initialize_kv_cache(num_blocks=num_blocks)
     ctl.initialize_host_cache(num_blocks=num_blocks)
@@ -303,7 +307,7 @@ def _measure_case(
     if case.group is not None:
         buffers = _moved_bytes(moves)
     else:  # the blocks a whole-request swap picks are known only once it runs: every pool
-        buffers = [*ctl.kv_caches, *(p.pages for p in ctl._host.groups.values())]  # type: ignore[union-attr]
+        buffers = [*ctl.kv_caches, *(p.pages for p in ctl.storage.host.groups.values())]
     buffers += [src, dst]
     flush, cache = (None, "warm") if warm_cache else cache_flusher(platform, buffers)
 
@@ -312,7 +316,7 @@ def _measure_case(
         # The swap data path of one group, on the requests' real (interleaved) blocks, all of
         # them in one call as swap_out_many moves them.
         [m] = moves
-        args = (platform, ctl._streams, m.planes, m.ids, m.host.pages, m.pages, keep)
+        args = (platform, ctl.storage.streams, m.planes, m.ids, m.host.pages, m.pages, keep)
         swap_out = functools.partial(move_pages, "out", *args)
         swap_in = functools.partial(move_pages, "in", *args)
         swap_out()  # warm-up: kernel compilation, first touch of pages

@@ -39,7 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from kvforge.attn_backends.base import AttentionBackend
-from kvforge.cache_controller.block_tables import first_live_block
+from kvforge.cache_controller.block_manager import held_blocks
 from kvforge.cache_controller.controller import CacheController
 from kvforge.cache_controller.layout import CacheLayout
 from kvforge.errors import OutOfBlocksError
@@ -244,8 +244,27 @@ class DemoResult(BaseModel):
 
 
 def _live_blocks(group: CacheGroup, num_tokens: int) -> int:
-    """Blocks a request of ``num_tokens`` tokens holds in ``group`` (its live window)."""
-    return group.blocks_for(num_tokens) - first_live_block(group, num_tokens)
+    """Blocks a request of ``num_tokens`` tokens holds in ``group`` between steps."""
+    return held_blocks(group, num_tokens, num_tokens)
+
+
+#: Prompts are prefilled in chunks of this many tokens, one step each, as engines do.
+PREFILL_CHUNK = 64
+
+
+def _prefill_peak(group: CacheGroup, prompt_len: int) -> int:
+    """The most blocks a request holds in ``group`` while its prompt is prefilled in chunks:
+    a window group holds a block for every token of the current chunk, plus its window."""
+    return max(
+        held_blocks(group, start, min(prompt_len, start + PREFILL_CHUNK))
+        for start in range(0, prompt_len, PREFILL_CHUNK)
+    )
+
+
+def _peak_blocks(group: CacheGroup, prompt_len: int, final_len: int) -> int:
+    """The most blocks a request holds in ``group``: its prefill peak, then its live window
+    as it decodes."""
+    return max(_prefill_peak(group, prompt_len), group.max_live_blocks(final_len))
 
 
 @dataclass
@@ -261,7 +280,7 @@ class _Sizing:
 
 
 def _size_device(
-    layout: CacheLayout, lengths: list[int], budget: int | None, share: float
+    layout: CacheLayout, lengths: list[tuple[int, int]], budget: int | None, share: float
 ) -> _Sizing:
     """Device blocks per group: ``share`` of what every request would hold at once.
 
@@ -278,10 +297,20 @@ def _size_device(
     """
     from kvforge.commands.formatting import format_bytes
 
-    longest = max(lengths)
+    longest = max(final for _, final in lengths)
     groups = [(g.name, layout.bytes_per_block(g.name)) for g in layout.groups]
-    demand = {g.name: sum(g.max_live_blocks(n) for n in lengths) for g in layout.groups}
-    alone = {g.name: g.max_live_blocks(longest) for g in layout.groups}
+    # Between steps a request holds its live window; during its prefill step a window group
+    # also holds the prompt's other blocks, until its first decode step. Demand is the
+    # steady state of every request plus one prefill allowance (the largest), as a memory
+    # plan budgets one batch-wide allowance rather than one per request.
+    steady = {g.name: [g.max_live_blocks(f) for _, f in lengths] for g in layout.groups}
+    peaks = {g.name: [_peak_blocks(g, p, f) for p, f in lengths] for g in layout.groups}
+    demand = {
+        name: sum(steady[name])
+        + max(pk - st for pk, st in zip(peaks[name], steady[name], strict=True))
+        for name in peaks
+    }
+    alone = {name: max(counts) for name, counts in peaks.items()}
 
     def blocks_for(f: float) -> dict[str, int]:
         return {name: max(alone[name], math.ceil(f * demand[name])) + 1 for name, _ in groups}
@@ -454,7 +483,7 @@ class _Loop:
                 need[g.name] += max(0, _live_blocks(g, n + 1) - _live_blocks(g, n))
         return need
 
-    def _fits(self, num_tokens: int, reserve: bool = False) -> bool:
+    def _fits(self, num_tokens: int, reserve: bool = False, prefill: bool = False) -> bool:
         """Whether a request of ``num_tokens`` tokens fits now, above the watermark.
 
         Like vLLM's block manager: admission and swap-in only look at free blocks (keeping the
@@ -465,7 +494,9 @@ class _Loop:
             for g, n in self._next_step_need().items():
                 keep[g] += n
         return all(
-            self.ctl.num_free_blocks(g.name) - _live_blocks(g, num_tokens) >= keep[g.name]
+            self.ctl.num_free_blocks(g.name)
+            - (_prefill_peak(g, num_tokens) if prefill else _live_blocks(g, num_tokens))
+            >= keep[g.name]
             for g in self.groups
         )
 
@@ -513,11 +544,14 @@ class _Loop:
         done = 0
         while self.waiting and not self.swapped:
             r = self.waiting[0]
-            if self.running and not self._fits(r.context + 1):
+            if self.running and not self._fits(r.context + 1, prefill=True):
                 break
             try:
-                self.ctl.allocate(r.rid, r.context)
+                for end in range(PREFILL_CHUNK, r.context + PREFILL_CHUNK, PREFILL_CHUNK):
+                    self.ctl.allocate(r.rid, min(end, r.context))
             except OutOfBlocksError:
+                if r.rid in self.ctl.requests:  # a chunk did not fit: give the others back
+                    self.ctl.free_request(r.rid)
                 break
             self.waiting.pop(0)
             write_request(self.ctl, r.rid, r.seed, range(r.context))
@@ -683,7 +717,7 @@ def run_demo(
 
 def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float) -> DemoResult:
     requests = _make_requests(config)
-    lengths = [r.prompt_len + r.output_len for r in requests]
+    lengths = [(r.prompt_len, r.prompt_len + r.output_len) for r in requests]
     sizing = _size_device(ctl.layout, lengths, config.device_memory, config.device_share)
     host_pages = _size_host(ctl.layout, sizing.longest, len(requests), config.host_memory)
     ctl.initialize_kv_cache(num_blocks=sizing.blocks)

@@ -4,8 +4,9 @@ One host pool per group: a ``uint8`` tensor ``[num_pages, page_bytes]``. A page 
 block of the group for every offloaded (layer, role), packed in the controller's list order
 with no padding, so one swapped block of every layer is one contiguous row and a swap of a
 request is a few long contiguous runs. Page ids come from a :class:`BlockPool` (page 0 is the
-reserved null page), with the same O(1), all-or-nothing and ref-count guarantees as device
-blocks.
+reserved null page) on the scheduler side
+(:class:`~kvforge.cache_controller.block_manager.BlockManager`): this module holds only the
+memory, on the worker side.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ from collections.abc import Mapping
 
 import torch
 
-from kvforge.cache_controller.block_pool import BlockPool
 from kvforge.cache_controller.layout import CacheEntry, CacheLayout
-from kvforge.errors import OutOfBlocksError
 from kvforge.platform import Platform
 from kvforge.specs import CacheRole
 
-__all__ = ["HostCacheAllocator", "HostGroupPool", "HostPools"]
+__all__ = ["HostCacheAllocator", "HostGroupPool", "HostPools", "HostViews"]
 
 
 class HostGroupPool:
@@ -31,7 +30,7 @@ class HostGroupPool:
         offsets: byte offset of each plane inside a page (same order).
         page_bytes: bytes of one page (sum of the planes' block bytes).
         pages: ``uint8 [num_pages, page_bytes]``, pinned on accelerators.
-        pool: page id allocator (page 0 reserved).
+        num_pages: pages, the reserved null page 0 included.
     """
 
     def __init__(
@@ -45,7 +44,7 @@ class HostGroupPool:
             offset += e.block_bytes
         self.offsets = tuple(offsets)
         self.page_bytes = offset
-        self.pool = BlockPool(num_pages, name, kind="host")
+        self.num_pages = num_pages
         self.pages = platform.empty_host((num_pages, self.page_bytes), torch.uint8)
 
     @property
@@ -83,25 +82,17 @@ class HostPools:
         """Bytes held by the host pools (zero once freed)."""
         return sum(p.nbytes for p in self.groups.values())
 
-    def allocate(self, pages: Mapping[str, int]) -> dict[str, list[int]]:
-        """All-or-nothing: ``pages[group]`` pages from every group, or an error and no change."""
-        for name, count in pages.items():
-            pool = self.groups[name].pool
-            if count > pool.num_free:
-                raise OutOfBlocksError("host", name, count, pool.num_free, "swap_out")
-        return {name: self.groups[name].pool.allocate(count) for name, count in pages.items()}
-
-    def free(self, pages: Mapping[str, list[int]]) -> None:
-        for name, ids in pages.items():
-            self.groups[name].pool.free(ids)
-
     def release(self) -> None:
         """Drop the host tensors (pages must already be free)."""
         self.groups.clear()
 
 
-class HostCacheAllocator:
-    """What ``AttentionBackend.create_host_kv_cache`` gets: typed views into host pages."""
+class HostViews:
+    """What ``AttentionBackend.create_host_kv_cache`` gets: typed views into host pages.
+
+    It allocates nothing: the pages exist already; it cuts one role's view out of them. It
+    satisfies :class:`kvforge.attn_backends.base.HostViewSource`.
+    """
 
     def __init__(self, pools: HostPools) -> None:
         self.pools = pools
@@ -123,3 +114,7 @@ class HostCacheAllocator:
             return raw
         entries = nbytes // role.entry_bytes
         return typed.view(raw.shape[0], entries, *role.entry_shape)
+
+
+HostCacheAllocator = HostViews
+"""Deprecated name of :class:`HostViews` (it never allocated anything)."""

@@ -134,7 +134,7 @@ def move_pages(
     after every copy, so an event recorded on it covers the whole move. Tensors the queued
     work still uses are appended to ``keep_alive``.
     """
-    if not device_ids:
+    if not len(device_ids):
         return
     ids = np.array(device_ids, dtype=np.int64)  # ops validates on the host, uploads async
     if streams is None:  # one call, straight between device blocks and scattered host pages

@@ -1,0 +1,575 @@
+"""The worker side: device caches, host pages, mirrored block tables, swap execution.
+
+:class:`CacheStorage` owns memory and copies, never bookkeeping. It builds the device caches
+from the backends' declarations (``create_kv_cache``) or adopts tensors an engine already
+allocated, mirrors the scheduler side's block tables from the :class:`TableDelta` values it
+receives, computes a step's slot mappings from those mirrors, and executes
+:class:`SwapPlan` values, answering each with a :class:`SwapResult`. Everything it receives
+and returns is a plain value, so the scheduler side may live in another process.
+
+Invariants:
+
+- nothing is stored until everything was validated: a refused ``create`` or ``adopt`` leaves
+  the storage empty and retryable;
+- no two (role, layer) buffers share a byte (checked on every ``create`` and ``adopt``);
+- a failed swap is reported, never raised past the worker boundary, after every copy it
+  queued has finished (``synchronize``), so the scheduler side may hand the blocks out again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kvforge import ops
+from kvforge.attn_backends.base import AttentionBackend, SwapContext
+from kvforge.cache_controller.block_manager import table_widths
+from kvforge.cache_controller.layout import CacheLayout
+from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
+from kvforge.cache_controller.values import (
+    StepAllocation,
+    SwapFailure,
+    SwapPlan,
+    SwapResult,
+    TableDelta,
+)
+from kvforge.errors import ControllerClosedError
+from kvforge.host_cache.host_pool import HostPools, HostViews
+from kvforge.host_cache.swap import SwapStreams, move_pages, plane_bytes
+from kvforge.ops import PlaneSet
+from kvforge.platform import Platform, get_platform
+
+__all__ = ["CacheStorage", "StepInputs"]
+
+CacheKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step's attention kernels read, computed from the mirrored tables.
+
+    Attributes:
+        request_index: ``int64 [N]`` index into the step's request list of each scheduled token.
+        positions: ``int64 [N]`` position of each scheduled token.
+        slot_mappings: ``(group, compress_ratio) -> int64 [N]`` cache slot of each token,
+            ``-1`` where it writes no entry (a compressed token not yet complete).
+        block_tables: ``group -> int32 [max_num_seqs, width]`` the mirrored tables.
+    """
+
+    request_index: np.ndarray
+    positions: np.ndarray
+    slot_mappings: dict[tuple[str, int], Any]
+    block_tables: dict[str, Any]
+
+
+@dataclass
+class _Completion:
+    """Copies of one executed plan: the event they end with and what they keep alive."""
+
+    event: Any
+    keep_alive: list[torch.Tensor] = field(default_factory=list)
+
+
+class CacheStorage:
+    """Device caches, host pages and swap execution of one worker.
+
+    Args:
+        layout: the model's declarations.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu"`` or ``"auto"``.
+        rank: tensor-parallel rank (used in storage names).
+        device_id: device ordinal used in storage names (default: the device's index or 0).
+        name_template: storage-name template (see :mod:`kvforge.cache_controller.naming`).
+    """
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        device: str | torch.device = "cpu",
+        rank: int = 0,
+        device_id: int | None = None,
+        name_template: str = DEFAULT_NAME_TEMPLATE,
+    ) -> None:
+        self.layout = layout
+        self.platform: Platform = get_platform(device)
+        self.rank = _count("rank", rank)
+        if device_id is None:
+            device_id = self.platform.device.index or 0
+        self.device_id = _count("device_id", device_id)
+        self.namer = StorageNamer(name_template, self.rank, self.device_id)
+        self.names: list[str] = [self.namer.name(e.role.name, e.layer) for e in layout.entries]
+        _check_unique_names(layout, self.names)
+        self._caches: list[torch.Tensor] | None = None
+        self._planes: dict[str, PlaneSet] = {}
+        self._num_blocks: dict[str, int] = {}
+        self._tables: dict[str, np.ndarray] = {}
+        self._device_tables: dict[str, torch.Tensor] = {}
+        self._ratios: dict[str, tuple[int, ...]] = {
+            g.name: tuple(sorted({e.role.compress_ratio for e in layout.entries_of(g.name)}))
+            for g in layout.groups
+        }
+        self._host: HostPools | None = None
+        self._host_caches: list[dict[CacheKey, torch.Tensor]] = []
+        self._streams: SwapStreams | None = None
+        self._copies: list[_Completion] = []
+        self._closed = False
+        self._lock = threading.RLock()
+
+    # ================================================================== device caches
+
+    @property
+    def device(self) -> torch.device:
+        return self.platform.device
+
+    @property
+    def ready(self) -> bool:
+        return self._caches is not None
+
+    def create(
+        self, num_blocks: Mapping[str, int], max_num_seqs: int, max_model_len: int
+    ) -> None:
+        """Allocate every device cache through the backends' ``create_kv_cache``.
+
+        Every tensor is checked (keys, shape, dtype, device, plane layout, no shared bytes)
+        before any is kept, so a refused call leaves the storage empty.
+        """
+        with self._lock:
+            self._check_fresh()
+            created: dict[CacheKey, torch.Tensor] = {}
+            for backend, layers in self.layout.backend_layers():
+                caches = backend.create_kv_cache(layers, dict(num_blocks), self.device)
+                _check_keys(backend, layers, caches)
+                created.update(caches)
+            self._install(created, dict(num_blocks), max_num_seqs, max_model_len, "create")
+
+    def adopt(
+        self,
+        caches: Mapping[CacheKey, torch.Tensor],
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> dict[str, int]:
+        """Use device tensors an engine already allocated, one per ``(role, layer)``.
+
+        Each tensor is block-major (``shape[0]`` = the group's blocks) with the role's dtype
+        and the declared block shape. Returns the blocks per group the tensors hold (give the
+        same counts to the scheduler side).
+
+        Raises:
+            ValueError: a missing or extra key, a wrong shape, dtype or device, two roles of
+                one group with different block counts, or buffers that share bytes.
+        """
+        with self._lock:
+            self._check_fresh()
+            if not isinstance(caches, Mapping):
+                raise TypeError(
+                    f"caches must map (role, layer) -> tensor, got {type(caches).__name__}"
+                )
+            expected = {e.key for e in self.layout.entries}
+            got = set(caches)
+            if got != expected:
+                raise ValueError(
+                    "adopt: caches must hold exactly every (role, layer) of the layout; missing "
+                    f"{sorted(expected - got)}, unexpected {sorted(got - expected, key=str)}"
+                )
+            blocks: dict[str, int] = {}
+            for e in self.layout.entries:
+                t = caches[e.key]
+                if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                    raise ValueError(f"adopt: cache {e.key} is not a block-major tensor: {t!r}")
+                n = int(t.shape[0])
+                known = blocks.setdefault(e.group.name, n)
+                if known != n:
+                    raise ValueError(
+                        f"adopt: cache {e.key} has {n} blocks but other caches of group "
+                        f"{e.group.name!r} have {known}"
+                    )
+            self._install(dict(caches), blocks, max_num_seqs, max_model_len, "adopt")
+            return blocks
+
+    def _install(
+        self,
+        created: dict[CacheKey, torch.Tensor],
+        num_blocks: dict[str, int],
+        max_num_seqs: int,
+        max_model_len: int,
+        action: str,
+    ) -> None:
+        caches = [created[e.key] for e in self.layout.entries]
+        for e, t in zip(self.layout.entries, caches, strict=True):
+            backend = self.layout.backends[e.layer]
+            who = f"{backend!r}.create_kv_cache gave" if action == "create" else "adopt: cache"
+            shape = (num_blocks[e.group.name], *backend.block_shape(e.role))
+            if tuple(t.shape) != shape or t.dtype != e.role.torch_dtype:
+                raise ValueError(
+                    f"{who} ({e.role.name!r}, {e.layer}) shape {tuple(t.shape)} dtype "
+                    f"{t.dtype}; expected {shape} {e.role.torch_dtype}"
+                )
+            if t.device.type != self.device.type:
+                raise ValueError(
+                    f"{who} ({e.role.name!r}, {e.layer}) on {t.device}, expected {self.device}"
+                )
+        clash = _overlap(self.names, caches)
+        if clash is not None:
+            a, b, i, j = clash
+            raise ValueError(
+                f"{action}: buffers {a.name!r} and {b.name!r} share bytes (block {i} of the "
+                f"first and block {j} of the second); every (role, layer) needs its own bytes"
+            )
+        planes: dict[str, PlaneSet] = {}
+        for g in self.layout.groups:
+            entries = self.layout.offload_entries(g.name)
+            if entries:
+                planes[g.name] = PlaneSet(
+                    [_plane(caches[e.index], self.names[e.index], action) for e in entries]
+                )
+        widths = table_widths(self.layout, max_num_seqs, max_model_len)
+        # validated: now keep everything
+        self._caches = caches
+        self._planes = planes
+        self._num_blocks = dict(num_blocks)
+        self._tables = {
+            name: np.zeros((max_num_seqs, width), dtype=np.int32) for name, width in widths.items()
+        }
+        if self.platform.is_accelerator:  # pragma: no cover - accelerators only
+            self._device_tables = {
+                name: torch.zeros(t.shape, dtype=torch.int32, device=self.device)
+                for name, t in self._tables.items()
+            }
+        self._streams = SwapStreams.create(self.platform)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every device cache, layer-major, roles in each backend's declared order."""
+        return list(self._ready())
+
+    @property
+    def cache_map(self) -> dict[str, torch.Tensor]:
+        """Storage name -> device cache."""
+        return dict(zip(self.names, self._ready(), strict=True))
+
+    def get(self, role: str, layer: int) -> torch.Tensor:
+        return self._ready()[self.layout.entry(role, layer).index]
+
+    def planes(self, group: str) -> PlaneSet:
+        """The offloaded planes of ``group``, in host page order."""
+        self._ready()
+        found = self._planes.get(group)
+        if found is None:
+            raise ValueError(f"group {group!r} has no offloaded planes")
+        return found
+
+    @property
+    def streams(self) -> SwapStreams | None:
+        """The side streams swaps run on (``None`` on CPU)."""
+        return self._streams
+
+    @property
+    def num_blocks(self) -> dict[str, int]:
+        return dict(self._num_blocks)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._caches or [])
+
+    # ================================================================== block tables, steps
+
+    def apply_deltas(self, deltas: Sequence[TableDelta]) -> None:
+        """Mirror table changes made by the scheduler side, in order."""
+        with self._lock:
+            self._ready()
+            for delta in deltas:
+                table = self._tables.get(delta.group)
+                if table is None:
+                    raise ValueError(f"table delta for unknown group {delta.group!r}")
+                delta.apply(table)
+                dev = self._device_tables.get(delta.group)
+                if dev is not None:  # pragma: no cover - accelerators only
+                    _apply_on_device(dev, delta)
+
+    def apply(self, step: StepAllocation) -> StepInputs:
+        """Mirror a step's table changes and compute its slot mappings.
+
+        Slot mappings are one ``int64`` array per ``(group, compress_ratio)`` over every token
+        of the step, in request order: vectorized numpy on CPU (no per-token Python).
+        """
+        self.apply_deltas(step.table_deltas)
+        index, positions = ops.token_positions(step.num_computed, step.num_new, check=False)
+        rows = step.rows[index]
+        slots: dict[tuple[str, int], Any] = {}
+        for g in self.layout.groups:
+            table = self._tables[g.name]
+            for ratio in self._ratios[g.name]:
+                slots[(g.name, ratio)] = ops.slot_mapping(
+                    table, rows, positions, g.block_size, ratio, check=False
+                )
+        tables: dict[str, Any] = self._device_tables or self._tables
+        return StepInputs(index, positions, slots, dict(tables))
+
+    def slot_mapping(
+        self, row: int, group: str, positions: np.ndarray, compress_ratio: int
+    ) -> np.ndarray:
+        """Slots of ``positions`` (``int64``) of the request in table ``row``, from the mirror."""
+        table = self.block_table(group)
+        rows = np.full(positions.shape, row, dtype=np.int64)
+        block_size = self.layout.group(group).block_size
+        return ops.slot_mapping(table, rows, positions, block_size, compress_ratio)
+
+    def block_table(self, group: str) -> np.ndarray:
+        """The mirrored table of ``group`` (numpy, host side)."""
+        self._ready()
+        table = self._tables.get(group)
+        if table is None:
+            raise ValueError(f"group {group!r} does not exist")
+        return table
+
+    # ================================================================== host pages
+
+    def init_host(self, num_pages: Mapping[str, int]) -> None:
+        """Allocate the pinned, page-first host pools and the backends' host views."""
+        with self._lock:
+            self._ready()
+            if self._host is not None:
+                raise RuntimeError("initialize_host_cache was already called on this storage")
+            host = HostPools(self.layout, num_pages, self.platform)
+            views = HostViews(host)
+            self._host_caches = [
+                backend.create_host_kv_cache(layers, dict(num_pages), views)
+                for backend, layers in self.layout.backend_layers()
+            ]
+            self._host = host
+
+    @property
+    def host(self) -> HostPools:
+        if self._host is None:
+            raise RuntimeError("call initialize_host_cache before swapping")
+        return self._host
+
+    @property
+    def host_ready(self) -> bool:
+        return self._host is not None
+
+    @property
+    def host_bytes(self) -> int:
+        return self._host.nbytes if self._host is not None else 0
+
+    @property
+    def host_kv_caches(self) -> dict[CacheKey, torch.Tensor]:
+        merged: dict[CacheKey, torch.Tensor] = {}
+        for caches in self._host_caches:
+            merged.update(caches)
+        return merged
+
+    # ================================================================== swaps
+
+    def execute(self, plan: SwapPlan) -> SwapResult:
+        """Run a swap plan: hooks, then one gather (or scatter) per group for every request.
+
+        Swap out: ``before_swap_out`` of every backend for every request, then the copies.
+        Swap in: the copies, then ``after_swap_in`` once every request is resident. A hook
+        that raises or a copy that fails is reported in the result (after every queued copy
+        finished), never raised.
+        """
+        with self._lock:
+            result, _ = self._execute(plan)
+            return result
+
+    def _execute(self, plan: SwapPlan) -> tuple[SwapResult, _Completion | None]:
+        self._ready()
+        if not isinstance(plan, SwapPlan):
+            raise TypeError(f"plan must be a SwapPlan, got {type(plan).__name__}")
+        self._copies = [c for c in self._copies if not _finished(c)]
+        stage: Literal["hook", "copy"] = "hook"
+        current = ""
+        keep_alive: list[torch.Tensor] = []
+        try:
+            if plan.direction == "out":
+                for move in plan.requests:
+                    current = move.request_id
+                    for backend, layers in self.layout.backend_layers():
+                        backend.before_swap_out(self._context(backend, layers, move))
+                stage, current = "copy", ""
+                self._move(plan, keep_alive)
+            else:
+                stage = "copy"
+                self._move(plan, keep_alive)
+                stage = "hook"
+                self._finish()
+                for move in plan.requests:
+                    current = move.request_id
+                    for backend, layers in self.layout.backend_layers():
+                        backend.after_swap_in(self._context(backend, layers, move))
+        except BaseException as exc:
+            # no copy of a failed plan may still touch the blocks or pages it named
+            self.platform.synchronize()
+            failure = SwapFailure(stage, current, type(exc).__name__, str(exc))
+            return SwapResult(plan.plan_id, failure, exc), None
+        completion = _Completion(self._finish(), keep_alive)
+        if completion.event is not None:  # pragma: no cover - accelerators only
+            self._copies.append(completion)
+        return SwapResult(plan.plan_id), completion
+
+    def _context(
+        self, backend: AttentionBackend, layers: tuple[int, ...], move: Any
+    ) -> SwapContext:
+        caches = self._ready()
+        return SwapContext(
+            request_id=move.request_id,
+            num_tokens=move.num_tokens,
+            purpose=move.purpose,
+            layer_ids=layers,
+            caches={e.key: caches[e.index] for e in self.layout.entries_of_layers(layers)},
+            device_blocks={g: ids.tolist() for g, ids in move.device_blocks.items()},
+        )
+
+    def _move(self, plan: SwapPlan, keep_alive: list[torch.Tensor]) -> None:
+        host = self.host
+        for group in plan.groups:
+            blocks, pages = plan.group_move(group)
+            if not len(blocks):
+                continue
+            move_pages(
+                plan.direction,
+                self.platform,
+                self._streams,
+                self._planes[group],
+                blocks,
+                host.groups[group].pages,
+                pages,
+                keep_alive,
+            )
+
+    def _finish(self) -> Any:
+        """Order later work on the current stream after the side-stream copies."""
+        streams = self._streams
+        event = self.platform.record_event(streams.compute if streams else None)
+        if event is not None:  # pragma: no cover - accelerators only
+            self.platform.current_stream_wait(event)
+        return event
+
+    def synchronize(self) -> None:
+        """Wait for every copy this storage queued."""
+        self.platform.synchronize()
+        self._copies.clear()
+
+    # ================================================================== teardown
+
+    def free(self) -> None:
+        """Free every device cache, host page and host view, once. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._copies:  # pragma: no cover - accelerators only
+                self.platform.synchronize()
+            for (backend, _), caches in zip(
+                self.layout.backend_layers(), self._host_caches, strict=False
+            ):
+                backend.free_host_kv_cache(caches)
+            self._host_caches = []
+            if self._host is not None:
+                self._host.release()
+            self._host = None
+            self._caches = None
+            self._planes = {}
+            self._tables = {}
+            self._device_tables = {}
+            self._streams = None
+            self._copies = []
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _ready(self) -> list[torch.Tensor]:
+        if self._closed:
+            raise ControllerClosedError(
+                "this cache storage was freed; its caches are gone (create a new one)"
+            )
+        if self._caches is None:
+            raise RuntimeError("call initialize_kv_cache before using the caches")
+        return self._caches
+
+    def _check_fresh(self) -> None:
+        if self._closed:
+            raise ControllerClosedError(
+                "this cache storage was freed; its caches are gone (create a new one)"
+            )
+        if self._caches is not None:
+            raise RuntimeError("initialize_kv_cache was already called on this controller")
+
+
+# ====================================================================== helpers
+
+
+def _count(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_unique_names(layout: CacheLayout, names: list[str]) -> None:
+    seen: dict[str, CacheKey] = {}
+    for e, name in zip(layout.entries, names, strict=True):
+        other = seen.get(name)
+        if other is not None:
+            raise ValueError(
+                f"name_template gives buffers {other} and {e.key} the same storage name "
+                f"{name!r}; every buffer needs its own name"
+            )
+        seen[name] = e.key
+
+
+def _check_keys(
+    backend: AttentionBackend, layers: tuple[int, ...], caches: Mapping[CacheKey, Any]
+) -> None:
+    if not isinstance(caches, Mapping):
+        raise ValueError(
+            f"{backend!r}.create_kv_cache returned a {type(caches).__name__}, expected a "
+            "dict of (role, layer) -> tensor"
+        )
+    expected = {(r.name, layer) for layer in layers for r in backend.cache_roles()}
+    if set(caches) != expected:
+        raise ValueError(
+            f"{backend!r}.create_kv_cache returned keys {sorted(caches, key=str)}, expected "
+            f"{sorted(expected)}"
+        )
+    for key, t in caches.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(
+                f"{backend!r}.create_kv_cache returned a {type(t).__name__} for {key}, "
+                "expected a torch.Tensor"
+            )
+
+
+def _overlap(names: list[str], caches: list[torch.Tensor]) -> Any:
+    from kvforge.worker.overlap import find_overlap, plane_extent
+
+    return find_overlap([plane_extent(n, t) for n, t in zip(names, caches, strict=True)])
+
+
+def _plane(cache: torch.Tensor, name: str, action: str) -> torch.Tensor:
+    try:
+        return plane_bytes(cache)
+    except ValueError as exc:
+        raise ValueError(f"{action}: buffer {name!r}: {exc}") from None
+
+
+def _finished(completion: _Completion) -> bool:
+    event = completion.event
+    return event is None or bool(event.query())  # pragma: no cover - accelerators only
+
+
+def _apply_on_device(table: torch.Tensor, delta: TableDelta) -> None:  # pragma: no cover
+    if len(delta.clear_rows):
+        table[torch.from_numpy(delta.clear_rows).to(table.device, non_blocking=True).long()] = 0
+    if len(delta.rows):
+        rows = torch.from_numpy(delta.rows).to(table.device, non_blocking=True).long()
+        cols = torch.from_numpy(delta.cols).to(table.device, non_blocking=True).long()
+        vals = torch.from_numpy(delta.block_ids).to(table.device, non_blocking=True)
+        table[rows, cols] = vals
