@@ -516,6 +516,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.json is not None:
         check_output_path(args.json, "--json")
+    if args.step:
+        return _bench_step(args)
     results = run_bench(
         quick=args.quick,
         device=args.device,
@@ -526,6 +528,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print_results(results)
     if args.json:
         write_json(results, args.json)
+    return 0
+
+
+def _bench_step(args: argparse.Namespace) -> int:
+    """``kvforge bench --step``: the kvforge side of the per-step benchmark (vLLM figures null;
+    ``benchmarks/bench_step.py`` runs both sides)."""
+    ignored = [
+        flag
+        for flag, given in (
+            ("--quick", args.quick),
+            ("--device", args.device is not None),
+            ("--warm-cache", args.warm_cache),
+        )
+        if given
+    ]
+    if ignored:
+        raise UsageError(
+            f"--step runs on the CPU bookkeeping only; it takes no {', '.join(ignored)}"
+        )
+    from kvforge.commands.bench_step import (
+        load_step_workloads,
+        print_step_table,
+        run_step_bench,
+        write_step_json,
+    )
+
+    workloads = load_step_workloads()
+    records, _, _ = run_step_bench(
+        workloads.all_workloads(), workloads.schedule, args.repeats or 15
+    )
+    print_step_table(
+        records,
+        "kvforge per-step bookkeeping, microseconds (vLLM: run "
+        "benchmarks/bench_step.py in the vLLM environment)",
+    )
+    if args.json:
+        write_step_json(records, args.json)
     return 0
 
 
@@ -624,6 +663,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not flush CPU caches before each timed run (small transfers then run from cache)",
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--step",
+        action="store_true",
+        help="per-step bookkeeping (scheduler + worker side) on the step workloads instead",
+    )
     bench.add_argument(
         "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
     )
