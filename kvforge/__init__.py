@@ -23,6 +23,8 @@ _EXPORTS: dict[str, str] = {
     "MHABackend": "kvforge.attn_backends.gqa",
     "MLABackend": "kvforge.attn_backends.mla",
     "from_hf_config": "kvforge.attn_backends.hf_config",
+    "register_backend": "kvforge.attn_backends.registry",
+    "register_model_type": "kvforge.attn_backends.registry",
     "NULL_BLOCK": "kvforge.cache_controller.block_pool",
     "BlockManager": "kvforge.cache_controller.block_manager",
     "CacheLayout": "kvforge.cache_controller.layout",

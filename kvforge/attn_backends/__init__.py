@@ -2,45 +2,52 @@
 
 Backends and Hugging Face model types are registered in :mod:`.registry` (the bundled ones
 as well as those of plugins); :func:`from_hf_config` dispatches through it.
+
+Names are loaded on first use: importing the contract (:mod:`.base`) or this package loads
+no concrete backend, so the controller's modules, which need only the contract, stay free
+of every variant.
 """
 
-from kvforge.attn_backends.base import AttentionBackend, DeclaredBackend, SwapContext
-from kvforge.attn_backends.deepseek_v4 import DeepseekV4Backend
-from kvforge.attn_backends.dsa import DSABackend
-from kvforge.attn_backends.gqa import GQABackend, MHABackend
-from kvforge.attn_backends.hf_config import bundled_models, from_hf_config, load_model_config
-from kvforge.attn_backends.mla import MLABackend
-from kvforge.attn_backends.registry import (
-    MAX_LAYERS,
-    ModelBackends,
-    ModelOptions,
-    PluginError,
-    load_plugins,
-    register_backend,
-    register_model_type,
-    registered_backends,
-    registered_model_types,
-)
+from __future__ import annotations
 
-__all__ = [
-    "MAX_LAYERS",
-    "AttentionBackend",
-    "DSABackend",
-    "DeclaredBackend",
-    "DeepseekV4Backend",
-    "GQABackend",
-    "MHABackend",
-    "MLABackend",
-    "ModelBackends",
-    "ModelOptions",
-    "PluginError",
-    "SwapContext",
-    "bundled_models",
-    "from_hf_config",
-    "load_model_config",
-    "load_plugins",
-    "register_backend",
-    "register_model_type",
-    "registered_backends",
-    "registered_model_types",
-]
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "AttentionBackend": "kvforge.attn_backends.base",
+    "DSABackend": "kvforge.attn_backends.dsa",
+    "DeclaredBackend": "kvforge.attn_backends.base",
+    "DeepseekV4Backend": "kvforge.attn_backends.deepseek_v4",
+    "GQABackend": "kvforge.attn_backends.gqa",
+    "MAX_LAYERS": "kvforge.attn_backends.registry",
+    "MHABackend": "kvforge.attn_backends.gqa",
+    "MLABackend": "kvforge.attn_backends.mla",
+    "ModelBackends": "kvforge.attn_backends.registry",
+    "ModelOptions": "kvforge.attn_backends.registry",
+    "PluginError": "kvforge.attn_backends.registry",
+    "SwapContext": "kvforge.attn_backends.base",
+    "bundled_models": "kvforge.attn_backends.hf_config",
+    "from_hf_config": "kvforge.attn_backends.hf_config",
+    "load_model_config": "kvforge.attn_backends.hf_config",
+    "load_plugins": "kvforge.attn_backends.registry",
+    "register_backend": "kvforge.attn_backends.registry",
+    "register_model_type": "kvforge.attn_backends.registry",
+    "registered_backends": "kvforge.attn_backends.registry",
+    "registered_model_types": "kvforge.attn_backends.registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvforge.attn_backends' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -48,6 +48,7 @@ import numpy as np
 
 from kvforge.cache_controller.block_pool import NULL_BLOCK, BlockPool
 from kvforge.cache_controller.layout import CacheLayout
+from kvforge.cache_controller.memory_plan import check_allocatable
 from kvforge.cache_controller.values import (
     Refusal,
     RequestMove,
@@ -244,6 +245,9 @@ class BlockManager:
         pools = {n: BlockPool(num_blocks[n], n) for n in names}
         self.max_model_len = resolve_max_model_len(layout, num_blocks, max_model_len)
         widths = table_widths(layout, self.max_num_seqs, self.max_model_len)
+        check_allocatable(
+            4 * self.max_num_seqs * sum(widths.values()), "cpu", "block tables"
+        )
         self._groups: list[_Group] = []
         for g in layout.groups:
             code = _KIND_CODES[g.kind.value]
@@ -974,15 +978,16 @@ def _slots(group: CacheGroup) -> int:
 def resolve_max_model_len(
     layout: CacheLayout, num_blocks: Mapping[str, int], max_model_len: int | None
 ) -> int:
-    """``max_model_len``, or its default: the tokens the smallest full group holds, or
-    131,072 when every group is windowed."""
+    """``max_model_len``, or its default: the tokens the smallest full group holds, at most
+    131,072 (the tables are ``max_num_seqs x max_model_len / block_size`` ids: a default
+    must not make them larger than the caches)."""
     if max_model_len is None:
         full = [
             (num_blocks[g.name] - 1) * g.block_size
             for g in layout.groups
             if _KIND_CODES[g.kind.value] == _FULL
         ]
-        max_model_len = min(full) if full else DEFAULT_WINDOWED_MAX_MODEL_LEN
+        max_model_len = min([*full, DEFAULT_WINDOWED_MAX_MODEL_LEN])
     return _int_arg("max_model_len", max_model_len, 1)
 
 

@@ -30,6 +30,7 @@ from kvforge import ops
 from kvforge.attn_backends.base import AttentionBackend, SwapContext
 from kvforge.cache_controller.block_manager import table_widths
 from kvforge.cache_controller.layout import CacheLayout
+from kvforge.cache_controller.memory_plan import check_allocatable
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.cache_controller.values import (
     StepAllocation,
@@ -139,6 +140,10 @@ class CacheStorage:
         """
         with self._lock:
             self._check_fresh()
+            nbytes = sum(
+                num_blocks[g.name] * self.layout.bytes_per_block(g.name) for g in self.layout.groups
+            )
+            check_allocatable(nbytes, self.device, "device caches")
             created: dict[CacheKey, torch.Tensor] = {}
             for backend, layers in self.layout.backend_layers():
                 caches = backend.create_kv_cache(layers, dict(num_blocks), self.device)
@@ -334,6 +339,11 @@ class CacheStorage:
             self._ready()
             if self._host is not None:
                 raise RuntimeError("initialize_host_cache was already called on this storage")
+            nbytes = sum(
+                num_pages.get(g.name, 0) * self.layout.host_page_bytes(g.name)
+                for g in self.layout.groups
+            )
+            check_allocatable(nbytes, "cpu", "host pages")
             host = HostPools(self.layout, num_pages, self.platform)
             views = HostViews(host)
             self._host_caches = [
