@@ -84,16 +84,20 @@ def test_layout_for_unknown_groups_is_refused() -> None:
 def test_block_counts_by_hand() -> None:
     wl = tiny(SW.DEEPSEEK_V4_TINY_GROUPS)
     layout = CacheLayout(build_backends(wl))
-    # 3 requests, chunk 128:
-    # swa (block 64, window 128): cdiv(128 + 127, 64) + 1 = 4 + 1 = 5 per request -> 1 + 15
-    # compressed (full, block 256): cdiv(512, 256) = 2 per request -> 1 + 6
-    # c4_state (block 4, window 8): cdiv(128 + 7, 4) + 1 = 34 + 1 = 35 -> 1 + 105
-    # c128_state (block 8, window 128): cdiv(128 + 127, 8) + 1 = 32 + 1 = 33 -> 1 + 99
+    # 3 requests, chunk 128, 512 tokens per step; a window group adds the step allowance
+    # cdiv(512, B) + 3:
+    # swa (block 64, window 128): cdiv(128 + 127, 64) + 1 = 4 + 1 = 5 per request,
+    #   allowance 8 + 3 -> 1 + 15 + 11 = 27
+    # compressed (full, block 256): cdiv(512, 256) = 2 per request -> 1 + 6 = 7
+    # c4_state (block 4, window 8): cdiv(128 + 7, 4) + 1 = 34 + 1 = 35 per request,
+    #   allowance 128 + 3 -> 1 + 105 + 131 = 237
+    # c128_state (block 8, window 128): cdiv(128 + 127, 8) + 1 = 32 + 1 = 33 per request,
+    #   allowance 64 + 3 -> 1 + 99 + 67 = 167
     assert step_num_blocks(wl, layout) == {
-        "swa": 16,
+        "swa": 27,
         "compressed": 7,
-        "c4_state": 106,
-        "c128_state": 100,
+        "c4_state": 237,
+        "c128_state": 167,
     }
     whole = tiny(SW.LLAMA_GROUPS, chunk_size=None)
     # llama, full block 16: cdiv(512, 16) = 32 per request -> 1 + 96
@@ -236,3 +240,35 @@ def test_benchmark_script_kvforge_only(tmp_path: Path, capsys: pytest.CaptureFix
         assert set(d) == {"workload", "phase", "kvforge_us", "vllm_us", "ratio"}
         assert d["vllm_us"] is None and d["ratio"] is None and d["kvforge_us"] >= 0
     assert "per-step bookkeeping" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--quick"], "--step runs on the CPU bookkeeping only; it takes no --quick"),
+        (["--device", "cpu"], "it takes no --device"),
+        (["--warm-cache", "--quick"], "it takes no --quick, --warm-cache"),
+    ],
+)
+def test_cli_step_refuses_what_it_would_ignore(
+    extra: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from kvforge.commands.cli import main
+
+    path = tmp_path / "never.json"
+    assert main(["bench", "--step", *extra, "--json", str(path)]) == 2
+    assert fragment in capsys.readouterr().err
+    assert not path.exists()
+
+
+def test_cli_step_writes_kvforge_records(tmp_path: Path) -> None:
+    from kvforge.commands.cli import main
+
+    path = tmp_path / "step.json"
+    assert main(["bench", "--step", "--repeats", "1", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    names = [w.name for w in SW.all_workloads()]
+    assert [(d["workload"], d["phase"]) for d in data] == [
+        (n, p) for n in names for p in STEP_PHASES
+    ]
+    assert all(d["vllm_us"] is None and d["ratio"] is None for d in data)

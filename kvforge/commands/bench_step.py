@@ -206,16 +206,23 @@ def step_num_blocks(wl: WorkloadLike, layout: CacheLayout) -> dict[str, int]:
     holding token ``computed + 1 - W`` to the last: at most ``cdiv(n + W - 1, B) + 1``, and a
     request keeps them until its next step. ``n`` is at most the chunk (or the whole prompt),
     so ``num_requests * (cdiv(chunk + W - 1, B) + 1)`` blocks always suffice.
+
+    A window group also gets one batch-wide step allowance, ``cdiv(max_num_batched_tokens, B)
+    + num_requests`` (a step's new blocks, one partial block per request), as memory plans
+    give it: a step takes its new blocks before the blocks it releases are counted, so without
+    it ``BlockManager.schedule`` would leave its batch path for the per-request one whenever
+    the pool is at its bound, and time that instead.
     """
     chunk = wl.chunk_size if wl.chunk_size is not None else wl.prompt_len
     out: dict[str, int] = {}
     for g in layout.groups:
         bs = g.block_size
         if g.kind.value == "full":
-            per_request = -(-wl.max_model_len // bs)
+            out[g.name] = 1 + wl.num_requests * -(-wl.max_model_len // bs)
         else:
             per_request = -(-(chunk + int(g.window or 0) - 1) // bs) + 1
-        out[g.name] = 1 + wl.num_requests * per_request
+            allowance = -(-wl.max_num_batched_tokens // bs) + wl.num_requests
+            out[g.name] = 1 + wl.num_requests * per_request + allowance
     return out
 
 
