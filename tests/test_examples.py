@@ -38,7 +38,9 @@ def test_readme_usage_snippet_runs():
     namespace: dict = {}
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert namespace["ctl"].closed
-    assert namespace["slots"].tolist() == list(range(16, 16 + 100))  # blocks 1..7 of 16 tokens
+    # req-0 took blocks 1..7 of 16 tokens in the batched step (req-1 took 8..11), and its
+    # 101st token still fits in block 7: slots 16 .. 116
+    assert namespace["slots"].tolist() == list(range(16, 16 + 101))
 
 
 def test_adding_a_backend_snippets_run_in_order():
