@@ -8,6 +8,8 @@ MHA is GQA with ``num_kv_heads == num_heads``. Quantised variants:
 
 A sliding-window layer (Mistral / Gemma style) is the same backend with ``sliding_window``
 set: its group is a ``sliding_window`` group named ``swa`` instead of the full group ``kv``.
+A chunked local-attention layer (Llama-4) sets ``attention_chunk_size``: a ``chunked`` group
+named ``chunked`` whose window restarts at every multiple of the chunk size.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class GQABackend(DeclaredBackend):
         kv_cache_quant: KVCacheQuant | None = None,
         sliding_window: int | None = None,
         group: str | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
         if kv_cache_quant is not None and kv_cache_quant not in _QUANTS:
             raise ValueError(
@@ -59,7 +62,20 @@ class GQABackend(DeclaredBackend):
         self.dtype = canonical_dtype(dtype)
         self.kv_cache_quant = kv_cache_quant
         self.sliding_window = sliding_window
-        if sliding_window is None:
+        self.attention_chunk_size = attention_chunk_size
+        if sliding_window is not None and attention_chunk_size is not None:
+            raise ValueError(
+                f"give sliding_window or attention_chunk_size, not both (got {sliding_window} "
+                f"and {attention_chunk_size})"
+            )
+        if attention_chunk_size is not None:
+            kv_group = CacheGroup(
+                name=group or "chunked",
+                block_size=block_size,
+                kind=GroupKind.CHUNKED,
+                window=attention_chunk_size,
+            )
+        elif sliding_window is None:
             kv_group = CacheGroup(name=group or "kv", block_size=block_size, kind=GroupKind.FULL)
         else:
             kv_group = CacheGroup(
@@ -85,6 +101,8 @@ class GQABackend(DeclaredBackend):
         extra = f", kv_cache_quant={self.kv_cache_quant!r}" if self.kv_cache_quant else ""
         if self.sliding_window is not None:
             extra += f", sliding_window={self.sliding_window}"
+        if self.attention_chunk_size is not None:
+            extra += f", attention_chunk_size={self.attention_chunk_size}"
         return (
             f"{type(self).__name__}(num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"block_size={self.block_size}, dtype={self.dtype!r}{extra})"
