@@ -3,12 +3,20 @@
 Every live entry of a request gets bytes derived from (request seed, layer, role, position), so
 after any sequence of allocations, swaps and frees a reader can recompute what each entry must
 hold and compare byte for byte. ``kvforge demo`` and the round-trip tests both use this.
+
+Entries are written and read through each role's declared block layout, never through a flat
+view of the buffer: slot ``s`` of a role with ``E`` entries per block is entry ``s % E`` of
+block ``s // E``, which is ``cache[block, entry]`` for a token-major role and
+``cache[block, :, entry]`` for a head-major one. So a head-major cache, whose one entry is
+scattered over the block, and a padded (strided) cache are checked exactly as an attention
+kernel would address them. An entry's bytes are its elements in ``entry_shape`` order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,8 +43,34 @@ def entry_bytes_for(
     return ((x ^ (x >> 15)) & 0xFF).to(torch.uint8)
 
 
-def _flat(cache: torch.Tensor, entry_bytes: int) -> torch.Tensor:
-    return cache.view(torch.uint8).view(-1, entry_bytes)
+def _entry_index(
+    cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor
+) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """A byte view of ``cache`` and the index that selects the entries at ``slots``.
+
+    The view keeps the cache's strides (padding is never addressed); its last dim is widened
+    to bytes, so ``view[index]`` is ``[len(slots), *entry_shape[:-1], entry_shape[-1] *
+    itemsize]`` for both layouts.
+    """
+    per_block = entry.role.entries_per_block(entry.group)
+    slots = slots.to(cache.device)
+    blocks, within = slots // per_block, slots % per_block
+    raw = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+    if entry.role.block_layout == "head_major":
+        return raw, (blocks, slice(None), within)
+    return raw, (blocks, within)
+
+
+def _read(cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor) -> torch.Tensor:
+    raw, index = _entry_index(cache, entry, slots)
+    return raw[index].reshape(len(slots), entry.role.entry_bytes)
+
+
+def _write(cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor, data: torch.Tensor) -> None:
+    raw, index = _entry_index(cache, entry, slots)
+    # the indexed shape: entry_shape with its last dim counted in bytes
+    shape = (*entry.role.entry_shape[:-1], entry.role.entry_shape[-1] * entry.role.itemsize)
+    raw[index] = data.to(cache.device).view(len(slots), *shape)
 
 
 def _live_slots(
@@ -70,9 +104,8 @@ def write_request(
         pos, slots = _live_slots(ctl, request_id, entry, positions)
         if not len(slots):
             continue
-        nbytes = entry.role.entry_bytes
-        flat = _flat(caches[entry.index], nbytes)
-        flat[slots.to(flat.device)] = entry_bytes_for(seed, entry, pos, nbytes).to(flat.device)
+        data = entry_bytes_for(seed, entry, pos, entry.role.entry_bytes)
+        _write(caches[entry.index], entry, slots, data)
         written += len(slots)
     return written
 
@@ -107,9 +140,8 @@ def verify_request(
         pos, slots = _live_slots(ctl, request_id, entry, positions)
         if not len(slots):
             continue
-        nbytes = entry.role.entry_bytes
-        got = _flat(caches[entry.index], nbytes)[slots.to(caches[entry.index].device)].cpu()
-        want = entry_bytes_for(seed, entry, pos, nbytes)
+        got = _read(caches[entry.index], entry, slots).cpu()
+        want = entry_bytes_for(seed, entry, pos, entry.role.entry_bytes)
         result.entries += len(slots)
         result.mismatched += int((got != want).any(dim=1).sum())
     return result

@@ -24,9 +24,68 @@ from kvforge.specs import (
     check_role_in_group,
 )
 
-__all__ = ["AttentionBackend", "DeclaredBackend", "HostViewSource", "SwapContext"]
+__all__ = [
+    "AttentionBackend",
+    "DeclaredBackend",
+    "HostViewSource",
+    "SwapContext",
+    "padded_block_view",
+]
 
 CacheDict = dict[tuple[str, int], torch.Tensor]
+
+
+def padded_block_view(
+    raw: torch.Tensor, role: CacheRole, group: CacheGroup, offset: int = 0
+) -> torch.Tensor:
+    """Role ``role``'s typed blocks inside a byte buffer ``raw`` ``uint8 [num_blocks, stride]``.
+
+    Block ``b`` of the result is the ``role.block_bytes(group)`` bytes starting at byte
+    ``offset`` of row ``b``, seen as ``role.block_shape(group)`` of the role's dtype; the rest
+    of the row (alignment padding, or other roles packed in the same allocation) is never
+    addressed. This is how the default :meth:`AttentionBackend.create_kv_cache` builds an
+    aligned role, and how an engine can carve several roles out of one allocation.
+
+    Raises:
+        ValueError: ``raw`` is not a 2-d ``uint8`` tensor with unit column stride, the role's
+            bytes do not fit in a row from ``offset``, or the row stride or ``offset`` is not
+            a whole number of the role's elements (a typed view would be misaligned).
+    """
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or (raw.shape[1] > 1 and raw.stride(1) != 1):
+        raise ValueError(
+            f"raw must be a uint8 [num_blocks, row_bytes] tensor with unit column stride, got "
+            f"{raw.dtype} shape {tuple(raw.shape)} strides {raw.stride()}"
+        )
+    nbytes, itemsize = role.block_bytes(group), role.itemsize
+    row_stride = raw.stride(0) if raw.shape[0] > 1 else raw.shape[1]
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be an int >= 0, got {offset!r}")
+    if offset + nbytes > raw.shape[1]:
+        raise ValueError(
+            f"role {role.name!r} needs {nbytes} bytes per block from offset {offset}, but a row "
+            f"of raw holds {raw.shape[1]}"
+        )
+    if row_stride % itemsize or offset % itemsize or raw.storage_offset() % itemsize:
+        raise ValueError(
+            f"role {role.name!r} ({role.dtype}, {itemsize} bytes per element) cannot be viewed "
+            f"at row stride {row_stride} and offset {offset}: not whole elements"
+        )
+    shape = role.block_shape(group)
+    # strides of a contiguous block of `shape`, in elements, behind a per-block stride
+    inner: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        inner.append(step)
+        step *= size
+    strides = (row_stride // itemsize, *reversed(inner))
+    typed = torch.empty(0, dtype=role.torch_dtype, device=raw.device)
+    typed.set_(
+        raw.untyped_storage(),
+        (raw.storage_offset() + offset) // itemsize,
+        (raw.shape[0], *shape),
+        strides,
+    )
+    return typed
 
 
 @runtime_checkable
@@ -121,9 +180,12 @@ class AttentionBackend(ABC):
         raise KeyError(f"{self!r} has no role {name!r}")
 
     def block_shape(self, role: CacheRole) -> tuple[int, ...]:
-        """Shape of one block of ``role``: ``(entries_per_block, *entry_shape)``."""
-        group = self.groups_by_name()[role.group]
-        return (role.entries_per_block(group), *role.entry_shape)
+        """Shape of one block of ``role``, per its declared ``block_layout``.
+
+        ``(entries_per_block, *entry_shape)`` for ``token_major``;
+        ``(entry_shape[0], entries_per_block, *entry_shape[1:])`` for ``head_major``.
+        """
+        return role.block_shape(self.groups_by_name()[role.group])
 
     # ------------------------------------------------------------------ allocation
 
@@ -142,17 +204,27 @@ class AttentionBackend(ABC):
 
         Returns:
             ``{(role, layer): tensor}`` with block-major tensors of shape
-            ``[num_blocks[group], entries_per_block, *entry_shape]`` and the role's dtype.
-            Contents are zero.
+            ``[num_blocks[group], *block_shape(role)]`` and the role's dtype. A role whose
+            ``device_block_bytes`` exceeds its ``block_bytes`` (``block_alignment``) is one
+            buffer ``[num_blocks, device_block_bytes]`` seen through a strided typed view
+            (see :func:`padded_block_view`): block ``b`` starts ``b * device_block_bytes``
+            bytes in, and the padding after it is never addressed. Contents are zero, padding
+            included.
         """
         groups = self.groups_by_name()
         caches: CacheDict = {}
         for layer in layer_ids:
             for role in self.cache_roles():
-                shape = (num_blocks[role.group], role.entries_per_block(groups[role.group]))
-                caches[(role.name, layer)] = torch.zeros(
-                    (*shape, *role.entry_shape), dtype=role.torch_dtype, device=device
-                )
+                group = groups[role.group]
+                n = num_blocks[role.group]
+                stride = role.device_block_bytes(group)
+                if stride == role.block_bytes(group):
+                    caches[(role.name, layer)] = torch.zeros(
+                        (n, *role.block_shape(group)), dtype=role.torch_dtype, device=device
+                    )
+                else:
+                    raw = torch.zeros((n, stride), dtype=torch.uint8, device=device)
+                    caches[(role.name, layer)] = padded_block_view(raw, role, group)
         return caches
 
     def create_host_kv_cache(

@@ -16,9 +16,28 @@ group          block_size (tokens)   kind                       roles
 Entry layouts. fp8 (uint8 storage): ``swa_kv`` and ``compressed_kv`` are 584 bytes
 (``head_dim - rope`` = 448 fp8 values, 64 bf16 rope values = 128 bytes, 8 scale bytes: one
 power-of-two exponent per 64 fp8 values, 7 used); ``indexer`` is 132 bytes (128 fp8 + one
-float32 scale). bf16: ``swa_kv`` / ``compressed_kv`` 512 values, ``indexer`` 128 values.
-States are float32: ratio-4 ``compressor_state`` 2*2*head_dim values,
+float32 scale). bf16: ``swa_kv`` / ``compressed_kv`` 512 bf16 values; the ``indexer`` stays
+132 uint8 bytes (fp8 + scale whatever the main KV dtype, as vLLM, SGLang and FastDeploy keep
+it). States are float32: ratio-4 ``compressor_state`` 2*2*head_dim values,
 ``indexer_compressor_state`` 2*2*index_head_dim, ratio-128 ``compressor_state`` 2*head_dim.
+
+Device blocks are padded: every role declares ``block_alignment=576`` by default, because
+FlashMLA reads pages whose stride is a multiple of 576 bytes and vLLM and SGLang pad every
+layer's block that way. Per layer and block, fp8 (meaningful bytes -> device stride):
+
+=====================================  ==================================  ==================
+role                                   meaningful (host page share)        device stride
+=====================================  ==================================  ==================
+``swa_kv``                             64 * 584 = 37,376                   65 * 576 = 37,440
+``compressed_kv`` (r = 4)              64 * 584 = 37,376                   65 * 576 = 37,440
+``indexer`` (r = 4)                    64 * 132 = 8,448                    15 * 576 = 8,640
+``compressed_kv`` (r = 128)            2 * 584 = 1,168                     3 * 576 = 1,728
+``compressor_state`` (r = 4)           4 * 8,192 = 32,768                  57 * 576 = 32,832
+``indexer_compressor_state``           4 * 2,048 = 8,192                   15 * 576 = 8,640
+``compressor_state`` (r = 128)         8 * 4,096 = 32,768                  57 * 576 = 32,832
+=====================================  ==================================  ==================
+
+``block_alignment=1`` turns the padding off. Host pages never carry it.
 """
 
 from __future__ import annotations
@@ -28,9 +47,10 @@ from typing import Literal
 from kvforge.attn_backends.base import DeclaredBackend
 from kvforge.specs import CacheGroup, CacheRole, GroupKind
 
-__all__ = ["COMPRESS_RATIOS", "DeepseekV4Backend"]
+__all__ = ["COMPRESS_RATIOS", "FLASHMLA_PAGE_ALIGNMENT", "DeepseekV4Backend"]
 
 COMPRESS_RATIOS = (0, 4, 128)
+FLASHMLA_PAGE_ALIGNMENT = 576  # bytes: FlashMLA page strides are multiples of 576
 SCALE_TILE = 64  # fp8 values per one-byte exponent scale
 
 
@@ -50,7 +70,10 @@ class DeepseekV4Backend(DeclaredBackend):
         qk_rope_head_dim: rotary part of the head (64).
         index_head_dim: indexer key width (128).
         sliding_window: tokens kept by the ``swa`` group (128).
-        kv_cache_dtype: ``"fp8"`` (packed uint8 storage) or ``"bf16"``.
+        kv_cache_dtype: ``"fp8"`` (packed uint8 storage) or ``"bf16"`` (the main KV only; the
+            indexer stays fp8 + scale in uint8).
+        block_alignment: bytes every role's device block stride is a multiple of (default
+            576, FlashMLA pages); 1 for unpadded blocks.
     """
 
     def __init__(
@@ -61,6 +84,7 @@ class DeepseekV4Backend(DeclaredBackend):
         index_head_dim: int = 128,
         sliding_window: int = 128,
         kv_cache_dtype: Literal["fp8", "bf16"] = "fp8",
+        block_alignment: int = FLASHMLA_PAGE_ALIGNMENT,
     ) -> None:
         if compress_ratio not in COMPRESS_RATIOS:
             raise ValueError(
@@ -78,71 +102,51 @@ class DeepseekV4Backend(DeclaredBackend):
         self.index_head_dim = index_head_dim
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
+        self.block_alignment = block_alignment
 
         if kv_cache_dtype == "fp8":
-            kv_entry, index_entry, dtype = (
-                (_fp8_entry_bytes(head_dim, qk_rope_head_dim),),
-                (index_head_dim + 4,),
-                "uint8",
-            )
+            kv_entry, dtype = (_fp8_entry_bytes(head_dim, qk_rope_head_dim),), "uint8"
         else:
-            kv_entry, index_entry, dtype = (head_dim,), (index_head_dim,), "bfloat16"
+            kv_entry, dtype = (head_dim,), "bfloat16"
+        index_entry = (index_head_dim + 4,)  # 128 fp8 + one float32 scale, in both modes
+
+        def role(
+            name: str, group: str, entry: tuple[int, ...], dt: str, ratio: int = 1
+        ) -> CacheRole:
+            return CacheRole(
+                name=name,
+                group=group,
+                entry_shape=entry,
+                dtype=dt,
+                compress_ratio=ratio,
+                block_alignment=block_alignment,
+            )
 
         swa = CacheGroup(
             name="swa", block_size=64, kind=GroupKind.SLIDING_WINDOW, window=sliding_window
         )
         groups = [swa]
-        roles = [CacheRole(name="swa_kv", group="swa", entry_shape=kv_entry, dtype=dtype)]
+        roles = [role("swa_kv", "swa", kv_entry, dtype)]
         if compress_ratio:
             groups.append(CacheGroup(name="compressed", block_size=256, kind=GroupKind.FULL))
-            roles.append(
-                CacheRole(
-                    name="compressed_kv",
-                    group="compressed",
-                    entry_shape=kv_entry,
-                    dtype=dtype,
-                    compress_ratio=compress_ratio,
-                )
-            )
+            roles.append(role("compressed_kv", "compressed", kv_entry, dtype, compress_ratio))
         if compress_ratio == 4:
             groups.append(CacheGroup(name="c4_state", block_size=4, kind=GroupKind.STATE, window=8))
             roles += [
-                CacheRole(
-                    name="indexer",
-                    group="compressed",
-                    entry_shape=index_entry,
-                    dtype=dtype,
-                    compress_ratio=4,
-                ),
-                CacheRole(
-                    name="compressor_state",
-                    group="c4_state",
-                    entry_shape=(2 * 2 * head_dim,),
-                    dtype="float32",
-                ),
-                CacheRole(
-                    name="indexer_compressor_state",
-                    group="c4_state",
-                    entry_shape=(2 * 2 * index_head_dim,),
-                    dtype="float32",
-                ),
+                role("indexer", "compressed", index_entry, "uint8", 4),
+                role("compressor_state", "c4_state", (2 * 2 * head_dim,), "float32"),
+                role("indexer_compressor_state", "c4_state", (2 * 2 * index_head_dim,), "float32"),
             ]
         elif compress_ratio == 128:
             groups.append(
                 CacheGroup(name="c128_state", block_size=8, kind=GroupKind.STATE, window=128)
             )
-            roles.append(
-                CacheRole(
-                    name="compressor_state",
-                    group="c128_state",
-                    entry_shape=(2 * head_dim,),
-                    dtype="float32",
-                )
-            )
+            roles.append(role("compressor_state", "c128_state", (2 * head_dim,), "float32"))
         self._declare(groups, roles)
 
     def __repr__(self) -> str:
         return (
             f"DeepseekV4Backend(compress_ratio={self.compress_ratio}, head_dim={self.head_dim}, "
-            f"sliding_window={self.sliding_window}, kv_cache_dtype={self.kv_cache_dtype!r})"
+            f"sliding_window={self.sliding_window}, kv_cache_dtype={self.kv_cache_dtype!r}, "
+            f"block_alignment={self.block_alignment})"
         )

@@ -5,7 +5,11 @@ Roles, in order: ``key`` then ``indexer``. Layouts per token:
 - ``kv_cache_dtype="fp8"`` (stored as uint8):
   ``key`` = 512 fp8 latent bytes + 4 float32 tile scales (16 B) + 64 bf16 rope values (128 B)
   = 656 bytes; ``indexer`` = 128 fp8 bytes + one float32 scale = 132 bytes.
-- ``kv_cache_dtype="bf16"``: ``key`` = 576 bf16, ``indexer`` = 128 bf16.
+- ``kv_cache_dtype="bf16"``: ``key`` = 576 bf16 values = 1,152 bytes; ``indexer`` unchanged,
+  132 uint8 bytes: the indexer keys are fp8 with a float32 scale whatever the main KV dtype,
+  as vLLM, SGLang and FastDeploy keep them. 1,152 + 132 = 1,284 bytes per token per layer.
+
+Invariant: the ``indexer`` role is ``uint8 (index_head_dim + 4,)`` in every mode.
 """
 
 from __future__ import annotations
@@ -38,8 +42,11 @@ class DSABackend(DeclaredBackend):
         qk_rope_head_dim: rotary key width (64).
         index_head_dim: indexer key width (128).
         block_size: tokens per block (64).
-        kv_cache_dtype: ``"fp8"`` (uint8 storage, packed) or ``"bf16"``.
+        kv_cache_dtype: ``"fp8"`` (uint8 storage, packed) or ``"bf16"`` (the main KV only; the
+            indexer stays fp8 + scale in uint8).
         group: the group name (default ``"kv"``).
+        block_alignment: bytes every role's device block stride is a multiple of (default 1:
+            no padding; 576 for engines that pad FlashMLA pages).
     """
 
     def __init__(
@@ -50,6 +57,7 @@ class DSABackend(DeclaredBackend):
         block_size: int = 64,
         kv_cache_dtype: Literal["fp8", "bf16"] = "fp8",
         group: str = "kv",
+        block_alignment: int = 1,
     ) -> None:
         if kv_cache_dtype not in ("fp8", "bf16"):
             raise ValueError(f"kv_cache_dtype must be 'fp8' or 'bf16', got {kv_cache_dtype!r}")
@@ -58,20 +66,32 @@ class DSABackend(DeclaredBackend):
         self.index_head_dim = index_head_dim
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
+        self.block_alignment = block_alignment
         kv = CacheGroup(name=group, block_size=block_size)
         if kv_cache_dtype == "fp8":
+            key_dtype = "uint8"
             key_shape = (fp8_latent_entry_bytes(kv_lora_rank, qk_rope_head_dim),)
-            index_shape = (index_head_dim + 4,)
-            dtype = "uint8"
         else:
-            key_shape = (kv_lora_rank + qk_rope_head_dim,)
-            index_shape = (index_head_dim,)
-            dtype = "bfloat16"
+            key_shape, key_dtype = (kv_lora_rank + qk_rope_head_dim,), "bfloat16"
+        # 128 fp8 values + one float32 scale, packed as bytes, in both modes
+        index_shape = (index_head_dim + 4,)
         self._declare(
             [kv],
             [
-                CacheRole(name="key", group=group, entry_shape=key_shape, dtype=dtype),
-                CacheRole(name="indexer", group=group, entry_shape=index_shape, dtype=dtype),
+                CacheRole(
+                    name="key",
+                    group=group,
+                    entry_shape=key_shape,
+                    dtype=key_dtype,
+                    block_alignment=block_alignment,
+                ),
+                CacheRole(
+                    name="indexer",
+                    group=group,
+                    entry_shape=index_shape,
+                    dtype="uint8",
+                    block_alignment=block_alignment,
+                ),
             ],
         )
 
@@ -79,5 +99,6 @@ class DSABackend(DeclaredBackend):
         return (
             f"DSABackend(kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim="
             f"{self.qk_rope_head_dim}, index_head_dim={self.index_head_dim}, block_size="
-            f"{self.block_size}, kv_cache_dtype={self.kv_cache_dtype!r})"
+            f"{self.block_size}, kv_cache_dtype={self.kv_cache_dtype!r}"
+            + (f", block_alignment={self.block_alignment})" if self.block_alignment != 1 else ")")
         )

@@ -3,8 +3,22 @@
 MHA is GQA with ``num_kv_heads == num_heads``. Quantised variants:
 
 - ``kv_cache_quant="fp8"``: key/value stored in one byte per element (``float8_e4m3fn``);
-- ``kv_cache_quant="block_wise_fp8"``: as fp8, plus ``key_scale`` and ``value_scale``
-  (float32, one scale per token per kv head), in the order key, value, key_scale, value_scale.
+- ``kv_cache_quant="block_wise_fp8"``: as fp8, plus ``key_scale`` and ``value_scale`` (one
+  scale per token per kv head, ``scale_dtype`` float32 by default or bfloat16 as FastDeploy
+  keeps them), in the order key, value, key_scale, value_scale.
+
+Block layouts (``block_layout``), per key / value block of ``B`` tokens:
+
+- ``"token_major"`` (default; vLLM's FlashAttention NHD and FlashInfer NHD):
+  ``[B, kv_heads, head_dim]``; scales ``[B, kv_heads]`` (entry shape ``(kv_heads,)``);
+- ``"head_major"`` (FastDeploy's ``[blocks, kv_heads, B, head_dim]``, FlashInfer HND):
+  ``[kv_heads, B, head_dim]``; scales are declared head-major with entry shape
+  ``(kv_heads, 1)``, so a block is ``[kv_heads, B, 1]``: the bytes of FastDeploy's bf16
+  ``[blocks, kv_heads, B]`` scale cache exactly (adopt such a tensor as
+  ``t.unsqueeze(-1)``, a view), since a head-major entry needs two dimensions.
+
+Token-major is the default because it is what most attention kernels read (vLLM, SGLang);
+head-major is an explicit choice for engines whose kernels read a head's tokens contiguously.
 
 A sliding-window layer (Mistral / Gemma style) is the same backend with ``sliding_window``
 set: its group is a ``sliding_window`` group named ``swa`` instead of the full group ``kv``.
@@ -17,12 +31,15 @@ from __future__ import annotations
 from typing import Literal
 
 from kvforge.attn_backends.base import DeclaredBackend
-from kvforge.specs import CacheGroup, CacheRole, GroupKind, canonical_dtype
+from kvforge.specs import BlockLayout, CacheGroup, CacheRole, GroupKind, canonical_dtype
 
 __all__ = ["GQABackend", "MHABackend"]
 
 KVCacheQuant = Literal["fp8", "block_wise_fp8"]
 _QUANTS = ("fp8", "block_wise_fp8")
+ScaleDtype = Literal["float32", "bfloat16"]
+_SCALE_DTYPES = ("float32", "bfloat16")
+_LAYOUTS = ("token_major", "head_major")
 
 
 class GQABackend(DeclaredBackend):
@@ -36,9 +53,13 @@ class GQABackend(DeclaredBackend):
         kv_cache_quant: ``None``, ``"fp8"`` or ``"block_wise_fp8"``.
         sliding_window: tokens kept by a sliding-window layer; ``None`` for full attention.
         group: the group name (default ``"kv"``, or ``"swa"`` with a sliding window).
+        attention_chunk_size: chunk of a chunked local-attention layer; ``None`` otherwise.
+        block_layout: ``"token_major"`` (default) or ``"head_major"`` (see the module).
+        scale_dtype: ``"float32"`` (default) or ``"bfloat16"``: dtype of the block-wise fp8
+            scales; only with ``kv_cache_quant="block_wise_fp8"``.
 
     Per-token bytes per layer: ``2 * num_kv_heads * head_dim * itemsize``, plus
-    ``2 * num_kv_heads * 4`` for block-wise scales.
+    ``2 * num_kv_heads * scale_itemsize`` for block-wise scales (4 for float32, 2 for bf16).
     """
 
     def __init__(
@@ -51,11 +72,29 @@ class GQABackend(DeclaredBackend):
         sliding_window: int | None = None,
         group: str | None = None,
         attention_chunk_size: int | None = None,
+        block_layout: BlockLayout = "token_major",
+        scale_dtype: ScaleDtype | None = None,
     ) -> None:
         if kv_cache_quant is not None and kv_cache_quant not in _QUANTS:
             raise ValueError(
                 f"kv_cache_quant must be None or one of {list(_QUANTS)}, got {kv_cache_quant!r}"
             )
+        if block_layout not in _LAYOUTS:
+            raise ValueError(f"block_layout must be one of {list(_LAYOUTS)}, got {block_layout!r}")
+        if scale_dtype is not None:
+            if kv_cache_quant != "block_wise_fp8":
+                raise ValueError(
+                    f"scale_dtype={scale_dtype!r} needs kv_cache_quant='block_wise_fp8', got "
+                    f"kv_cache_quant={kv_cache_quant!r}"
+                )
+            if scale_dtype not in _SCALE_DTYPES:
+                raise ValueError(
+                    f"scale_dtype must be one of {list(_SCALE_DTYPES)}, got {scale_dtype!r}"
+                )
+        self.block_layout: BlockLayout = block_layout
+        self.scale_dtype: str | None = (
+            (scale_dtype or "float32") if kv_cache_quant == "block_wise_fp8" else None
+        )
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
@@ -87,18 +126,36 @@ class GQABackend(DeclaredBackend):
         store = self.dtype if kv_cache_quant is None else "float8_e4m3fn"
         shape = (num_kv_heads, head_dim)
         roles = [
-            CacheRole(name="key", group=kv_group.name, entry_shape=shape, dtype=store),
-            CacheRole(name="value", group=kv_group.name, entry_shape=shape, dtype=store),
+            CacheRole(
+                name=n,
+                group=kv_group.name,
+                entry_shape=shape,
+                dtype=store,
+                block_layout=block_layout,
+            )
+            for n in ("key", "value")
         ]
-        if kv_cache_quant == "block_wise_fp8":
+        if self.scale_dtype is not None:
+            # head-major needs a second entry dimension: (kv_heads, 1) gives [kv_heads, B, 1]
+            scale_shape = (num_kv_heads,) if block_layout == "token_major" else (num_kv_heads, 1)
             roles += [
-                CacheRole(name=n, group=kv_group.name, entry_shape=(num_kv_heads,), dtype="float32")
+                CacheRole(
+                    name=n,
+                    group=kv_group.name,
+                    entry_shape=scale_shape,
+                    dtype=self.scale_dtype,
+                    block_layout=block_layout,
+                )
                 for n in ("key_scale", "value_scale")
             ]
         self._declare([kv_group], roles)
 
     def __repr__(self) -> str:
         extra = f", kv_cache_quant={self.kv_cache_quant!r}" if self.kv_cache_quant else ""
+        if self.scale_dtype not in (None, "float32"):
+            extra += f", scale_dtype={self.scale_dtype!r}"
+        if self.block_layout != "token_major":
+            extra += f", block_layout={self.block_layout!r}"
         if self.sliding_window is not None:
             extra += f", sliding_window={self.sliding_window}"
         if self.attention_chunk_size is not None:
@@ -119,5 +176,15 @@ class MHABackend(GQABackend):
         block_size: int = 16,
         dtype: str = "bfloat16",
         kv_cache_quant: KVCacheQuant | None = None,
+        block_layout: BlockLayout = "token_major",
+        scale_dtype: ScaleDtype | None = None,
     ) -> None:
-        super().__init__(num_heads, head_dim, block_size, dtype, kv_cache_quant)
+        super().__init__(
+            num_heads,
+            head_dim,
+            block_size,
+            dtype,
+            kv_cache_quant,
+            block_layout=block_layout,
+            scale_dtype=scale_dtype,
+        )

@@ -26,16 +26,54 @@ __all__ = ["SwapHandle", "SwapStreams", "contiguous_runs", "move_pages", "plane_
 
 
 def plane_bytes(cache: torch.Tensor) -> torch.Tensor:
-    """A block-major cache ``[num_blocks, ...]`` seen as raw bytes ``[num_blocks, block_bytes]``.
+    """A block-major cache ``[num_blocks, ...]`` seen as raw bytes ``uint8 [num_blocks,
+    block_bytes]`` with strides ``(block_stride_bytes, 1)``, sharing the cache's memory.
+
+    Dim 0 is the block dimension; ``block_bytes`` is the bytes of one block
+    (``prod(shape[1:]) * element_size``) and ``block_stride_bytes`` is ``stride(0) *
+    element_size``, which may exceed ``block_bytes``: alignment padding, an engine's padded
+    allocation, or several roles carved out of one buffer (an indexer key ``[blocks, 64, 128]``
+    and its scale ``[blocks, 64, 4]`` inside one ``[blocks, 8704]`` allocation). One block must
+    be a single contiguous run of bytes: its dims of size > 1, ordered by stride, nest exactly
+    (a permuted but dense block qualifies; only memory order matters to a byte copy).
 
     Raises:
-        ValueError: if the cache is not contiguous (a plane must be block-major).
+        ValueError: naming the shape and strides, for a 0-d tensor, a block that is not one
+            contiguous run of bytes, or blocks that overlap (block stride below block bytes).
     """
-    if not cache.is_contiguous():
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"cache must be a torch.Tensor, got {type(cache).__name__}")
+    shape, strides = tuple(cache.shape), tuple(cache.stride())
+    if cache.dim() == 0:
+        raise ValueError("cache is a 0-d tensor; dim 0 must be the block dimension")
+    itemsize = cache.element_size()
+    inner = sorted((st, sz) for sz, st in zip(shape[1:], strides[1:], strict=True) if sz != 1)
+    empty = 0 in shape[1:]  # a zero-size block is one (empty) run whatever its strides
+    elems = 1
+    for stride, size in [] if empty else inner:
+        if stride != elems:
+            raise ValueError(
+                f"cache of shape {shape} with element strides {strides} is not block-major: one "
+                "block is not a single contiguous run of bytes"
+            )
+        elems *= size
+    num_blocks, block_bytes = shape[0], 0 if empty else elems * itemsize
+    # a single block's stride is meaningless (torch reports anything): use the block itself
+    block_stride = strides[0] * itemsize if num_blocks > 1 else block_bytes
+    if block_stride < block_bytes:
         raise ValueError(
-            f"cache of shape {tuple(cache.shape)} is not contiguous; planes must be block-major"
+            f"cache of shape {shape} with element strides {strides} has blocks that overlap: "
+            f"block stride {block_stride} bytes < {block_bytes} bytes per block"
         )
-    return cache.view(torch.uint8).view(cache.shape[0], -1)
+    raw = torch.empty(0, dtype=torch.uint8, device=cache.device)
+    # the lowest address of the view is element [0, ...]: every stride is non-negative
+    raw.set_(
+        cache.untyped_storage(),
+        cache.storage_offset() * itemsize,
+        (num_blocks, block_bytes),
+        (block_stride, 1),
+    )
+    return raw
 
 
 def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
