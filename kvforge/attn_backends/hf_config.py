@@ -71,6 +71,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -81,6 +82,7 @@ from kvforge.attn_backends.base import AttentionBackend
 from kvforge.attn_backends.deepseek_v4 import COMPRESS_RATIOS, DeepseekV4Backend
 from kvforge.attn_backends.dsa import DSABackend
 from kvforge.attn_backends.gqa import GQABackend, KVCacheQuant
+from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.attn_backends.mla import MLABackend
 from kvforge.attn_backends.registry import (
     MAX_LAYERS,
@@ -99,10 +101,15 @@ __all__ = [
     "ModelOptions",
     "build_deepseek_v4",
     "build_dsa",
+    "build_gemma2",
+    "build_gemma3",
+    "build_gpt_oss",
     "build_gqa",
+    "build_llama4",
     "build_mistral",
     "build_mla",
     "build_qwen",
+    "build_qwen3_next",
     "bundled_models",
     "from_hf_config",
     "load_model_config",
@@ -286,10 +293,34 @@ def _float_cache_dtype(kv_cache_dtype: str, model_type: str, allowed: str) -> st
 _SlidingRule = Callable[[GQAFields, str], frozenset[int]]
 
 
-def _gqa(
-    config: Mapping[str, Any], model_type: str, opts: ModelOptions, rule: _SlidingRule
-) -> dict[int, AttentionBackend]:
-    f = parse_fields(GQAFields, config, model_type)
+@dataclass(frozen=True)
+class _GQAShape:
+    """What every GQA layer of a model shares: heads per rank, head width, storage, block."""
+
+    kv_per_rank: int
+    head_dim: int
+    dtype: str
+    quant: KVCacheQuant | None
+    block_size: int
+
+    def backend(
+        self, sliding_window: int | None = None, attention_chunk_size: int | None = None
+    ) -> GQABackend:
+        return GQABackend(
+            self.kv_per_rank,
+            self.head_dim,
+            self.block_size,
+            self.dtype,
+            self.quant,
+            sliding_window=sliding_window,
+            attention_chunk_size=attention_chunk_size,
+        )
+
+
+def _gqa_shape(
+    f: GQAFields, dtype_config: Mapping[str, Any], model_type: str, opts: ModelOptions
+) -> _GQAShape:
+    """Heads, head width, cache dtype and block size of a GQA model (checked)."""
     heads = f.num_attention_heads
     kv_heads = f.num_key_value_heads if f.num_key_value_heads is not None else heads
     if heads % kv_heads:
@@ -326,7 +357,7 @@ def _gqa(
         )
     kv_per_rank = max(1, kv_heads // tp)
 
-    dtype = _model_dtype(config, opts.dtype)
+    dtype = _model_dtype(dtype_config, opts.dtype)
     quant: KVCacheQuant | None = None
     kv = opts.kv_cache_dtype
     if kv is None or kv == "auto":
@@ -339,28 +370,34 @@ def _gqa(
         dtype = _float_cache_dtype(
             kv, model_type, "'auto', 'fp8', 'block_wise_fp8', 'bfloat16', 'float16' or 'float32'"
         )
+    block_size = opts.block_size if opts.block_size is not None else 16
+    return _GQAShape(kv_per_rank, head_dim, dtype, quant, block_size)
+
+
+def _gqa(
+    config: Mapping[str, Any], model_type: str, opts: ModelOptions, rule: _SlidingRule
+) -> dict[int, AttentionBackend]:
+    f = parse_fields(GQAFields, config, model_type)
+    shape = _gqa_shape(f, config, model_type, opts)
 
     n = f.num_hidden_layers
     sliding = _layer_types_sliding(f, model_type)
     if sliding is None:
         sliding = rule(f, model_type)
     mtp = opts.mtp_layer_ids(n, f.num_nextn_predict_layers, model_type)
-    block_size = opts.block_size if opts.block_size is not None else 16
     full_backend: GQABackend | None = None
     swa_backend: GQABackend | None = None
 
     def full() -> GQABackend:
         nonlocal full_backend
         if full_backend is None:
-            full_backend = GQABackend(kv_per_rank, head_dim, block_size, dtype, quant)
+            full_backend = shape.backend()
         return full_backend
 
     def swa() -> GQABackend:
         nonlocal swa_backend
         if swa_backend is None:
-            swa_backend = GQABackend(
-                kv_per_rank, head_dim, block_size, dtype, quant, sliding_window=f.sliding_window
-            )
+            swa_backend = shape.backend(sliding_window=f.sliding_window)
         return swa_backend
 
     backends: dict[int, AttentionBackend] = {
@@ -547,6 +584,291 @@ def build_deepseek_v4(
     return backends
 
 
+# ---------------------------------------------------------------------------------- hybrids
+# Gemma-2 / Gemma-3 / gpt-oss (sliding + full), Llama-4 (chunked + full), Qwen3-Next
+# (linear + full). Multimodal configs (``gemma3``, ``llama4``) nest the language model's fields
+# under ``text_config``; the builders read them there.
+
+_TEXT_PREFIXES = (
+    ("config is missing ", "config.text_config is missing "),
+    ("config has null for ", "config.text_config has null for "),
+    ("config field ", "config field text_config."),
+)
+
+
+def _text_config(config: Mapping[str, Any], model_type: str) -> Mapping[str, Any]:
+    """The language model's fields: ``text_config`` when the config has one (multimodal
+    wrappers), else the config itself. The wrapper's ``torch_dtype`` / ``dtype`` applies when
+    ``text_config`` states none (published Gemma-3 and Llama-4 configs keep it outside)."""
+    text = config.get("text_config")
+    if text is None:
+        return config
+    if not isinstance(text, Mapping):
+        raise ValueError(
+            f"config field text_config = {short_repr(text)} is invalid for model_type "
+            f"{model_type!r}: it must be a JSON object"
+        )
+    merged = dict(text)
+    if merged.get("torch_dtype") is None and merged.get("dtype") is None:
+        for key in ("torch_dtype", "dtype"):
+            if config.get(key) is not None:
+                merged[key] = config[key]
+    return merged
+
+
+def _nested_errors(config: Mapping[str, Any], error: ValueError) -> ValueError:
+    """``error`` with the field named inside ``text_config`` when the fields came from there."""
+    message = str(error)
+    if config.get("text_config") is not None:
+        for old, new in _TEXT_PREFIXES:
+            if message.startswith(old):
+                return ValueError(new + message[len(old) :])
+    return ValueError(message)
+
+
+def _with_max_len(
+    backends: Mapping[int, AttentionBackend], text: Mapping[str, Any], model_type: str
+) -> ModelBackends:
+    """The backends plus ``max_position_embeddings`` of the (possibly nested) text config."""
+    return ModelBackends(
+        backends,
+        model_type=model_type,
+        max_position_embeddings=_max_position_embeddings(text, model_type),
+    )
+
+
+def _alternate_slides(f: GQAFields, model_type: str) -> frozenset[int]:
+    """Even layers slide, odd layers are full (Gemma-2's and gpt-oss's default
+    ``layer_types``: ``"sliding_attention" if (i + 1) % 2 else "full_attention"``)."""
+    if f.sliding_window is None:
+        raise ValueError(
+            f"config is missing 'sliding_window' (needed for model_type {model_type!r}: "
+            "even layers use sliding-window attention)"
+        )
+    return frozenset(range(0, f.num_hidden_layers, 2))
+
+
+def build_gemma2(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """Gemma-2: ``layer_types`` when present, else layers 0, 2, 4, ... slide (window
+    ``sliding_window``) and layers 1, 3, 5, ... are full."""
+    return _gqa(config, model_type, options, _alternate_slides)
+
+
+def build_gpt_oss(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """gpt-oss: ``layer_types`` (published) or, as Hugging Face defaults it, even layers slide
+    with window ``sliding_window`` (128) and odd layers are full. Attention sinks are
+    parameters, not cache."""
+    return _gqa(config, model_type, options, _alternate_slides)
+
+
+class Gemma3Pattern(BaseModel):
+    """Gemma-3's layer pattern: every ``sliding_window_pattern``-th layer is global."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    sliding_window_pattern: PositiveInt | None = None
+
+
+def build_gemma3(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> ModelBackends:
+    """Gemma-3 (``gemma3`` with ``text_config``, or ``gemma3_text``): ``layer_types`` when
+    present, else layer ``i`` slides unless ``(i + 1) % sliding_window_pattern == 0``
+    (pattern 6: five local layers, then one global)."""
+    text = _text_config(config, model_type)
+    try:
+        source = dict(text)
+        if source.get("sliding_window_pattern") is None:
+            # transformers >= 4.53 saves the same number under a private name
+            source["sliding_window_pattern"] = text.get("_sliding_window_pattern")
+        every = parse_fields(Gemma3Pattern, source, model_type).sliding_window_pattern
+
+        def rule(f: GQAFields, mt: str) -> frozenset[int]:
+            if every is None:
+                raise ValueError(
+                    f"config is missing 'sliding_window_pattern' (needed for model_type {mt!r} "
+                    "without layer_types)"
+                )
+            if f.sliding_window is None:
+                raise ValueError(
+                    f"config is missing 'sliding_window' (needed for model_type {mt!r}: "
+                    "local layers use sliding-window attention)"
+                )
+            return frozenset(i for i in range(f.num_hidden_layers) if (i + 1) % every)
+
+        backends = _gqa(text, model_type, options, rule)
+    except ValueError as exc:
+        raise _nested_errors(config, exc) from None
+    return _with_max_len(backends, text, model_type)
+
+
+class Llama4Fields(GQAFields):
+    """Llama-4's text fields: GQA plus chunked local attention on the RoPE layers."""
+
+    attention_chunk_size: PositiveInt | None = None
+    no_rope_layers: list[StrictInt] | None = None
+    no_rope_layer_interval: PositiveInt = 4
+
+
+def _llama4_chunked(f: Llama4Fields, model_type: str) -> frozenset[int]:
+    """The chunked layers of Llama-4.
+
+    ``layer_types`` (newer saves: ``"chunked_attention"`` / ``"full_attention"``) decides when
+    present. Else ``no_rope_layers[i]`` is 1 for a RoPE layer, which attends within its chunk,
+    and 0 for a NoPE layer, which attends globally; an empty or absent list is Hugging Face's
+    default ``int((i + 1) % no_rope_layer_interval != 0)`` (layers 3, 7, 11, ... global with
+    interval 4). ``attention_chunk_size`` null: no layer is chunked (vLLM's rule).
+    """
+    n = f.num_hidden_layers
+    if f.layer_types is not None:
+        if len(f.layer_types) != n:
+            raise ValueError(
+                f"layer_types has {len(f.layer_types)} entries but num_hidden_layers={n} "
+                f"(model_type {model_type!r})"
+            )
+        kinds = ("full_attention", "chunked_attention")
+        for i, kind in enumerate(f.layer_types):
+            if kind not in kinds:
+                raise ValueError(
+                    f"layer_types[{i}]={short_repr(kind)} is not one of {list(kinds)} "
+                    f"(model_type {model_type!r})"
+                )
+        chunked = frozenset(i for i, k in enumerate(f.layer_types) if k == "chunked_attention")
+        if chunked and f.attention_chunk_size is None:
+            raise ValueError(
+                f"config is missing 'attention_chunk_size' (needed for model_type "
+                f"{model_type!r}: layer_types has chunked_attention layers)"
+            )
+        return chunked
+    if f.attention_chunk_size is None:
+        return frozenset()
+    if f.no_rope_layers:
+        if len(f.no_rope_layers) != n:
+            raise ValueError(
+                f"no_rope_layers has {len(f.no_rope_layers)} entries but num_hidden_layers={n} "
+                f"(model_type {model_type!r})"
+            )
+        for i, flag in enumerate(f.no_rope_layers):
+            if flag not in (0, 1):
+                raise ValueError(
+                    f"no_rope_layers[{i}]={flag!r} is not 0 (NoPE, global) or 1 (RoPE, chunked) "
+                    f"(model_type {model_type!r})"
+                )
+        return frozenset(i for i, flag in enumerate(f.no_rope_layers) if flag == 1)
+    every = f.no_rope_layer_interval
+    return frozenset(i for i in range(n) if (i + 1) % every)
+
+
+def build_llama4(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> ModelBackends:
+    """Llama-4 (``llama4`` with ``text_config``, or ``llama4_text``): chunked local attention
+    (group ``chunked``, window ``attention_chunk_size``) on the RoPE layers, full attention
+    on the NoPE layers (see :func:`_llama4_chunked`)."""
+    text = _text_config(config, model_type)
+    try:
+        f = parse_fields(Llama4Fields, text, model_type)
+        shape = _gqa_shape(f, text, model_type, options)
+        chunked = _llama4_chunked(f, model_type)
+        mtp = options.mtp_layer_ids(f.num_hidden_layers, f.num_nextn_predict_layers, model_type)
+    except ValueError as exc:
+        raise _nested_errors(config, exc) from None
+    full = shape.backend()
+    local = shape.backend(attention_chunk_size=f.attention_chunk_size) if chunked else full
+    backends: dict[int, AttentionBackend] = {
+        i: local if i in chunked else full for i in range(f.num_hidden_layers)
+    }
+    backends.update(dict.fromkeys(mtp, full))
+    return _with_max_len(backends, text, model_type)
+
+
+class Qwen3NextFields(GQAFields):
+    """Qwen3-Next: GQA full-attention layers plus Gated DeltaNet linear-attention layers."""
+
+    full_attention_interval: PositiveInt | None = None
+    linear_num_key_heads: PositiveInt
+    linear_num_value_heads: PositiveInt
+    linear_key_head_dim: PositiveInt
+    linear_value_head_dim: PositiveInt
+    linear_conv_kernel_dim: Annotated[StrictInt, Field(ge=2)]
+
+
+def _qwen3_next_full(f: Qwen3NextFields, model_type: str) -> frozenset[int]:
+    """Full-attention layers: ``layer_types`` when present, else every
+    ``full_attention_interval``-th layer (``(i + 1) % interval == 0``: 3, 7, 11, ... for 4)."""
+    n = f.num_hidden_layers
+    if f.layer_types is not None:
+        if len(f.layer_types) != n:
+            raise ValueError(
+                f"layer_types has {len(f.layer_types)} entries but num_hidden_layers={n} "
+                f"(model_type {model_type!r})"
+            )
+        kinds = ("full_attention", "linear_attention")
+        for i, kind in enumerate(f.layer_types):
+            if kind not in kinds:
+                raise ValueError(
+                    f"layer_types[{i}]={short_repr(kind)} is not one of {list(kinds)} "
+                    f"(model_type {model_type!r})"
+                )
+        return frozenset(i for i, k in enumerate(f.layer_types) if k == "full_attention")
+    if f.full_attention_interval is None:
+        raise ValueError(
+            f"config is missing 'full_attention_interval' (needed for model_type "
+            f"{model_type!r} without layer_types)"
+        )
+    every = f.full_attention_interval
+    return frozenset(i for i in range(n) if (i + 1) % every == 0)
+
+
+def build_qwen3_next(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions
+) -> dict[int, AttentionBackend]:
+    """Qwen3-Next: full-attention layers get a :class:`GQABackend` (group ``kv``), the others
+    a :class:`LinearAttentionBackend` (group ``linear_state``, one slot per request).
+
+    ``kv_cache_dtype`` applies to the GQA layers; the conv state takes the model dtype and the
+    recurrent state is float32, as in SGLang. ``tp_size`` must divide
+    ``linear_num_key_heads`` and ``linear_num_value_heads``. MTP layers (only with
+    ``num_speculative_tokens`` and ``num_nextn_predict_layers``) are full attention, and the
+    draft tokens widen every conv state.
+    """
+    f = parse_fields(Qwen3NextFields, config, model_type)
+    shape = _gqa_shape(f, config, model_type, options)
+    full_layers = _qwen3_next_full(f, model_type)
+    mtp = options.mtp_layer_ids(f.num_hidden_layers, f.num_nextn_predict_layers, model_type)
+    tp = options.tp_size
+    for name, heads in (
+        ("linear_num_key_heads", f.linear_num_key_heads),
+        ("linear_num_value_heads", f.linear_num_value_heads),
+    ):
+        if heads % tp:
+            raise ValueError(
+                f"{name}={heads} is not divisible by tp_size={tp} (model_type {model_type!r}): "
+                "tensor parallelism splits the linear-attention heads"
+            )
+    full = shape.backend()
+    linear = LinearAttentionBackend(
+        f.linear_num_key_heads,
+        f.linear_num_value_heads,
+        f.linear_key_head_dim,
+        f.linear_value_head_dim,
+        f.linear_conv_kernel_dim,
+        tp_size=tp,
+        conv_dtype=_model_dtype(config, options.dtype),
+        recurrent_dtype="float32",
+        num_speculative_tokens=options.num_speculative_tokens if len(mtp) else 0,
+    )
+    backends: dict[int, AttentionBackend] = {
+        i: full if i in full_layers else linear for i in range(f.num_hidden_layers)
+    }
+    backends.update(dict.fromkeys(mtp, full))
+    return backends
+
+
 # ---------------------------------------------------------------------------------- dispatch
 
 
@@ -717,6 +1039,14 @@ _BUNDLED: tuple[tuple[str, Callable[..., dict[int, AttentionBackend]], str], ...
     ("deepseek_v3", build_mla, "DeepseekV3ForCausalLM"),
     ("deepseek_v32", build_dsa, "DeepseekV32ForCausalLM"),
     ("deepseek_v4", build_deepseek_v4, "DeepseekV4ForCausalLM"),
+    ("gemma2", build_gemma2, "Gemma2ForCausalLM"),
+    ("gemma3", build_gemma3, "Gemma3ForConditionalGeneration"),
+    ("gemma3_text", build_gemma3, "Gemma3ForCausalLM"),
+    ("gpt_oss", build_gpt_oss, "GptOssForCausalLM"),
+    ("llama4", build_llama4, "Llama4ForConditionalGeneration"),
+    ("llama4_text", build_llama4, "Llama4ForCausalLM"),
+    ("glm4_moe", build_gqa, "Glm4MoeForCausalLM"),
+    ("qwen3_next", build_qwen3_next, "Qwen3NextForCausalLM"),
 )
 
 for _model_type, _builder, _arch in _BUNDLED:
