@@ -23,7 +23,14 @@ import torch
 from kvforge.cache_controller.controller import CacheController
 from kvforge.cache_controller.layout import CacheEntry
 
-__all__ = ["EntryCheck", "entry_bytes_for", "verify_request", "write_request"]
+__all__ = [
+    "EntryCheck",
+    "entry_bytes_for",
+    "read_entries",
+    "verify_request",
+    "write_entries",
+    "write_request",
+]
 
 
 def entry_bytes_for(
@@ -44,7 +51,7 @@ def entry_bytes_for(
 
 
 def _entry_index(
-    cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor
+    cache: torch.Tensor, entry: CacheEntry, slots: Any
 ) -> tuple[torch.Tensor, tuple[Any, ...]]:
     """A byte view of ``cache`` and the index that selects the entries at ``slots``.
 
@@ -53,7 +60,7 @@ def _entry_index(
     itemsize]`` for both layouts.
     """
     per_block = entry.role.entries_per_block(entry.group)
-    slots = slots.to(cache.device)
+    slots = torch.as_tensor(slots, dtype=torch.int64).to(cache.device)
     blocks, within = slots // per_block, slots % per_block
     raw = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
     if entry.role.block_layout == "head_major":
@@ -61,12 +68,18 @@ def _entry_index(
     return raw, (blocks, within)
 
 
-def _read(cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor) -> torch.Tensor:
+def read_entries(cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor) -> torch.Tensor:
+    """The bytes of the entries at ``slots`` of ``cache`` (buffer ``entry``), read through the
+    role's block layout: ``uint8 [len(slots), entry_bytes]`` (a copy)."""
     raw, index = _entry_index(cache, entry, slots)
     return raw[index].reshape(len(slots), entry.role.entry_bytes)
 
 
-def _write(cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor, data: torch.Tensor) -> None:
+def write_entries(
+    cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor, data: torch.Tensor
+) -> None:
+    """Store ``data`` (``uint8 [len(slots), entry_bytes]``) into the entries at ``slots`` of
+    ``cache``, through the role's block layout (what an attention kernel's cache write does)."""
     raw, index = _entry_index(cache, entry, slots)
     # the indexed shape: entry_shape with its last dim counted in bytes
     shape = (*entry.role.entry_shape[:-1], entry.role.entry_shape[-1] * entry.role.itemsize)
@@ -105,7 +118,7 @@ def write_request(
         if not len(slots):
             continue
         data = entry_bytes_for(seed, entry, pos, entry.role.entry_bytes)
-        _write(caches[entry.index], entry, slots, data)
+        write_entries(caches[entry.index], entry, slots, data)
         written += len(slots)
     return written
 
@@ -140,7 +153,7 @@ def verify_request(
         pos, slots = _live_slots(ctl, request_id, entry, positions)
         if not len(slots):
             continue
-        got = _read(caches[entry.index], entry, slots).cpu()
+        got = read_entries(caches[entry.index], entry, slots).cpu()
         want = entry_bytes_for(seed, entry, pos, entry.role.entry_bytes)
         result.entries += len(slots)
         result.mismatched += int((got != want).any(dim=1).sum())
