@@ -1,4 +1,5 @@
-"""DeepSeek-V4 backend: groups, roles and per-block bytes, no padding anywhere."""
+"""DeepSeek-V4 backend: groups, roles, per-block bytes; device blocks padded to 576 B, host
+pages packed."""
 
 import pytest
 import torch
@@ -63,11 +64,80 @@ def test_fp8_per_block_bytes():
     )
 
 
+# (ratio, role, group): (meaningful block bytes = host page share, device block stride)
+FP8_BLOCKS = {
+    (0, "swa_kv", "swa"): (64 * 584, 65 * 576),  # 37,376 -> 37,440
+    (4, "swa_kv", "swa"): (64 * 584, 65 * 576),
+    (4, "compressed_kv", "compressed"): (256 // 4 * 584, 65 * 576),  # 37,376 -> 37,440
+    (4, "indexer", "compressed"): (256 // 4 * 132, 15 * 576),  # 8,448 -> 8,640
+    (4, "compressor_state", "c4_state"): (4 * 2 * 2 * 512 * 4, 57 * 576),  # 32,768 -> 32,832
+    (4, "indexer_compressor_state", "c4_state"): (4 * 2 * 2 * 128 * 4, 15 * 576),  # 8,192 -> 8,640
+    (128, "swa_kv", "swa"): (64 * 584, 65 * 576),
+    (128, "compressed_kv", "compressed"): (256 // 128 * 584, 3 * 576),  # 1,168 -> 1,728
+    (128, "compressor_state", "c128_state"): (8 * 2 * 512 * 4, 57 * 576),  # 32,768 -> 32,832
+}
+
+
+@pytest.mark.parametrize(("ratio", "role", "group"), sorted(FP8_BLOCKS))
+def test_fp8_device_strides_are_576_aligned(ratio, role, group):
+    backend = DeepseekV4Backend(ratio)
+    spec, g = backend.role(role), backend.groups_by_name()[group]
+    meaningful, stride = FP8_BLOCKS[(ratio, role, group)]
+    assert spec.block_alignment == 576
+    assert (spec.block_bytes(g), spec.device_block_bytes(g)) == (meaningful, stride)
+    assert stride % 576 == 0 and 0 <= stride - meaningful < 576
+    # the exact figures of the published layouts
+    figures = {
+        "swa_kv": 37_440,
+        "compressed_kv": 37_440 if ratio == 4 else 1_728,
+        "indexer": 8_640,
+        "compressor_state": 32_832,
+        "indexer_compressor_state": 8_640,
+    }
+    assert stride == figures[role]
+    unpadded = DeepseekV4Backend(ratio, block_alignment=1).role(role)
+    assert unpadded.device_block_bytes(g) == unpadded.block_bytes(g) == meaningful
+
+
 def test_bf16_layouts():
     r = roles_of(4, kv_cache_dtype="bf16")
     assert r["swa_kv"].entry_shape == (512,) and r["swa_kv"].dtype == "bfloat16"
-    assert r["indexer"].entry_shape == (128,) and r["indexer"].entry_bytes == 256
+    # the indexer stays 128 fp8 bytes + one float32 scale in bf16 mode
+    assert r["indexer"].entry_shape == (128 + 4,) and r["indexer"].dtype == "uint8"
+    assert r["indexer"].entry_bytes == 132
     assert r["compressor_state"].dtype == "float32"
+    g = DeepseekV4Backend(4, kv_cache_dtype="bf16").groups_by_name()
+    # 64 tokens * 512 bf16 = 65,536 B -> cdiv(65,536, 576) = 114 pages of 576 = 65,664 B
+    assert r["swa_kv"].block_bytes(g["swa"]) == 64 * 512 * 2 == 65_536
+    assert r["swa_kv"].device_block_bytes(g["swa"]) == 114 * 576 == 65_664
+    assert r["indexer"].device_block_bytes(g["compressed"]) == 15 * 576 == 8_640
+
+
+def test_tensors_are_padded_strided_views():
+    ctl = CacheController(
+        {0: DeepseekV4Backend(0), 1: DeepseekV4Backend(4), 2: DeepseekV4Backend(128)}
+    )
+    ctl.initialize_kv_cache(num_blocks={"swa": 3, "compressed": 4, "c4_state": 5, "c128_state": 6})
+    # (role, layer): element strides; the block stride is the device stride in elements
+    strides = {
+        ("swa_kv", 0): (37_440, 584, 1),
+        ("compressed_kv", 1): (37_440, 584, 1),
+        ("indexer", 1): (8_640, 132, 1),
+        ("compressed_kv", 2): (1_728, 584, 1),
+        ("compressor_state", 1): (32_832 // 4, 2048, 1),  # float32: 8,208 elements
+        ("indexer_compressor_state", 1): (8_640 // 4, 512, 1),  # 2,160 elements
+        ("compressor_state", 2): (32_832 // 4, 1024, 1),
+    }
+    for (role, layer), stride in strides.items():
+        assert ctl.get(role, layer).stride() == stride, (role, layer)
+    # device memory counts the padding: 3 swa blocks of 37,440 B for each of 3 layers, ...
+    assert ctl.bytes_per_block("swa") == 3 * 37_440
+    assert ctl.bytes_per_block("compressed") == 37_440 + 8_640 + 1_728
+    assert ctl.bytes_per_block("c4_state") == 32_832 + 8_640
+    assert ctl.bytes_per_block("c128_state") == 32_832
+    # host pages carry the meaningful bytes only
+    assert ctl.layout.host_page_bytes("compressed") == 37_376 + 8_448 + 1_168
+    assert ctl.layout.host_page_bytes("c4_state") == 32_768 + 8_192
 
 
 def test_tensors_have_exact_unpadded_shapes():
@@ -110,11 +180,16 @@ def test_flash_shaped_role_counts_per_group():
     assert count("c4_state", "compressor_state") == n4
     assert count("c4_state", "indexer_compressor_state") == n4
     assert count("c128_state", "compressor_state") == n128 == 20
-    # per-block bytes of each group across all layers
-    assert layout.bytes_per_block("swa") == 44 * 37_376
-    assert layout.bytes_per_block("compressed") == 21 * (37_376 + 8_448) + 20 * 1_168
-    assert layout.bytes_per_block("c4_state") == 21 * 4 * (8_192 + 2_048)
-    assert layout.bytes_per_block("c128_state") == 20 * 8 * 4_096
+    # per-block device bytes of each group across all layers, 576-byte padding included
+    assert layout.bytes_per_block("swa") == 44 * 37_440
+    assert layout.bytes_per_block("compressed") == 21 * (37_440 + 8_640) + 20 * 1_728
+    assert layout.bytes_per_block("c4_state") == 21 * (32_832 + 8_640)
+    assert layout.bytes_per_block("c128_state") == 20 * 32_832
+    # host pages: meaningful bytes only
+    assert layout.host_page_bytes("swa") == 44 * 37_376
+    assert layout.host_page_bytes("compressed") == 21 * (37_376 + 8_448) + 20 * 1_168
+    assert layout.host_page_bytes("c4_state") == 21 * 4 * (8_192 + 2_048)
+    assert layout.host_page_bytes("c128_state") == 20 * 8 * 4_096
 
 
 def test_cache_bytes_per_sequence_is_exact():
@@ -137,5 +212,13 @@ def test_bad_arguments():
         ValueError, match=r"qk_rope_head_dim must be in \(0, head_dim=512\), got 600"
     ):
         DeepseekV4Backend(4, qk_rope_head_dim=600)
+    with pytest.raises(ValueError, match="block_alignment must be a positive number of bytes"):
+        DeepseekV4Backend(4, block_alignment=0)
+    with pytest.raises(ValueError, match=r"block_alignment must be an int, got '576'"):
+        DeepseekV4Backend(4, block_alignment="576")
+    with pytest.raises(
+        ValueError, match=r"block_alignment=10 of role 'compressor_state' gives a device block"
+    ):
+        DeepseekV4Backend(4, block_alignment=10)  # 32,770 B: not whole float32 elements
     with pytest.raises(ValueError, match="num_tokens must be an int >= 0, got -1"):
         cache_bytes_per_sequence({0: DeepseekV4Backend(0)}, -1)

@@ -21,9 +21,37 @@ def test_fp8_layout_bytes():
 
 
 def test_bf16_layout_bytes():
-    key, indexer = DSABackend(kv_cache_dtype="bf16").cache_roles()
-    assert key.entry_shape == (576,) and key.entry_bytes == 1152
-    assert indexer.entry_shape == (128,) and indexer.entry_bytes == 256
+    backend = DSABackend(kv_cache_dtype="bf16")
+    key, indexer = backend.cache_roles()
+    assert key.entry_shape == (576,) and key.entry_bytes == 576 * 2 == 1152
+    assert key.dtype == "bfloat16"
+    # bf16 changes only the main KV: the indexer keeps 128 fp8 bytes + one float32 scale
+    assert indexer.entry_shape == (132,) and indexer.dtype == "uint8"
+    assert indexer.entry_bytes == 128 + 4 == 132
+    ctl = CacheController(dict.fromkeys(range(61), backend))
+    # DeepSeek-V3.2 bf16: (1,152 + 132) = 1,284 B per token per layer
+    assert ctl.kv_bytes_per_token() == 61 * (1152 + 132) == 61 * 1284 == 78_324
+    ctl.initialize_kv_cache(num_blocks=2)
+    assert ctl.get("key", 0).dtype == torch.bfloat16
+    assert ctl.get("indexer", 0).shape == (2, 64, 132)
+    assert ctl.get("indexer", 0).dtype == torch.uint8
+
+
+def test_block_alignment_pads_device_blocks_only():
+    backend = DSABackend(block_alignment=576)
+    (g,) = backend.cache_groups()
+    key, indexer = backend.cache_roles()
+    # key: 64 * 656 = 41,984 B -> cdiv(41,984, 576) = 73 pages of 576 = 42,048 B
+    assert (key.block_bytes(g), key.device_block_bytes(g)) == (64 * 656, 73 * 576)
+    # indexer: 64 * 132 = 8,448 B -> 15 * 576 = 8,640 B
+    assert (indexer.block_bytes(g), indexer.device_block_bytes(g)) == (8_448, 15 * 576)
+    ctl = CacheController({0: backend})
+    ctl.initialize_kv_cache(num_blocks=3)
+    assert ctl.get("key", 0).shape == (3, 64, 656)
+    assert ctl.get("key", 0).stride() == (42_048, 656, 1)
+    assert ctl.bytes_per_block("kv") == 42_048 + 8_640
+    assert ctl.layout.host_page_bytes("kv") == 41_984 + 8_448
+    assert DSABackend().cache_roles()[0].block_alignment == 1  # unpadded by default
 
 
 def test_dsa_tensors_and_names():

@@ -68,6 +68,75 @@ def test_sliding_window_gqa_uses_a_window_group():
     assert (group.name, group.kind.value, group.window) == ("swa", "sliding_window", 4096)
 
 
+def test_head_major_blocks_follow_fastdeploy():
+    # FastDeploy: key/value [blocks, kv_heads, block_size, head_dim], scales bf16
+    # [blocks, kv_heads, block_size] (declared (kv_heads, 1) head-major: [.., kv_heads, B, 1])
+    backend = GQABackend(
+        8,
+        128,
+        64,
+        kv_cache_quant="block_wise_fp8",
+        block_layout="head_major",
+        scale_dtype="bfloat16",
+    )
+    roles = {r.name: r for r in backend.cache_roles()}
+    assert {r.block_layout for r in roles.values()} == {"head_major"}
+    assert roles["key_scale"].entry_shape == (8, 1) and roles["key_scale"].dtype == "bfloat16"
+    assert backend.block_shape(roles["key"]) == (8, 64, 128)
+    assert backend.block_shape(roles["value_scale"]) == (8, 64, 1)
+    ctl = CacheController({0: backend})
+    # per token: 2 * 8*128 fp8 + 2 * 8 bf16 scales = 2,048 + 32 = 2,080 B
+    assert ctl.kv_bytes_per_token() == 2 * 8 * 128 + 2 * 8 * 2 == 2_080
+    ctl.initialize_kv_cache(num_blocks=3)
+    key, scale = ctl.get("key", 0), ctl.get("key_scale", 0)
+    assert key.shape == (3, 8, 64, 128) and key.dtype == torch.float8_e4m3fn
+    assert scale.shape == (3, 8, 64, 1) and scale.dtype == torch.bfloat16
+    assert scale.squeeze(-1).shape == (3, 8, 64)  # FastDeploy's scale tensor, same bytes
+
+
+def test_token_major_is_the_default_with_float32_scales():
+    backend = GQABackend(8, 128, 16, kv_cache_quant="block_wise_fp8")
+    assert backend.block_layout == "token_major" and backend.scale_dtype == "float32"
+    roles = {r.name: r for r in backend.cache_roles()}
+    assert backend.block_shape(roles["key"]) == (16, 8, 128)
+    assert backend.block_shape(roles["key_scale"]) == (16, 8)
+    assert GQABackend(8, 128, 16).scale_dtype is None
+    bf16 = GQABackend(8, 128, 16, kv_cache_quant="block_wise_fp8", scale_dtype="bfloat16")
+    # token-major bf16 scales: [B, kv_heads], 8 * 2 = 16 B per token
+    assert bf16.role("value_scale").entry_bytes == 16
+    assert "scale_dtype='bfloat16'" in repr(bf16)
+    mha = MHABackend(4, 64, 16, block_layout="head_major")
+    assert mha.block_shape(mha.role("key")) == (4, 16, 64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        ({"block_layout": "HND"}, ValueError, "block_layout must be one of .*got 'HND'"),
+        (
+            {"scale_dtype": "bfloat16"},
+            ValueError,
+            r"scale_dtype='bfloat16' needs kv_cache_quant='block_wise_fp8', got "
+            r"kv_cache_quant=None",
+        ),
+        (
+            {"scale_dtype": "float32", "kv_cache_quant": "fp8"},
+            ValueError,
+            r"scale_dtype='float32' needs kv_cache_quant='block_wise_fp8', got "
+            r"kv_cache_quant='fp8'",
+        ),
+        (
+            {"scale_dtype": "float16", "kv_cache_quant": "block_wise_fp8"},
+            ValueError,
+            r"scale_dtype must be one of \['float32', 'bfloat16'\], got 'float16'",
+        ),
+    ],
+)
+def test_bad_layout_options(kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        GQABackend(8, 128, 16, **kwargs)
+
+
 def test_bad_quant_names_the_value():
     with pytest.raises(ValueError, match=r"kv_cache_quant must be None or one of .* got 'int4'"):
         GQABackend(8, 128, 16, kv_cache_quant="int4")

@@ -22,3 +22,21 @@ def test_mla_has_no_value_cache():
     assert ctl.storage_names == ["key_caches_0_rank0.device0"]
     assert ctl.get("key", 0).shape == (4, 16, 576)
     assert ctl.get("key", 0).dtype == torch.bfloat16
+
+
+def test_block_alignment_option():
+    # fp8 MLA pages of 64 tokens * 656 B = 41,984 B, padded to 73 * 576 = 42,048 B
+    backend = MLABackend(dtype="uint8", kv_lora_rank=512 + 16, qk_rope_head_dim=128)
+    assert backend.cache_roles()[0].entry_bytes == 656
+    padded = MLABackend(
+        dtype="uint8", kv_lora_rank=512 + 16, qk_rope_head_dim=128, block_alignment=576
+    )
+    (role,), (group,) = padded.cache_roles(), padded.cache_groups()
+    assert (role.block_bytes(group), role.device_block_bytes(group)) == (41_984, 42_048)
+    ctl = CacheController({0: padded})
+    ctl.initialize_kv_cache(num_blocks=2)
+    assert ctl.get("key", 0).shape == (2, 64, 656)
+    assert ctl.get("key", 0).stride() == (42_048, 656, 1)
+    # bf16 DeepSeek-V3 blocks are already whole pages: 64 * 1,152 = 73,728 = 128 * 576
+    (bf16,), (g,) = MLABackend(block_alignment=576).cache_roles(), MLABackend().cache_groups()
+    assert bf16.device_block_bytes(g) == bf16.block_bytes(g) == 128 * 576
