@@ -612,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     table.add_column("count", justify="right")
     for name, _, _ in OPERATIONS:
         table.add_row(name, str(report.ops[name]))
+    table.add_row("  truncate skipped (known defect)", str(report.ops["truncate_skipped"]))
     for name, _ in BAD_CALLS:
         table.add_row(f"  bad: {name}", str(report.bad_calls[name]))
     console.print(table)
