@@ -32,18 +32,39 @@ def tiny_v4():
     return {layer: kinds[r] for layer, r in enumerate([0, 0, 4, 128, 4, 128, 0])}
 
 
-# tiny_v4 bytes per block: swa 7 layers x 64 x 584; compressed 2 x (64 x 584 + 64 x 132)
+# tiny_v4 device bytes per block: every (layer, role) block is padded to a multiple of 576 B
+# (FlashMLA pages, the V4 default block_alignment):
+#   swa_kv 64 x 584 = 37,376 -> 65 x 576 = 37,440; compressed_kv (r=4) the same 37,440;
+#   indexer 64 x 132 = 8,448 -> 15 x 576 = 8,640; compressed_kv (r=128) 2 x 584 = 1,168
+#   -> 3 x 576 = 1,728; compressor_state (r=4) 4 x 2048 x 4 = 32,768 -> 57 x 576 = 32,832;
+#   indexer_compressor_state 4 x 512 x 4 = 8,192 -> 15 x 576 = 8,640; compressor_state
+#   (r=128) 8 x 1024 x 4 = 32,768 -> 32,832.
+# swa 7 layers; compressed 2 c4 layers (kv + indexer) + 2 c128 layers; c4_state 2 layers;
+# c128_state 2 layers.
+TINY = {"swa": 262_080, "compressed": 95_616, "c4_state": 82_944, "c128_state": 65_664}
+# host pages carry no padding: swa 7 x 64 x 584; compressed 2 x (64 x 584 + 64 x 132)
 # + 2 x (2 x 584); c4_state 2 x 4 x (2048 + 512) x 4; c128_state 2 x 8 x 1024 x 4
-TINY = {"swa": 261_632, "compressed": 93_984, "c4_state": 81_920, "c128_state": 65_536}
+TINY_HOST = {"swa": 261_632, "compressed": 93_984, "c4_state": 81_920, "c128_state": 65_536}
 
 
 def test_tiny_v4_bytes_per_block():
     layout = CacheLayout(tiny_v4())
     assert {g.name: layout.bytes_per_block(g.name) for g in layout.groups} == TINY
-    assert TINY["swa"] == 7 * 64 * 584
-    assert TINY["compressed"] == 2 * (64 * 584 + 64 * 132) + 2 * 2 * 584
-    assert TINY["c4_state"] == 2 * 4 * (2048 + 512) * 4
-    assert TINY["c128_state"] == 2 * 8 * 1024 * 4
+    assert TINY["swa"] == 7 * 65 * 576
+    assert TINY["compressed"] == 2 * (65 * 576 + 15 * 576) + 2 * 3 * 576
+    assert TINY["c4_state"] == 2 * (57 * 576 + 15 * 576)
+    assert TINY["c128_state"] == 2 * 57 * 576
+    # the padding is the smallest multiple of 576 over the meaningful bytes
+    assert 64 * 584 <= 65 * 576 < 64 * 584 + 576
+    assert 64 * 132 <= 15 * 576 < 64 * 132 + 576
+    assert 2 * 584 <= 3 * 576 < 2 * 584 + 576
+    assert 4 * 2048 * 4 <= 57 * 576 < 4 * 2048 * 4 + 576
+    assert 4 * 512 * 4 <= 15 * 576 < 4 * 512 * 4 + 576
+    assert {g.name: layout.host_page_bytes(g.name) for g in layout.groups} == TINY_HOST
+    assert TINY_HOST["swa"] == 7 * 64 * 584
+    assert TINY_HOST["compressed"] == 2 * (64 * 584 + 64 * 132) + 2 * 2 * 584
+    assert TINY_HOST["c4_state"] == 2 * 4 * (2048 + 512) * 4
+    assert TINY_HOST["c128_state"] == 2 * 8 * 1024 * 4
 
 
 def test_windows_hold_n_windows_plus_one_step_allowance():
@@ -57,14 +78,17 @@ def test_windows_hold_n_windows_plus_one_step_allowance():
     #   c128_state: window 128 in 8-token blocks -> 17; allowance 32 + 4 = 36
     windows = {"swa": 4 * 3 + 8 + 1, "c4_state": 4 * 3 + 68 + 1, "c128_state": 4 * 17 + 36 + 1}
     assert windows == {"swa": 21, "c4_state": 81, "c128_state": 105}
+    # 67,108,864 - (21 x 262,080 + 81 x 82,944 + 105 x 65,664)
+    #   = 67,108,864 - (5,503,680 + 6,718,464 + 6,894,720) = 67,108,864 - 19,116,864
     rest = budget - sum(n * TINY[g] for g, n in windows.items())
-    assert rest == 48_097_792
-    compressed = rest // TINY["compressed"]
-    assert compressed == 511
+    assert rest == 47_992_000
+    compressed = rest // TINY["compressed"]  # 47,992,000 // 95,616 = 501 (x 95,616 = 47,903,616)
+    assert compressed == 501
     assert plan.num_blocks == windows | {"compressed": compressed}
-    assert plan.max_tokens == (511 - 1) * 256 == 130_560
-    assert plan.total_bytes == budget - rest + 511 * TINY["compressed"] == 67_036_896
-    assert plan.max_concurrency == 4  # window groups hold 4; compressed 510 // 16 = 31
+    assert plan.max_tokens == (501 - 1) * 256 == 128_000
+    # 19,116,864 + 47,903,616
+    assert plan.total_bytes == budget - rest + 501 * TINY["compressed"] == 67_020_480
+    assert plan.max_concurrency == 4  # window groups hold 4; compressed 500 // 16 = 31
     groups = {g.group: g for g in plan.groups}
     assert {g: p.step_blocks for g, p in groups.items()} == {
         "swa": 8,
@@ -94,17 +118,18 @@ def test_describe_prints_the_plan_without_recomputing_it():
         tiny_v4(), 64 << 20, max_num_seqs=4, max_model_len=4096, max_num_batched_tokens=256
     )
     assert plan.describe() == [
-        "Device memory plan: 67,036,896 B (0.06 GiB) of a 67,108,864 B (0.06 GiB) budget",
+        # the figures of test_windows_hold_n_windows_plus_one_step_allowance
+        "Device memory plan: 67,020,480 B (0.06 GiB) of a 67,108,864 B (0.06 GiB) budget",
         "Planned for max_num_seqs=4, max_model_len=4,096, max_num_batched_tokens=256",
-        "  swa (sliding_window, window 128, 64-token blocks): 21 blocks x 261,632 B = "
-        "5,494,272 B; 4 sequences of max_model_len, 8 blocks for one step's tokens",
-        "  compressed (full, 256-token blocks): 511 blocks x 93,984 B = 48,025,824 B; "
-        "31 sequences of max_model_len, 130,560 tokens of history",
-        "  c4_state (state, window 8, 4-token blocks): 81 blocks x 81,920 B = 6,635,520 B; "
+        "  swa (sliding_window, window 128, 64-token blocks): 21 blocks x 262,080 B = "
+        "5,503,680 B; 4 sequences of max_model_len, 8 blocks for one step's tokens",
+        "  compressed (full, 256-token blocks): 501 blocks x 95,616 B = 47,903,616 B; "
+        "31 sequences of max_model_len, 128,000 tokens of history",
+        "  c4_state (state, window 8, 4-token blocks): 81 blocks x 82,944 B = 6,718,464 B; "
         "4 sequences of max_model_len, 68 blocks for one step's tokens",
-        "  c128_state (state, window 128, 8-token blocks): 105 blocks x 65,536 B = "
-        "6,881,280 B; 4 sequences of max_model_len, 36 blocks for one step's tokens",
-        "Full-history capacity: 130,560 tokens",
+        "  c128_state (state, window 128, 8-token blocks): 105 blocks x 65,664 B = "
+        "6,894,720 B; 4 sequences of max_model_len, 36 blocks for one step's tokens",
+        "Full-history capacity: 128,000 tokens",
         "Holds 4 sequences of 4,096 tokens at once",
     ]
 
@@ -217,12 +242,15 @@ def test_windows_are_balanced_at_the_window_length_not_at_max_model_len():
     assert swa.step_blocks == 512 + 256
 
 
-# DeepSeek-V4-Flash: 43 layers: 21 with ratio 4, 20 with ratio 128, 2 without
+# DeepSeek-V4-Flash: 43 layers: 21 with ratio 4, 20 with ratio 128, 2 without. Device blocks
+# padded to 576 B per (layer, role) as in TINY: swa_kv 37,440 = 65 x 576; compressed_kv (r=4)
+# 37,440 + indexer 8,640 = 15 x 576; compressed_kv (r=128) 1,728 = 3 x 576; compressor_state
+# 32,832 = 57 x 576; indexer_compressor_state 8,640 = 15 x 576
 FLASH = {
-    "swa": 43 * 64 * 584,  # 1,607,168
-    "compressed": 21 * (64 * 584 + 64 * 132) + 20 * 2 * 584,  # 985,664
-    "c4_state": 21 * 4 * (2048 + 512) * 4,  # 860,160
-    "c128_state": 20 * 8 * 1024 * 4,  # 655,360
+    "swa": 43 * 65 * 576,  # 1,609,920
+    "compressed": 21 * (65 * 576 + 15 * 576) + 20 * 3 * 576,  # 967,680 + 34,560 = 1,002,240
+    "c4_state": 21 * (57 * 576 + 15 * 576),  # 870,912
+    "c128_state": 20 * 57 * 576,  # 656,640
 }
 
 
@@ -238,7 +266,12 @@ def flash_windows(seqs, tokens=8192):
 
 @pytest.mark.parametrize(
     ("seqs", "history", "tokens", "concurrency"),
-    [(16, 62_329, 15_955_968, 16), (256, 57_054, 14_605_568, 222)],
+    # 16 seqs: windows swa 193, c4_state 2,113, c128_state 1,313 blocks = 3,013,119,936 B;
+    #   (64,424,509,440 - 3,013,119,936) // 1,002,240 = 61,274; (61,274 - 1) x 256 = 15,685,888
+    # 256 seqs: windows swa 1,153, c4_state 3,073, c128_state 5,633 blocks = 8,231,403,456 B;
+    #   (64,424,509,440 - 8,231,403,456) // 1,002,240 = 56,067; (56,067 - 1) x 256 = 14,352,896;
+    #   concurrency (56,067 - 1) // 256 = 219
+    [(16, 61_274, 15_685_888, 16), (256, 56_067, 14_352_896, 219)],
 )
 def test_deepseek_v4_flash_on_60gib(seqs, history, tokens, concurrency):
     layout = CacheLayout(from_hf_config("deepseek-v4-flash"))
@@ -394,13 +427,16 @@ def test_host_plan_full_groups_take_the_rest():
     # n swapped sequences: windows of 3, 3 and 17 pages each, and compressed pages for n
     # sequences as long as the longest window (one 256-token page each), at least one of
     # 4,096 tokens (16 pages); host pages have no step allowance. For n >= 16:
-    # nulls + n x (3 swa + 3 c4 + 17 c128 + 1 compressed) <= 64 MiB -> n = 29
-    per_seq = 3 * TINY["swa"] + 3 * TINY["c4_state"] + 17 * TINY["c128_state"] + TINY["compressed"]
-    n = ((64 << 20) - sum(TINY.values())) // per_seq
+    # nulls + n x (3 swa + 3 c4 + 17 c128 + 1 compressed) <= 64 MiB -> n = 29, in host page
+    # bytes (no device padding)
+    host = TINY_HOST
+    per_seq = 3 * host["swa"] + 3 * host["c4_state"] + 17 * host["c128_state"] + host["compressed"]
+    n = ((64 << 20) - sum(host.values())) // per_seq
     assert n == 29
     windows = {"swa": 3 * n + 1, "c4_state": 3 * n + 1, "c128_state": 17 * n + 1}
-    rest = (64 << 20) - sum(c * TINY[g] for g, c in windows.items())
-    assert plan.num_blocks == windows | {"compressed": rest // TINY["compressed"]}
+    rest = (64 << 20) - sum(c * host[g] for g, c in windows.items())
+    assert plan.num_blocks == windows | {"compressed": rest // host["compressed"]}
+    assert {g.group: g.bytes_per_block for g in plan.groups} == TINY_HOST
     assert plan.num_blocks["compressed"] == 47
     assert plan.max_concurrency == 46 // 16 == 2  # history for two 4,096-token sequences
     assert plan.warnings == ()  # host plans are not bound by max_num_seqs
@@ -443,17 +479,24 @@ def test_host_plan_without_length_warns():
             "max_num_batched_tokens=256 does not apply to a host plan",
         ),
         (
+            # no sequence yet: each window group's step allowance min(cdiv(8192, B) + 4,
+            # 4 x cdiv(4096, B)) + null, the compressed group's null block:
+            #   swa (128 + 4 + 1) x 262,080 = 34,856,640; compressed 1 x 95,616;
+            #   c4_state (2048 + 4 + 1) x 82,944 = 170,284,032;
+            #   c128_state (1024 + 4 + 1) x 65,664 = 67,568,256; sum 272,804,544
             (64 << 20,),
             {"max_num_seqs": 4, "max_model_len": 4096},
             r"memory_budget=67,108,864 bytes is too small for the reservations that do not "
-            r"depend on sequence length: 270,509,344 bytes for max_num_seqs=4, "
-            r"max_num_batched_tokens=8,192 \(engine default\) \(swa: 34,797,056 B, ",
+            r"depend on sequence length: 272,804,544 bytes for max_num_seqs=4, "
+            r"max_num_batched_tokens=8,192 \(engine default\) \(swa: 34,856,640 B, "
+            r"compressed: 95,616 B, c4_state: 170,284,032 B, c128_state: 67,568,256 B\)",
         ),
         (
+            # test_one_sequence_cost_in_the_refusal_is_exact derives 404,401,536
             (20 << 20,),
             {"max_num_seqs": 4, "max_model_len": 1 << 20, "max_num_batched_tokens": 256},
             r"memory_budget=20,971,520 bytes is too small for one sequence of "
-            r"max_model_len=1,048,576 tokens: the groups' reservations need 397,629,216 bytes",
+            r"max_model_len=1,048,576 tokens: the groups' reservations need 404,401,536 bytes",
         ),
         (
             (64 << 20,),
@@ -480,7 +523,9 @@ def test_one_sequence_cost_in_the_refusal_is_exact():
         "c4_state": 3 + 64 + 4 + 1,
         "c128_state": 17 + 32 + 4 + 1,
     }
-    assert sum(c * TINY[g] for g, c in blocks.items()) == 397_629_216
+    # swa 12 x 262,080 = 3,144,960; compressed 4,097 x 95,616 = 391,738,752;
+    # c4_state 72 x 82,944 = 5,971,968; c128_state 54 x 65,664 = 3,545,856
+    assert sum(c * TINY[g] for g, c in blocks.items()) == 404_401_536
 
 
 @pytest.mark.parametrize(
