@@ -324,9 +324,9 @@ def run_scenario(config: str, data: st.DataObject, num_ops: int) -> None:
                 ids.append(f"r{next_id}")
                 next_id += 1
             ids = data.draw(st.permutations(ids)) if ids else ids
-            # a decode or a prefill chunk; zero-token steps only for empty requests: a
-            # zero-token step of a longer one releases a block of its resting window (pinned
-            # by tests/test_soak.py::test_zero_token_step_keeps_resting_window)
+            # a decode or a prefill chunk; zero-token steps only for empty requests here (the
+            # reference model reads from the first scheduled token); the soak covers steps of
+            # no tokens for running requests
             new = []
             for rid in ids:
                 low = 0 if rid not in model.resident or not model.resident[rid].num_tokens else 1
