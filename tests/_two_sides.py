@@ -44,7 +44,7 @@ def worker_main(conn: Any, model: str) -> None:
 
     from kvforge.cache_controller import CacheLayout, live_start
     from kvforge.host_cache import swap
-    from kvforge.verify import entry_bytes_for
+    from kvforge.verify import entry_bytes_for, read_entries, write_entries
     from kvforge.worker import CacheStorage
 
     layout = CacheLayout(build(model))
@@ -69,9 +69,8 @@ def worker_main(conn: Any, model: str) -> None:
             pos = np.arange(live_start(e.group, num_tokens), num_tokens, dtype=np.int64)
             slots = storage.slot_mapping(row, e.group.name, pos, e.role.compress_ratio)
             keep = slots >= 0
-            flat = storage.kv_caches[e.index].view(torch.uint8).view(-1, e.role.entry_bytes)
             want = entry_bytes_for(seed, e, torch.from_numpy(pos[keep]), e.role.entry_bytes)
-            yield flat, torch.from_numpy(slots[keep]), want
+            yield storage.kv_caches[e.index], e, torch.from_numpy(slots[keep]), want
 
     while True:
         op, payload = conn.recv()
@@ -93,17 +92,17 @@ def worker_main(conn: Any, model: str) -> None:
         elif op == "write":
             reply = 0
             for row, num_tokens, seed in payload:
-                for flat, slots, want in entries(row, num_tokens, seed, ()):
-                    flat[slots] = want
+                for cache, e, slots, want in entries(row, num_tokens, seed, ()):
+                    write_entries(cache, e, slots, want)
                     reply += len(slots)
         elif op == "verify":
             rows, skip = payload
             reply = []
             for row, num_tokens, seed in rows:
                 total = bad = 0
-                for flat, slots, want in entries(row, num_tokens, seed, skip):
+                for cache, e, slots, want in entries(row, num_tokens, seed, skip):
                     total += len(slots)
-                    bad += int((flat[slots] != want).any(dim=1).sum())
+                    bad += int((read_entries(cache, e, slots) != want).any(dim=1).sum())
                 reply.append((total, bad))
         elif op == "scribble":
             for cache in storage.kv_caches:
@@ -123,6 +122,17 @@ def worker_main(conn: Any, model: str) -> None:
 
 
 def scheduler_main(conn: Any, model: str, out: Any) -> None:
+    """Run the scenario; report its figures, or the error, on ``out`` (never hang the test)."""
+    try:
+        out.put(_scheduler(conn, model))
+    except BaseException:
+        import traceback
+
+        out.put({"error": traceback.format_exc()})
+        conn.send(("stop", None))
+
+
+def _scheduler(conn: Any, model: str) -> dict:
     from kvforge.cache_controller import BlockManager, CacheLayout
 
     def call(op: str, payload: Any = None) -> Any:
@@ -175,15 +185,13 @@ def scheduler_main(conn: Any, model: str, out: Any) -> None:
     manager.finish(["a", "b"])
     call("deltas", manager.take_table_deltas())
     call("stop")
-    out.put(
-        {
-            "written": written,
-            "checks": checks,
-            "rolled_back": rolled_back,
-            "used_before": used,
-            "used_after": after,
-            "pools_full": all(manager.num_used_blocks(g) == 0 for g in manager.groups),
-            "forbidden": sorted(m for m in sys.modules if m.startswith(SCHEDULER_FORBIDDEN)),
-            "failure": None if failed.failure is None else failed.failure.message,
-        }
-    )
+    return {
+        "written": written,
+        "checks": checks,
+        "rolled_back": rolled_back,
+        "used_before": used,
+        "used_after": after,
+        "pools_full": all(manager.num_used_blocks(g) == 0 for g in manager.groups),
+        "forbidden": sorted(m for m in sys.modules if m.startswith(SCHEDULER_FORBIDDEN)),
+        "failure": None if failed.failure is None else failed.failure.message,
+    }

@@ -22,9 +22,15 @@ def test_scheduler_and_worker_in_two_processes(model):
     scheduler = ctx.Process(target=scheduler_main, args=(sched_end, model, out))
     worker.start()
     scheduler.start()
-    result = out.get(timeout=240)
-    scheduler.join(60)
-    worker.join(60)
+    try:
+        result = out.get(timeout=240)
+    finally:
+        scheduler.join(60)
+        worker.join(60)
+        for proc in (scheduler, worker):
+            if proc.is_alive():
+                proc.kill()
+    assert "error" not in result, result.get("error")
     assert scheduler.exitcode == 0 and worker.exitcode == 0
     assert result["forbidden"] == []  # the scheduler never imported host_cache, ops, worker
     # every live entry written before the swap out came back byte for byte
