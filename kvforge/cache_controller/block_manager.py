@@ -38,7 +38,9 @@ Invariants (tested in ``tests/test_block_manager.py``):
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +51,12 @@ import numpy as np
 from kvforge.cache_controller.block_pool import NULL_BLOCK, BlockPool
 from kvforge.cache_controller.layout import CacheLayout
 from kvforge.cache_controller.memory_plan import check_allocatable
+from kvforge.cache_controller.prefix_hash import PrefixHasher
 from kvforge.cache_controller.values import (
+    BlockCopy,
+    PrefixEvent,
+    PrefixMatch,
+    PrefixQuery,
     Refusal,
     RequestMove,
     StepAllocation,
@@ -63,6 +70,7 @@ from kvforge.specs import CacheGroup, SwapPurpose, TokenRange
 __all__ = [
     "DEFAULT_MAX_NUM_SEQS",
     "BlockManager",
+    "PrefixStats",
     "SwapStats",
     "check_request_id",
     "held_blocks",
@@ -151,6 +159,32 @@ class SwapStats:
 
 
 @dataclass
+class PrefixStats:
+    """Counters of the prefix cache.
+
+    Attributes:
+        queries: prompts looked up.
+        query_tokens: their tokens.
+        hit_tokens: tokens served from cache (``sum(L)``).
+        hit_tokens_by_group: per group, the tokens its shared blocks cover.
+        stored_blocks: blocks that became reusable, per group.
+        evictions: blocks evicted, per family (``history``, ``window``, ``snapshot``).
+    """
+
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_group: dict[str, int] = field(default_factory=dict)
+    stored_blocks: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        """Display only: ``hit_tokens / query_tokens``."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass
 class _Group:
     """Per-group scheduler state: the spec, its pool, its table and per-row extents."""
 
@@ -162,6 +196,7 @@ class _Group:
     pool: BlockPool
     table: np.ndarray  # int32 [max_num_seqs, width]
     held_from: np.ndarray  # int64 [max_num_seqs]: first column that may hold a block
+    cached: dict[object, int] = field(default_factory=dict)  # prefix key -> block (caching on)
 
 
 @dataclass
@@ -235,6 +270,8 @@ class BlockManager:
         num_blocks: Mapping[str, int],
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_model_len: int | None = None,
+        enable_prefix_caching: bool = False,
+        snapshot_interval: int | None = None,
     ) -> None:
         self.layout = layout
         self.max_num_seqs = _int_arg("max_num_seqs", max_num_seqs, 1)
@@ -278,6 +315,30 @@ class BlockManager:
         self._page_bytes: dict[str, int] = {}
         self.stats = SwapStats()
         self._lock = threading.RLock()
+        self.prefix_caching = bool(enable_prefix_caching)
+        self.prefix_stats = PrefixStats()
+        self._events: list[PrefixEvent] = []
+        self._hashers: dict[int, PrefixHasher] = {}  # row -> key chain of its tokens
+        self._committed = np.zeros((len(self._groups), self.max_num_seqs), dtype=np.int64)
+        self._pins: list[tuple[_Group, np.ndarray]] = []  # snapshot blocks held for one step
+        sizes = [g.block_size for g in self._groups if g.code != _PER_REQUEST]
+        self.boundary = math.lcm(*sizes) if sizes else 1
+        if snapshot_interval is None:
+            snapshot_interval = self.boundary * -(-512 // self.boundary)
+        if (
+            not isinstance(snapshot_interval, int)
+            or isinstance(snapshot_interval, bool)
+            or snapshot_interval < 1
+            or snapshot_interval % self.boundary
+        ):
+            raise ValueError(
+                f"snapshot_interval must be a positive multiple of {self.boundary} (the LCM of "
+                f"the groups' block sizes), got {snapshot_interval!r}"
+            )
+        self.snapshot_interval = snapshot_interval
+        if self.prefix_caching:
+            for g in self._groups:
+                g.pool.enable_caching(functools.partial(self._evicted, g))
 
     # ================================================================== read-only views
 
@@ -352,6 +413,7 @@ class BlockManager:
         request_ids: Sequence[str],
         num_new_tokens: Sequence[int] | np.ndarray,
         new_token_ids: Sequence[Sequence[int]] | None = None,
+        prefix_matches: Sequence[PrefixMatch | None] | None = None,
     ) -> StepAllocation:
         """Grow every scheduled request by its new tokens, in one call for the whole batch.
 
@@ -364,8 +426,15 @@ class BlockManager:
         Args:
             request_ids: the scheduled requests (distinct).
             num_new_tokens: tokens each grows by this step (ints >= 0).
-            new_token_ids: optional token ids of the new tokens (one sequence per request,
-                of length ``num_new_tokens[i]``); checked for length, kept for prefix reuse.
+            new_token_ids: token ids of the new tokens (one sequence per request, of length
+                ``num_new_tokens[i]``). With prefix caching, the blocks they complete become
+                reusable by later requests; a step without them ends that request's chain.
+            prefix_matches: for new requests, what :meth:`lookup` returned for their prompt
+                (``None`` elsewhere): a request with a hit starts at ``match.num_tokens``
+                sharing the matched blocks, and ``num_new_tokens`` counts the tokens after
+                them. With per-request (linear-attention) groups and prefix caching, a step
+                is cut to end on the next snapshot boundary (see :attr:`snapshot_interval`):
+                read the scheduled counts from the result's ``num_new``.
 
         Returns:
             a :class:`StepAllocation` carrying every table change since the previous step.
@@ -379,6 +448,8 @@ class BlockManager:
         new = _counts(num_new_tokens, len(ids))
         if new_token_ids is not None:
             _check_token_ids(new_token_ids, new)
+        if prefix_matches is not None:
+            _check_matches(prefix_matches, len(ids))
         batch = len(ids)
         rows = np.empty(batch, dtype=np.int64)
         fresh = np.zeros(batch, dtype=bool)
@@ -397,7 +468,13 @@ class BlockManager:
             else:
                 if rid in self._busy:
                     raise RequestStateError(f"request {rid!r} has a swap in flight")
+                if prefix_matches is not None and prefix_matches[i] is not None:
+                    raise ValueError(
+                        f"prefix_matches[{i}] is given for request {rid!r}, which is already "
+                        "running; a match applies to a new request only"
+                    )
                 rows[i] = row
+        self._release_pins()
         refused: list[Refusal] = []
         accept = np.ones(batch, dtype=bool)
         n_fresh = int(fresh.sum())
@@ -413,7 +490,21 @@ class BlockManager:
             taken = [self._free_rows.pop() for _ in range(len(fresh_idx))]
             rows[fresh_idx] = taken
         safe_rows = np.where(rows < 0, 0, rows)
-        before = np.where(fresh, 0, self._num_tokens[safe_rows])
+        adopted: dict[int, PrefixMatch] = {}
+        if prefix_matches is not None or self.prefix_caching:
+            for i in np.flatnonzero(fresh & accept):
+                match = prefix_matches[i] if prefix_matches is not None else None
+                stale = self._adopt(ids[i], int(rows[i]), match)
+                if stale is not None:
+                    accept[i] = False
+                    refused.append(Refusal(ids[i], "stale_prefix", stale, 0, 0))
+                elif match is not None and match.num_tokens:
+                    adopted[int(i)] = match
+        before = np.where(fresh & ~accept, 0, self._num_tokens[safe_rows])
+        if self.prefix_caching and self._snapshot_groups:
+            interval = self.snapshot_interval
+            due = (before // interval + 1) * interval
+            new = np.minimum(new, due - before)
         after = before + new
         too_long = after > self.max_model_len
         if too_long.any():
@@ -435,8 +526,14 @@ class BlockManager:
             )
         # rows taken for fresh requests that were refused go back
         for i in np.flatnonzero(fresh & ~accept):
+            if int(i) in adopted:
+                self._unadopt(int(rows[i]), adopted.pop(int(i)))
+            self._hashers.pop(ids[i], None)
             if rows[i] >= 0:
                 self._free_rows.append(int(rows[i]))
+        copies_before: list[BlockCopy] = []
+        for i, match in adopted.items():
+            copies_before += self._record_adoption(int(rows[i]), match)
         for i in np.flatnonzero(fresh & accept):
             row_of[ids[i]] = int(rows[i])
         if accept.all():
@@ -446,6 +543,13 @@ class BlockManager:
             kept_ids = tuple(r for r, a in zip(ids, accept, strict=True) if a)
             kept = accept
         self._num_tokens[safe_rows[kept]] = after[kept]
+        copies_after: list[BlockCopy] = []
+        if self._hashers:
+            for i in np.flatnonzero(accept):
+                tokens = None if new_token_ids is None else new_token_ids[i]
+                copies_after += self._commit(
+                    ids[i], int(safe_rows[i]), int(before[i]), int(after[i]), tokens
+                )
         deltas = tuple(self._pending)
         self._pending = []
         refused.sort(key=lambda r: ids.index(r.request_id))
@@ -456,6 +560,8 @@ class BlockManager:
             num_new=new[kept],
             refused=tuple(refused),
             table_deltas=deltas,
+            copies_before=tuple(copies_before),
+            copies_after=tuple(copies_after),
         )
 
     def _plan_growth(
@@ -475,12 +581,14 @@ class BlockManager:
             if g.code == _FULL:
                 plans.append((need, old_len, old_len, old_len))
                 continue
-            first_read = before  # the first scheduled token (fresh requests: token 0)
+            # the first scheduled token (a new request: token 0); a step that schedules
+            # nothing keeps the resting window, the newest token's view (see live_start)
+            first_read = np.where(after > before, before, np.maximum(before - 1, 0))
             if g.code == _WINDOW:
                 start = np.maximum(0, first_read + 1 - g.window)
             else:
                 start = (first_read // g.window) * g.window
-            lo = np.where(fresh, 0, g.held_from[rows])
+            lo = g.held_from[rows]  # 0 for a new row, the shared tail's start after a hit
             hi = np.maximum(lo, np.minimum(start // bs, old_len))
             plans.append((need, lo, hi, old_len))
         return plans
@@ -498,23 +606,21 @@ class BlockManager:
         for g, (need, lo, hi, first_new) in zip(self._groups, plans, strict=True):
             if sel is not None:
                 need, lo, hi, first_new = need[sel], lo[sel], hi[sel], first_new[sel]
-                g_rows, g_fresh = rows[sel], fresh[sel]
+                g_rows = rows[sel]
             else:
-                g_rows, g_fresh = rows, fresh
+                g_rows = rows
             parts_r: list[np.ndarray] = []
             parts_c: list[np.ndarray] = []
             parts_v: list[np.ndarray] = []
-            if g.code != _FULL and g.code != _PER_REQUEST:
-                g.held_from[g_rows[g_fresh]] = 0
-                if (hi > lo).any():
-                    r, c = _expand(g_rows, lo, hi)
-                    old = g.table[r, c]
-                    g.pool.release(old[old != NULL_BLOCK])
-                    g.table[r, c] = NULL_BLOCK
-                    g.held_from[g_rows] = hi
-                    parts_r.append(r)
-                    parts_c.append(c)
-                    parts_v.append(np.zeros(len(r), dtype=np.int32))
+            if g.code not in (_FULL, _PER_REQUEST) and (hi > lo).any():
+                r, c = _expand(g_rows, lo, hi)
+                old = g.table[r, c]
+                g.pool.release(old[old != NULL_BLOCK])
+                g.table[r, c] = NULL_BLOCK
+                g.held_from[g_rows] = hi
+                parts_r.append(r)
+                parts_c.append(c)
+                parts_v.append(np.zeros(len(r), dtype=np.int32))
             total = int(need.sum())
             if total:
                 ids = g.pool.take(total)
@@ -566,6 +672,275 @@ class BlockManager:
             self._apply_growth(rows, fresh, before, after, plans, np.array([i]))
         return accept
 
+
+    # ================================================================== prefix cache
+
+    @property
+    def _snapshot_groups(self) -> list[_Group]:
+        return [g for g in self._groups if g.code == _PER_REQUEST]
+
+    def _window_start(self, g: _Group, num_tokens: int) -> int:
+        """First token the step after a prefix of ``num_tokens`` reads in group ``g``."""
+        if g.code == _WINDOW:
+            return max(0, num_tokens + 1 - g.window)
+        if g.code == _CHUNKED:
+            return (num_tokens // g.window) * g.window
+        return 0
+
+    @_locked
+    def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
+        """The longest reusable prefix of each prompt, for many prompts at once.
+
+        ``L`` is the largest multiple of :attr:`boundary` (the LCM of the groups' block sizes)
+        below the prompt's length such that every full group holds the whole chain
+        ``[0, L)``, every sliding-window and state group the blocks covering the window the
+        next token reads (``[L + 1 - W, L)``), every chunked group the blocks of the current
+        chunk (``[L // C * C, L)``), and every per-request group a snapshot taken at exactly
+        ``L``. Nothing changes but the counters; pass the matches to :meth:`schedule`.
+
+        Worked example, DeepSeek-V4 (``swa`` block 64 window 128; ``compressed`` block 256;
+        ``c4_state`` block 4 window 8; ``c128_state`` block 8 window 128; LCM 256), a prompt
+        of 1,000 tokens whose first 768 are cached: ``L = 768``; ``compressed`` shares blocks
+        0..2 (tokens 0..767); ``swa`` needs tokens 641..767: blocks 10 and 11; ``c4_state``
+        tokens 761..767: blocks 190 and 191; ``c128_state`` tokens 641..767: blocks 80..95.
+        """
+        if isinstance(queries, PrefixQuery) or not isinstance(queries, Sequence):
+            raise TypeError(
+                f"queries must be a sequence of PrefixQuery, got {type(queries).__name__}"
+            )
+        return [self._lookup_one(q, i) for i, q in enumerate(queries)]
+
+    def _lookup_one(self, query: PrefixQuery, index: int) -> PrefixMatch:
+        if not isinstance(query, PrefixQuery):
+            raise TypeError(f"queries[{index}] is a {type(query).__name__}, not a PrefixQuery")
+        tokens = _token_array(query.token_ids, f"queries[{index}].token_ids")
+        n = len(tokens)
+        hasher = PrefixHasher(query.extra_keys, token_keys=query.token_keys)
+        stats = self.prefix_stats
+        stats.queries += 1
+        stats.query_tokens += n
+        step = self.boundary
+        top = ((n - 1) // step) * step if n else 0
+        if not self.prefix_caching or top == 0:
+            return PrefixMatch(0, {}, {}, {}, hasher)
+        sizes = [g.block_size for g in self._groups if g.code != _PER_REQUEST]
+        if self._snapshot_groups:
+            sizes.append(self.snapshot_interval)
+        unit = math.gcd(*sizes)
+        keys = hasher.extend(tokens[:top], at=np.arange(unit, top + 1, unit))
+
+        def key_at(t: int) -> object:
+            return keys[t // unit - 1]
+
+        upper = top
+        for g in self._groups:
+            if g.code == _FULL:
+                i = 0
+                bs = g.block_size
+                while (i + 1) * bs <= upper and key_at((i + 1) * bs) in g.cached:
+                    i += 1
+                upper = min(upper, i * g.block_size)
+        length = (upper // step) * step
+        while length > 0:
+            if self._tails_present(length, key_at):
+                break
+            length -= step
+        if length == 0:
+            fresh = PrefixHasher(query.extra_keys, token_keys=query.token_keys)
+            return PrefixMatch(0, {}, {}, {}, fresh)
+        first: dict[str, int] = {}
+        blocks: dict[str, np.ndarray] = {}
+        used: dict[str, tuple[object, ...]] = {}
+        for g in self._groups:
+            name = g.spec.name
+            if g.code == _PER_REQUEST:
+                found = (key_at(length),)
+                first[name] = 0
+            else:
+                c0 = self._window_start(g, length) // g.block_size
+                found = tuple(
+                    key_at((c + 1) * g.block_size) for c in range(c0, length // g.block_size)
+                )
+                first[name] = c0
+            used[name] = found
+            blocks[name] = np.array([g.cached[k] for k in found], dtype=np.int32)
+            covered = length if g.code in (_FULL, _PER_REQUEST) else len(found) * g.block_size
+            stats.hit_tokens_by_group[name] = stats.hit_tokens_by_group.get(name, 0) + covered
+        stats.hit_tokens += length
+        return PrefixMatch(length, first, blocks, used, hasher.at_prefix(length))
+
+    def _tails_present(self, length: int, key_at: Callable[[int], object]) -> bool:
+        for g in self._groups:
+            if g.code == _PER_REQUEST:
+                if (
+                    g.slots != 1
+                    or length % self.snapshot_interval
+                    or key_at(length) not in g.cached
+                ):
+                    return False
+            elif g.code != _FULL:
+                c0 = self._window_start(g, length) // g.block_size
+                for c in range(c0, length // g.block_size):
+                    if key_at((c + 1) * g.block_size) not in g.cached:
+                        return False
+        return True
+
+    def _adopt(self, request_id: str, row: int, match: PrefixMatch | None) -> str | None:
+        """Share a match's blocks into ``row``; the name of a group whose blocks were evicted
+        since the lookup (nothing changed then), else ``None``."""
+        if self.prefix_caching:
+            hasher = match.hasher if match is not None else PrefixHasher()
+            if not isinstance(hasher, PrefixHasher):
+                raise TypeError(f"prefix match of {request_id!r} carries no PrefixHasher")
+            self._hashers[request_id] = hasher.at_prefix(hasher.num_tokens)
+        if match is None or not match.num_tokens:
+            return None
+        for g in self._groups:
+            keys = match.keys.get(g.spec.name, ())
+            blocks = match.blocks.get(g.spec.name)
+            if blocks is None or len(blocks) != len(keys):
+                return g.spec.name
+            if any(g.cached.get(k) != int(b) for k, b in zip(keys, blocks.tolist(), strict=True)):
+                self._hashers.pop(request_id, None)
+                return g.spec.name
+        for gi, g in enumerate(self._groups):
+            blocks = match.blocks[g.spec.name]
+            g.pool.share(blocks.tolist())
+            if g.code == _PER_REQUEST:
+                self._pins.append((g, blocks))  # the restore copy reads it during the step
+                continue
+            c0 = match.first_col[g.spec.name]
+            g.table[row, c0 : c0 + len(blocks)] = blocks
+            g.held_from[row] = c0
+            self._committed[gi, row] = match.num_tokens // g.block_size
+        self._num_tokens[row] = match.num_tokens
+        return None
+
+    def _unadopt(self, row: int, match: PrefixMatch) -> None:
+        for gi, g in enumerate(self._groups):
+            blocks = match.blocks[g.spec.name]
+            if g.code == _PER_REQUEST:
+                self._pins = [(pg, pb) for pg, pb in self._pins if pb is not blocks]
+            else:
+                c0 = match.first_col[g.spec.name]
+                g.table[row, c0 : c0 + len(blocks)] = NULL_BLOCK
+                g.held_from[row] = 0
+                self._committed[gi, row] = 0
+            g.pool.release(blocks)
+        self._num_tokens[row] = 0
+
+    def _record_adoption(self, row: int, match: PrefixMatch) -> list[BlockCopy]:
+        """Table deltas of an accepted hit, and the copies restoring per-request state."""
+        copies = []
+        for g in self._groups:
+            blocks = match.blocks[g.spec.name]
+            if g.code == _PER_REQUEST:
+                copies.append(BlockCopy(g.spec.name, blocks, g.table[row, : g.slots].copy()))
+                continue
+            c0 = match.first_col[g.spec.name]
+            self._pending.append(
+                TableDelta(
+                    group=g.spec.name,
+                    rows=np.full(len(blocks), row, dtype=np.int32),
+                    cols=np.arange(c0, c0 + len(blocks), dtype=np.int32),
+                    block_ids=blocks.astype(np.int32),
+                )
+            )
+        return copies
+
+    def _commit(
+        self, request_id: str, row: int, before: int, after: int, tokens: Sequence[int] | None
+    ) -> list[BlockCopy]:
+        """Make the blocks this step completed reusable; snapshot per-request state."""
+        hasher = self._hashers.get(request_id)
+        if hasher is None or after == before:
+            return []
+        if tokens is None or hasher.num_tokens != before:
+            del self._hashers[request_id]  # the chain is broken: stop registering
+            return []
+        toks = _token_array(tokens, "new_token_ids")[: after - before]
+        wanted: set[int] = set()
+        for gi, g in enumerate(self._groups):
+            if g.code != _PER_REQUEST:
+                done = int(self._committed[gi, row])
+                wanted.update((c + 1) * g.block_size for c in range(done, after // g.block_size))
+        snapshot = bool(self._snapshot_groups) and after % self.snapshot_interval == 0
+        if snapshot:
+            wanted.add(after)
+        at = np.array(sorted(wanted), dtype=np.int64)
+        keys = hasher.extend(toks, at=at)
+        key_of = dict(zip(at.tolist(), keys.tolist(), strict=True))
+        stats, events = self.prefix_stats, self._events
+        for gi, g in enumerate(self._groups):
+            if g.code == _PER_REQUEST:
+                continue
+            done, full = int(self._committed[gi, row]), after // g.block_size
+            for c in range(done, full):
+                block = int(g.table[row, c])
+                end = (c + 1) * g.block_size
+                key = key_of[end]
+                if block == NULL_BLOCK or key in g.cached or block in g.pool.keys:
+                    continue
+                g.cached[key] = block
+                g.pool.keys[block] = (key, end)
+                events.append(PrefixEvent("stored", g.spec.name, key, end))
+                stats.stored_blocks[g.spec.name] = stats.stored_blocks.get(g.spec.name, 0) + 1
+            self._committed[gi, row] = full
+        copies: list[BlockCopy] = []
+        if snapshot:
+            key = key_of[after]
+            for g in self._snapshot_groups:
+                # one slot per request is what linear attention holds; several are not
+                # snapshotted (their blocks would have to be evicted together)
+                if g.slots != 1 or key in g.cached or g.pool.num_free < g.slots:
+                    continue
+                dst = g.pool.take(g.slots)
+                for b in dst.tolist():
+                    g.pool.keys[b] = (key, after)
+                g.cached[key] = int(dst[0])
+                self._pins.append((g, dst))  # written by the copy after the step's kernels
+                copies.append(BlockCopy(g.spec.name, g.table[row, : g.slots].copy(), dst))
+                events.append(PrefixEvent("stored", g.spec.name, key, after))
+                stats.stored_blocks[g.spec.name] = stats.stored_blocks.get(g.spec.name, 0) + 1
+        return copies
+
+    def _release_pins(self) -> None:
+        pins, self._pins = self._pins, []
+        for g, blocks in pins:
+            g.pool.release(np.asarray(blocks, dtype=np.int32))
+
+    def _evicted(self, g: _Group, victims: list[int]) -> None:
+        family = g.spec.family.value if hasattr(g.spec, "family") else "history"
+        for b in victims:
+            key, end = g.pool.keys[b]  # type: ignore[index, misc]
+            if g.cached.get(key) == b:
+                del g.cached[key]
+            self._events.append(PrefixEvent("removed", g.spec.name, key, end))  # type: ignore[arg-type]
+        ev = self.prefix_stats.evictions
+        ev[family] = ev.get(family, 0) + len(victims)
+
+    @_locked
+    def take_events(self) -> list[PrefixEvent]:
+        """Blocks stored in and removed from the prefix cache since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    @_locked
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix: evictable blocks go back to the free stacks and blocks
+        in use lose their keys. Returns the number of blocks evicted."""
+        self._release_pins()
+        evicted = 0
+        for g in self._groups:
+            if g.pool.keys is None:
+                continue
+            evicted += len(g.pool.evict(g.pool.num_evictable))
+            for key, block in g.cached.items():
+                _, end = g.pool.keys.pop(block)  # type: ignore[misc]
+                self._events.append(PrefixEvent("removed", g.spec.name, key, end))  # type: ignore[arg-type]
+            g.cached.clear()
+        return evicted
+
     # ================================================================== finish, truncate
 
     @_locked
@@ -584,6 +959,7 @@ class BlockManager:
                 raise self._not_resident(rid)
         resident = [rid for rid in ids if rid in self._row_of]
         for rid in ids:
+            self._hashers.pop(rid, None)
             swapped = self._swapped.pop(rid, None)
             if swapped is not None:
                 for name, pages in swapped.host_pages.items():
@@ -601,6 +977,7 @@ class BlockManager:
             g.held_from[rows] = 0
             self._pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
         self._num_tokens[rows] = 0
+        self._committed[:, rows] = 0
         self._free_rows.extend(int(r) for r in rows[::-1])
 
     @_locked
@@ -631,15 +1008,18 @@ class BlockManager:
         for g in self._groups:
             if g.code in (_FULL, _PER_REQUEST):
                 continue
-            if -(-num_tokens // g.block_size) <= g.held_from[row]:
+            if live_start(g.spec, num_tokens) // g.block_size < g.held_from[row]:
                 raise ValueError(
                     f"cannot truncate request {request_id!r} to {num_tokens} tokens: group "
                     f"{g.spec.name!r} already released the blocks before token "
                     f"{int(g.held_from[row]) * g.block_size}"
                 )
-        for g in self._groups:
+        self._hashers.pop(request_id, None)  # its chain held the rolled-back tokens
+        for gi, g in enumerate(self._groups):
             if g.code == _PER_REQUEST:
                 continue
+            kept = num_tokens // g.block_size
+            self._committed[gi, row] = min(int(self._committed[gi, row]), kept)
             new_len = -(-num_tokens // g.block_size)
             old_len = -(-current // g.block_size)
             if new_len == old_len:
@@ -848,6 +1228,8 @@ class BlockManager:
                         )
                     )
             self._num_tokens[row] = entry.num_tokens
+            for gi, g in enumerate(self._groups):  # restored blocks are not registered again
+                self._committed[gi, row] = entry.num_tokens // g.block_size
             moves.append(
                 RequestMove(
                     request_id=rid,
@@ -1047,6 +1429,23 @@ def _check_token_ids(token_ids: Sequence[Sequence[int]], new: np.ndarray) -> Non
             raise ValueError(
                 f"new_token_ids[{i}] has {len(ids)} token ids but num_new_tokens[{i}] is {int(n)}"
             )
+
+
+def _token_array(tokens: object, name: str) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or (arr.size and (arr.dtype == bool or arr.dtype.kind not in "iu")):
+        raise ValueError(f"{name} must be a 1-d sequence of int token ids, got {tokens!r:.80}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_matches(matches: object, n: int) -> None:
+    if isinstance(matches, str) or not isinstance(matches, Sequence) or len(matches) != n:
+        raise ValueError(
+            f"prefix_matches must be a sequence of {n} PrefixMatch or None, got {matches!r:.80}"
+        )
+    for i, m in enumerate(matches):
+        if m is not None and not isinstance(m, PrefixMatch):
+            raise TypeError(f"prefix_matches[{i}] is a {type(m).__name__}, not a PrefixMatch")
 
 
 def _purpose(purpose: object) -> SwapPurpose:

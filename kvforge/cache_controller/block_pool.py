@@ -12,11 +12,18 @@ Invariants:
 The free stack and the counts are numpy arrays, so the scheduler side can take or return the
 blocks of a whole step in a few array operations (:meth:`BlockPool.take`,
 :meth:`BlockPool.release`) instead of a Python loop per block.
+
+With prefix caching (:meth:`BlockPool.enable_caching`) a block that reaches ref count 0 while
+it holds a key does not go back to the free stack: it becomes *evictable*, keeps its bytes and
+its key, and can be shared again by a later request with the same prefix. It is evicted (its
+key dropped, least recently released first) only when :meth:`BlockPool.take` finds the free
+stack short. ``num_free`` counts both: evictable blocks are free capacity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -57,6 +64,18 @@ class BlockPool:
         # The free stack: the top is at index _num_free - 1, so a fresh pool pops 1, 2, 3, ...
         self._stack = np.arange(num_blocks - 1, NULL_BLOCK, -1, dtype=np.int32)
         self._num_free = num_blocks - 1
+        # prefix caching (off until enable_caching): block -> key of blocks that hold one, and
+        # the evictable ones (ref 0, keyed) in eviction order, oldest first
+        self.keys: dict[int, object] | None = None
+        self._evictable: dict[int, None] = {}
+        self._on_evict: Callable[[list[int]], None] | None = None
+        self.evictions = 0
+
+    def enable_caching(self, on_evict: Callable[[list[int]], None]) -> None:
+        """Keep keyed blocks evictable at ref count 0; ``on_evict(block_ids)`` is told before
+        their keys are dropped."""
+        self.keys = {}
+        self._on_evict = on_evict
 
     @property
     def num_usable(self) -> int:
@@ -64,11 +83,16 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        """Blocks that can be taken: the free stack plus the evictable cached blocks."""
+        return self._num_free + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_usable - self._num_free
+        return self.num_usable - self.num_free
 
     def ref_count(self, block_id: int) -> int:
         self._check_ids([block_id], "ref_count")
@@ -84,8 +108,8 @@ class BlockPool:
         """
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
-        if count > self._num_free:
-            raise OutOfBlocksError(self.kind, self.name, count, self._num_free, "allocate")
+        if count > self.num_free:
+            raise OutOfBlocksError(self.kind, self.name, count, self.num_free, "allocate")
         return self.take(count).tolist()
 
     def incref(self, block_ids: Sequence[int]) -> None:
@@ -121,7 +145,9 @@ class BlockPool:
 
     def take(self, count: int) -> np.ndarray:
         """``count`` free blocks as ``int32 [count]`` (ref count 1 each); the caller has
-        checked ``count <= num_free``."""
+        checked ``count <= num_free``. Evicts cached blocks when the free stack is short."""
+        if count > self._num_free:
+            self.evict(count - self._num_free)
         top = self._num_free
         ids = self._stack[top - count : top][::-1].copy()
         self._num_free = top - count
@@ -137,9 +163,56 @@ class BlockPool:
         zero = block_ids[self._ref[block_ids] == 0]
         if len(zero) > 1:
             zero = np.unique(zero)
+        if self.keys:
+            keyed = [b for b in zero.tolist() if b in self.keys]
+            if keyed:
+                for b in reversed(keyed):  # the deepest block of a chain is evicted first
+                    self._evictable[b] = None
+                zero = zero[~np.isin(zero, keyed)]
         top = self._num_free
         self._stack[top : top + len(zero)] = zero[::-1]
         self._num_free = top + len(zero)
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to used or evictable blocks (a prefix hit)."""
+        for b in block_ids:
+            if self._ref[b] == 0:
+                del self._evictable[b]
+            self._ref[b] += 1
+
+    def evict(self, count: int) -> list[int]:
+        """Drop the keys of the ``count`` least recently released evictable blocks and put
+        them on the free stack."""
+        victims = list(itertools.islice(self._evictable, count))
+        if self._on_evict is not None and victims:
+            self._on_evict(victims)
+        assert self.keys is not None or not victims
+        for b in victims:
+            del self._evictable[b]
+            del self.keys[b]  # type: ignore[union-attr]
+        top = self._num_free
+        self._stack[top : top + len(victims)] = victims[::-1]
+        self._num_free = top + len(victims)
+        self.evictions += len(victims)
+        return victims
+
+    def forget(self, block_id: int) -> None:
+        """Drop the key of a block (evictable ones go back on the free stack)."""
+        if self.keys is None or block_id not in self.keys:
+            return
+        if block_id in self._evictable:
+            self.evict_one(block_id)
+        else:
+            del self.keys[block_id]
+
+    def evict_one(self, block_id: int) -> None:
+        if self._on_evict is not None:
+            self._on_evict([block_id])
+        del self._evictable[block_id]
+        del self.keys[block_id]  # type: ignore[union-attr]
+        self._stack[self._num_free] = block_id
+        self._num_free += 1
+        self.evictions += 1
 
     def _check_ids(self, block_ids: Sequence[int], action: str) -> None:
         for i in block_ids:

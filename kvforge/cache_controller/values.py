@@ -13,6 +13,7 @@ block tables in), token counts and positions ``int64``. ``NULL_BLOCK`` (0) in a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,6 +22,10 @@ import numpy as np
 from kvforge.specs import SwapPurpose
 
 __all__ = [
+    "BlockCopy",
+    "PrefixEvent",
+    "PrefixMatch",
+    "PrefixQuery",
     "Refusal",
     "RequestMove",
     "StepAllocation",
@@ -77,7 +82,7 @@ class Refusal:
     """
 
     request_id: str
-    reason: Literal["out_of_blocks", "max_num_seqs", "max_model_len"]
+    reason: Literal["out_of_blocks", "max_num_seqs", "max_model_len", "stale_prefix"]
     group: str
     needed: int
     available: int
@@ -89,6 +94,11 @@ class Refusal:
                 f"request {self.request_id!r}: device group {self.group!r} needs {self.needed} "
                 f"free blocks but has {self.available}; nothing was allocated"
             )
+        if self.reason == "stale_prefix":
+            return (
+                f"request {self.request_id!r}: its prefix match is stale (a block of group "
+                f"{self.group!r} was evicted since the lookup); look it up again"
+            )
         if self.reason == "max_num_seqs":
             return (
                 f"request {self.request_id!r}: every one of the {self.available} table rows "
@@ -98,6 +108,22 @@ class Refusal:
             f"request {self.request_id!r}: {self.needed} tokens exceed max_model_len="
             f"{self.available}; nothing was allocated"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy whole blocks of every (layer, role) of one group on the device: ``src[i]`` to
+    ``dst[i]`` (per-request state snapshots for prefix reuse).
+
+    Attributes:
+        group: the group.
+        src: ``int32 [k]`` source block ids.
+        dst: ``int32 [k]`` destination block ids.
+    """
+
+    group: str
+    src: np.ndarray
+    dst: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +138,10 @@ class StepAllocation:
         refused: requests that could not be scheduled, with the reason.
         table_deltas: every change to the block tables since the previous step, in order
             (finishes and swaps in between, then this step's growth).
+        copies_before: block copies to run before the step's kernels (restoring a
+            per-request state from a prefix snapshot).
+        copies_after: block copies to run after them (snapshots of per-request state taken
+            at a boundary the step ended on).
     """
 
     request_ids: tuple[str, ...]
@@ -120,6 +150,8 @@ class StepAllocation:
     num_new: np.ndarray
     refused: tuple[Refusal, ...]
     table_deltas: tuple[TableDelta, ...]
+    copies_before: tuple[BlockCopy, ...] = ()
+    copies_after: tuple[BlockCopy, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -218,3 +250,59 @@ class SwapResult:
         except Exception:
             error = None
         return (SwapResult, (self.plan_id, self.failure, error))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixQuery:
+    """A prompt to look up in the prefix cache.
+
+    Attributes:
+        token_ids: the prompt's token ids.
+        extra_keys: request-level keys that must match for blocks to be shared (a namespace
+            or cache salt, a LoRA adapter id, ...).
+        token_keys: ``(start, end, key)``: positions whose content is not told by their ids
+            (multimodal placeholders) and the content hash folded into them.
+    """
+
+    token_ids: Sequence[int] | np.ndarray
+    extra_keys: tuple[object, ...] = ()
+    token_keys: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached prefix of one prompt, to hand to ``BlockManager.schedule``.
+
+    Attributes:
+        num_tokens: ``L``, the tokens served from cache (0 on a miss): aligned to every
+            group's block, below the prompt's length.
+        first_col: group -> first block index the request shares (0 for full groups; the
+            start of the trailing window or chunk for window groups).
+        blocks: group -> ``int32`` block ids for block indices ``first_col ..``; for a
+            per-request group, the snapshot block to restore from.
+        keys: group -> the keys of those blocks (to check the match is still valid).
+        hasher: the request's key chain at ``L`` (continues hashing its suffix).
+    """
+
+    num_tokens: int
+    first_col: dict[str, int]
+    blocks: dict[str, np.ndarray]
+    keys: dict[str, tuple[object, ...]]
+    hasher: object
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixEvent:
+    """A change of the prefix cache an engine or a router may mirror.
+
+    Attributes:
+        kind: ``"stored"`` (a block became reusable) or ``"removed"`` (it was evicted).
+        group: the group of the block.
+        key: the block's prefix key (an int; stable across processes).
+        num_tokens: the prefix length the key covers.
+    """
+
+    kind: Literal["stored", "removed"]
+    group: str
+    key: int
+    num_tokens: int
