@@ -30,10 +30,15 @@ from kvforge.attn_backends import registry as registry_module
 from kvforge.attn_backends.hf_config import (
     build_deepseek_v4,
     build_dsa,
+    build_gemma2,
+    build_gemma3,
+    build_gpt_oss,
     build_gqa,
+    build_llama4,
     build_mistral,
     build_mla,
     build_qwen,
+    build_qwen3_next,
 )
 from kvforge.cache_controller.layout import CacheLayout
 
@@ -45,10 +50,16 @@ BUNDLED = [
     "deepseek-v3.2",
     "deepseek-v4-flash",
     "deepseek-v4-tiny",
+    "gemma-2-9b",
+    "gemma-3-12b",
+    "glm-4.5-air",
+    "gpt-oss-20b",
     "llama-3-8b",
+    "llama-4-scout-17b-16e",
     "mistral-7b-v0.1",
     "qwen2.5-7b",
     "qwen3-8b",
+    "qwen3-next-80b-a3b",
 ]
 
 # DeepSeek-V4-Flash: layers 0, 1 uncompressed, then ratio 4 and 128 alternating (starting with
@@ -88,16 +99,22 @@ def roles_in(layout: CacheLayout, group: str) -> Counter:
 
 
 def test_bundled_models_are_listed_sorted():
-    assert bundled_models() == sorted(BUNDLED)
+    assert sorted(BUNDLED) == BUNDLED
+    assert bundled_models() == BUNDLED
 
 
 @pytest.mark.parametrize("name", BUNDLED)
 def test_every_bundled_config_loads(name):
     cfg = load_model_config(name)
-    for key in ("model_type", "architectures", "torch_dtype", "num_hidden_layers"):
+    for key in ("model_type", "architectures", "torch_dtype"):
         assert key in cfg, key
+    # multimodal configs (Gemma-3, Llama-4) keep the language model in ``text_config``, as
+    # published; the layer count lives there
+    text = cfg.get("text_config", cfg)
+    assert "num_hidden_layers" in text
+    assert ("text_config" in cfg) == (name in ("gemma-3-12b", "llama-4-scout-17b-16e"))
     backends = from_hf_config(name)
-    n, mtp = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers", 0)
+    n, mtp = text["num_hidden_layers"], text.get("num_nextn_predict_layers", 0)
     assert list(backends) == list(range(n))  # MTP layers only with speculative decoding
     CacheLayout(backends)  # the declarations merge without conflict
     if mtp:
@@ -333,7 +350,10 @@ def test_deepseek_v3_2_dsa():
 def test_dsa_bf16():
     b = from_hf_config("deepseek-v3.2", kv_cache_dtype="bf16")[0]
     assert b.kv_cache_dtype == "bf16"
-    assert CacheLayout({0: b}).kv_bytes_per_token() == (576 + 128) * 2
+    # bf16 latent: (512 + 64) x 2 = 1,152 bytes; the indexer stays 128 fp8 + 1 float32 scale
+    # = 132 uint8 bytes whatever the main KV dtype: 1,152 + 132 = 1,284
+    assert b.role("indexer").entry_bytes == 132 and b.role("indexer").dtype == "uint8"
+    assert CacheLayout({0: b}).kv_bytes_per_token() == (512 + 64) * 2 + 128 + 4 == 1_284
 
 
 def test_v3_with_index_head_dim_is_dsa():
@@ -382,16 +402,26 @@ def test_deepseek_v4_flash_role_counts_per_group():
         i: FLASH_RATIOS[i] for i in sorted(r4 + r128)
     }
 
-    # Per-block bytes, fp8 (see the issue): swa_kv 64 x 584; ratio-4 compressed_kv 64 x 584 and
-    # indexer 64 x 132; ratio-128 compressed_kv 2 x 584; c4 states 4 x 8192 + 4 x 2048;
-    # c128 state 8 x 4096.
-    assert layout.bytes_per_block("swa") == 44 * 64 * 584 == 1_644_544
-    assert layout.bytes_per_block("compressed") == 21 * (64 * 584 + 64 * 132) + 20 * 2 * 584
-    assert layout.bytes_per_block("compressed") == 985_664
-    assert layout.bytes_per_block("c4_state") == 21 * (4 * 8192 + 4 * 2048) == 860_160
-    assert layout.bytes_per_block("c128_state") == 20 * 8 * 4096 == 655_360
-    # One token's share of the full group (256-token blocks), exact: 985_664 / 256
-    assert layout.kv_bytes_per_token() == Fraction(985_664, 256) == Fraction(15_401, 4)
+    # Host page bytes per block (meaningful bytes, no padding), fp8: swa_kv 64 x 584; ratio-4
+    # compressed_kv 64 x 584 and indexer 64 x 132; ratio-128 compressed_kv 2 x 584; c4 states
+    # 4 x 8192 + 4 x 2048; c128 state 8 x 4096.
+    assert layout.host_page_bytes("swa") == 44 * 64 * 584 == 1_644_544
+    assert layout.host_page_bytes("compressed") == 21 * (64 * 584 + 64 * 132) + 20 * 2 * 584
+    assert layout.host_page_bytes("compressed") == 985_664
+    assert layout.host_page_bytes("c4_state") == 21 * (4 * 8192 + 4 * 2048) == 860_160
+    assert layout.host_page_bytes("c128_state") == 20 * 8 * 4096 == 655_360
+    # Device bytes per block: every (layer, role) block padded to a multiple of 576 B
+    # (FlashMLA pages): 37,376 -> 65 x 576 = 37,440; 8,448 -> 15 x 576 = 8,640;
+    # 1,168 -> 3 x 576 = 1,728; 32,768 -> 57 x 576 = 32,832; 8,192 -> 15 x 576 = 8,640.
+    assert layout.bytes_per_block("swa") == 44 * 65 * 576 == 1_647_360
+    assert layout.bytes_per_block("compressed") == 21 * (65 * 576 + 15 * 576) + 20 * 3 * 576
+    assert layout.bytes_per_block("compressed") == 1_002_240  # 967,680 + 34,560
+    assert layout.bytes_per_block("c4_state") == 21 * (57 * 576 + 15 * 576) == 870_912
+    assert layout.bytes_per_block("c128_state") == 20 * 57 * 576 == 656_640
+    # One token's device share of the full group (256-token blocks), exact: 1,002,240 / 256
+    # = 3,915 (whole, so an int)
+    assert layout.kv_bytes_per_token() == Fraction(1_002_240, 256) == 3_915
+    assert isinstance(layout.kv_bytes_per_token(), int)
 
 
 def test_deepseek_v4_tiny():
@@ -460,7 +490,9 @@ def test_v4_bf16():
     backends = from_hf_config("deepseek-v4-tiny", kv_cache_dtype="bf16")
     b = backends[2]
     assert b.kv_cache_dtype == "bf16"
-    assert b.role("swa_kv").entry_bytes == 512 * 2 and b.role("indexer").entry_bytes == 128 * 2
+    assert b.role("swa_kv").entry_bytes == 512 * 2 and b.role("swa_kv").dtype == "bfloat16"
+    # the indexer stays fp8 + scale in bf16 mode: 128 fp8 + one float32 scale = 132 uint8 bytes
+    assert b.role("indexer").entry_bytes == 128 + 4 == 132 and b.role("indexer").dtype == "uint8"
 
 
 # ------------------------------------------------------------------ dispatch
@@ -491,13 +523,21 @@ def test_bundled_families_are_registered_through_the_registry():
         "deepseek_v3": (build_mla, ("DeepseekV3ForCausalLM",)),
         "deepseek_v32": (build_dsa, ("DeepseekV32ForCausalLM",)),
         "deepseek_v4": (build_deepseek_v4, ("DeepseekV4ForCausalLM",)),
+        "gemma2": (build_gemma2, ("Gemma2ForCausalLM",)),
+        "gemma3": (build_gemma3, ("Gemma3ForConditionalGeneration",)),
+        "gemma3_text": (build_gemma3, ("Gemma3ForCausalLM",)),
+        "glm4_moe": (build_gqa, ("Glm4MoeForCausalLM",)),
+        "gpt_oss": (build_gpt_oss, ("GptOssForCausalLM",)),
         "llama": (build_gqa, ("LlamaForCausalLM",)),
+        "llama4": (build_llama4, ("Llama4ForConditionalGeneration",)),
+        "llama4_text": (build_llama4, ("Llama4ForCausalLM",)),
         "mistral": (build_mistral, ("MistralForCausalLM",)),
         "mixtral": (build_mistral, ("MixtralForCausalLM",)),
         "qwen2": (build_qwen, ("Qwen2ForCausalLM",)),
         "qwen2_moe": (build_qwen, ("Qwen2MoeForCausalLM",)),
         "qwen3": (build_qwen, ("Qwen3ForCausalLM",)),
         "qwen3_moe": (build_qwen, ("Qwen3MoeForCausalLM",)),
+        "qwen3_next": (build_qwen3_next, ("Qwen3NextForCausalLM",)),
     }
     assert list(types) == sorted(types)
 

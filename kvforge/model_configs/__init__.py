@@ -24,5 +24,23 @@ file                        source
                             ``compress_ratios`` = [0, 0] + [4, 128] * 20 + [4] + [0 for MTP])
 ``deepseek-v4-tiny``        not a published model: a 6-layer demo with V4-Flash's per-layer
                             dims, ratios [0, 0, 4, 128, 4, 128] and one MTP layer of ratio 0
+``gemma-2-9b``              ``google/gemma-2-9b`` (42 layers, even layers slide over 4096
+                            tokens; ``torch_dtype`` float32 as published)
+``gemma-3-12b``             ``google/gemma-3-12b-it`` (``text_config``: 48 layers, window 1024,
+                            every 6th layer global; ``head_dim``, ``sliding_window_pattern``
+                            and ``max_position_embeddings`` written out from the
+                            ``Gemma3TextConfig`` defaults)
+``glm-4.5-air``             ``zai-org/GLM-4.5-Air`` (GQA, 46 layers + 1 MTP layer,
+                            ``head_dim`` 128)
+``gpt-oss-20b``             ``openai/gpt-oss-20b`` (24 layers, ``layer_types`` alternating
+                            sliding window 128 and full from layer 0)
+``llama-4-scout-17b-16e``   ``meta-llama/Llama-4-Scout-17B-16E`` (``text_config``: 48 layers,
+                            chunked attention of 8192 tokens except every 4th layer)
+``qwen3-next-80b-a3b``      ``Qwen/Qwen3-Next-80B-A3B-Instruct`` (48 layers: every 4th full
+                            attention, the others Gated DeltaNet linear attention)
 ==========================  ===================================================================
+
+MTP layers are cache layers only with ``num_speculative_tokens`` (see
+:func:`kvforge.attn_backends.from_hf_config`). ``docs/models.md`` gives the source of every
+figure of the non-DeepSeek configs.
 """
