@@ -254,8 +254,11 @@ def test_plan_json_for_bundled_flash(capsys):
     assert groups["swa"]["num_blocks"] == 16 * 3 + 128 + 16 + 1 == 193
     assert groups["c128_state"]["num_blocks"] == 16 * 17 + 1024 + 16 + 1 == 1313
     assert report["total_bytes"] <= 60 * 1024**3
-    # exact: 985_664 bytes per 256-token block of the compressed group
-    assert report["kv_bytes_per_token"] == "15401/4" == str(Fraction(985_664, 256))
+    # exact: 1,002,240 device bytes per 256-token block of the compressed group (blocks padded
+    # to 576 B: 21 x (65 x 576 + 15 x 576) + 20 x 3 x 576), 1,002,240 / 256 = 3,915, a whole
+    # number, so JSON carries an int
+    assert report["kv_bytes_per_token"] == 3_915 == Fraction(1_002_240, 256)
+    assert 21 * (65 * 576 + 15 * 576) + 20 * 3 * 576 == 1_002_240
     roles = {(r["role"], r["group"]): r for r in report["roles"]}
     assert len(roles[("swa_kv", "swa")]["layers"]) == 43  # the MTP layer only with drafts
     assert len(roles[("indexer", "compressed")]["layers"]) == 21
