@@ -14,7 +14,7 @@ kernel would address them. An entry's bytes are its elements in ``entry_shape`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,22 +27,49 @@ __all__ = [
     "EntryCheck",
     "entry_bytes_for",
     "read_entries",
+    "token_seeds",
     "verify_request",
     "write_entries",
     "write_request",
+    "write_step",
 ]
 
 
+Seed = int | Sequence[int] | torch.Tensor
+
+
+def token_seeds(token_ids: Sequence[int], extra_keys: Sequence[object] = ()) -> torch.Tensor:
+    """Per-position seeds that depend on the tokens up to each position (the position's
+    prefix key, 62 bits): content written with them is what recomputing that prefix would
+    write, so a block reused from another request with the same prefix must hold exactly
+    it. ``int64 [len(token_ids)]``."""
+    from kvforge.cache_controller.prefix_hash import PrefixHasher
+
+    keys = PrefixHasher(extra_keys).extend(token_ids)
+    return torch.tensor([k & ((1 << 62) - 1) for k in keys.tolist()], dtype=torch.int64)
+
+
+def _seed_at(seed: Seed, positions: torch.Tensor) -> torch.Tensor | int:
+    """``seed`` for each of ``positions``: one int for every position, or per-position seeds
+    indexed by position."""
+    if isinstance(seed, int):
+        return seed
+    table = torch.as_tensor(seed, dtype=torch.int64)
+    return table[positions.to(torch.int64)][:, None]
+
+
 def entry_bytes_for(
-    seed: int, entry: CacheEntry, positions: torch.Tensor, entry_bytes: int
+    seed: Seed, entry: CacheEntry, positions: torch.Tensor, entry_bytes: int
 ) -> torch.Tensor:
-    """The bytes entry ``(layer, role)`` holds for ``positions`` of a request with ``seed``.
+    """The bytes entry ``(layer, role)`` holds for ``positions`` of a request with ``seed``
+    (an int, or per-position seeds such as :func:`token_seeds`, indexed by position).
 
     Returns:
         ``uint8 [len(positions), entry_bytes]``; distinct per seed, layer, role and position.
     """
     role_salt = sum(ord(c) * 131**i for i, c in enumerate(entry.role.name)) % 1_000_003
-    base = (seed * 1_000_003 + entry.layer * 10_007 + role_salt) * 7_919
+    seeds = _seed_at(seed, positions)
+    base = (seeds * 1_000_003 + entry.layer * 10_007 + role_salt) * 7_919
     x = base + positions.to(torch.int64)[:, None] * 2_654_435_761
     x = x + torch.arange(entry_bytes, dtype=torch.int64)[None, :] * 40_503
     x = x ^ (x >> 13)
@@ -98,7 +125,7 @@ def _live_slots(
 def write_request(
     ctl: CacheController,
     request_id: str,
-    seed: int,
+    seed: Seed,
     positions: Iterable[int],
     groups: Iterable[str] | None = None,
 ) -> int:
@@ -123,6 +150,31 @@ def write_request(
     return written
 
 
+def write_step(ctl: CacheController, step: Any, seeds: Mapping[str, Seed]) -> int:
+    """Write the bytes of every token a step scheduled, through the step's slot mappings (what
+    the step's kernels do): ``step`` is what :meth:`CacheController.schedule` returned,
+    ``seeds`` maps each scheduled request to its seed. Returns the entries written."""
+    caches = ctl.kv_caches
+    inputs, alloc = step.inputs, step.allocation
+    index = torch.from_numpy(inputs.request_index)
+    positions = torch.from_numpy(inputs.positions)
+    written = 0
+    for i, rid in enumerate(alloc.request_ids):
+        mine = index == i
+        pos = positions[mine]
+        for entry in ctl.layout.entries:
+            slots = torch.from_numpy(
+                inputs.slot_mappings[(entry.group.name, entry.role.compress_ratio)]
+            )[mine]
+            keep = slots >= 0
+            if not bool(keep.any()):
+                continue
+            data = entry_bytes_for(seeds[rid], entry, pos[keep], entry.role.entry_bytes)
+            write_entries(caches[entry.index], entry, slots[keep], data)
+            written += int(keep.sum())
+    return written
+
+
 @dataclass
 class EntryCheck:
     """Result of :func:`verify_request`."""
@@ -139,7 +191,7 @@ class EntryCheck:
 def verify_request(
     ctl: CacheController,
     request_id: str,
-    seed: int,
+    seed: Seed,
     skip_groups: Iterable[str] = (),
 ) -> EntryCheck:
     """Compare every live entry of ``request_id`` with the bytes :func:`write_request` wrote."""

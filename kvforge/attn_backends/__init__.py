@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "GQABackend": "kvforge.attn_backends.gqa",
     "MAX_LAYERS": "kvforge.attn_backends.registry",
     "MHABackend": "kvforge.attn_backends.gqa",
+    "LINEAR_STATE_GROUP": "kvforge.attn_backends.linear_attention",
+    "LinearAttentionBackend": "kvforge.attn_backends.linear_attention",
     "MLABackend": "kvforge.attn_backends.mla",
     "ModelBackends": "kvforge.attn_backends.registry",
     "ModelOptions": "kvforge.attn_backends.registry",

@@ -39,6 +39,7 @@ from kvforge.attn_backends.base import AttentionBackend
 from kvforge.cache_controller.block_manager import (
     DEFAULT_MAX_NUM_SEQS,
     BlockManager,
+    PrefixStats,
     SwapStats,
     check_request_id,
     live_start,
@@ -46,7 +47,13 @@ from kvforge.cache_controller.block_manager import (
 from kvforge.cache_controller.layout import CacheLayout
 from kvforge.cache_controller.memory_plan import MemoryPlan, plan_from_blocks, plan_memory
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE
-from kvforge.cache_controller.values import StepAllocation, SwapPlan, SwapResult
+from kvforge.cache_controller.values import (
+    PrefixMatch,
+    PrefixQuery,
+    StepAllocation,
+    SwapPlan,
+    SwapResult,
+)
 from kvforge.errors import ControllerClosedError, OutOfBlocksError, RequestStateError
 from kvforge.host_cache.swap import SwapHandle
 from kvforge.platform import Platform
@@ -100,6 +107,8 @@ class CacheController:
         rank: tensor-parallel rank (used in storage names).
         device_id: device ordinal used in storage names (default: the device's index or 0).
         name_template: storage-name template (see :mod:`kvforge.cache_controller.naming`).
+        enable_prefix_caching: keep the blocks of finished requests reusable by later
+            requests with the same prefix (see :meth:`lookup`).
 
     Raises:
         ValueError / TypeError: bad mapping, inconsistent declarations, two backends that
@@ -114,8 +123,10 @@ class CacheController:
         rank: int = 0,
         device_id: int | None = None,
         name_template: str = DEFAULT_NAME_TEMPLATE,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.layout = CacheLayout(backends)
+        self.enable_prefix_caching = enable_prefix_caching
         self.storage = CacheStorage(self.layout, device, rank, device_id, name_template)
         self._manager: BlockManager | None = None
         self._plan: MemoryPlan | None = None
@@ -230,7 +241,9 @@ class CacheController:
         for g in self.layout.groups:  # groups with no bytes still need a pool for tables
             blocks.setdefault(g.name, 2)
         seqs = max_num_seqs if max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
-        manager = BlockManager(self.layout, blocks, seqs, max_model_len)
+        manager = BlockManager(
+            self.layout, blocks, seqs, max_model_len, self.enable_prefix_caching
+        )
         self.storage.create(blocks, manager.max_num_seqs, manager.max_model_len)
         self._manager = manager
         self._plan = plan
@@ -256,7 +269,9 @@ class CacheController:
                 t = caches.get(e.key)
                 if isinstance(t, torch.Tensor) and t.dim():
                     probe[e.group.name] = int(t.shape[0])
-        manager = BlockManager(self.layout, probe, max_num_seqs, max_model_len)
+        manager = BlockManager(
+            self.layout, probe, max_num_seqs, max_model_len, self.enable_prefix_caching
+        )
         blocks = self.storage.adopt(caches, manager.max_num_seqs, manager.max_model_len)
         self._manager = manager
         self._plan = plan_from_blocks(self.layout, blocks)
@@ -341,11 +356,35 @@ class CacheController:
         request_ids: Sequence[str],
         num_new_tokens: Sequence[int] | np.ndarray,
         new_token_ids: Sequence[Sequence[int]] | None = None,
+        prefix_matches: Sequence[PrefixMatch | None] | None = None,
     ) -> ScheduledStep:
-        """One engine step for the whole batch: grow the tables (scheduler side), mirror them
-        and compute the slot mappings (worker side). See :meth:`BlockManager.schedule`."""
-        allocation = self._ready_manager().schedule(request_ids, num_new_tokens, new_token_ids)
-        return ScheduledStep(allocation, self.storage.apply(allocation))
+        """One engine step for the whole batch: grow the tables (scheduler side), mirror them,
+        compute the slot mappings and restore per-request state from prefix snapshots (worker
+        side). See :meth:`BlockManager.schedule`. After the step's kernels ran, call
+        :meth:`end_step` (it takes the per-request state snapshots the step is due)."""
+        allocation = self._ready_manager().schedule(
+            request_ids, num_new_tokens, new_token_ids, prefix_matches
+        )
+        inputs = self.storage.apply(allocation)
+        if allocation.copies_before:
+            self.storage.copy_blocks(allocation.copies_before)
+        return ScheduledStep(allocation, inputs)
+
+    @_locked
+    def end_step(self, step: ScheduledStep) -> None:
+        """Run the copies due after a step's kernels (per-request state snapshots)."""
+        if step.allocation.copies_after:
+            self.storage.copy_blocks(step.allocation.copies_after)
+
+    @_locked
+    def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
+        """The longest reusable cached prefix of each prompt (see :meth:`BlockManager.lookup`);
+        pass the matches to :meth:`schedule`."""
+        return self._ready_manager().lookup(queries)
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        return self._ready_manager().prefix_stats
 
     @_locked
     def allocate(self, request_id: str, num_tokens: int) -> None:

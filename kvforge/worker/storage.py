@@ -33,6 +33,7 @@ from kvforge.cache_controller.layout import CacheLayout
 from kvforge.cache_controller.memory_plan import check_allocatable
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.cache_controller.values import (
+    BlockCopy,
     StepAllocation,
     SwapFailure,
     SwapPlan,
@@ -278,7 +279,12 @@ class CacheStorage:
 
     @property
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._caches or [])
+        """Bytes the device caches span, alignment padding included."""
+        total = 0
+        for t in self._caches or []:
+            block = plane_bytes(t)
+            total += block.shape[0] * block.stride(0) if block.shape[0] else 0
+        return total
 
     # ================================================================== block tables, steps
 
@@ -313,6 +319,19 @@ class CacheStorage:
                 )
         tables: dict[str, Any] = self._device_tables or self._tables
         return StepInputs(index, positions, slots, dict(tables))
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Copy whole blocks of every (layer, role) of a group, ``src[i]`` to ``dst[i]``: the
+        per-request state snapshots of prefix reuse (``StepAllocation.copies_before`` before
+        a step's kernels, ``copies_after`` after them)."""
+        with self._lock:
+            caches = self._ready()
+            for copy in copies:
+                src = torch.from_numpy(np.asarray(copy.src, dtype=np.int64)).to(self.device)
+                dst = torch.from_numpy(np.asarray(copy.dst, dtype=np.int64)).to(self.device)
+                for e in self.layout.entries_of(copy.group):
+                    cache = caches[e.index]
+                    cache[dst] = cache[src]
 
     def slot_mapping(
         self, row: int, group: str, positions: np.ndarray, compress_ratio: int
