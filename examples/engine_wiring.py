@@ -18,7 +18,7 @@ import torch
 from kvforge import CacheController, OutOfBlocksError
 from kvforge.attn_backends import from_hf_config
 from kvforge.cache_controller.layout import CacheEntry
-from kvforge.verify import entry_bytes_for, verify_request
+from kvforge.verify import entry_bytes_for, verify_request, write_entries
 
 
 class AttentionLayer:
@@ -35,9 +35,9 @@ class AttentionLayer:
         for e in self.entries:
             slots = ctl.slot_mapping(request_id, e.group.name, pos, e.role.compress_ratio)
             keep = slots >= 0
-            if keep.any():
-                flat = self.caches[e.role.name].view(torch.uint8).view(-1, e.role.entry_bytes)
-                flat[slots[keep]] = entry_bytes_for(seed, e, pos[keep], e.role.entry_bytes)
+            if keep.any():  # through the role's block layout (blocks may be padded)
+                data = entry_bytes_for(seed, e, pos[keep], e.role.entry_bytes)
+                write_entries(self.caches[e.role.name], e, slots[keep], data)
 
 
 def main(model: str = "deepseek-v4-tiny", steps: int = 80) -> dict[str, int]:

@@ -416,14 +416,22 @@ def register_model_type(
         )
 
 
+def _bundled() -> None:
+    """Register the bundled backends and model types (they register when their module is
+    first imported; listing must not depend on whether someone imported it already)."""
+    importlib.import_module("kvforge.attn_backends.hf_config")
+
+
 def registered_backends() -> dict[str, RegisteredBackend]:
     """Every registered backend, sorted by name (a new dict: changing it changes nothing)."""
+    _bundled()
     with _lock:
         return {name: _backends[name] for name in sorted(_backends)}
 
 
 def registered_model_types() -> dict[str, RegisteredModelType]:
     """Every registered model type, sorted by name (a new dict)."""
+    _bundled()
     with _lock:
         return {name: _model_types[name] for name in sorted(_model_types)}
 

@@ -253,6 +253,12 @@ def _moved_bytes(moves: list[_GroupMove]) -> list[torch.Tensor]:
     return views + [m.host.pages[page] for m in moves for page in m.pages]
 
 
+def _allocation(cache: torch.Tensor) -> torch.Tensor:
+    """The whole allocation under ``cache`` as one contiguous uint8 tensor."""
+    storage = cache.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage)
+
+
 def _block_loop(moves: list[_GroupMove], direction: str) -> None:
     """What engines do today: one copy per block per plane."""
     for m in moves:
@@ -307,7 +313,9 @@ def _measure_case(
     if case.group is not None:
         buffers = _moved_bytes(moves)
     else:  # the blocks a whole-request swap picks are known only once it runs: every pool
-        buffers = [*ctl.kv_caches, *(p.pages for p in ctl.storage.host.groups.values())]
+        # (a padded cache is a strided view: evict its whole allocation)
+        buffers = [_allocation(t) for t in ctl.kv_caches]
+        buffers += [p.pages for p in ctl.storage.host.groups.values()]
     buffers += [src, dst]
     flush, cache = (None, "warm") if warm_cache else cache_flusher(platform, buffers)
 

@@ -44,7 +44,13 @@ from kvforge.cache_controller.controller import CacheController
 from kvforge.cache_controller.layout import CacheLayout
 from kvforge.errors import OutOfBlocksError
 from kvforge.specs import CacheGroup, GroupKind
-from kvforge.verify import EntryCheck, verify_request, write_request
+from kvforge.verify import (
+    EntryCheck,
+    read_entries,
+    verify_request,
+    write_entries,
+    write_request,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -653,8 +659,10 @@ class _Loop:
                 live = slots[slots >= 0]
                 if len(live):
                     cache = self.ctl.kv_caches[e.index]
-                    flat = cache.view(torch.uint8).view(-1, e.role.entry_bytes)
-                    flat[int(live[0]), 0] ^= 0xFF
+                    slot = live[:1]
+                    entry = read_entries(cache, e, slot)
+                    entry[0, 0] ^= 0xFF  # flip one byte, through the declared layout
+                    write_entries(cache, e, slot, entry)
                     return True
         return False
 
