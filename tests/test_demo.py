@@ -59,7 +59,7 @@ def test_small_run_preempts_swaps_in_and_verifies_everything(small_result):
 def test_same_seed_same_counts_other_seed_other_counts(small_result):
     again = run_demo(DemoConfig(**SMALL), progress=False)
     assert again.counts() == small_result.counts()
-    other = run_demo(DemoConfig(**{**SMALL, "seed": 3}), progress=False)
+    other = run_demo(DemoConfig(**{**SMALL, "seed": 4}), progress=False)
     assert other.counts() != small_result.counts()
     assert other.ok and other.preemptions > 0
 
@@ -72,8 +72,8 @@ def test_corrupted_entry_is_reported():
 
 
 def test_stopped_run_verifies_running_and_swapped_requests():
-    r = run_demo(DemoConfig(**SMALL, max_steps=36), progress=True)
-    assert r.steps == 36 and r.requests_finished < r.requests_total
+    r = run_demo(DemoConfig(**SMALL, max_steps=53), progress=True)
+    assert r.steps == 53 and r.requests_finished < r.requests_total
     # what was live at the stop was checked: running requests as they were, the swapped one
     # after swapping it back in
     assert r.running_at_end > 0 and r.swapped_at_end > 0
@@ -123,14 +123,14 @@ def test_too_small_device_memory_says_how_much_is_needed():
     r = run_demo(DemoConfig(**small, device_memory=least), progress=False)
     assert r.device_cache_bytes == least
     # the minimum is what the longest request (< 256 tokens) holds at its peak, per group:
-    # prompts are prefilled in 64-token chunks and a window group holds the whole chunk plus
-    # its window until the next step: c4_state (block 4, window 8) 64 / 4 + 8 / 4 = 18;
-    # c128_state (block 8, window 128) 64 / 8 + 128 / 8 = 24; swa (block 64, window 128) 3
+    # prompts are prefilled in 16-token chunks and a window group holds the whole chunk plus
+    # its window until the next step: c4_state (block 4, window 8) 16 / 4 + 8 / 4 = 6;
+    # c128_state (block 8, window 128) 16 / 8 + 128 / 8 = 18; swa (block 64, window 128) 3
     assert {g.group: g.usable_blocks for g in r.groups} == {
         "swa": 3,
         "compressed": 1,
-        "c4_state": 18,
-        "c128_state": 24,
+        "c4_state": 6,
+        "c128_state": 18,
     }
     assert r.requests_finished == 3 and r.ok
     with pytest.raises(ValueError, match="cannot hold even one request alone"):
@@ -230,3 +230,24 @@ def test_cuda_run_matches_cpu_run(small_result):
     assert r.device.startswith("cuda") and r.ok and r.preemptions > 0
     # same seed, same schedule and the same bytes checked, whichever device holds the caches
     assert {**r.counts(), "device": "cpu"} == small_result.counts()
+
+
+def test_prefix_phase_reuses_and_verifies_every_byte(small_result):
+    p = small_result.prefix
+    assert p is not None and p.conversations == 4 and p.turns >= 8
+    # the shared system prompt is 1.5 boundaries long, so every turn after the first one
+    # of the run reuses at least one 256-token boundary
+    assert p.boundary == 256 and p.hit_tokens >= (p.turns - 1) * 256
+    assert p.hit_tokens % 256 == 0 and p.hit_tokens < p.prompt_tokens
+    assert p.entries_verified > 0 and p.entries_mismatched == 0
+    assert small_result.entries_verified >= p.entries_verified
+
+
+def test_prefix_phase_is_repeatable_and_can_be_skipped():
+    from kvforge.commands.demo_prefix import run_prefix_demo
+
+    backends = from_hf_config(load_model_config("deepseek-v4-tiny"))
+    a = run_prefix_demo(backends, conversations=2, seed=5)
+    assert a == run_prefix_demo(backends, conversations=2, seed=5)
+    skipped = run_demo(DemoConfig(**{**SMALL, "prefix_conversations": 0}), progress=False)
+    assert skipped.prefix is None

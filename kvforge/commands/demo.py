@@ -42,6 +42,7 @@ from kvforge.attn_backends.base import AttentionBackend
 from kvforge.cache_controller.block_manager import held_blocks
 from kvforge.cache_controller.controller import CacheController
 from kvforge.cache_controller.layout import CacheLayout
+from kvforge.commands.demo_prefix import PrefixDemoResult, run_prefix_demo
 from kvforge.errors import OutOfBlocksError
 from kvforge.specs import CacheGroup, GroupKind
 from kvforge.verify import (
@@ -96,6 +97,9 @@ class DemoConfig(BaseModel):
         corrupt_after_step: self-test: once this many steps have run, flip one byte of one
             live entry (of a full-history group when the model has one, so it stays live until
             it is checked); the run must then report at least one mismatch.
+        prefix_conversations: after the serving loop, run this many multi-turn conversations
+            over a shared system prompt with the prefix cache on, and verify every reused
+            byte (:mod:`kvforge.commands.demo_prefix`); 0 skips it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -114,6 +118,7 @@ class DemoConfig(BaseModel):
     max_steps: int | None = Field(default=None, ge=1)
     verify_on_swap_in: bool = True
     corrupt_after_step: int | None = Field(default=None, ge=1)
+    prefix_conversations: int = Field(default=4, ge=0, le=1000)
 
     @model_validator(mode="after")
     def _ranges(self) -> DemoConfig:
@@ -199,11 +204,19 @@ class DemoResult(BaseModel):
     """Requests holding entries that could not be checked (0 unless something went wrong)."""
     corrupted: bool
     """The self-test flipped a byte."""
+    prefix: PrefixDemoResult | None = None
+    """The prefix-reuse phase (``None`` when skipped)."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property
     def entries_verified(self) -> int:
-        return self.verify_finished.entries + self.verify_swap_in.entries + self.verify_end.entries
+        prefix = self.prefix.entries_verified if self.prefix else 0
+        return (
+            self.verify_finished.entries
+            + self.verify_swap_in.entries
+            + self.verify_end.entries
+            + prefix
+        )
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -212,6 +225,7 @@ class DemoResult(BaseModel):
             self.verify_finished.mismatched
             + self.verify_swap_in.mismatched
             + self.verify_end.mismatched
+            + (self.prefix.entries_mismatched if self.prefix else 0)
         )
 
     @computed_field  # type: ignore[prop-decorator]
@@ -254,8 +268,9 @@ def _live_blocks(group: CacheGroup, num_tokens: int) -> int:
     return held_blocks(group, num_tokens, num_tokens)
 
 
-#: Prompts are prefilled in chunks of this many tokens, one step each, as engines do.
-PREFILL_CHUNK = 64
+#: Prompts are prefilled in chunks of this many tokens, one step each, as engines do (small,
+#: so a window group's prefill allowance stays small next to the full groups it competes with).
+PREFILL_CHUNK = 16
 
 
 def _prefill_peak(group: CacheGroup, prompt_len: int) -> int:
@@ -718,7 +733,13 @@ def run_demo(
     ctl = CacheController(backends, device=config.device)
     try:
         with _cpu_threads(ctl.device):
-            return _run(ctl, config, progress, start)
+            result = _run(ctl, config, progress, start)
+            if config.prefix_conversations:
+                prefix = run_prefix_demo(
+                    backends, config.prefix_conversations, config.seed, str(ctl.device)
+                )
+                result = result.model_copy(update={"prefix": prefix})
+            return result
     finally:
         ctl.free()
 
@@ -898,6 +919,21 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
     ):
         checks.add_row(what, f"{count.entries:,}", f"{count.mismatched:,}")
     out.print(checks)
+    if result.prefix is not None:
+        p = result.prefix
+        reuse = Table(title="prefix reuse (multi-turn, shared system prompt)", show_header=False)
+        reuse.add_column("what")
+        reuse.add_column("value", justify="right")
+        for what, value in (
+            ("conversations / turns", f"{p.conversations} / {p.turns}"),
+            ("prompt tokens", f"{p.prompt_tokens:,}"),
+            ("served from cache", f"{p.hit_tokens:,} ({p.hit_rate:.1%})"),
+            ("reuse boundary (LCM of block sizes)", f"{p.boundary} tokens"),
+            ("entries verified (reused included)", f"{p.entries_verified:,}"),
+            ("mismatched", f"{p.entries_mismatched:,}"),
+        ):
+            reuse.add_row(what, value)
+        out.print(reuse)
     if result.corrupted:
         out.print("self-test: one byte of one live entry was flipped on purpose")
     if result.unverified_requests:
