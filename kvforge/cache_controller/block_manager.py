@@ -515,9 +515,8 @@ class BlockManager:
                 )
         plans = self._plan_growth(safe_rows, fresh, before, after)
         if accept.all() and all(
-            int(need.sum()) <= g.pool.num_free for g, (need, _, _, _) in zip(
-                self._groups, plans, strict=True
-            )
+            self._fits_in_order(g, safe_rows, lo, hi, need)
+            for g, (need, lo, hi, _) in zip(self._groups, plans, strict=True)
         ):
             self._apply_growth(safe_rows, fresh, before, after, plans, None)
         else:
@@ -592,6 +591,24 @@ class BlockManager:
             hi = np.maximum(lo, np.minimum(start // bs, old_len))
             plans.append((need, lo, hi, old_len))
         return plans
+
+    @staticmethod
+    def _fits_in_order(
+        g: _Group, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, need: np.ndarray
+    ) -> bool:
+        """Whether every request of the batch, served in order, gets its blocks in ``g``:
+        each request's window releases count for itself and the requests after it (the
+        same answer the one-by-one path gives, so the batch path never accepts more)."""
+        free = g.pool.num_free
+        if int(need.sum()) <= free:
+            return True
+        if not (hi > lo).any():
+            return False
+        index, c = _expand(np.arange(len(rows)), lo, np.maximum(lo, hi))
+        old = g.table[rows[index], c]
+        gives = (old != NULL_BLOCK) & (g.pool._ref[old] == 1)
+        credit = np.bincount(index[gives], minlength=len(rows))
+        return bool((np.cumsum(need - credit) <= free).all())
 
     def _apply_growth(
         self,
@@ -968,12 +985,19 @@ class BlockManager:
             self._release_rows(np.array([self._row_of.pop(r) for r in resident]))
 
     def _release_rows(self, rows: np.ndarray) -> None:
-        """Free every block of ``rows``, clear them, and put the rows back."""
+        """Free every block of ``rows``, clear them, and put the rows back. Only the columns a
+        row can hold are read (``held_from .. cdiv(num_tokens, B)``), so freeing costs the
+        blocks held, not the table's width."""
+        tokens = self._num_tokens[rows]
         for g in self._groups:
-            table = g.table[rows]
-            held = table[table != NULL_BLOCK]
-            g.pool.release(held)
-            g.table[rows] = NULL_BLOCK
+            if g.code == _PER_REQUEST:
+                start, end = np.zeros_like(tokens), np.full_like(tokens, g.slots)
+            else:
+                start, end = g.held_from[rows], -(-tokens // g.block_size)
+            r, c = _expand(rows, start, np.maximum(start, end))
+            held = g.table[r, c]
+            g.pool.release(held[held != NULL_BLOCK])  # (release evicts the deepest first)
+            g.table[r, c] = NULL_BLOCK
             g.held_from[rows] = 0
             self._pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
         self._num_tokens[rows] = 0

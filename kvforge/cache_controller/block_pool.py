@@ -70,6 +70,7 @@ class BlockPool:
         self._evictable: dict[int, None] = {}
         self._on_evict: Callable[[list[int]], None] | None = None
         self.evictions = 0
+        self._shared = False  # set once any block gets a second holder
 
     def enable_caching(self, on_evict: Callable[[list[int]], None]) -> None:
         """Keep keyed blocks evictable at ref count 0; ``on_evict(block_ids)`` is told before
@@ -118,6 +119,7 @@ class BlockPool:
         for i in block_ids:
             if self._ref[i] == 0:
                 raise ValueError(f"incref: block {i} of {self.kind} group {self.name!r} is free")
+        self._shared = True
         np.add.at(self._ref, np.asarray(block_ids, dtype=np.int64), 1)
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -159,10 +161,14 @@ class BlockPool:
         those references. Blocks reaching zero go back on the free stack."""
         if not len(block_ids):
             return
-        np.subtract.at(self._ref, block_ids, 1)
-        zero = block_ids[self._ref[block_ids] == 0]
-        if len(zero) > 1:
-            zero = np.unique(zero)
+        if self._shared:  # a shared block may be dropped twice in one call
+            np.subtract.at(self._ref, block_ids, 1)
+            zero = block_ids[self._ref[block_ids] == 0]
+            if len(zero) > 1:
+                zero = np.unique(zero)
+        else:  # every used block has one holder: the ids are distinct
+            self._ref[block_ids] -= 1
+            zero = block_ids[self._ref[block_ids] == 0]
         if self.keys:
             keyed = [b for b in zero.tolist() if b in self.keys]
             if keyed:
@@ -178,6 +184,8 @@ class BlockPool:
         for b in block_ids:
             if self._ref[b] == 0:
                 del self._evictable[b]
+            else:
+                self._shared = True
             self._ref[b] += 1
 
     def evict(self, count: int) -> list[int]:
