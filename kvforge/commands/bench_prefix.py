@@ -102,7 +102,8 @@ class PrefixWorkload(BaseModel):
 
     seed: int = 0
     num_conversations: int = Field(64, ge=1)
-    concurrency: int = Field(16, ge=1)
+    concurrency: int = Field(32, ge=1)
+    max_num_seqs: int = Field(16, ge=1)
     system_prompt_len: int = Field(700, ge=0)
     min_turns: int = Field(2, ge=1)
     max_turns: int = Field(8, ge=1)
@@ -538,7 +539,7 @@ def simulate(
     new request refused by the model waits (and is looked up again); a running one refused
     is preempted (finished, and its turn starts over, its hit already counted).
     """
-    seqs = max_num_seqs if max_num_seqs is not None else wl.concurrency
+    seqs = max_num_seqs if max_num_seqs is not None else wl.max_num_seqs
     turns = sum(len(c.prompt_lens) for c in convs)
     lcp = _pairwise_lcp(convs)
     known = np.zeros(len(convs), dtype=np.int64)  # tokens of each stream any cache could hold
@@ -682,7 +683,7 @@ def _allowance(g: CacheGroup, wl: PrefixWorkload) -> int:
     and evict (see ``step_num_blocks`` of ``bench_step``)."""
     if g.kind.value == "full":
         return 0
-    return -(-wl.max_num_batched_tokens // g.block_size) + wl.concurrency
+    return -(-wl.max_num_batched_tokens // g.block_size) + wl.max_num_seqs
 
 
 def working_set(
@@ -828,7 +829,7 @@ def run_prefix_bench(
         say = progress or (lambda _label: None)
         say(f"{name}: aligned oracle")
         oracle_model = ManagerModel(
-            layout, _unbounded_blocks(layout, convs), wl.concurrency, wl.max_model_len
+            layout, _unbounded_blocks(layout, convs), wl.max_num_seqs, wl.max_model_len
         )
         oracle = simulate(wl, convs, oracle_model)
         ws = working_set(layout, wl, oracle_model.peak)
@@ -847,7 +848,7 @@ def run_prefix_bench(
             num_blocks = _pools(ws, fraction, floor)
             memory = _memory_bytes(layout, num_blocks)
             say(f"{name}: {fraction} of the working set, BlockManager")
-            run_model = ManagerModel(layout, num_blocks, wl.concurrency, wl.max_model_len)
+            run_model = ManagerModel(layout, num_blocks, wl.max_num_seqs, wl.max_model_len)
             run = simulate(wl, convs, run_model)
             say(f"{name}: {fraction} of the working set, plain LRU")
             lru_model = LruModel(layout, memory, key_at)
