@@ -14,7 +14,8 @@ run; vLLM figures are null where vLLM is not installed (the project's ``.venv``)
 Usage::
 
     /work/.venv-vllm/bin/python benchmarks/bench_prefix.py [--json PATH] [--seed 0]
-        [--conversations 64] [--concurrency 16] [--models a,b] [--repeats 200] [--quick]
+        [--conversations 64] [--concurrency 32]
+        [--max-num-seqs 16] [--models a,b] [--repeats 200] [--quick]
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the records to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--conversations", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32, help="open conversations")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="running requests")
     parser.add_argument("--models", default=None, help="comma-separated (default all)")
     parser.add_argument("--repeats", type=int, default=200, help="rounds of the cost figures")
-    parser.add_argument("--quick", action="store_true", help="16 conversations, 4 at a time")
+    parser.add_argument(
+        "--quick", action="store_true", help="16 conversations, 8 open, 4 running"
+    )
     parser.add_argument("--no-vllm", action="store_true", help="kvforge side only")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -67,12 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in models if m not in MODELS]
         if unknown:
             parser.error(f"--models: unknown {unknown}; known: {sorted(MODELS)}")
-    conversations, concurrency = (16, 4) if args.quick else (
-        args.conversations, args.concurrency
+    conversations, concurrency, seqs = (16, 8, 4) if args.quick else (
+        args.conversations, args.concurrency, args.max_num_seqs
     )
     try:
         wl = PrefixWorkload(
-            seed=args.seed, num_conversations=conversations, concurrency=concurrency
+            seed=args.seed,
+            num_conversations=conversations,
+            concurrency=concurrency,
+            max_num_seqs=seqs,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         f"python {platform.python_version()}, cpus {os.cpu_count()}, load "
         f"{os.getloadavg()[0]:.2f}, vLLM "
         f"{VLLM_VERSION if with_vllm else 'absent (kvforge side only)'}, seed {wl.seed}, "
-        f"{wl.num_conversations} conversations, {wl.concurrency} at a time"
+        f"{wl.num_conversations} conversations, {wl.concurrency} open, {wl.max_num_seqs} running"
     )
     records = run_prefix_bench(
         wl,
