@@ -62,7 +62,7 @@ def selection_cost(flash: dict) -> None:
     ctl.initialize_kv_cache(num_blocks={g.name: 40 for g in ctl.layout.groups})
     ctl.allocate("r", 1024)
     t = best_us(lambda: ctl.block_manager.selection("r", SwapPurpose.PREEMPT), 200)
-    print(f"selection of a V4-Flash swap ({len(ctl.layout.entries)} buffers): {t:.0f} us")
+    print(f"selection of a V4-Flash swap ({len(ctl.layout.buffers)} buffers): {t:.0f} us")
 
 
 def pool_handoff() -> None:
@@ -80,7 +80,7 @@ def small_transfers(flash: dict) -> None:
     for group, tokens in (("swa", 256), ("c4_state", 256)):
         ctl = CacheController(flash)
         ctl.initialize_kv_cache(num_blocks={g.name: 80 for g in ctl.layout.groups})
-        ctl.initialize_host_cache(num_blocks={g.name: 80 for g in ctl.layout.groups})
+        ctl.initialize_host_cache(num_pages={g.name: 80 for g in ctl.layout.groups})
         _grow_interleaved(ctl, ["r"], tokens, 128)
         [m] = _group_moves(ctl, ["r"], [group])
         nbytes = len(m.ids) * m.host.page_bytes

@@ -40,7 +40,7 @@ def best_of(fn: Callable[[], object], reps: int = 10) -> float:
 def main() -> None:
     ctl = CacheController({i: GQABackend(8, 128, 16) for i in range(32)}, device="cuda")
     ctl.initialize_kv_cache(num_blocks=140)
-    ctl.initialize_host_cache(num_blocks=140)
+    ctl.initialize_host_cache(num_pages=140)
     for i in range(1, 65):  # two requests in turns: interleaved blocks
         ctl.allocate("a", i * 16)
         ctl.allocate("b", i * 16)

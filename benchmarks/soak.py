@@ -60,7 +60,7 @@ def make_controller() -> CacheController:
     backends[3] = GQABackend(1, 8, block_size=16, sliding_window=40, group="gqa_swa")
     ctl = CacheController(backends)
     ctl.initialize_kv_cache(num_blocks=NUM_BLOCKS, max_num_seqs=MAX_SEQS, max_model_len=768)
-    ctl.initialize_host_cache(num_blocks=HOST_PAGES)
+    ctl.initialize_host_cache(num_pages=HOST_PAGES)
     return ctl
 
 
@@ -176,7 +176,7 @@ class Soak:
         self.model = Model([self.ctl.layout.group(g) for g in self.ctl.groups])
         self.report = SoakReport()
         self.next_id = 0
-        self.entry_bytes = {e.index: e.role.entry_bytes for e in self.ctl.layout.entries}
+        self.entry_bytes = {e.index: e.role.entry_bytes for e in self.ctl.layout.buffers}
 
     # ------------------------------------------------------------------ checks
 
@@ -218,7 +218,7 @@ class Soak:
     def _live_bytes(self, rid: str) -> int:
         total = 0
         n = self.ctl.num_tokens(rid)
-        for e in self.ctl.layout.entries:
+        for e in self.ctl.layout.buffers:
             slots = self.ctl.slot_mapping(rid, e.group.name, range(n), e.role.compress_ratio)
             total += int((slots >= 0).sum()) * e.role.entry_bytes
         return total
@@ -261,7 +261,7 @@ class Soak:
         row = self.ctl.block_manager.row_of(rid)
         pos = np.arange(start, end, dtype=np.int64)
         caches = self.ctl.kv_caches
-        for e in self.ctl.layout.entries:
+        for e in self.ctl.layout.buffers:
             slots = self.ctl.storage.slot_mapping(row, e.group.name, pos, e.role.compress_ratio)
             keep = slots >= 0
             if not keep.any():

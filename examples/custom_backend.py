@@ -21,7 +21,7 @@ class GQAWithKeySummary(GQABackend):
         summary = CacheRole(
             name="key_summary", group="kv", entry_shape=(num_kv_heads,), dtype="float32"
         )
-        self._declare(self.cache_groups(), [*self.cache_roles(), summary])
+        self.declare(self.cache_groups(), [*self.cache_roles(), summary])
 
 
 def main() -> dict[str, object]:

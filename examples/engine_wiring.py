@@ -17,7 +17,7 @@ import torch
 
 from kvforge import CacheController, OutOfBlocksError
 from kvforge.attn_backends import from_hf_config
-from kvforge.cache_controller.layout import CacheEntry
+from kvforge.cache_controller.layout import CacheBuffer
 from kvforge.verify import entry_bytes_for, verify_request, write_entries
 
 
@@ -25,7 +25,7 @@ class AttentionLayer:
     """Stands in for an attention kernel: it finds its caches by role, never by position."""
 
     def __init__(self, ctl: CacheController, layer: int) -> None:
-        self.entries: list[CacheEntry] = [e for e in ctl.layout.entries if e.layer == layer]
+        self.entries: list[CacheBuffer] = [e for e in ctl.layout.buffers if e.layer == layer]
         caches = ctl.kv_caches  # the ordered list an engine passes to its kernels
         self.caches = {e.role.name: caches[ctl.index_of(e.role.name, layer)] for e in self.entries}
 

@@ -737,8 +737,8 @@ def _check_swaps(
     pages = {g: _held_blocks(spec, tokens) + 1 for g, spec in layout.groups.items()}
     _run(
         "swap_round_trip",
-        f"CacheController.initialize_host_cache(num_blocks={pages})",
-        lambda: ctl.initialize_host_cache(num_blocks=pages),
+        f"CacheController.initialize_host_cache(num_pages={pages})",
+        lambda: ctl.initialize_host_cache(num_pages=pages),
     )
     buffers: set[tuple[str, int]] = set()
     entries = nbytes = 0

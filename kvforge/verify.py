@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvforge.cache_controller.controller import CacheController
-from kvforge.cache_controller.layout import CacheEntry
+from kvforge.cache_controller.layout import CacheBuffer
 
 __all__ = [
     "EntryCheck",
@@ -59,7 +59,7 @@ def _seed_at(seed: Seed, positions: torch.Tensor) -> torch.Tensor | int:
 
 
 def entry_bytes_for(
-    seed: Seed, entry: CacheEntry, positions: torch.Tensor, entry_bytes: int
+    seed: Seed, entry: CacheBuffer, positions: torch.Tensor, entry_bytes: int
 ) -> torch.Tensor:
     """The bytes entry ``(layer, role)`` holds for ``positions`` of a request with ``seed``
     (an int, or per-position seeds such as :func:`token_seeds`, indexed by position).
@@ -78,7 +78,7 @@ def entry_bytes_for(
 
 
 def _entry_index(
-    cache: torch.Tensor, entry: CacheEntry, slots: Any
+    cache: torch.Tensor, entry: CacheBuffer, slots: Any
 ) -> tuple[torch.Tensor, tuple[Any, ...]]:
     """A byte view of ``cache`` and the index that selects the entries at ``slots``.
 
@@ -95,7 +95,7 @@ def _entry_index(
     return raw, (blocks, within)
 
 
-def read_entries(cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor) -> torch.Tensor:
+def read_entries(cache: torch.Tensor, entry: CacheBuffer, slots: torch.Tensor) -> torch.Tensor:
     """The bytes of the entries at ``slots`` of ``cache`` (buffer ``entry``), read through the
     role's block layout: ``uint8 [len(slots), entry_bytes]`` (a copy)."""
     raw, index = _entry_index(cache, entry, slots)
@@ -103,7 +103,7 @@ def read_entries(cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor) ->
 
 
 def write_entries(
-    cache: torch.Tensor, entry: CacheEntry, slots: torch.Tensor, data: torch.Tensor
+    cache: torch.Tensor, entry: CacheBuffer, slots: torch.Tensor, data: torch.Tensor
 ) -> None:
     """Store ``data`` (``uint8 [len(slots), entry_bytes]``) into the entries at ``slots`` of
     ``cache``, through the role's block layout (what an attention kernel's cache write does)."""
@@ -114,7 +114,7 @@ def write_entries(
 
 
 def _live_slots(
-    ctl: CacheController, request_id: str, entry: CacheEntry, positions: Iterable[int]
+    ctl: CacheController, request_id: str, entry: CacheBuffer, positions: Iterable[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.as_tensor(list(positions), dtype=torch.int64)
     slots = ctl.slot_mapping(request_id, entry.group.name, pos, entry.role.compress_ratio)
@@ -138,7 +138,7 @@ def write_request(
     positions = list(positions)
     caches = ctl.kv_caches
     written = 0
-    for entry in ctl.layout.entries:
+    for entry in ctl.layout.buffers:
         if only is not None and entry.group.name not in only:
             continue
         pos, slots = _live_slots(ctl, request_id, entry, positions)
@@ -162,7 +162,7 @@ def write_step(ctl: CacheController, step: Any, seeds: Mapping[str, Seed]) -> in
     for i, rid in enumerate(alloc.request_ids):
         mine = index == i
         pos = positions[mine]
-        for entry in ctl.layout.entries:
+        for entry in ctl.layout.buffers:
             slots = torch.from_numpy(
                 inputs.slot_mappings[(entry.group.name, entry.role.compress_ratio)]
             )[mine]
@@ -199,7 +199,7 @@ def verify_request(
     result = EntryCheck()
     caches = ctl.kv_caches
     positions = range(ctl.num_tokens(request_id))
-    for entry in ctl.layout.entries:
+    for entry in ctl.layout.buffers:
         if entry.group.name in skip:
             continue
         pos, slots = _live_slots(ctl, request_id, entry, positions)

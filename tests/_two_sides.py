@@ -63,7 +63,7 @@ def worker_main(conn: Any, model: str) -> None:
     storage_module.move_pages = move_or_fail  # type: ignore[assignment]
 
     def entries(row: int, num_tokens: int, seed: int, skip: tuple[str, ...]):
-        for e in layout.entries:
+        for e in layout.buffers:
             if e.group.name in skip:
                 continue
             pos = np.arange(live_start(e.group, num_tokens), num_tokens, dtype=np.int64)

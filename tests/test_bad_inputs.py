@@ -48,7 +48,7 @@ def _make() -> Env:
         }
     )
     ctl.initialize_kv_cache(num_blocks=NUM_BLOCKS, max_num_seqs=4, max_model_len=256)
-    ctl.initialize_host_cache(num_blocks=16)
+    ctl.initialize_host_cache(num_pages=16)
     for _ in range(5):
         ctl.schedule(["a"], [20])
     ctl.schedule(["b", "s"], [40, 30])
@@ -244,7 +244,7 @@ def test_bad_call_changes_nothing(
 
 def _adopt_case(kind: str, env: Env) -> dict[tuple[str, int], torch.Tensor]:
     caches = {
-        key: torch.zeros_like(env.ctl.get(*key)) for key in (e.key for e in env.ctl.layout.entries)
+        key: torch.zeros_like(env.ctl.get(*key)) for key in (e.key for e in env.ctl.layout.buffers)
     }
     if kind == "missing":
         del caches[("value", 1)]

@@ -353,14 +353,14 @@ def test_bench_whole_requests():
 
     ctl = CacheController(small)
     ctl.initialize_kv_cache(num_blocks=60)
-    ctl.initialize_host_cache(num_blocks=60)
+    ctl.initialize_host_cache(num_pages=60)
     for end in (64, 128, 192, 256, 300):  # grown step by step, as the benchmark grows them
         for r in ("a", "b"):
             ctl.allocate(r, end)
     expected = sum(h.bytes_moved for h in ctl.swap_out_many(["a", "b"]))
     for r in results:
         assert (r.requests, r.bytes) == (2, expected)
-        assert r.num_planes == sum(len(ctl.layout.offload_entries(g)) for g in ctl.groups)
+        assert r.num_planes == sum(len(ctl.layout.offload_buffers(g)) for g in ctl.groups)
         assert r.gbps > 0 and r.loop_gbps > 0
 
 
@@ -399,7 +399,7 @@ def test_bench_moved_bytes_are_exactly_the_moved_blocks_and_pages():
     backends = {0: bench._SynthBackend(64), 1: bench._SynthBackend(16)}
     ctl = CacheController(backends)
     ctl.initialize_kv_cache(num_blocks=10)
-    ctl.initialize_host_cache(num_blocks=10)
+    ctl.initialize_host_cache(num_pages=10)
     bench._grow_interleaved(ctl, ["r"], 3 * ctl.layout.group("kv").block_size, 1)
     [move] = bench._group_moves(ctl, ["r"], ["kv"])
     views = bench._moved_bytes([move])

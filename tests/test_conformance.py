@@ -41,7 +41,7 @@ class Scratch(DeclaredBackend):
     """A role that is never offloaded: nothing is promised for it, so nothing is compared."""
 
     def __init__(self):
-        self._declare(
+        self.declare(
             [CacheGroup(name="kv", block_size=4)],
             [
                 CacheRole(name="key", group="kv", entry_shape=(8,), dtype="uint8"),
@@ -65,7 +65,7 @@ class GQAWithKeyNorm(GQABackend):
     def __init__(self, num_kv_heads, head_dim, block_size=16):
         super().__init__(num_kv_heads, head_dim, block_size)
         norm = CacheRole(name="key_norm", group="kv", entry_shape=(num_kv_heads,), dtype="float32")
-        self._declare(self.cache_groups(), [*self.cache_roles(), norm])
+        self.declare(self.cache_groups(), [*self.cache_roles(), norm])
 
 
 LEGAL = {
@@ -163,7 +163,7 @@ def test_only_the_purposes_asked_for_run():
 def test_backend_with_nothing_offloaded_skips_the_round_trip():
     class NothingOffloaded(DeclaredBackend):
         def __init__(self):
-            self._declare(
+            self.declare(
                 [CacheGroup(name="kv", block_size=4)],
                 [CacheRole(name="key", group="kv", entry_shape=(8,), dtype="uint8", offload=False)],
             )

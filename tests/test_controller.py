@@ -115,7 +115,7 @@ def test_budget_split_in_proportion_to_bytes_per_token():
     # group a: 16-token blocks of 2 KiB; group b: 64-token blocks of 2 KiB (4x cheaper per token)
     class TwoGroups(DeclaredBackend):
         def __init__(self):
-            self._declare(
+            self.declare(
                 [CacheGroup(name="a", block_size=16), CacheGroup(name="b", block_size=64)],
                 [
                     CacheRole(name="x", group="a", entry_shape=(128,), dtype="uint8"),
@@ -184,12 +184,12 @@ def test_bad_backend_declarations():
         def __init__(self):
             group = CacheGroup(name="kv", block_size=16)
             role = CacheRole(name="key", group="kv", entry_shape=(4,), dtype="uint8")
-            self._declare([group], [role, role])
+            self.declare([group], [role, role])
 
     class Orphan(DeclaredBackend):
         def __init__(self):
             role = CacheRole(name="key", group="nowhere", entry_shape=(4,), dtype="uint8")
-            self._declare([CacheGroup(name="kv", block_size=16)], [role])
+            self.declare([CacheGroup(name="kv", block_size=16)], [role])
 
     with pytest.raises(ValueError, match="declares role 'key' twice"):
         Dup()

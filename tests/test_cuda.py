@@ -38,7 +38,7 @@ def test_cuda_round_trip(model):
     ctl = CacheController(MODELS[model](), device="cuda")
     assert resolve_impl("auto", ctl.device) == "triton"
     ctl.initialize_kv_cache(num_blocks=40)
-    ctl.initialize_host_cache(num_blocks=40)
+    ctl.initialize_host_cache(num_pages=40)
     assert ctl._host.groups[ctl.groups[0]].pages.is_pinned()
     n = 500  # 4-layer GQA: 32 blocks of 16 tokens, within 39 usable
     ctl.allocate("r", n)
@@ -85,7 +85,7 @@ def test_cuda_batched_swaps_through_two_staging_slots(monkeypatch, chunk_rows):
     monkeypatch.setattr(swap, "PIPELINE_CHUNK_BYTES", chunk_rows * 4 * 2 * 32_768)
     ctl = CacheController(backends, device="cuda")
     ctl.initialize_kv_cache(num_blocks=64)
-    ctl.initialize_host_cache(num_blocks=64)
+    ctl.initialize_host_cache(num_pages=64)
     lengths = {"a": 160, "b": 37, "c": 300}
     written = {}
     for i, (r, n) in enumerate(lengths.items()):

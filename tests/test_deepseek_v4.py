@@ -172,7 +172,7 @@ def test_flash_shaped_role_counts_per_group():
     assert (len(ratios), n4, n128) == (44, 21, 20)
 
     def count(group, role):
-        return sum(1 for e in layout.entries_of(group) if e.role.name == role)
+        return sum(1 for e in layout.buffers_of(group) if e.role.name == role)
 
     assert count("swa", "swa_kv") == 44
     assert count("compressed", "compressed_kv") == n4 + n128 == 41

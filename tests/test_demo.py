@@ -92,7 +92,7 @@ def test_full_host_pool_falls_back_to_recompute():
     requests = _make_requests(config)
     ctl = CacheController(from_hf_config(load_model_config("deepseek-v4-tiny")), device="cpu")
     ctl.initialize_kv_cache(num_blocks=96)
-    ctl.initialize_host_cache(num_blocks=_size_host(ctl.layout, 112, 1, None))  # one request
+    ctl.initialize_host_cache(num_pages=_size_host(ctl.layout, 112, 1, None))  # one request
     loop = _Loop(ctl, config, requests)
     loop.step()  # all three arrive, are admitted and decode one token
     _, middle, newest = sorted(loop.running, key=lambda r: r.index)

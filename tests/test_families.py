@@ -130,7 +130,7 @@ def test_bytes_per_token_per_layer_and_group(name, groups, max_len):
     token_groups = {g.name for g in layout.groups if g.kind is not GroupKind.PER_REQUEST}
     assert token_groups == set(groups)
     for group, (layers, per_layer) in groups.items():
-        entries = layout.entries_of(group)
+        entries = layout.buffers_of(group)
         assert len({e.layer for e in entries}) == layers
         per_token = sum(e.role.bytes_per_token for e in entries)
         assert per_token == layers * per_layer
@@ -266,7 +266,7 @@ def _read_states(ctl: CacheController, rid: str) -> dict[tuple[str, int], bytes]
 @pytest.mark.parametrize("purpose", ["preempt", "prefix"])
 def test_swap_round_trip_is_byte_exact(purpose):
     ctl = small_controller()
-    ctl.initialize_host_cache(num_blocks={"linear_state": 4, "kv": 8})
+    ctl.initialize_host_cache(num_pages={"linear_state": 4, "kv": 8})
     ctl.allocate("other", 5)
     ctl.allocate("r", 40)
     states = _write_states(ctl, "r", seed=7)

@@ -92,7 +92,7 @@ def v4(**overrides):
 
 
 def roles_in(layout: CacheLayout, group: str) -> Counter:
-    return Counter(e.role.name for e in layout.entries_of(group))
+    return Counter(e.role.name for e in layout.buffers_of(group))
 
 
 # ------------------------------------------------------------------ bundled configs
@@ -395,9 +395,9 @@ def test_deepseek_v4_flash_role_counts_per_group():
     assert roles_in(layout, "c4_state") == {"compressor_state": 21, "indexer_compressor_state": 21}
     assert roles_in(layout, "c128_state") == {"compressor_state": 20}
     # which layers carry which roles
-    assert [e.layer for e in layout.entries_of("compressed") if e.role.name == "indexer"] == r4
-    assert [e.layer for e in layout.entries_of("c128_state")] == r128
-    compressed_kv = [e for e in layout.entries_of("compressed") if e.role.name == "compressed_kv"]
+    assert [e.layer for e in layout.buffers_of("compressed") if e.role.name == "indexer"] == r4
+    assert [e.layer for e in layout.buffers_of("c128_state")] == r128
+    compressed_kv = [e for e in layout.buffers_of("compressed") if e.role.name == "compressed_kv"]
     assert {e.layer: e.role.compress_ratio for e in compressed_kv} == {
         i: FLASH_RATIOS[i] for i in sorted(r4 + r128)
     }

@@ -20,7 +20,7 @@ class Aligned(DeclaredBackend):
             CacheRole(**(r.model_dump() | {"block_alignment": alignment}))
             for r in base.cache_roles()
         ]
-        self._declare(base.cache_groups(), roles)
+        self.declare(base.cache_groups(), roles)
 
     def __repr__(self) -> str:
         return f"Aligned({self.base!r})"
@@ -47,7 +47,7 @@ V4_BLOCKS = {
 
 def test_deepseek_v4_aligned_strides_per_layer_and_block():
     layout = CacheLayout(v4_aligned())
-    got = {e.key: (e.block_bytes, e.device_block_bytes) for e in layout.entries}
+    got = {e.key: (e.block_bytes, e.device_block_bytes) for e in layout.buffers}
     assert got == V4_BLOCKS
     assert {k: v[1] for k, v in got.items()} == {
         ("swa_kv", 0): 37_440,
@@ -122,7 +122,7 @@ def test_every_layer_slides_is_not_zero():
 def test_per_request_bytes():
     class Hybrid(DeclaredBackend):
         def __init__(self) -> None:
-            self._declare(
+            self.declare(
                 [
                     CacheGroup(name="kv", block_size=16),
                     CacheGroup(name="ssm", block_size=1, kind="per_request", slots_per_request=2),

@@ -84,7 +84,7 @@ class PaddedHeadMajor(DeclaredBackend):
     16 * 4 * 24 * 2 = 3,072 meaningful bytes, cdiv(3,072, 1,000) * 1,000 = 4,000 B stride."""
 
     def __init__(self) -> None:
-        self._declare(
+        self.declare(
             [CacheGroup(name="kv", block_size=16)],
             [
                 CacheRole(
@@ -150,7 +150,7 @@ def test_round_trip_through_the_declared_layout(model, impl, force_impl):
     used = force_impl(impl)
     ctl = CacheController(build())
     ctl.initialize_kv_cache(num_blocks=blocks)
-    ctl.initialize_host_cache(num_blocks=blocks)
+    ctl.initialize_host_cache(num_pages=blocks)
     padded = fill_padding(ctl)
     assert (padded > 0) == (model != "gqa_head_major")
     grow(ctl, "r", n)
@@ -228,7 +228,7 @@ class PackedIndexer(DeclaredBackend):
     256 B of the engine's padding (8,704 = 17 * 512)."""
 
     def __init__(self) -> None:
-        self._declare(
+        self.declare(
             [CacheGroup(name="kv", block_size=64)],
             [
                 CacheRole(name="indexer_key", group="kv", entry_shape=(128,), dtype="uint8"),
@@ -259,7 +259,7 @@ def test_engine_packed_buffer_adopted_and_round_tripped(impl, force_impl):
     assert plan.num_blocks == {"kv": 10}
     assert ctl.get("indexer_scale", 1).data_ptr() == buffers[1].data_ptr() + 8192
     assert [p.stride() for p in ctl.storage.planes("kv")] == [(8704, 1)] * 4
-    ctl.initialize_host_cache(num_blocks=10)
+    ctl.initialize_host_cache(num_pages=10)
     assert ctl.layout.host_page_bytes("kv") == 2 * (8192 + 256)
     grow(ctl, "r", 300)
     written = write_request(ctl, "r", seed=5, positions=range(300))

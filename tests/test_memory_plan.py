@@ -336,7 +336,7 @@ class Hybrid(DeclaredBackend):
     """Full attention, chunked local attention (chunk 64) and a two-slot recurrent state."""
 
     def __init__(self) -> None:
-        self._declare(
+        self.declare(
             [
                 CacheGroup(name="kv", block_size=16),
                 CacheGroup(name="chunk", block_size=16, kind="chunked", window=64),
@@ -377,7 +377,7 @@ def test_chunked_and_per_request_groups():
 def test_per_request_groups_without_a_length():
     class FullAndState(DeclaredBackend):
         def __init__(self) -> None:
-            self._declare(
+            self.declare(
                 [
                     CacheGroup(name="kv", block_size=16),
                     CacheGroup(name="ssm", block_size=1, kind="per_request"),
@@ -553,7 +553,7 @@ def test_plan_from_blocks_refusals(blocks, message):
 def test_plan_from_blocks_beyond_64_bit_bytes():
     class Huge(DeclaredBackend):
         def __init__(self) -> None:
-            self._declare(
+            self.declare(
                 [CacheGroup(name="g", block_size=1)],
                 [CacheRole(name="x", group="g", entry_shape=(1 << 17, 1 << 16), dtype="uint8")],
             )

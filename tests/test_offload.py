@@ -55,7 +55,7 @@ def test_round_trip_every_variant(model):
     ctl = CacheController(MODELS[model]())
     # 700 tokens take 17 live c128_state blocks (the last 128 tokens straddle 17 of 8)
     ctl.initialize_kv_cache(num_blocks=40 if v4 else 12)
-    ctl.initialize_host_cache(num_blocks=40 if v4 else 12)
+    ctl.initialize_host_cache(num_pages=40 if v4 else 12)
     n = 700 if v4 else 150
     grow(ctl, "r", n)
     written = write_request(ctl, "r", seed=7, positions=range(n))
@@ -105,7 +105,7 @@ def test_flash_moves_only_live_window_and_state_blocks():
 def test_prefix_purpose_skips_state_groups():
     ctl = CacheController(flash_like(layers=4))
     ctl.initialize_kv_cache(num_blocks=64)
-    ctl.initialize_host_cache(num_blocks=64)
+    ctl.initialize_host_cache(num_pages=64)
     grow(ctl, "r", 300)
     written = write_request(ctl, "r", seed=3, positions=range(300))
     handle = ctl.swap_out("r", purpose="prefix")
@@ -137,7 +137,7 @@ def test_backend_can_override_selection_per_role():
     hooked = Hooked(2, 8, 4)
     ctl = CacheController({0: hooked, 1: hooked})
     ctl.initialize_kv_cache(num_blocks=8)
-    ctl.initialize_host_cache(num_blocks=8)
+    ctl.initialize_host_cache(num_pages=8)
     grow(ctl, "r", 10)
     ctl.swap_out("r", purpose="prefix")  # key still selected: the page (key and value) moves
     ctl.swap_in("r")
@@ -150,7 +150,7 @@ def test_backend_can_override_selection_per_role():
 
     ctl = CacheController({0: KeepNothing(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=8)
-    ctl.initialize_host_cache(num_blocks=8)
+    ctl.initialize_host_cache(num_pages=8)
     grow(ctl, "r", 10)
     assert ctl.swap_out("r").blocks_moved == {}
 
@@ -160,7 +160,7 @@ def test_backend_can_override_selection_per_role():
 
     ctl = CacheController({0: Broken(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=8)
-    ctl.initialize_host_cache(num_blocks=8)
+    ctl.initialize_host_cache(num_pages=8)
     grow(ctl, "r", 10)
     with pytest.raises(
         ValueError, match=r"offload_selection\('key', 10, 'preempt'\) returned .* within \[0, 10\)"
@@ -175,7 +175,7 @@ def test_roles_not_offloaded_have_no_host_plane():
 
     class Scratch(DeclaredBackend):
         def __init__(self):
-            self._declare(
+            self.declare(
                 [CacheGroup(name="kv", block_size=4)],
                 [
                     CacheRole(name="key", group="kv", entry_shape=(8,), dtype="uint8"),
@@ -187,7 +187,7 @@ def test_roles_not_offloaded_have_no_host_plane():
 
     ctl = CacheController({0: Scratch()})
     ctl.initialize_kv_cache(num_blocks=4)
-    ctl.initialize_host_cache(num_blocks=4)
+    ctl.initialize_host_cache(num_pages=4)
     assert ctl.storage.host.groups["kv"].page_bytes == 4 * 8
     assert set(ctl.host_kv_caches) == {("key", 0)}
     assert ctl.host_kv_caches[("key", 0)].shape == (4, 4, 8)
@@ -196,7 +196,7 @@ def test_roles_not_offloaded_have_no_host_plane():
 def test_host_views_alias_host_pages():
     ctl = CacheController({0: GQABackend(2, 4, 4, kv_cache_quant="block_wise_fp8")})
     ctl.initialize_kv_cache(num_blocks=4)
-    ctl.initialize_host_cache(num_blocks=3)
+    ctl.initialize_host_cache(num_pages=3)
     views = ctl.host_kv_caches
     assert (
         views[("key", 0)].shape == (3, 4, 2, 4) and views[("key", 0)].dtype == torch.float8_e4m3fn
@@ -221,7 +221,7 @@ def test_swap_errors_change_nothing():
     ctl.initialize_kv_cache(num_blocks=10)
     with pytest.raises(RuntimeError, match="call initialize_host_cache before swapping"):
         ctl.swap_out("r")
-    ctl.initialize_host_cache(num_blocks=3)  # 2 usable pages
+    ctl.initialize_host_cache(num_pages=3)  # 2 usable pages
     grow(ctl, "r", 12)  # 3 blocks
     with pytest.raises(
         OutOfBlocksError, match=r"swap_out: host group 'kv' needs 3 free blocks but has 2"
@@ -250,7 +250,7 @@ def test_swap_errors_change_nothing():
     ctl.free_request("s")  # a swapped request frees its host pages
     assert ctl.host_pool_usage() == {"kv": (0, 2)}
     with pytest.raises(RuntimeError, match="initialize_host_cache was already called"):
-        ctl.initialize_host_cache(num_blocks=3)
+        ctl.initialize_host_cache(num_pages=3)
 
 
 def test_host_memory_budget():
@@ -431,7 +431,7 @@ def test_batch_round_trip_matches_single_swaps():
     # single swap_out of that request reports
     ctl = CacheController(SMALL_V4)
     ctl.initialize_kv_cache(num_blocks=60)
-    ctl.initialize_host_cache(num_blocks=60)
+    ctl.initialize_host_cache(num_pages=60)
     lengths = {"a": 300, "b": 41, "c": 700}
     written = {}
     for i, (r, n) in enumerate(lengths.items()):
@@ -466,7 +466,7 @@ def test_batch_round_trip_matches_single_swaps():
 def test_batch_errors_change_nothing():
     ctl = CacheController({0: GQABackend(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=10)  # 9 usable
-    ctl.initialize_host_cache(num_blocks=6)  # 5 usable pages
+    ctl.initialize_host_cache(num_pages=6)  # 5 usable pages
     grow(ctl, "a", 8)  # 2 blocks
     grow(ctl, "b", 12)  # 3 blocks
     grow(ctl, "c", 4)  # 1 block
@@ -508,7 +508,7 @@ def test_failing_hook_gives_host_pages_back():
 
     ctl = CacheController({0: Refuses(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=10)
-    ctl.initialize_host_cache(num_blocks=10)
+    ctl.initialize_host_cache(num_pages=10)
     grow(ctl, "a", 8)
     grow(ctl, "b", 8)
     with pytest.raises(RuntimeError, match="not now"):
@@ -525,7 +525,7 @@ def test_failing_after_swap_in_hook_rolls_the_batch_back():
 
     ctl = CacheController({0: Complains(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=10)
-    ctl.initialize_host_cache(num_blocks=10)
+    ctl.initialize_host_cache(num_pages=10)
     for r in "ab":
         grow(ctl, r, 8)
     written = {r: write_request(ctl, r, seed=i, positions=range(8)) for i, r in enumerate("ab")}
@@ -547,7 +547,7 @@ def test_failing_after_swap_in_hook_rolls_the_batch_back():
 def test_swap_in_many_failing_midway_changes_nothing(monkeypatch):
     ctl = CacheController(SMALL_V4)
     ctl.initialize_kv_cache(num_blocks=40)
-    ctl.initialize_host_cache(num_blocks=40)
+    ctl.initialize_host_cache(num_pages=40)
     grow(ctl, "a", 300)
     written = write_request(ctl, "a", seed=5, positions=range(300))
     ctl.swap_out("a")
@@ -575,7 +575,7 @@ def test_swap_in_many_failing_midway_changes_nothing(monkeypatch):
 def test_swap_in_batch_checks_everything_first():
     ctl = CacheController({0: GQABackend(2, 8, 4)})
     ctl.initialize_kv_cache(num_blocks=8)  # 7 usable
-    ctl.initialize_host_cache(num_blocks=8)
+    ctl.initialize_host_cache(num_pages=8)
     grow(ctl, "x", 12)  # 3 blocks
     grow(ctl, "y", 12)
     ctl.swap_out_many(["x", "y"])

@@ -290,7 +290,7 @@ def test_fused_kv_caches_round_trip_through_the_controller(example):
     backends = {i: example.FusedKVBackend(2, 8, block_size=4, dtype="float32") for i in range(2)}
     ctl = CacheController(backends, device="cpu")
     ctl.initialize_kv_cache(num_blocks=8)
-    ctl.initialize_host_cache(num_blocks=8)
+    ctl.initialize_host_cache(num_pages=8)
     assert ctl.storage_names == [
         "kv_caches_0_rank0.device0",
         "kv_caches_1_rank0.device0",

@@ -107,7 +107,7 @@ def test_history_hit_shares_blocks_and_reused_bytes_match(backend):
     seeds = run_prompt(ctl, "b", b, match=match)
     assert ctl.block_table("b", "kv")[:4] == a_table[:4]  # shared, not copied
     check = verify_request(ctl, "b", seeds)
-    assert check.mismatched == 0 and check.entries == 2 * len(ctl.layout.entries) // 2 * 8 * bs
+    assert check.mismatched == 0 and check.entries == 2 * len(ctl.layout.buffers) // 2 * 8 * bs
     # the last token is always computed: a whole identical prompt matches one block less
     assert lookup(ctl, b[: 8 * bs]).num_tokens == 7 * bs
     ctl.free_request("b")
@@ -187,7 +187,7 @@ def test_deepseek_v4_worked_example():
 def test_shared_blocks_survive_swaps_truncation_and_frees():
     ctl = CacheController({0: GQABackend(2, 16, 16)}, enable_prefix_caching=True)
     ctl.initialize_kv_cache(num_blocks=40)
-    ctl.initialize_host_cache(num_blocks=40)
+    ctl.initialize_host_cache(num_pages=40)
     a = tokens(100)
     seeds_a = run_prompt(ctl, "a", a)
     b = tokens(120, seed=2, shared=a[:100])
@@ -260,7 +260,7 @@ def test_linear_attention_state_is_snapshotted_at_a_boundary_and_restored():
     linear = LinearAttentionBackend(2, 2, 8, 8, 4)
     ctl = CacheController({0: linear, 1: GQABackend(1, 8, 16)}, enable_prefix_caching=True)
     ctl.initialize_kv_cache(num_blocks={"linear_state": 8, "kv": 80})
-    state = [e for e in ctl.layout.entries if e.group.name == "linear_state"]
+    state = [e for e in ctl.layout.buffers if e.group.name == "linear_state"]
 
     def write_state(rid, seeds, n):  # the state after n tokens is a function of the prefix
         slot = ctl.block_table(rid, "linear_state")

@@ -83,7 +83,7 @@ def _swa_request(n: int) -> CacheController:
     to ``n`` tokens, every token written."""
     ctl = CacheController({0: GQABackend(1, 8, block_size=4, sliding_window=8)})
     ctl.initialize_kv_cache(num_blocks=40, max_num_seqs=4, max_model_len=256)
-    ctl.initialize_host_cache(num_blocks=40)
+    ctl.initialize_host_cache(num_pages=40)
     for p in range(n):
         ctl.schedule(["a"], [1])
         write_request(ctl, "a", 3, [p])

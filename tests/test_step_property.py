@@ -43,7 +43,7 @@ class ChunkedGQA(GQABackend):
             CacheRole(name=n, group="chunk", entry_shape=(1, 8), dtype="bfloat16")
             for n in ("key", "value")
         ]
-        self._declare([group], roles)
+        self.declare([group], roles)
 
 
 def _dsv4(ratio: int) -> DeepseekV4Backend:
@@ -306,7 +306,7 @@ def run_scenario(config: str, data: st.DataObject, num_ops: int) -> None:
     ctl = CacheController(make())
     max_seqs = 5
     ctl.initialize_kv_cache(num_blocks=num_blocks, max_num_seqs=max_seqs, max_model_len=1024)
-    ctl.initialize_host_cache(num_blocks=200)
+    ctl.initialize_host_cache(num_pages=200)
     model = RefModel([ctl.layout.group(g) for g in ctl.groups], num_blocks, max_seqs)
     _check_invariants(ctl, model)
     next_id = 0

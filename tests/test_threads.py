@@ -18,7 +18,7 @@ from kvforge.verify import verify_request, write_request
 def test_two_threads_sharing_a_controller_lose_nothing():
     ctl = CacheController({i: GQABackend(2, 16, 16) for i in range(2)})
     ctl.initialize_kv_cache(num_blocks=64)
-    ctl.initialize_host_cache(num_blocks=64)
+    ctl.initialize_host_cache(num_pages=64)
     errors: list[BaseException] = []
     seeds = {f"s{i}": 100 + i for i in range(4)}
 

@@ -283,17 +283,24 @@ class AttentionBackend(ABC):
 class DeclaredBackend(AttentionBackend):
     """A backend whose groups and roles are fixed when it is constructed.
 
-    Subclasses build their declaration in ``__init__`` and hand it to :meth:`_declare`,
+    Subclasses build their declaration in ``__init__`` and hand it to :meth:`declare`,
     which validates it once; the lists are then returned as copies on every call.
     """
 
     _groups: tuple[CacheGroup, ...] = ()
     _roles: tuple[CacheRole, ...] = ()
 
-    def _declare(self, groups: Iterable[CacheGroup], roles: Iterable[CacheRole]) -> None:
+    def declare(self, groups: Iterable[CacheGroup], roles: Iterable[CacheRole]) -> None:
+        """Set this backend's groups and roles (the per-layer order) and validate them.
+
+        Raises:
+            ValueError: naming the backend and the offending role or group.
+        """
         self._groups = tuple(groups)
         self._roles = tuple(roles)
         self.validate()
+
+    _declare = declare  # deprecated name of declare
 
     def cache_groups(self) -> list[CacheGroup]:
         return list(self._groups)

@@ -142,7 +142,7 @@ class DeepseekV4Backend(DeclaredBackend):
                 CacheGroup(name="c128_state", block_size=8, kind=GroupKind.STATE, window=128)
             )
             roles.append(role("compressor_state", "c128_state", (2 * head_dim,), "float32"))
-        self._declare(groups, roles)
+        self.declare(groups, roles)
 
     def __repr__(self) -> str:
         return (

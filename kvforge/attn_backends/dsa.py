@@ -75,7 +75,7 @@ class DSABackend(DeclaredBackend):
             key_shape, key_dtype = (kv_lora_rank + qk_rope_head_dim,), "bfloat16"
         # 128 fp8 values + one float32 scale, packed as bytes, in both modes
         index_shape = (index_head_dim + 4,)
-        self._declare(
+        self.declare(
             [kv],
             [
                 CacheRole(

@@ -148,7 +148,7 @@ class GQABackend(DeclaredBackend):
                 )
                 for n in ("key_scale", "value_scale")
             ]
-        self._declare([kv_group], roles)
+        self.declare([kv_group], roles)
 
     def __repr__(self) -> str:
         extra = f", kv_cache_quant={self.kv_cache_quant!r}" if self.kv_cache_quant else ""

@@ -114,7 +114,7 @@ class LinearAttentionBackend(DeclaredBackend):
             entry_shape=(num_value_heads // tp_size, key_head_dim, value_head_dim),
             dtype=self.recurrent_dtype,
         )
-        self._declare([group], [conv, recurrent])
+        self.declare([group], [conv, recurrent])
 
     # ------------------------------------------------------------------ sizes
 

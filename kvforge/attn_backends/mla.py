@@ -41,7 +41,7 @@ class MLABackend(DeclaredBackend):
         self.block_alignment = block_alignment
         kv = CacheGroup(name=group, block_size=block_size)
         width = kv_lora_rank + qk_rope_head_dim
-        self._declare(
+        self.declare(
             [kv],
             [
                 CacheRole(

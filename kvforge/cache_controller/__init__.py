@@ -10,7 +10,7 @@ from typing import Any
 
 from kvforge.cache_controller.block_manager import BlockManager, SwapStats, live_start
 from kvforge.cache_controller.block_pool import NULL_BLOCK, BlockPool
-from kvforge.cache_controller.layout import CacheEntry, CacheLayout
+from kvforge.cache_controller.layout import CacheBuffer, CacheLayout
 from kvforge.cache_controller.memory_plan import (
     GroupPlan,
     MemoryPlan,
@@ -33,8 +33,8 @@ __all__ = [
     "NULL_BLOCK",
     "BlockManager",
     "BlockPool",
+    "CacheBuffer",
     "CacheController",
-    "CacheEntry",
     "CacheLayout",
     "GroupPlan",
     "MemoryPlan",

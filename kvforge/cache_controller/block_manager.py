@@ -898,6 +898,8 @@ class BlockManager:
                 key = key_of[end]
                 if block == NULL_BLOCK or key in g.cached or block in g.pool.keys:
                     continue
+                if g.code != _FULL and not self._in_some_tail(g, c):
+                    continue  # no match can ever read it: keep the pool for blocks that can
                 g.cached[key] = block
                 g.pool.keys[block] = (key, end)
                 events.append(PrefixEvent("stored", g.spec.name, key, end))
@@ -920,6 +922,17 @@ class BlockManager:
                 events.append(PrefixEvent("stored", g.spec.name, key, after))
                 stats.stored_blocks[g.spec.name] = stats.stored_blocks.get(g.spec.name, 0) + 1
         return copies
+
+    def _in_some_tail(self, g: _Group, col: int) -> bool:
+        """Whether block ``col`` of window group ``g`` lies in the tail some boundary needs.
+
+        Tails move forward with ``L``, so the first boundary at or after the block's end
+        decides: a 4-token ``c4_state`` block (window 8, boundary 256) is in a tail only if it
+        is one of the two blocks before a multiple of 256 (2 of every 64 blocks).
+        """
+        end = (col + 1) * g.block_size
+        first = -(-end // self.boundary) * self.boundary
+        return self._window_start(g, first) // g.block_size <= col
 
     def _release_pins(self) -> None:
         pins, self._pins = self._pins, []

@@ -164,8 +164,9 @@ class BlockPool:
         if self._shared:  # a shared block may be dropped twice in one call
             np.subtract.at(self._ref, block_ids, 1)
             zero = block_ids[self._ref[block_ids] == 0]
-            if len(zero) > 1:
-                zero = np.unique(zero)
+            if len(zero) > 1:  # distinct, in the order given (chain order decides eviction)
+                _, first = np.unique(zero, return_index=True)
+                zero = zero[np.sort(first)]
         else:  # every used block has one holder: the ids are distinct
             self._ref[block_ids] -= 1
             zero = block_ids[self._ref[block_ids] == 0]

@@ -74,11 +74,11 @@ class ScheduledStep:
     inputs: StepInputs
 
 
-def _one_sizing(num_blocks: object, memory_budget: object) -> None:
-    if (num_blocks is None) == (memory_budget is None):
+def _one_sizing(count: object, memory_budget: object, name: str = "num_blocks") -> None:
+    if (count is None) == (memory_budget is None):
         raise ValueError(
-            "give exactly one of num_blocks or memory_budget, got "
-            f"num_blocks={num_blocks!r}, memory_budget={memory_budget!r}"
+            f"give exactly one of {name} or memory_budget, got "
+            f"{name}={count!r}, memory_budget={memory_budget!r}"
         )
 
 
@@ -265,7 +265,7 @@ class CacheController:
             raise RuntimeError("initialize_kv_cache was already called on this controller")
         probe = {g.name: 2 for g in self.layout.groups}
         if isinstance(caches, Mapping):
-            for e in self.layout.entries:
+            for e in self.layout.buffers:
                 t = caches.get(e.key)
                 if isinstance(t, torch.Tensor) and t.dim():
                     probe[e.group.name] = int(t.shape[0])
@@ -525,13 +525,16 @@ class CacheController:
     @_locked
     def initialize_host_cache(
         self,
-        num_blocks: int | Mapping[str, int] | None = None,
+        num_pages: int | Mapping[str, int] | None = None,
         memory_budget: int | None = None,
+        *,
+        num_blocks: int | Mapping[str, int] | None = None,
     ) -> MemoryPlan:
         """Allocate the pinned host pools (page-first, one per group with offloaded roles).
 
-        Give ``num_blocks`` (pages per group, the reserved null page included) or
-        ``memory_budget`` in bytes (split like the device budget).
+        Give ``num_pages`` (pages per group, the reserved null page included) or
+        ``memory_budget`` in bytes (split like the device budget). ``num_blocks`` is the
+        deprecated name of ``num_pages``.
 
         Raises:
             ValueError: no role of any group is offloaded (there is nothing to size), or a
@@ -540,7 +543,12 @@ class CacheController:
         manager = self._ready_manager()
         if self.storage.host_ready:
             raise RuntimeError("initialize_host_cache was already called on this controller")
-        _one_sizing(num_blocks, memory_budget)
+        if num_blocks is not None:
+            if num_pages is not None:
+                raise ValueError("give num_pages (num_blocks is its deprecated name), not both")
+            num_pages = num_blocks
+        num_blocks = num_pages
+        _one_sizing(num_blocks, memory_budget, "num_pages")
         if not any(self.layout.host_page_bytes(g) for g in self.groups):
             raise ValueError(
                 "no role of any group is offloaded (every role has offload=False): there is "

@@ -25,11 +25,11 @@ from functools import cached_property
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.specs import CacheGroup, CacheRole, GroupKind, strict_int
 
-__all__ = ["CacheEntry", "CacheLayout"]
+__all__ = ["CacheBuffer", "CacheEntry", "CacheLayout"]
 
 
 @dataclass(frozen=True)
-class CacheEntry:
+class CacheBuffer:
     """One (role, layer) buffer.
 
     Attributes:
@@ -118,7 +118,7 @@ class CacheLayout:
 
         groups: dict[str, CacheGroup] = {}
         declared_by: dict[str, int] = {}
-        entries: list[CacheEntry] = []
+        entries: list[CacheBuffer] = []
         for layer in self.layers:
             backend = self.backends[layer]
             backend.validate()
@@ -136,16 +136,16 @@ class CacheLayout:
                         f"({self.backends[first]!r}: {known!r}) and layer {layer} "
                         f"({backend!r}: {group!r})"
                     )
-                entries.append(CacheEntry(len(entries), layer, role, group))
-        self.entries: tuple[CacheEntry, ...] = tuple(entries)
+                entries.append(CacheBuffer(len(entries), layer, role, group))
+        self.buffers: tuple[CacheBuffer, ...] = tuple(entries)
         # Ordered by first use in the layer-major list, a deterministic order.
         ordered: list[CacheGroup] = []
-        for e in self.entries:
+        for e in self.buffers:
             if e.group not in ordered:
                 ordered.append(e.group)
         self.groups: tuple[CacheGroup, ...] = tuple(ordered)
-        self._index = {e.key: e for e in self.entries}
-        self._entries_by_layers: dict[tuple[int, ...], tuple[CacheEntry, ...]] = {}
+        self._index = {e.key: e for e in self.buffers}
+        self._buffers_by_layers: dict[tuple[int, ...], tuple[CacheBuffer, ...]] = {}
 
     # ------------------------------------------------------------------ lookups
 
@@ -161,7 +161,7 @@ class CacheLayout:
                 f"group {name!r} does not exist; groups are {[g.name for g in self.groups]}"
             ) from None
 
-    def entry(self, role: str, layer: int) -> CacheEntry:
+    def entry(self, role: str, layer: int) -> CacheBuffer:
         try:
             return self._index[(role, layer)]
         except KeyError:
@@ -172,35 +172,35 @@ class CacheLayout:
             roles = [r.name for r in self.backends[layer].cache_roles()]
             raise KeyError(f"layer {layer} has no role {role!r}; its roles are {roles}") from None
 
-    def entries_of(self, group: str) -> tuple[CacheEntry, ...]:
+    def buffers_of(self, group: str) -> tuple[CacheBuffer, ...]:
         """Buffers of ``group`` in list order."""
-        return tuple(e for e in self.entries if e.group.name == group)
+        return tuple(e for e in self.buffers if e.group.name == group)
 
-    def entries_of_layers(self, layers: tuple[int, ...]) -> tuple[CacheEntry, ...]:
+    def buffers_of_layers(self, layers: tuple[int, ...]) -> tuple[CacheBuffer, ...]:
         """Buffers of ``layers`` in list order (a backend's layers, asked on every swap)."""
-        found = self._entries_by_layers.get(layers)
+        found = self._buffers_by_layers.get(layers)
         if found is None:
             members = set(layers)
-            found = tuple(e for e in self.entries if e.layer in members)
-            self._entries_by_layers[layers] = found
+            found = tuple(e for e in self.buffers if e.layer in members)
+            self._buffers_by_layers[layers] = found
         return found
 
     @cached_property
-    def _offload_entries(self) -> dict[str, tuple[CacheEntry, ...]]:
+    def _offload_buffers(self) -> dict[str, tuple[CacheBuffer, ...]]:
         # the layout never changes after construction; swaps ask for this on every call
         return {
-            g.name: tuple(e for e in self.entries_of(g.name) if e.role.offload) for g in self.groups
+            g.name: tuple(e for e in self.buffers_of(g.name) if e.role.offload) for g in self.groups
         }
 
-    def offload_entries(self, group: str) -> tuple[CacheEntry, ...]:
+    def offload_buffers(self, group: str) -> tuple[CacheBuffer, ...]:
         """Buffers of ``group`` that swaps move, in list order: the planes of a host page."""
-        found = self._offload_entries.get(group)
+        found = self._offload_buffers.get(group)
         return found if found is not None else ()
 
     @cached_property
     def _offload_roles(self) -> dict[str, tuple[tuple[AttentionBackend, CacheRole], ...]]:
         found: dict[str, dict[tuple[int, str], tuple[AttentionBackend, CacheRole]]] = {}
-        for e in self.entries:
+        for e in self.buffers:
             if e.role.offload:
                 backend = self.backends[e.layer]
                 found.setdefault(e.group.name, {}).setdefault(
@@ -234,13 +234,13 @@ class CacheLayout:
     @cached_property
     def _device_block_bytes(self) -> dict[str, int]:
         return {
-            g.name: sum(e.device_block_bytes for e in self.entries_of(g.name)) for g in self.groups
+            g.name: sum(e.device_block_bytes for e in self.buffers_of(g.name)) for g in self.groups
         }
 
     @cached_property
     def _host_page_bytes(self) -> dict[str, int]:
         return {
-            g.name: sum(e.block_bytes for e in self.offload_entries(g.name)) for g in self.groups
+            g.name: sum(e.block_bytes for e in self.offload_buffers(g.name)) for g in self.groups
         }
 
     def bytes_per_block(self, group: str) -> int:
@@ -294,3 +294,18 @@ class CacheLayout:
         if total is None:
             total = sum(by_kind.values(), Fraction(0))
         return total.numerator if total.denominator == 1 else total
+
+
+CacheEntry = CacheBuffer
+"""Deprecated name of :class:`CacheBuffer` ("entry" now means only what one role stores per
+cached position)."""
+
+
+def _deprecated_alias(new: str) -> property:
+    return property(lambda self: getattr(self, new), doc=f"Deprecated name of ``{new}``.")
+
+
+CacheLayout.entries = _deprecated_alias("buffers")  # type: ignore[attr-defined]
+CacheLayout.entries_of = CacheLayout.buffers_of  # type: ignore[attr-defined]
+CacheLayout.entries_of_layers = CacheLayout.buffers_of_layers  # type: ignore[attr-defined]
+CacheLayout.offload_entries = CacheLayout.offload_buffers  # type: ignore[attr-defined]

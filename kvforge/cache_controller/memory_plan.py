@@ -755,7 +755,7 @@ def cache_bytes_per_sequence(
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
         raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
     total = 0
-    for e in layout.entries:
+    for e in layout.buffers:
         kind = e.group.kind
         if kind in (GroupKind.STATE, GroupKind.PER_REQUEST) and not include_state:
             continue

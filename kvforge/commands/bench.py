@@ -77,7 +77,7 @@ class _SynthBackend(DeclaredBackend):
 
     def __init__(self, plane_bytes: int) -> None:
         self.plane_bytes = plane_bytes
-        self._declare(
+        self.declare(
             [CacheGroup(name="kv", block_size=1)],
             [CacheRole(name="key", group="kv", entry_shape=(plane_bytes,), dtype="uint8")],
         )
@@ -295,7 +295,7 @@ def _measure_case(
     }
     ctl = CacheController(case.backends, device=platform.device)
     ctl.initialize_kv_cache(num_blocks=num_blocks)
-    ctl.initialize_host_cache(num_blocks=num_blocks)
+    ctl.initialize_host_cache(num_pages=num_blocks)
     names = [f"bench{k}" for k in range(case.requests)]
     _grow_interleaved(ctl, names, tokens, step)
 

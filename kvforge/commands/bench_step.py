@@ -229,7 +229,7 @@ def step_num_blocks(wl: WorkloadLike, layout: CacheLayout) -> dict[str, int]:
 def _empty_caches(layout: CacheLayout, num_blocks: Mapping[str, int]) -> dict[Any, torch.Tensor]:
     # torch.empty never touches its pages: the caches cost address space only.
     caches: dict[Any, torch.Tensor] = {}
-    for e in layout.entries:
+    for e in layout.buffers:
         backend = layout.backends[e.layer]
         shape = (num_blocks[e.group.name], *backend.block_shape(e.role))
         caches[e.key] = torch.empty(shape, dtype=e.role.torch_dtype)

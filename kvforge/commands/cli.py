@@ -303,7 +303,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         budget = args.device_memory
     namer = StorageNamer(rank=args.rank)
     rows: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for e in layout.entries:
+    for e in layout.buffers:
         key = (e.role, e.group.name)
         row = rows.setdefault(
             key,

@@ -478,7 +478,7 @@ class _Loop:
         self.running_at_end = 0
         self.swapped_at_end = 0
         self.ratios = {
-            g: sorted({e.role.compress_ratio for e in ctl.layout.entries if e.group.name == g})
+            g: sorted({e.role.compress_ratio for e in ctl.layout.buffers if e.group.name == g})
             for g in ctl.groups
         }
         self.watermark = {
@@ -663,8 +663,8 @@ class _Loop:
 
     def corrupt(self) -> bool:
         """Self-test: flip one byte of one live entry. Returns whether it found one."""
-        fulls = [e for e in self.ctl.layout.entries if e.group.kind is GroupKind.FULL]
-        entries = fulls or list(self.ctl.layout.entries)
+        fulls = [e for e in self.ctl.layout.buffers if e.group.kind is GroupKind.FULL]
+        entries = fulls or list(self.ctl.layout.buffers)
         for r in sorted(self.running, key=lambda q: q.index):
             for e in entries:
                 positions = range(r.context) if fulls else [r.context - 1]
@@ -750,7 +750,7 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
     sizing = _size_device(ctl.layout, lengths, config.device_memory, config.device_share)
     host_pages = _size_host(ctl.layout, sizing.longest, len(requests), config.host_memory)
     ctl.initialize_kv_cache(num_blocks=sizing.blocks)
-    ctl.initialize_host_cache(num_blocks=host_pages)
+    ctl.initialize_host_cache(num_pages=host_pages)
     device_bytes, host_bytes = ctl.device_bytes, ctl.host_bytes
     _warm_up(ctl)
     loop = _Loop(ctl, config, requests)

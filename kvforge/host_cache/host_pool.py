@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kvforge.cache_controller.layout import CacheEntry, CacheLayout
+from kvforge.cache_controller.layout import CacheBuffer, CacheLayout
 from kvforge.platform import Platform
 from kvforge.specs import CacheRole
 
@@ -26,20 +26,20 @@ class HostGroupPool:
     """The host pages of one group.
 
     Attributes:
-        planes: the offloaded buffers of the group, in page order.
-        offsets: byte offset of each plane inside a page (same order).
-        page_bytes: bytes of one page (sum of the planes' block bytes).
+        buffers: the offloaded (layer, role) buffers of the group, in page order.
+        offsets: byte offset of each buffer's block inside a page (same order).
+        page_bytes: bytes of one page (sum of the buffers' meaningful block bytes).
         pages: ``uint8 [num_pages, page_bytes]``, pinned on accelerators.
         num_pages: pages, the reserved null page 0 included.
     """
 
     def __init__(
-        self, name: str, planes: tuple[CacheEntry, ...], num_pages: int, platform: Platform
+        self, name: str, buffers: tuple[CacheBuffer, ...], num_pages: int, platform: Platform
     ) -> None:
         self.name = name
-        self.planes = planes
+        self.buffers = buffers
         offsets, offset = [], 0
-        for e in planes:
+        for e in buffers:
             offsets.append(offset)
             offset += e.block_bytes
         self.offsets = tuple(offsets)
@@ -51,8 +51,9 @@ class HostGroupPool:
     def nbytes(self) -> int:
         return self.pages.numel()
 
-    def plane_slice(self, key: tuple[str, int]) -> tuple[int, int]:
-        for e, off in zip(self.planes, self.offsets, strict=True):
+    def buffer_slice(self, key: tuple[str, int]) -> tuple[int, int]:
+        """``(offset, bytes)`` of buffer ``key``'s block inside a page."""
+        for e, off in zip(self.buffers, self.offsets, strict=True):
             if e.key == key:
                 return off, e.block_bytes
         raise KeyError(f"{key} is not offloaded in group {self.name!r}")
@@ -71,7 +72,7 @@ class HostPools:
     def __init__(self, layout: CacheLayout, num_pages: Mapping[str, int], platform: Platform):
         self.groups: dict[str, HostGroupPool] = {}
         for group in layout.groups:
-            planes = layout.offload_entries(group.name)
+            planes = layout.offload_buffers(group.name)
             if planes:
                 self.groups[group.name] = HostGroupPool(
                     group.name, planes, num_pages[group.name], platform
@@ -106,7 +107,7 @@ class HostViews:
             ``uint8 [num_pages, block_bytes]`` slice.
         """
         group = self.pools.groups[role.group]
-        offset, nbytes = group.plane_slice((role.name, layer))
+        offset, nbytes = group.buffer_slice((role.name, layer))
         raw = group.pages[:, offset : offset + nbytes]
         try:
             typed = raw.view(role.torch_dtype)

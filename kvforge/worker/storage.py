@@ -103,7 +103,7 @@ class CacheStorage:
             device_id = self.platform.device.index or 0
         self.device_id = _count("device_id", device_id)
         self.namer = StorageNamer(name_template, self.rank, self.device_id)
-        self.names: list[str] = [self.namer.name(e.role.name, e.layer) for e in layout.entries]
+        self.names: list[str] = [self.namer.name(e.role.name, e.layer) for e in layout.buffers]
         _check_unique_names(layout, self.names)
         self._caches: list[torch.Tensor] | None = None
         self._planes: dict[str, PlaneSet] = {}
@@ -111,7 +111,7 @@ class CacheStorage:
         self._tables: dict[str, np.ndarray] = {}
         self._device_tables: dict[str, torch.Tensor] = {}
         self._ratios: dict[str, tuple[int, ...]] = {
-            g.name: tuple(sorted({e.role.compress_ratio for e in layout.entries_of(g.name)}))
+            g.name: tuple(sorted({e.role.compress_ratio for e in layout.buffers_of(g.name)}))
             for g in layout.groups
         }
         self._host: HostPools | None = None
@@ -174,7 +174,7 @@ class CacheStorage:
                 raise TypeError(
                     f"caches must map (role, layer) -> tensor, got {type(caches).__name__}"
                 )
-            expected = {e.key for e in self.layout.entries}
+            expected = {e.key for e in self.layout.buffers}
             got = set(caches)
             if got != expected:
                 raise ValueError(
@@ -182,7 +182,7 @@ class CacheStorage:
                     f"{sorted(expected - got)}, unexpected {sorted(got - expected, key=str)}"
                 )
             blocks: dict[str, int] = {}
-            for e in self.layout.entries:
+            for e in self.layout.buffers:
                 t = caches[e.key]
                 if not isinstance(t, torch.Tensor) or t.dim() == 0:
                     raise ValueError(f"adopt: cache {e.key} is not a block-major tensor: {t!r}")
@@ -204,8 +204,8 @@ class CacheStorage:
         max_model_len: int,
         action: str,
     ) -> None:
-        caches = [created[e.key] for e in self.layout.entries]
-        for e, t in zip(self.layout.entries, caches, strict=True):
+        caches = [created[e.key] for e in self.layout.buffers]
+        for e, t in zip(self.layout.buffers, caches, strict=True):
             backend = self.layout.backends[e.layer]
             who = f"{backend!r}.create_kv_cache gave" if action == "create" else "adopt: cache"
             shape = (num_blocks[e.group.name], *backend.block_shape(e.role))
@@ -227,7 +227,7 @@ class CacheStorage:
             )
         planes: dict[str, PlaneSet] = {}
         for g in self.layout.groups:
-            entries = self.layout.offload_entries(g.name)
+            entries = self.layout.offload_buffers(g.name)
             if entries:
                 planes[g.name] = PlaneSet(
                     [_plane(caches[e.index], self.names[e.index], action) for e in entries]
@@ -329,7 +329,7 @@ class CacheStorage:
             for copy in copies:
                 src = torch.from_numpy(np.asarray(copy.src, dtype=np.int64)).to(self.device)
                 dst = torch.from_numpy(np.asarray(copy.dst, dtype=np.int64)).to(self.device)
-                for e in self.layout.entries_of(copy.group):
+                for e in self.layout.buffers_of(copy.group):
                     cache = caches[e.index]
                     cache[dst] = cache[src]
 
@@ -450,7 +450,7 @@ class CacheStorage:
             num_tokens=move.num_tokens,
             purpose=move.purpose,
             layer_ids=layers,
-            caches={e.key: caches[e.index] for e in self.layout.entries_of_layers(layers)},
+            caches={e.key: caches[e.index] for e in self.layout.buffers_of_layers(layers)},
             device_blocks={g: ids.tolist() for g, ids in move.device_blocks.items()},
         )
 
@@ -544,7 +544,7 @@ def _count(name: str, value: object) -> int:
 
 def _check_unique_names(layout: CacheLayout, names: list[str]) -> None:
     seen: dict[str, CacheKey] = {}
-    for e, name in zip(layout.entries, names, strict=True):
+    for e, name in zip(layout.buffers, names, strict=True):
         other = seen.get(name)
         if other is not None:
             raise ValueError(

@@ -56,7 +56,7 @@ class FusedKVBackend(DeclaredBackend):
         role = CacheRole(
             name="kv", group="kv", entry_shape=(2, num_kv_heads, head_dim), dtype=self.dtype
         )
-        self._declare([group], [role])
+        self.declare([group], [role])
 
     def __repr__(self) -> str:
         return (
