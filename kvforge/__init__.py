@@ -7,8 +7,7 @@ the kernels. Triton, ``torch_npu`` and ``triton-ascend`` are imported when first
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvforge._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -53,14 +52,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvforge' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports("kvforge", globals(), _EXPORTS)

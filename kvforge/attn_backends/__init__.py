@@ -10,8 +10,7 @@ of every variant.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvforge._lazy import lazy_exports
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -42,14 +41,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvforge.attn_backends' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports("kvforge.attn_backends", globals(), _EXPORTS)

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -408,24 +408,32 @@ def _gqa(
     return backends
 
 
-def _layer_types_sliding(f: GQAFields, model_type: str) -> frozenset[int] | None:
-    """Sliding main layers per ``layer_types``; ``None`` when the config has no list."""
-    if f.layer_types is None:
-        return None
-    n = f.num_hidden_layers
-    if len(f.layer_types) != n:
+def _layers_of_type(
+    layer_types: Sequence[str], n: int, kinds: tuple[str, str], model_type: str
+) -> frozenset[int]:
+    """Layers whose ``layer_types`` entry is ``kinds[1]``, after checking the list has one
+    entry per layer and only ``kinds`` in it (errors name the entry and the model type)."""
+    if len(layer_types) != n:
         raise ValueError(
-            f"layer_types has {len(f.layer_types)} entries but num_hidden_layers={n} "
+            f"layer_types has {len(layer_types)} entries but num_hidden_layers={n} "
             f"(model_type {model_type!r})"
         )
-    kinds = ("full_attention", "sliding_attention")
-    for i, kind in enumerate(f.layer_types):
+    for i, kind in enumerate(layer_types):
         if kind not in kinds:
             raise ValueError(
                 f"layer_types[{i}]={short_repr(kind)} is not one of {list(kinds)} "
                 f"(model_type {model_type!r})"
             )
-    sliding = frozenset(i for i, k in enumerate(f.layer_types) if k == "sliding_attention")
+    return frozenset(i for i, k in enumerate(layer_types) if k == kinds[1])
+
+
+def _layer_types_sliding(f: GQAFields, model_type: str) -> frozenset[int] | None:
+    """Sliding main layers per ``layer_types``; ``None`` when the config has no list."""
+    if f.layer_types is None:
+        return None
+    sliding = _layers_of_type(
+        f.layer_types, f.num_hidden_layers, ("full_attention", "sliding_attention"), model_type
+    )
     if sliding and f.sliding_window is None:
         raise ValueError(
             f"config is missing 'sliding_window' (needed for model_type {model_type!r}: "
@@ -725,19 +733,9 @@ def _llama4_chunked(f: Llama4Fields, model_type: str) -> frozenset[int]:
     """
     n = f.num_hidden_layers
     if f.layer_types is not None:
-        if len(f.layer_types) != n:
-            raise ValueError(
-                f"layer_types has {len(f.layer_types)} entries but num_hidden_layers={n} "
-                f"(model_type {model_type!r})"
-            )
-        kinds = ("full_attention", "chunked_attention")
-        for i, kind in enumerate(f.layer_types):
-            if kind not in kinds:
-                raise ValueError(
-                    f"layer_types[{i}]={short_repr(kind)} is not one of {list(kinds)} "
-                    f"(model_type {model_type!r})"
-                )
-        chunked = frozenset(i for i, k in enumerate(f.layer_types) if k == "chunked_attention")
+        chunked = _layers_of_type(
+            f.layer_types, n, ("full_attention", "chunked_attention"), model_type
+        )
         if chunked and f.attention_chunk_size is None:
             raise ValueError(
                 f"config is missing 'attention_chunk_size' (needed for model_type "
@@ -802,19 +800,10 @@ def _qwen3_next_full(f: Qwen3NextFields, model_type: str) -> frozenset[int]:
     ``full_attention_interval``-th layer (``(i + 1) % interval == 0``: 3, 7, 11, ... for 4)."""
     n = f.num_hidden_layers
     if f.layer_types is not None:
-        if len(f.layer_types) != n:
-            raise ValueError(
-                f"layer_types has {len(f.layer_types)} entries but num_hidden_layers={n} "
-                f"(model_type {model_type!r})"
-            )
-        kinds = ("full_attention", "linear_attention")
-        for i, kind in enumerate(f.layer_types):
-            if kind not in kinds:
-                raise ValueError(
-                    f"layer_types[{i}]={short_repr(kind)} is not one of {list(kinds)} "
-                    f"(model_type {model_type!r})"
-                )
-        return frozenset(i for i, k in enumerate(f.layer_types) if k == "full_attention")
+        linear = _layers_of_type(
+            f.layer_types, n, ("full_attention", "linear_attention"), model_type
+        )
+        return frozenset(range(n)) - linear
     if f.full_attention_interval is None:
         raise ValueError(
             f"config is missing 'full_attention_interval' (needed for model_type "
