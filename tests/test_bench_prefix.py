@@ -10,13 +10,21 @@ from fractions import Fraction
 import pytest
 from pydantic import ValidationError
 
+from kvforge.commands import bench_prefix
 from kvforge.commands.bench_prefix import (
+    LruModel,
+    ManagerModel,
     PrefixRecord,
     PrefixWorkload,
+    build_layout,
     make_conversations,
     run_prefix_bench,
+    simulate,
+    split_pools,
+    tail_blocks,
     write_prefix_json,
 )
+from kvforge.commands.cli import main
 
 TINY = PrefixWorkload(
     seed=3,
@@ -85,7 +93,9 @@ def test_oracles_order_and_no_eviction_equality(records: list[PrefixRecord]) -> 
         assert r.token_oracle_tokens >= r.oracle_tokens >= r.hit_tokens
         assert r.preemptions == 0 and r.lru_preemptions == 0
         if r.fraction == "1":
-            assert r.evictions == {}
+            # window/state pools hold only the tails the oracle's hits need: dead tails go,
+            # history never does
+            assert "history" not in r.evictions
             assert r.hit_tokens == r.oracle_tokens
             assert r.hit_rate == r.oracle_hit_rate
     llama = [r for r in records if r.model == "llama-3-8b"]
@@ -124,3 +134,102 @@ def test_bad_workload(kwargs: dict, fragment: str) -> None:
     with pytest.raises(ValidationError) as info:
         PrefixWorkload(**kwargs)
     assert fragment in str(info.value)
+
+
+def test_record_pools_and_memory(records: list[PrefixRecord]) -> None:
+    # the LRU's budget is exactly the bytes of kvforge's pools (null blocks excluded)
+    for r in records:
+        layout = build_layout(r.model)
+        assert r.memory_bytes == sum(
+            n * int(layout.bytes_per_block(g)) for g, n in r.pool_blocks.items()
+        )
+        assert set(r.pool_blocks) == {g.name for g in layout.groups}
+    llama = [r for r in records if r.model == "llama-3-8b"]
+    assert [r.tail_cache_tails for r in llama] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        # the worked example of BlockManager.lookup: swa blocks 10, 11; c4_state 190, 191;
+        # c128_state 80..95
+        ("deepseek-v4-flash", {"swa": 2, "compressed": 0, "c4_state": 2, "c128_state": 16}),
+        ("gpt-oss-20b", {"swa": 8, "kv": 0}),  # window 128, block 16, boundary 16
+        ("llama-3-8b", {"kv": 0}),
+    ],
+)
+def test_tail_blocks(model: str, expected: dict[str, int]) -> None:
+    layout = build_layout(model)
+    assert {g.name: tail_blocks(layout, g) for g in layout.groups} == expected
+
+
+def test_split_pools_gives_windows_floor_and_tails_and_full_the_rest() -> None:
+    layout = build_layout("gpt-oss-20b")
+    swa, kv = int(layout.bytes_per_block("swa")), int(layout.bytes_per_block("kv"))
+    ws = {"swa": 500, "kv": 4000}
+    floor = {"swa": 300, "kv": 100}
+    memory = 340 * swa + 1234 * kv + kv - 1  # one byte short of another kv block
+    # swa: floor + 5 tails of 8 blocks; kv: every whole block of the rest; + the null block
+    assert split_pools(layout, ws, floor, 5, memory) == {"swa": 341, "kv": 1235}
+    # the tail cache is capped at the working set
+    assert split_pools(layout, ws, floor, 100, memory)["swa"] == 501
+    # too little memory: the full group keeps its floor
+    assert split_pools(layout, ws, floor, 5, 340 * swa) == {"swa": 341, "kv": 101}
+
+
+def test_lru_matches_block_manager_on_one_full_group() -> None:
+    """With one full group the plain LRU is BlockManager's policy: the same hit per turn at
+    the same memory, evictions included (matches are shared before the step's growth)."""
+    layout = build_layout("llama-3-8b")
+    convs = make_conversations(TINY)
+    oracle = ManagerModel(
+        layout, bench_prefix._unbounded_blocks(layout, convs), TINY.max_num_seqs,
+        TINY.max_model_len,
+    )
+    simulate(TINY, convs, oracle)
+    usable = max(oracle.live_peak["kv"], oracle.peak["kv"] // 4)
+    manager = ManagerModel(layout, {"kv": usable + 1}, TINY.max_num_seqs, TINY.max_model_len)
+    run = simulate(TINY, convs, manager)
+    key_at = bench_prefix._stream_keys(convs, 16)
+    lru_model = LruModel(layout, usable * int(layout.bytes_per_block("kv")), key_at)
+    lru = simulate(TINY, convs, lru_model)
+    assert manager.evictions["history"] > 0
+    assert run.hits == lru.hits
+    assert run.prompts == lru.prompts
+    assert lru_model.evictions == manager.evictions
+    assert run.hit_tokens < sum(run.prompts)
+
+
+def _tiny_bench(wl, models=None, fractions=None, cost_repeats=200, **kw):
+    assert cost_repeats == 2
+    return run_prefix_bench(
+        TINY, ("llama-3-8b",), {"llama-3-8b": FRACTIONS}, cost_repeats=cost_repeats
+    )
+
+
+def test_cli_bench_prefix(tmp_path, monkeypatch) -> None:
+    # the CLI's run on the tiny workload (the default one takes minutes)
+    monkeypatch.setattr(bench_prefix, "run_prefix_bench", _tiny_bench)
+    path = tmp_path / "prefix.json"
+    assert main(["bench", "--prefix", "--repeats", "2", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert [(r["model"], r["fraction"]) for r in data] == [
+        ("llama-3-8b", "1"), ("llama-3-8b", "1/4"),
+    ]
+    assert all(r["vllm_hash_us"] is None and r["hash_lookup_ratio"] is None for r in data)
+    assert data[0]["hit_rate"] == data[0]["oracle_hit_rate"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--device", "cpu"], "--prefix runs on the CPU bookkeeping only; it takes no --device"),
+        (["--warm-cache"], "it takes no --warm-cache"),
+        (["--step"], "give one of --step or --prefix, not both"),
+    ],
+)
+def test_cli_bench_prefix_bad_flags(tmp_path, capsys, extra: list[str], fragment: str) -> None:
+    path = tmp_path / "prefix.json"
+    assert main(["bench", "--prefix", *extra, "--json", str(path)]) == 2
+    assert fragment in capsys.readouterr().err
+    assert not path.exists()

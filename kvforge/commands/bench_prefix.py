@@ -68,6 +68,9 @@ __all__ = [
     "print_prefix_table",
     "run_prefix_bench",
     "simulate",
+    "split_pools",
+    "tail_blocks",
+    "tail_cache",
     "working_set",
     "write_prefix_json",
 ]
@@ -391,45 +394,62 @@ class LruModel:
         counts: Sequence[int],
         matches: Sequence[object | None],
     ) -> set[str]:
+        # As BlockManager.schedule: every new request's match is shared first (so growth of
+        # the requests before it in the step cannot evict it), then requests grow in order;
+        # a refused new request gives its shared blocks back after the whole step.
         refused: set[str] = set()
-        for r, n, m in zip(reqs, counts, matches, strict=True):
-            if not self._grow(r, n, m):
+        rows: list[_LruRow | None] = []
+        for r, m in zip(reqs, matches, strict=True):
+            row = self.rows.get(r.rid)
+            if row is None:
+                row = self._adopt(r, int(m) if m is not None else 0)  # type: ignore[call-overload]
+                if row is None:
+                    refused.add(r.rid)
+            rows.append(row)
+        undo: list[_LruRow] = []
+        for r, n, row in zip(reqs, counts, rows, strict=True):
+            if row is None:
+                continue
+            if self._grow(r, row, n):
+                self.rows[r.rid] = row
+            else:
                 refused.add(r.rid)
+                if r.rid not in self.rows:
+                    undo.append(row)
+        for row in undo:
+            self._undo_share(row)
         return refused
 
-    def _grow(self, r: _Request, n: int, match: object | None) -> bool:
+    def _adopt(self, r: _Request, length: int) -> _LruRow | None:
+        """A new request's row sharing its match's blocks; ``None`` when a matched block was
+        evicted since the lookup (a stale match, refused as BlockManager refuses it)."""
         conv = r.conv.index
-        row = self.rows.get(r.rid)
-        fresh = row is None
-        length = int(match) if match is not None else 0  # type: ignore[call-overload]
-        if row is None:
-            row = _LruRow([{} for _ in self.groups], [0] * len(self.groups),
-                          [0] * len(self.groups))
-            if length:
-                shared = [
-                    range(0, length // g.block_size)
-                    if self.full[gi]
-                    else self._tail_cols(g, length)
-                    for gi, g in enumerate(self.groups)
-                ]
-                # evicted since the lookup by a request before it in this step: refused, as
-                # BlockManager refuses a stale match
-                if not all(
-                    self._present(gi, self.key_at(conv, (c + 1) * g.block_size))
-                    for gi, g in enumerate(self.groups)
-                    for c in shared[gi]
-                ):
-                    return False
-                # share the matched blocks first (they stop being evictable)
-                for gi, g in enumerate(self.groups):
-                    cols = shared[gi]
-                    for c in cols:
-                        key = self.key_at(conv, (c + 1) * g.block_size)
-                        self._share(gi, key)
-                        row.cols[gi][c] = key
-                    row.held_from[gi] = cols.start
-                    row.committed[gi] = length // g.block_size
-                row.num_tokens = length
+        row = _LruRow([{} for _ in self.groups], [0] * len(self.groups), [0] * len(self.groups))
+        if not length:
+            return row
+        shared = [
+            range(0, length // g.block_size) if self.full[gi] else self._tail_cols(g, length)
+            for gi, g in enumerate(self.groups)
+        ]
+        if not all(
+            self._present(gi, self.key_at(conv, (c + 1) * g.block_size))
+            for gi, g in enumerate(self.groups)
+            for c in shared[gi]
+        ):
+            return None
+        for gi, g in enumerate(self.groups):
+            cols = shared[gi]
+            for c in cols:
+                key = self.key_at(conv, (c + 1) * g.block_size)
+                self._share(gi, key)
+                row.cols[gi][c] = key
+            row.held_from[gi] = cols.start
+            row.committed[gi] = length // g.block_size
+        row.num_tokens = length
+        return row
+
+    def _grow(self, r: _Request, row: _LruRow, n: int) -> bool:
+        conv = r.conv.index
         before = row.num_tokens
         after = before + n
         releases: list[tuple[int, int]] = []
@@ -450,8 +470,6 @@ class LruModel:
                         freed += self.bytes[gi]  # leaves use: freed, or cached (evictable)
         # cached bytes can always be evicted: only blocks in use limit growth
         if self.live_bytes - freed + need > self.budget:
-            if fresh and length:
-                self._undo_share(row)
             return False
         for gi, c in releases:
             self._release(gi, row.cols[gi].pop(c))
@@ -476,7 +494,6 @@ class LruModel:
                         row.cols[gi][c] = key
             row.committed[gi] = after // bs
         row.num_tokens = after
-        self.rows[r.rid] = row
         return True
 
     def _undo_share(self, row: _LruRow) -> None:
@@ -699,8 +716,91 @@ def _pools(
     ws: Mapping[str, int], fraction: Fraction, floor: Mapping[str, int]
 ) -> dict[str, int]:
     # usable blocks scaled by the same fraction for every group, plus the null block; never
-    # below what the running requests hold at once (``floor``), which only caching may use
+    # below what the running requests hold at once (``floor``), which only caching may use.
+    # Only the memory size M is taken from this (see ``split_pools`` for kvforge's pools).
     return {g: max(floor[g], math.ceil(n * fraction)) + 1 for g, n in ws.items()}
+
+
+def tail_blocks(layout: CacheLayout, g: CacheGroup) -> int:
+    """Blocks of window/state group ``g`` that one hit reads: those covering the window the
+    next token reads at a boundary ``L >= window`` (0 for a full group)."""
+    if g.kind.value == "full":
+        return 0
+    boundary = math.lcm(*(h.block_size for h in layout.groups))
+    window = int(g.window or 0)
+    length = -(-window // boundary) * boundary + boundary  # a boundary past one window
+    start = max(0, length + 1 - window)
+    return length // g.block_size - start // g.block_size
+
+
+def _window_pools(
+    layout: CacheLayout, ws: Mapping[str, int], floor: Mapping[str, int], tails: int
+) -> dict[str, int]:
+    # usable blocks of the window/state groups: the floor plus ``tails`` cached tails, capped
+    # at the working set (more is never used)
+    return {
+        g.name: min(ws[g.name], floor[g.name] + tails * tail_blocks(layout, g))
+        for g in layout.groups
+        if g.kind.value != "full"
+    }
+
+
+def tail_cache(
+    layout: CacheLayout,
+    wl: PrefixWorkload,
+    convs: Sequence[Conversation],
+    ws: Mapping[str, int],
+    floor: Mapping[str, int],
+    oracle_hits: int,
+) -> int:
+    """The tail cache, in tails: the smallest ``k`` (bisection) such that window/state pools
+    of ``floor + k * tail_blocks`` blocks, with unbounded full pools, serve exactly the aligned
+    oracle's hit tokens. The largest ``k`` tried makes every window/state pool its working set,
+    where nothing is evicted, so a ``k`` always exists; 0 for a model without window/state
+    groups."""
+    windows = [g for g in layout.groups if g.kind.value != "full"]
+    if not windows:
+        return 0
+    hi = max(-(-(ws[g.name] - floor[g.name]) // tail_blocks(layout, g)) for g in windows)
+    lo = 0
+    unbounded = _unbounded_blocks(layout, convs)
+    while lo < hi:
+        k = (lo + hi) // 2
+        pools = dict(unbounded)
+        pools.update({n: b + 1 for n, b in _window_pools(layout, ws, floor, k).items()})
+        model = ManagerModel(layout, pools, wl.max_num_seqs, wl.max_model_len)
+        if simulate(wl, convs, model).hit_tokens == oracle_hits:
+            hi = k
+        else:
+            lo = k + 1
+    return lo
+
+
+def split_pools(
+    layout: CacheLayout,
+    ws: Mapping[str, int],
+    floor: Mapping[str, int],
+    tails: int,
+    memory: int,
+) -> dict[str, int]:
+    """kvforge's pools at ``memory`` bytes, split as its planner sizes a deployment.
+
+    Each window/state group gets ``floor`` (the most blocks the running requests held at
+    once, plus one step's release allowance) plus a tail cache of ``tails * tail_blocks``
+    blocks (``tails`` from :func:`tail_cache`), capped at its working set. The full groups
+    share the remaining bytes in proportion to their working sets' bytes, whole blocks, never
+    below their own ``floor``. Plus the null block per group. The caller gives the plain LRU
+    the bytes of exactly these blocks (:func:`_memory_bytes`), so both get the same memory.
+    """
+    size = {g.name: int(layout.bytes_per_block(g.name)) for g in layout.groups}
+    usable = _window_pools(layout, ws, floor, tails)
+    rest = memory - sum(usable[n] * size[n] for n in usable)
+    full = [g.name for g in layout.groups if g.kind.value == "full"]
+    weight = sum(ws[n] * size[n] for n in full)
+    for n in full:
+        share = rest * ws[n] * size[n] // weight if weight else 0
+        usable[n] = max(floor[n], share // size[n])
+    return {g.name: usable[g.name] + 1 for g in layout.groups}
 
 
 def _memory_bytes(layout: CacheLayout, num_blocks: Mapping[str, int]) -> int:
@@ -778,6 +878,8 @@ class PrefixRecord:
     model: str
     fraction: str  # of the working set, e.g. "1/4"
     memory_bytes: int
+    pool_blocks: dict[str, int]  # kvforge's usable blocks per group (null block excluded)
+    tail_cache_tails: int  # tails each window/state pool caches beyond its floor
     hit_rate: float
     oracle_hit_rate: float
     token_oracle_hit_rate: float
@@ -835,6 +937,8 @@ def run_prefix_bench(
         ws = working_set(layout, wl, oracle_model.peak)
         floor = working_set(layout, wl, oracle_model.live_peak)
         history = _history_only(layout, oracle.hits)
+        say(f"{name}: tail cache")
+        tails = tail_cache(layout, wl, convs, ws, floor, oracle.hit_tokens)
         if cost_repeats:
             hash_us, lookup_us = measure_cost(layout, 2048, cost_repeats)
         else:
@@ -845,7 +949,10 @@ def run_prefix_bench(
         unit = math.gcd(*(g.block_size for g in layout.groups))
         key_at = _stream_keys(convs, unit)
         for fraction in (fractions or {}).get(name, DEFAULT_FRACTIONS):
-            num_blocks = _pools(ws, fraction, floor)
+            # M: the same fraction of every group's working set (never below what the running
+            # requests hold); kvforge splits M as its planner would, the LRU gets its bytes
+            target = _memory_bytes(layout, _pools(ws, fraction, floor))
+            num_blocks = split_pools(layout, ws, floor, tails, target)
             memory = _memory_bytes(layout, num_blocks)
             say(f"{name}: {fraction} of the working set, BlockManager")
             run_model = ManagerModel(layout, num_blocks, wl.max_num_seqs, wl.max_model_len)
@@ -861,6 +968,8 @@ def run_prefix_bench(
                     model=name,
                     fraction=str(fraction),
                     memory_bytes=memory,
+                    pool_blocks={g: n - 1 for g, n in num_blocks.items()},
+                    tail_cache_tails=tails,
                     hit_rate=_rate(run.hit_tokens, run.prompt_tokens),
                     oracle_hit_rate=_rate(oracle.hit_tokens, oracle.prompt_tokens),
                     token_oracle_hit_rate=_rate(run.token_oracle_tokens, run.prompt_tokens),

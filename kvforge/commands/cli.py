@@ -516,8 +516,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.json is not None:
         check_output_path(args.json, "--json")
+    if args.step and args.prefix:
+        raise UsageError("give one of --step or --prefix, not both")
     if args.step:
         return _bench_step(args)
+    if args.prefix:
+        return _bench_prefix(args)
     results = run_bench(
         quick=args.quick,
         device=args.device,
@@ -565,6 +569,40 @@ def _bench_step(args: argparse.Namespace) -> int:
     )
     if args.json:
         write_step_json(records, args.json)
+    return 0
+
+
+def _bench_prefix(args: argparse.Namespace) -> int:
+    """``kvforge bench --prefix``: the kvforge side of the prefix-reuse benchmark (vLLM
+    figures null; ``benchmarks/bench_prefix.py`` runs both sides). ``--quick``: 16
+    conversations, 8 open, 4 running; ``--repeats``: rounds of the cost figures (default 200)."""
+    ignored = [
+        flag
+        for flag, given in (
+            ("--device", args.device is not None),
+            ("--warm-cache", args.warm_cache),
+        )
+        if given
+    ]
+    if ignored:
+        raise UsageError(
+            f"--prefix runs on the CPU bookkeeping only; it takes no {', '.join(ignored)}"
+        )
+    from kvforge.commands import bench_prefix
+
+    wl = (
+        bench_prefix.PrefixWorkload(num_conversations=16, concurrency=8, max_num_seqs=4)
+        if args.quick
+        else bench_prefix.PrefixWorkload()
+    )
+    records = bench_prefix.run_prefix_bench(wl, cost_repeats=args.repeats or 200)
+    bench_prefix.print_prefix_table(
+        records,
+        "kvforge prefix reuse: token hit rates (vLLM: run benchmarks/bench_prefix.py in the "
+        "vLLM environment)",
+    )
+    if args.json:
+        bench_prefix.write_prefix_json(records, args.json)
     return 0
 
 
@@ -667,6 +705,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--step",
         action="store_true",
         help="per-step bookkeeping (scheduler + worker side) on the step workloads instead",
+    )
+    bench.add_argument(
+        "--prefix",
+        action="store_true",
+        help="prefix reuse: token hit rates on seeded multi-turn conversations instead",
     )
     bench.add_argument(
         "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
