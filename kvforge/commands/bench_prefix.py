@@ -18,6 +18,12 @@ Cache models driven by the same loop:
   by every group's blocks, least recently released evicted first whatever its family, and the
   same boundary rule for a hit (the rule of ``BlockManager.lookup``).
 
+At each memory size ``M`` (the same fraction of every group's working set), kvforge's pools
+are split as its planner sizes a deployment (:func:`split_pools`): each window/state group
+gets what the running requests held plus one step's release allowance plus a tail cache
+measured by :func:`tail_cache`, the full groups the rest; the plain LRU gets exactly the bytes
+of those blocks.
+
 Per run (:func:`run_prefix_bench`) the figures are token hit rates over prompt tokens:
 ``hit_rate`` (the run), ``oracle_hit_rate`` (unbounded pools), ``token_oracle_hit_rate`` (any
 earlier token prefix, no alignment), ``lru_hit_rate`` (plain LRU at the same bytes) and
@@ -306,8 +312,11 @@ class LruModel:
     bytes, least recently released first, whatever its group or family. Growth, window
     release, commit and the hit rule are those of ``BlockManager`` (a hit at ``L``: every full
     group holds the chain ``[0, L)``, every window/state group the blocks of the window the
-    next token reads); requests of a step are served in order, each released before it grows,
-    and one that does not fit is refused with nothing changed.
+    next token reads). As ``BlockManager.schedule``: every new request of a step first shares
+    its match (a stale one is refused), then requests grow in order, each released before it
+    grows; one that does not fit is refused, and a refused new request gives its shared blocks
+    back after the step. With one full group this is ``BlockManager``'s policy exactly: the
+    same hits per turn and the same evictions at the same memory.
     """
 
     def __init__(self, layout: CacheLayout, budget_bytes: int, keys: Callable[..., object]):
@@ -502,11 +511,12 @@ class LruModel:
                 self._release(gi, row.cols[gi][c])
 
     def finish(self, rids: Sequence[str]) -> None:
-        for rid in rids:
-            row = self.rows.pop(rid)
-            for gi in range(len(self.groups)):
-                # the deepest block is released first, so it is the least recent: a chain
-                # loses its tail before its root (as BlockPool.release orders it)
+        rows = [self.rows.pop(rid) for rid in rids]
+        for gi in range(len(self.groups)):
+            # BlockManager.finish releases the rows' blocks in one BlockPool.release call,
+            # which makes them evictable in reverse: the last request's deepest block first
+            # (the least recent), the first request's root last
+            for row in reversed(rows):
                 for c in sorted(row.cols[gi], reverse=True):
                     self._release(gi, row.cols[gi][c])
 
