@@ -4,8 +4,10 @@
 The kvforge side is :mod:`kvforge.commands.bench_prefix`: conversations through
 ``BlockManager`` (lookup, chunked prefill with prefix matches, one decode token per step,
 finish) for DeepSeek-V4-Flash, Llama-3-8B and gpt-oss-20b, at memory sizes from "nothing is
-ever evicted" down to a quarter of the working set, against the aligned oracle, the token
-oracle, a plain LRU over all groups at the same bytes and a history-only cache. The vLLM side
+ever evicted" down to a quarter of the working set (kvforge's pools split as its planner
+sizes them: window/state groups their floor plus a measured tail cache, full groups the rest),
+against the aligned oracle, the token oracle, a plain LRU over all groups at exactly the same
+bytes and a history-only cache. The vLLM side
 is ``vllm_baseline.run_vllm_prefix_cost``: vLLM's default block hasher and
 ``KVCacheManager.get_computed_blocks`` on a 2,048-token prompt, block 16, measured in the same
 run; vLLM figures are null where vLLM is not installed (the project's ``.venv``). vLLM runs in
