@@ -49,6 +49,7 @@ import torch
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.cache_controller.block_pool import NULL_BLOCK
 from kvforge.cache_controller.controller import CacheController
+from kvforge.cache_controller.memory_plan import blocks_per_group
 from kvforge.platform import get_platform
 from kvforge.specs import CacheGroup, CacheRole, SwapPurpose, TokenRange
 from kvforge.verify import entry_bytes_for, write_request
@@ -213,18 +214,7 @@ def _device_blocks(
     need = {name: g.blocks_for(tokens) + 2 for name, g in groups.items()}
     if num_blocks is None:
         return need
-    if isinstance(num_blocks, Mapping):
-        unknown = sorted(set(num_blocks) - set(groups))
-        missing = [n for n in groups if n not in num_blocks]
-        if unknown or missing:
-            raise ValueError(
-                f"num_blocks must name every group exactly: unknown {unknown}, missing "
-                f"{missing} (groups are {list(groups)})"
-            )
-        blocks = {n: _positive(f"num_blocks[{n!r}]", num_blocks[n], 2) for n in groups}
-    else:
-        count = _positive("num_blocks", num_blocks, 2)
-        blocks = dict.fromkeys(groups, count)
+    blocks = blocks_per_group(list(groups), num_blocks)
     for name, count in blocks.items():
         if count < need[name]:
             raise ValueError(

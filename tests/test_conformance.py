@@ -639,7 +639,13 @@ def test_duplicate_storage_names_are_caught(monkeypatch):
         ),
         ((GQABackend(2, 8, 4),), {"tokens": 0}, ValueError, "tokens must be >= 1, got 0"),
         ((GQABackend(2, 8, 4),), {"tokens": 2.5}, TypeError, "tokens must be an int, got 2.5"),
-        ((GQABackend(2, 8, 4),), {"num_blocks": 1}, ValueError, "num_blocks must be >= 2, got 1"),
+        (
+            (GQABackend(2, 8, 4),),
+            {"num_blocks": 1},
+            ValueError,
+            "num_blocks['kv'] must be an int >= 2 (one usable block plus the reserved null "
+            "block), got 1",
+        ),
         (
             (GQABackend(2, 8, 4),),
             {"num_blocks": 4, "tokens": 10},
@@ -657,8 +663,9 @@ def test_duplicate_storage_names_are_caught(monkeypatch):
         (
             (GQABackend(2, 8, 4),),
             {"num_blocks": {"kv": "8"}},
-            TypeError,
-            "num_blocks['kv'] must be an int, got '8'",
+            ValueError,
+            "num_blocks['kv'] must be an int >= 2 (one usable block plus the reserved null "
+            "block), got '8'",
         ),
         (
             (GQABackend(2, 8, 4),),

@@ -130,7 +130,7 @@ def test_wrong_values_are_refused():
             ctl.slot_mapping("a", "kv", positions)
     with pytest.raises(KeyError, match="layer must be an int, got True"):
         ctl.index_of("key", True)
-    with pytest.raises(ValueError, match="num_blocks\\['kv'\\] is 10,000,000,000,000,000,000"):
+    with pytest.raises(ValueError, match="num_blocks\\['kv'\\]=10,000,000,000,000,000,000,000 is more blocks"):
         CacheController({0: GQABackend(1, 8, 16)}).initialize_kv_cache(num_blocks=10**22)
     with pytest.raises(RequestStateError, match="request_id must be a non-empty str"):
         ctl.allocate("", 4)

@@ -45,7 +45,12 @@ from kvforge.cache_controller.block_manager import (
     live_start,
 )
 from kvforge.cache_controller.layout import CacheLayout
-from kvforge.cache_controller.memory_plan import MemoryPlan, plan_from_blocks, plan_memory
+from kvforge.cache_controller.memory_plan import (
+    MemoryPlan,
+    blocks_per_group,
+    plan_from_blocks,
+    plan_memory,
+)
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE
 from kvforge.cache_controller.values import (
     PrefixMatch,
@@ -278,30 +283,7 @@ class CacheController:
         return self._plan
 
     def _blocks_per_group(self, num_blocks: int | Mapping[str, int]) -> dict[str, int]:
-        names = self.groups
-        if isinstance(num_blocks, Mapping):
-            unknown = sorted(set(num_blocks) - set(names), key=str)
-            missing = [n for n in names if n not in num_blocks]
-            if unknown or missing:
-                raise ValueError(
-                    f"num_blocks must name every group exactly: unknown {unknown}, missing "
-                    f"{missing} (groups are {names})"
-                )
-            blocks = {n: num_blocks[n] for n in names}
-        else:
-            blocks = dict.fromkeys(names, num_blocks)
-        for name, count in blocks.items():
-            if not isinstance(count, int) or isinstance(count, bool) or count < 2:
-                raise ValueError(
-                    f"num_blocks[{name!r}] must be an int >= 2 (one usable block plus the "
-                    f"reserved null block), got {count!r}"
-                )
-            if count > np.iinfo(np.int32).max:
-                raise ValueError(
-                    f"num_blocks[{name!r}] is {count:,}; block ids are int32, so at most "
-                    f"{np.iinfo(np.int32).max:,}"
-                )
-        return blocks
+        return blocks_per_group(self.groups, num_blocks)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:

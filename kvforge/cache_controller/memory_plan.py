@@ -43,7 +43,7 @@ Allocation limits: a plan is legal for any machine, but no plan may exceed ``2**
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 
@@ -693,6 +693,41 @@ def _short_of_seqs(
     )
 
 
+def blocks_per_group(
+    names: Sequence[str], num_blocks: int | Mapping[str, int], what: str = "num_blocks"
+) -> dict[str, int]:
+    """``num_blocks`` as group -> count: an int for every group, or a mapping that names every
+    group exactly; each count an int in ``[2, MAX_BLOCKS_PER_GROUP]`` (one usable block plus
+    the reserved null block; int32 ids).
+
+    Raises:
+        ValueError: an unknown or missing group, or a bad count (naming the group and value).
+    """
+    if isinstance(num_blocks, Mapping):
+        unknown = sorted(set(num_blocks) - set(names), key=str)
+        missing = [n for n in names if n not in num_blocks]
+        if unknown or missing:
+            raise ValueError(
+                f"{what} must name every group exactly: unknown {unknown}, missing {missing} "
+                f"(groups are {list(names)})"
+            )
+        blocks = {n: num_blocks[n] for n in names}
+    else:
+        blocks = dict.fromkeys(names, num_blocks)
+    for name, count in blocks.items():
+        if not isinstance(count, int) or isinstance(count, bool) or count < 2:
+            raise ValueError(
+                f"{what}[{name!r}] must be an int >= 2 (one usable block plus the reserved "
+                f"null block), got {count!r}"
+            )
+        if count > MAX_BLOCKS_PER_GROUP:
+            raise ValueError(
+                f"{what}[{name!r}]={count:,} is more blocks than int32 block ids can number "
+                f"(at most {MAX_BLOCKS_PER_GROUP:,})"
+            )
+    return blocks
+
+
 def plan_from_blocks(
     layout: CacheLayout, blocks: Mapping[str, int], host: bool = False
 ) -> MemoryPlan:
@@ -704,14 +739,7 @@ def plan_from_blocks(
         ValueError: a group without a count, an unknown group, a count that is not an int
             >= 2, or counts whose bytes exceed ``2**63 - 1`` (no device can address them).
     """
-    names = [g.name for g in layout.groups]
-    unknown = sorted(set(blocks) - set(names))
-    missing = [n for n in names if n not in blocks]
-    if unknown or missing:
-        raise ValueError(
-            f"num_blocks must name every group exactly: unknown {unknown}, missing {missing} "
-            f"(groups are {names})"
-        )
+    blocks = blocks_per_group([g.name for g in layout.groups], blocks)
     page_bytes = layout.host_page_bytes if host else layout.bytes_per_block
     sized = [(g, page_bytes(g.name)) for g in layout.groups]
     sized = [(g, bpb) for g, bpb in sized if bpb > 0]
