@@ -45,10 +45,12 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from kvforge.commands.bench_step import StepTimes
 
 if __package__:
     from .step_workloads import GroupDef, Schedule, Step, StepWorkload, all_workloads, schedule
@@ -228,17 +230,6 @@ def _scheduler_block_size(wl: StepWorkload) -> int:
 
 
 # --- the step driver ---------------------------------------------------------------------------
-
-
-@dataclass
-class _StepTimes:
-    """Nanoseconds of one run of a schedule."""
-
-    prefill_alloc: list[int] = field(default_factory=list)
-    decode_alloc: list[int] = field(default_factory=list)
-    kernel_inputs: list[int] = field(default_factory=list)
-    step: list[int] = field(default_factory=list)
-    free: int = 0
 
 
 class _VllmStepDriver:
@@ -537,9 +528,9 @@ def check_port_against_kernel(wl: StepWorkload) -> int:
     return compared
 
 
-def _run_schedule(v: _Vllm, wl: StepWorkload, sched: Schedule, check: bool) -> _StepTimes:
+def _run_schedule(v: _Vllm, wl: StepWorkload, sched: Schedule, check: bool) -> StepTimes:
     driver = _VllmStepDriver(v, wl)
-    times = _StepTimes()
+    times = StepTimes()
     clock = time.perf_counter_ns
     decode_indices = [k for k, s in enumerate(sched.steps) if s.phase == "decode"]
     check_steps = {decode_indices[0], decode_indices[-1]} if decode_indices else set()
@@ -598,22 +589,9 @@ def run_vllm_step(wl: StepWorkload, repeats: int = 15) -> dict[str, float]:
     finally:
         torch.set_num_threads(threads)
 
-    def med(values: Sequence[float]) -> float:
-        return statistics.median(values) / 1000.0
-
-    def mean(ns: list[int]) -> float:
-        return sum(ns) / len(ns) if ns else 0.0
-
-    return {
-        "prefill_alloc": med([mean(r.prefill_alloc) for r in runs]),
-        "decode_alloc": med([mean(r.decode_alloc) for r in runs]),
-        "kernel_inputs": med([mean(r.kernel_inputs) for r in runs]),
-        "step": med([mean(r.step) for r in runs]),
-        "free": med([r.free for r in runs]),
-        # Out-of-window blocks of sliding-window groups are freed lazily, by the next
-        # allocate_slots of their request: the first decode step pays for a whole prompt's.
-        "decode_alloc_first": med([r.decode_alloc[0] if r.decode_alloc else 0 for r in runs]),
-    }
+    # Out-of-window blocks of sliding-window groups are freed lazily, by the next
+    # allocate_slots of their request: the first decode step pays for a whole prompt's.
+    return StepTimes.medians(runs)
 
 
 # --- prefix cache ------------------------------------------------------------------------------

@@ -240,14 +240,30 @@ def _empty_caches(layout: CacheLayout, num_blocks: Mapping[str, int]) -> dict[An
 
 
 @dataclass
-class _StepTimes:
-    """Nanoseconds of one run of a schedule."""
+class StepTimes:
+    """Nanoseconds of one run of a schedule (both sides of the benchmark record these)."""
 
     prefill_alloc: list[int] = field(default_factory=list)
     decode_alloc: list[int] = field(default_factory=list)
     kernel_inputs: list[int] = field(default_factory=list)
     step: list[int] = field(default_factory=list)
     free: int = 0
+
+    @staticmethod
+    def medians(runs: Sequence[StepTimes]) -> dict[str, float]:
+        """Per phase, the median over runs (microseconds) of each run's mean per step (the
+        total for ``free``), plus ``decode_alloc_first``: the first decode step alone (window
+        blocks that slid out during a whole-prompt prefill are released there)."""
+        return {
+            "prefill_alloc": _median_us([_mean(r.prefill_alloc) for r in runs]),
+            "decode_alloc": _median_us([_mean(r.decode_alloc) for r in runs]),
+            "kernel_inputs": _median_us([_mean(r.kernel_inputs) for r in runs]),
+            "step": _median_us([_mean(r.step) for r in runs]),
+            "free": _median_us([r.free for r in runs]),
+            "decode_alloc_first": _median_us(
+                [r.decode_alloc[0] if r.decode_alloc else 0 for r in runs]
+            ),
+        }
 
 
 class _Driver:
@@ -331,7 +347,7 @@ def _run_schedule(
     num_blocks: dict[str, int],
     sched: ScheduleLike,
     check: str,
-) -> _StepTimes:
+) -> StepTimes:
     """One run; ``check``: ``"none"``, ``"some"`` (last prefill, first and last decode steps)
     or ``"all"`` steps."""
     driver = _Driver(wl, layout, num_blocks)
@@ -345,7 +361,7 @@ def _run_schedule(
     elif check == "all":
         wanted = set(range(len(steps)))
     finished = [driver.ids[i] for i in sched.finished]
-    times = _StepTimes()
+    times = StepTimes()
     clock = time.perf_counter_ns
     gc.collect()
     gc.disable()
@@ -417,16 +433,7 @@ def run_kvforge_step(
         runs = [_run_schedule(wl, layout, num_blocks, sched, "none") for _ in range(repeats)]
     finally:
         torch.set_num_threads(threads)
-    return {
-        "prefill_alloc": _median_us([_mean(r.prefill_alloc) for r in runs]),
-        "decode_alloc": _median_us([_mean(r.decode_alloc) for r in runs]),
-        "kernel_inputs": _median_us([_mean(r.kernel_inputs) for r in runs]),
-        "step": _median_us([_mean(r.step) for r in runs]),
-        "free": _median_us([r.free for r in runs]),
-        "decode_alloc_first": _median_us(
-            [r.decode_alloc[0] if r.decode_alloc else 0 for r in runs]
-        ),
-    }
+    return StepTimes.medians(runs)
 
 
 def run_facade_decode(wl: WorkloadLike, sched: ScheduleLike, repeats: int = 5) -> float:
