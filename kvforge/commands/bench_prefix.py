@@ -312,7 +312,8 @@ class LruModel:
     bytes, least recently released first, whatever its group or family. Growth, window
     release, commit and the hit rule are those of ``BlockManager`` (a hit at ``L``: every full
     group holds the chain ``[0, L)``, every window/state group the blocks of the window the
-    next token reads). As ``BlockManager.schedule``: every new request of a step first shares
+    next token reads; a window/state block no boundary's tail holds is never cached). As
+    ``BlockManager.schedule``: every new request of a step first shares
     its match (a stale one is refused), then requests grow in order, each released before it
     grows; one that does not fit is refused, and a refused new request gives its shared blocks
     back after the step. With one full group this is ``BlockManager``'s policy exactly: the
@@ -359,6 +360,12 @@ class LruModel:
         # the window the next token reads (BlockManager._window_start); full: the chain
         start = max(0, length + 1 - int(g.window or 0)) if g.kind.value != "full" else 0
         return range(start // g.block_size, length // g.block_size)
+
+    def _in_some_tail(self, g: CacheGroup, col: int) -> bool:
+        # the first boundary at or after the block's end decides (BlockManager._in_some_tail)
+        end = (col + 1) * g.block_size
+        first = -(-end // self.boundary) * self.boundary
+        return self._tail_cols(g, first).start <= col
 
     def _tails_present(self, conv: int, length: int) -> bool:
         for gi, g in enumerate(self.groups):
@@ -494,8 +501,11 @@ class LruModel:
             bs = g.block_size
             for c in range(-(-before // bs), -(-after // bs)):
                 row.cols[gi][c] = None
-            # commit: completed blocks take their prefix key unless it is cached already
+            # commit: completed blocks take their prefix key unless it is cached already or,
+            # in a window/state group, no boundary's tail holds it (BlockManager._commit)
             for c in range(row.committed[gi], after // bs):
+                if not self.full[gi] and not self._in_some_tail(g, c):
+                    continue
                 if c in row.cols[gi] and row.cols[gi][c] is None:
                     key = self.key_at(conv, (c + 1) * bs)
                     if not self._present(gi, key):
