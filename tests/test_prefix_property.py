@@ -597,7 +597,6 @@ TRUNCATION_BUG = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason=TRUNCATION_BUG)
 def test_truncating_into_a_cached_block_forgets_its_key() -> None:
     # B = 16: request a completes blocks 0..5 (96 tokens, keyed) and holds 100 tokens; it is
     # rolled back to 90 and continues with other tokens 90..99, rewriting entries 10..15 of
@@ -618,7 +617,6 @@ def test_truncating_into_a_cached_block_forgets_its_key() -> None:
     assert verify_request_skip(ctl, "b", token_seeds(b), []) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=TRUNCATION_BUG)
 def test_truncating_into_a_shared_block_leaves_the_other_request_intact() -> None:
     # b shares a's blocks 0..5 (L = 96); a is rolled back to 90 inside shared block 5 and
     # continues with other tokens: b's live tokens 90..95 must keep their bytes.
@@ -639,7 +637,6 @@ def test_truncating_into_a_shared_block_leaves_the_other_request_intact() -> Non
     assert verify_request_skip(ctl, "b", token_seeds(b), []) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=TRUNCATION_BUG)
 def test_random_runs_with_truncation_into_completed_blocks() -> None:
     # the random runs above avoid such truncations; allowing them, a fixed run finds the bug
     rng = random.Random(3)

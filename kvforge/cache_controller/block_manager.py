@@ -321,6 +321,7 @@ class BlockManager:
         self._hashers: dict[int, PrefixHasher] = {}  # row -> key chain of its tokens
         self._committed = np.zeros((len(self._groups), self.max_num_seqs), dtype=np.int64)
         self._pins: list[tuple[_Group, np.ndarray]] = []  # snapshot blocks held for one step
+        self._copies: list[BlockCopy] = []  # copies on write, run before the next step
         sizes = [g.block_size for g in self._groups if g.code != _PER_REQUEST]
         self.boundary = math.lcm(*sizes) if sizes else 1
         if snapshot_interval is None:
@@ -530,7 +531,8 @@ class BlockManager:
             self._hashers.pop(ids[i], None)
             if rows[i] >= 0:
                 self._free_rows.append(int(rows[i]))
-        copies_before: list[BlockCopy] = []
+        copies_before: list[BlockCopy] = self._copies
+        self._copies = []
         for i, match in adopted.items():
             copies_before += self._record_adoption(int(rows[i]), match)
         for i in np.flatnonzero(fresh & accept):
@@ -1051,6 +1053,41 @@ class BlockManager:
                     f"{g.spec.name!r} already released the blocks before token "
                     f"{int(g.held_from[row]) * g.block_size}"
                 )
+        # The block the new end falls in will be written again. If another request shares
+        # it, the request gets its own copy (copy on write, checked first: nothing changes
+        # when a pool is short); if only the prefix cache knows it, its key goes.
+        partial: list[tuple[_Group, int, int]] = []
+        for g in self._groups:
+            col = num_tokens // g.block_size
+            if g.code == _PER_REQUEST or not num_tokens % g.block_size:
+                continue
+            block = int(g.table[row, col])
+            if block != NULL_BLOCK:
+                partial.append((g, col, block))
+        for g, _, block in partial:
+            if g.pool._ref[block] > 1 and g.pool.num_free < 1:
+                raise OutOfBlocksError("device", g.spec.name, 1, 0, "truncate (copy on write)")
+        for g, col, block in partial:
+            if g.pool._ref[block] > 1:
+                [fresh] = g.pool.take(1).tolist()
+                g.table[row, col] = fresh
+                g.pool.release(np.array([block], dtype=np.int32))
+                self._copies.append(
+                    BlockCopy(g.spec.name, np.array([block], np.int32), np.array([fresh], np.int32))
+                )
+                self._pending.append(
+                    TableDelta(
+                        group=g.spec.name,
+                        rows=np.array([row], dtype=np.int32),
+                        cols=np.array([col], dtype=np.int32),
+                        block_ids=np.array([fresh], dtype=np.int32),
+                    )
+                )
+            elif g.pool.keys and block in g.pool.keys:
+                key, end = g.pool.keys.pop(block)  # type: ignore[misc]
+                if g.cached.get(key) == block:
+                    del g.cached[key]
+                self._events.append(PrefixEvent("removed", g.spec.name, key, end))  # type: ignore[arg-type]
         self._hashers.pop(request_id, None)  # its chain held the rolled-back tokens
         for gi, g in enumerate(self._groups):
             if g.code == _PER_REQUEST:
@@ -1074,6 +1111,14 @@ class BlockManager:
                 )
             )
         self._num_tokens[row] = num_tokens
+
+    @_locked
+    def take_copies(self) -> tuple[BlockCopy, ...]:
+        """Block copies due before the next step's kernels (copy on write by
+        :meth:`truncate`), for an engine that runs them between steps; otherwise the next
+        :meth:`schedule` returns them in ``copies_before``."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
 
     @_locked
     def take_table_deltas(self) -> tuple[TableDelta, ...]:

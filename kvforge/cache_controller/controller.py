@@ -406,8 +406,12 @@ class CacheController:
     @_locked
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Roll a request back to ``num_tokens`` tokens (rejected speculative tokens)."""
-        self._ready_manager().truncate(request_id, num_tokens)
+        manager = self._ready_manager()
+        manager.truncate(request_id, num_tokens)
         self._sync_tables()
+        copies = manager.take_copies()
+        if copies:  # a block shared with another request was copied before it is rewritten
+            self.storage.copy_blocks(copies)
 
     @_locked
     def free_request(self, request_id: str) -> None:
