@@ -12,7 +12,21 @@ counts, both sides' tables, the swapped set, token counts and a hash of every ca
 Operations are rows of :data:`OPERATIONS` (name, weight, function): a new entry point is one
 more row.
 
+With ``--prefix`` the controller caches prefixes: every request carries token ids and its
+content is written with per-position seeds derived from its prefix
+(:func:`kvforge.verify.token_seeds`), so a block reused from another request must hold what
+recomputing the prefix writes. Two more rows run then: ``prefix_admit`` (a lookup and the first
+step of a new request that extends a random prefix of an earlier prompt; the whole request,
+reused blocks included, is verified at once) and ``prefix_reset``. Shared blocks are counted
+once: the model's per-request extents are compared with the tables, the pools' used counts with
+the distinct blocks the tables hold (each block's reference count with its holders), and which
+requests a batch accepts is read from the controller (the model does not know which blocks are
+shared or evictable). Truncation stays out of complete blocks the next tokens would overwrite:
+the block manager keeps such a block's prefix key (``tests/test_prefix_property.py`` pins that
+with an xfail test).
+
     python benchmarks/soak.py --ops 200000 --seed 7
+    python benchmarks/soak.py --ops 20000 --seed 1 --prefix
 
 Invariant checked throughout: the model and the controller agree after every operation, and
 every byte written for a live token reads back unchanged.
@@ -34,32 +48,50 @@ import numpy as np
 import torch
 
 from kvforge import CacheController, DeepseekV4Backend, GQABackend
+from kvforge.cache_controller.values import PrefixMatch, PrefixQuery
 from kvforge.errors import OutOfBlocksError, RequestStateError
 from kvforge.specs import CacheGroup, GroupKind
-from kvforge.verify import entry_bytes_for, verify_request, write_entries
+from kvforge.verify import entry_bytes_for, token_seeds, verify_request, write_entries
 
-__all__ = ["OPERATIONS", "Model", "Soak", "SoakReport", "main", "run_soak"]
+__all__ = [
+    "OPERATIONS",
+    "PREFIX_ONLY",
+    "Model",
+    "Soak",
+    "SoakReport",
+    "StepRefused",
+    "main",
+    "run_soak",
+]
 
 MAX_SEQS = 6
 MAX_MODEL_LEN = 768
 NUM_BLOCKS = {"swa": 20, "compressed": 9, "c4_state": 60, "c128_state": 90, "gqa_swa": 30}
+#: with prefix caching: room for cached chains and the window tails a match needs
+PREFIX_NUM_BLOCKS = {"swa": 30, "compressed": 12, "c4_state": 100, "c128_state": 100, "gqa_swa": 40}
 HOST_PAGES = 40
+VOCAB = 500  # token ids of the prefix soak
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def make_controller() -> CacheController:
+def make_controller(prefix: bool = False) -> CacheController:
     """DeepSeek-V4 layers of ratios 0, 4 and 128 (small heads) and a GQA sliding-window layer:
-    full, sliding-window and state groups, compress ratios 1, 4 and 128."""
+    full, sliding-window and state groups, compress ratios 1, 4 and 128; ``prefix`` turns
+    prefix caching on."""
     backends: dict[int, Any] = {
         i: DeepseekV4Backend(r, head_dim=64, qk_rope_head_dim=16, index_head_dim=16)
         for i, r in enumerate((0, 4, 128))
     }
     backends[3] = GQABackend(1, 8, block_size=16, sliding_window=40, group="gqa_swa")
-    ctl = CacheController(backends)
-    ctl.initialize_kv_cache(num_blocks=NUM_BLOCKS, max_num_seqs=MAX_SEQS, max_model_len=768)
+    ctl = CacheController(backends, enable_prefix_caching=prefix)
+    ctl.initialize_kv_cache(
+        num_blocks=PREFIX_NUM_BLOCKS if prefix else NUM_BLOCKS,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=MAX_MODEL_LEN,
+    )
     ctl.initialize_host_cache(num_pages=HOST_PAGES)
     return ctl
 
@@ -77,6 +109,13 @@ class ModelRequest:
     num_tokens: int
     seed: int
     held: dict[str, Held] = field(default_factory=dict)
+    tokens: list[int] | None = None  # the prefix soak: the token ids written so far
+
+    def seeds(self) -> int | torch.Tensor:
+        """What its entries are written with: one seed, or per-position prefix seeds."""
+        if self.tokens is None:
+            return self.seed
+        return token_seeds(self.tokens)
 
 
 class Model:
@@ -89,8 +128,9 @@ class Model:
     holds exactly those blocks again.
     """
 
-    def __init__(self, groups: list[CacheGroup]) -> None:
+    def __init__(self, groups: list[CacheGroup], num_blocks: dict[str, int] = NUM_BLOCKS) -> None:
         self.groups = {g.name: g for g in groups}
+        self.num_blocks = num_blocks
         self.resident: dict[str, ModelRequest] = {}
         self.swapped: dict[str, ModelRequest] = {}
 
@@ -98,7 +138,7 @@ class Model:
         return sum(r.held[group].hi - r.held[group].lo for r in self.resident.values())
 
     def free(self, group: str) -> int:
-        return NUM_BLOCKS[group] - 1 - self.used(group)
+        return self.num_blocks[group] - 1 - self.used(group)
 
     def rest_lo(self, g: CacheGroup, n: int) -> int:
         if g.kind is GroupKind.FULL or n == 0:
@@ -156,6 +196,18 @@ class Model:
         req.held = {g: h for g, (_, h) in plan.items()}
         req.num_tokens += new
 
+    def adopt(self, rid: str, num_tokens: int, seed: int) -> ModelRequest:
+        """A new request that starts sharing a cached prefix of ``num_tokens`` tokens: it holds
+        what a request at rest after ``num_tokens`` tokens would (the resting window), and its
+        first step releases and grows from there by the window rule."""
+        req = self.resident[rid] = ModelRequest(num_tokens, seed)
+        for name, g in self.groups.items():
+            first = 0
+            if g.kind is not GroupKind.FULL:
+                first = max(0, num_tokens + 1 - int(g.window or 0)) // g.block_size
+            req.held[name] = Held(first, num_tokens // g.block_size)
+        return req
+
 
 @dataclass
 class SoakReport:
@@ -164,19 +216,31 @@ class SoakReport:
     refused: int = 0
     entries_verified: int = 0
     bytes_verified: int = 0
+    prefix_hits: int = 0  # admitted requests that started on a cached prefix
+    reused_tokens: int = 0  # the tokens those prefixes covered
     seconds: float = 0.0
+
+
+class StepRefused(Exception):
+    """A bad call answered by a refusal in a step's result rather than an exception (a stale
+    prefix match): raised by the bad call's wrapper so it is checked like the others."""
 
 
 class Soak:
     """One soak run: a controller, its model, a seeded generator and the tallies."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, prefix: bool = False) -> None:
         self.rng = random.Random(seed)
-        self.ctl = make_controller()
-        self.model = Model([self.ctl.layout.group(g) for g in self.ctl.groups])
+        self.prefix = prefix
+        self.ctl = make_controller(prefix)
+        self.model = Model(
+            [self.ctl.layout.group(g) for g in self.ctl.groups],
+            PREFIX_NUM_BLOCKS if prefix else NUM_BLOCKS,
+        )
         self.report = SoakReport()
         self.next_id = 0
         self.entry_bytes = {e.index: e.role.entry_bytes for e in self.ctl.layout.buffers}
+        self.prompts: list[list[int]] = []  # the prefix soak: token ids of earlier requests
 
     # ------------------------------------------------------------------ checks
 
@@ -187,10 +251,38 @@ class Soak:
         for rid, req in {**model.resident, **model.swapped}.items():
             assert ctl.num_tokens(rid) == req.num_tokens, rid
         for g in model.groups:
-            assert ctl.num_used_blocks(g) == model.used(g), (g, ctl.num_used_blocks(g))
             np.testing.assert_array_equal(ctl.storage.block_table(g), manager.table(g))
+            if self.prefix:
+                self.check_shared(g)
+            else:
+                assert ctl.num_used_blocks(g) == model.used(g), (g, ctl.num_used_blocks(g))
         for g, (used, _) in ctl.host_pool_usage().items():
             assert used == model.host_pages(g), (g, used, model.host_pages(g))
+
+    def check_shared(self, group: str) -> None:
+        """With prefix caching: each request holds exactly its model extent; a block held by
+        several requests sits at one index of requests whose tokens agree through its end;
+        the pool's used count is the distinct blocks held, each with one reference per
+        holder."""
+        ctl, pool = self.ctl, self.ctl.block_manager.pool(group)
+        size = self.model.groups[group].block_size
+        holders: dict[int, list[tuple[str, int]]] = {}
+        for rid, req in self.model.resident.items():
+            table = ctl.block_table(rid, group)
+            cols = [c for c, b in enumerate(table) if b != 0]
+            held = req.held[group]
+            assert cols == list(range(held.lo, held.hi)), (rid, group, cols, held)
+            for c in cols:
+                holders.setdefault(table[c], []).append((rid, c))
+        assert pool.num_used == len(holders), (group, pool.num_used, len(holders))
+        for block, owners in holders.items():
+            assert pool.ref_count(block) == len(owners), (group, block, owners)
+            if len(owners) > 1:
+                cols = {c for _, c in owners}
+                assert len(cols) == 1, (group, block, owners)
+                end = (cols.pop() + 1) * size
+                heads = {tuple(self.model.resident[r].tokens or ())[:end] for r, _ in owners}
+                assert len(heads) == 1, (group, block, owners)
 
     def state(self) -> tuple[Any, ...]:
         ctl, manager = self.ctl, self.ctl.block_manager
@@ -210,7 +302,7 @@ class Soak:
 
     def verify(self, rid: str) -> None:
         req = self.model.resident[rid]
-        got = verify_request(self.ctl, rid, req.seed)
+        got = verify_request(self.ctl, rid, req.seeds())
         assert got.mismatched == 0, f"{rid}: {got.mismatched} of {got.entries} entries differ"
         self.report.entries_verified += got.entries
         self.report.bytes_verified += self._live_bytes(rid)
@@ -235,6 +327,11 @@ class Soak:
 
     # ------------------------------------------------------------------ helpers
 
+    def free(self, group: str) -> int:
+        """Blocks a swap in may take: the model's count, or with prefix caching the pool's
+        (evictable cached blocks count as free; shared blocks count once)."""
+        return self.ctl.num_free_blocks(group) if self.prefix else self.model.free(group)
+
     def new_id(self) -> str:
         self.next_id += 1
         return f"q{self.next_id}"
@@ -257,7 +354,7 @@ class Soak:
         and a later truncation can bring those tokens back into the window)."""
         if end <= start:
             return
-        seed = self.model.resident[rid].seed
+        seed = self.model.resident[rid].seeds()
         row = self.ctl.block_manager.row_of(rid)
         pos = np.arange(start, end, dtype=np.int64)
         caches = self.ctl.kv_caches
@@ -280,14 +377,35 @@ class Soak:
             r: self.model.resident[r].num_tokens if r in self.model.resident else 0 for r in ids
         }
         new = [self.new_count(befores[r]) for r in ids]
-        expected = self.model.step(ids, new)
-        step = self.ctl.schedule(ids, new)
-        assert list(step.allocation.request_ids) == expected, (step.allocation, expected)
-        self.report.refused += len(step.allocation.refused)
         counts = dict(zip(ids, new, strict=True))
+        if self.prefix:
+            toks = {r: [self.rng.randrange(VOCAB) for _ in range(counts[r])] for r in ids}
+            step = self.ctl.schedule(ids, new, new_token_ids=[toks[r] for r in ids])
+            expected = list(step.allocation.request_ids)
+            self.check_refusals(step.allocation.refused, befores, counts)
+        else:
+            expected = self.model.step(ids, new)
+            step = self.ctl.schedule(ids, new)
+            assert list(step.allocation.request_ids) == expected, (step.allocation, expected)
+        self.report.refused += len(step.allocation.refused)
         for rid in expected:
             self.model.apply_step(rid, counts[rid], self.rng.randrange(1 << 30))
+            if self.prefix:
+                req = self.model.resident[rid]
+                req.tokens = (req.tokens or []) + toks[rid]
             self.write(rid, befores[rid], befores[rid] + counts[rid])
+
+    def check_refusals(self, refused: Any, befores: dict[str, int], counts: dict[str, int]) -> None:
+        """With prefix caching the model does not predict which requests a batch accepts (it
+        does not know which blocks are shared or evictable): every refusal must still state a
+        reason that holds."""
+        for r in refused:
+            if r.reason == "max_model_len":
+                assert befores[r.request_id] + counts[r.request_id] > MAX_MODEL_LEN, r
+            elif r.reason == "max_num_seqs":
+                assert r.request_id not in self.model.resident, r
+            else:
+                assert r.reason == "out_of_blocks" and r.needed > r.available, r
 
     def op_allocate(self) -> None:
         if self.model.resident and self.rng.random() < 0.7:
@@ -296,6 +414,9 @@ class Soak:
             rid = self.new_id()
         current = self.model.resident[rid].num_tokens if rid in self.model.resident else 0
         target = current + self.rng.randint(1, 96)
+        if self.prefix:
+            self.allocate_unpredicted(rid, current, target)
+            return
         fits = self.model.step([rid], [target - current]) == [rid]
         if not fits:
             frag = "allocate" if target <= MAX_MODEL_LEN else "max_model_len"
@@ -307,6 +428,35 @@ class Soak:
         self.model.apply_step(rid, target - current, self.rng.randrange(1 << 30))
         self.write(rid, current, target)
 
+    def allocate_unpredicted(self, rid: str, current: int, target: int) -> None:
+        """``allocate`` with prefix caching: no token ids (the request's chain ends), and a
+        refusal must change nothing."""
+        before = self.state()
+        try:
+            self.ctl.allocate(rid, target)
+        except (OutOfBlocksError, ValueError) as err:
+            if target > MAX_MODEL_LEN:
+                assert "max_model_len" in str(err), err
+            else:
+                assert isinstance(err, OutOfBlocksError), err
+            assert self.state() == before, "a refused allocate changed state"
+            self.report.refused += 1
+            return
+        self.model.apply_step(rid, target - current, self.rng.randrange(1 << 30))
+        req = self.model.resident[rid]
+        req.tokens = (req.tokens or []) + [
+            self.rng.randrange(VOCAB) for _ in range(target - current)
+        ]
+        self.write(rid, current, target)
+
+    def rewrites_complete_block(self, n: int, to: int) -> bool:
+        """Whether truncating from ``n`` to ``to`` tokens keeps a complete block that the next
+        tokens overwrite (its prefix key stays cached: see the module docstring)."""
+        return any(
+            to % g.block_size and (to // g.block_size + 1) * g.block_size <= n
+            for g in self.model.groups.values()
+        )
+
     def op_truncate(self) -> None:
         live = [r for r, q in self.model.resident.items() if q.num_tokens > 1]
         if not live:
@@ -314,6 +464,8 @@ class Soak:
         rid = self.rng.choice(sorted(live))
         req = self.model.resident[rid]
         to = self.rng.randint(max(1, req.num_tokens - 24), req.num_tokens)
+        if self.prefix and self.rewrites_complete_block(req.num_tokens, to):
+            return
         if any(
             spec.kind is not GroupKind.FULL and self.model.rest_lo(spec, to) < req.held[g].lo
             for g, spec in self.model.groups.items()
@@ -325,6 +477,8 @@ class Soak:
         for g, spec in self.model.groups.items():
             req.held[g].hi = _cdiv(to, spec.block_size)
         req.num_tokens = to
+        if req.tokens is not None:
+            req.tokens = req.tokens[:to]
 
     def op_swap_out(self) -> None:
         rids = self.pick(self.model.resident, self.rng.randint(1, 3))
@@ -359,7 +513,7 @@ class Soak:
             for g, s in self.model.groups.items()
         }
         rows_ok = len(self.model.resident) + len(rids) <= MAX_SEQS
-        if not rows_ok or any(need[g] > self.model.free(g) for g in need):
+        if not rows_ok or any(need[g] > self.free(g) for g in need):
             self.expect_refused(lambda: self.ctl.swap_in_many(rids), OutOfBlocksError, "swap_in")
             self.report.refused += 1
             return
@@ -387,8 +541,85 @@ class Soak:
         for rid in self.pick(self.model.resident, 1):
             self.verify(rid)
 
+    def sources(self) -> list[list[int]]:
+        """Token ids a new prompt may extend: earlier prompts and every live request's."""
+        every = {**self.model.resident, **self.model.swapped}
+        live = [every[r].tokens or [] for r in sorted(every)]
+        return [t for t in self.prompts + live if t]
+
+    def new_prompt(self) -> list[int]:
+        rng = self.rng
+        sources = self.sources()
+        if not sources or rng.random() < 0.15:
+            return [rng.randrange(VOCAB) for _ in range(rng.randint(1, 600))]
+        step = self.ctl.block_manager.boundary
+        # most often a recent prompt past a boundary: its blocks (window tails above all)
+        # are still cached
+        long = [t for t in sources if len(t) > step]
+        base = rng.choice(long[-3:] if long and rng.random() < 0.7 else sources)
+        if rng.random() < 0.7:  # cut at or next to a boundary, where matches end
+            cut = rng.randint(1, max(1, len(base) // step)) * step + rng.choice([-1, 0, 0, 1])
+        else:
+            cut = rng.randint(0, len(base))
+        cut = max(0, min(cut, len(base)))
+        suffix = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 300))]
+        return (base[:cut] + suffix)[:MAX_MODEL_LEN]
+
+    def op_prefix_admit(self) -> None:
+        """A new request extending a random earlier prompt's prefix: look it up, schedule its
+        first step with the match, write the step's tokens and verify every live byte of the
+        request (the reused blocks hold what its own prefix writes)."""
+        if len(self.model.resident) == MAX_SEQS:  # an engine admits when a request finished
+            done = self.pick(self.model.resident, 1)
+            self.ctl.free_requests(done)
+            self.prompts = [*self.prompts[-31:], self.model.resident.pop(done[0]).tokens or []]
+        prompt = self.new_prompt()
+        [match] = self.ctl.lookup([PrefixQuery(prompt)])
+        hit = match.num_tokens
+        assert hit % self.ctl.block_manager.boundary == 0 and hit <= max(0, len(prompt) - 1)
+        rid = self.new_id()
+        n = min(self.rng.randint(1, 200), len(prompt) - hit)
+        step = self.ctl.schedule(
+            [rid], [n], new_token_ids=[prompt[hit : hit + n]], prefix_matches=[match]
+        )
+        if step.allocation.refused:
+            self.check_refusals(step.allocation.refused, {rid: hit}, {rid: n})
+            self.report.refused += 1
+            return
+        req = self.model.adopt(rid, hit, self.rng.randrange(1 << 30))
+        self.model.apply_step(rid, n, req.seed)
+        req.tokens = prompt[: hit + n]
+        self.write(rid, hit, hit + n)
+        self.verify(rid)
+        self.prompts = [*self.prompts[-31:], prompt]
+        if hit:
+            self.report.prefix_hits += 1
+            self.report.reused_tokens += hit
+        # the rest of the prompt in chunks, as an engine prefills it, so that long prompts
+        # complete (and register) the blocks later prompts can reuse
+        while req.num_tokens < len(prompt) and self.rng.random() < 0.8:
+            done = req.num_tokens
+            n = min(self.rng.randint(1, 200), len(prompt) - done)
+            step = self.ctl.schedule([rid], [n], new_token_ids=[prompt[done : done + n]])
+            if step.allocation.refused:
+                self.check_refusals(step.allocation.refused, {rid: done}, {rid: n})
+                self.report.refused += 1
+                return
+            self.model.apply_step(rid, n, req.seed)
+            req.tokens = prompt[: done + n]
+            self.write(rid, done, done + n)
+
+    def op_prefix_reset(self) -> None:
+        manager = self.ctl.block_manager
+        evictable = sum(manager.pool(g).num_evictable for g in self.model.groups)
+        assert manager.reset_prefix_cache() == evictable
+        for g in self.model.groups:
+            assert manager.pool(g).num_evictable == 0, g
+
     def op_bad_call(self) -> None:
         name, make = self.rng.choice(BAD_CALLS)
+        if name in KNOWN_LATE_CHECKS:
+            return
         built = make(self)
         if built is None:
             return
@@ -406,7 +637,7 @@ class Soak:
             if len(self.model.resident) < MAX_SEQS and all(
                 _cdiv(self.model.swapped[rid].num_tokens, s.block_size)
                 - self.model.rest_lo(s, self.model.swapped[rid].num_tokens)
-                <= self.model.free(g)
+                <= self.free(g)
                 for g, s in self.model.groups.items()
             ):
                 self.ctl.swap_in(rid)
@@ -421,9 +652,12 @@ class Soak:
         self.ctl.free_requests(sorted(self.model.resident) + sorted(self.model.swapped))
         self.model.resident.clear()
         self.model.swapped.clear()
+        if self.prefix:
+            self.op_prefix_reset()
         self.check()
         for g in self.model.groups:
-            assert self.ctl.num_free_blocks(g) == NUM_BLOCKS[g] - 1
+            assert self.ctl.num_free_blocks(g) == self.model.num_blocks[g] - 1
+            assert self.ctl.block_manager.pool(g).num_evictable == 0
         self.ctl.free()
 
 
@@ -521,6 +755,94 @@ def _bad_id_type(s: Soak) -> Any:
     return (lambda: s.ctl.free_request(7), RequestStateError, "non-empty str, got 7")
 
 
+def _bad_lookup_not_query(s: Soak) -> Any:
+    return (
+        lambda: s.ctl.lookup([object()]),
+        TypeError,
+        "queries[0] is a object, not a PrefixQuery",
+    )
+
+
+def _bad_lookup_bare_query(s: Soak) -> Any:
+    query = PrefixQuery([1, 2, 3])
+    return (lambda: s.ctl.lookup(query), TypeError, "queries must be a sequence of PrefixQuery")
+
+
+def _bad_lookup_float_tokens(s: Soak) -> Any:
+    query = PrefixQuery([1.5, 2.0])
+    return (
+        lambda: s.ctl.lookup([query]),
+        ValueError,
+        "queries[0].token_ids must be a 1-d sequence of int token ids",
+    )
+
+
+def _bad_schedule_float_token_ids(s: Soak) -> Any:
+    if not s.prefix:
+        return None  # without prefix caching token ids are not read
+    rid = s.new_id()
+    return (
+        lambda: s.ctl.schedule([rid], [2], new_token_ids=[[1.5, 2.5]]),
+        ValueError,
+        "new_token_ids",
+    )
+
+
+def _bad_stale_match(s: Soak) -> Any:
+    if not s.prefix or len(s.model.resident) == MAX_SEQS:
+        return None  # (a full batch would refuse the request for its row first)
+    for tokens in s.rng.sample(s.sources(), min(4, len(s.sources()))):
+        [match] = s.ctl.lookup([PrefixQuery(tokens)])
+        if match.num_tokens:
+            break
+    else:
+        return None
+    s.ctl.block_manager.reset_prefix_cache()  # every matched block loses its key
+    rid = s.new_id()
+    extra = tokens[match.num_tokens : match.num_tokens + 1]
+
+    def call() -> None:
+        step = s.ctl.schedule([rid], [1], new_token_ids=[extra], prefix_matches=[match])
+        [refusal] = step.allocation.refused
+        assert refusal.reason == "stale_prefix" and not step.allocation.request_ids, refusal
+        raise StepRefused(refusal.message)
+
+    return (call, StepRefused, "look it up again")
+
+
+def _bad_matches_length(s: Soak) -> Any:
+    ids = [*s.pick(s.model.resident, 2), s.new_id()]
+    matches = [None] * (len(ids) + 1)
+    return (
+        lambda: s.ctl.schedule(ids, [1] * len(ids), prefix_matches=matches),
+        ValueError,
+        f"prefix_matches must be a sequence of {len(ids)} PrefixMatch or None",
+    )
+
+
+def _bad_matches_type(s: Soak) -> Any:
+    ids = [s.new_id()]
+    return (
+        lambda: s.ctl.schedule(ids, [1], prefix_matches=[object()]),
+        TypeError,
+        "prefix_matches[0] is a object, not a PrefixMatch",
+    )
+
+
+def _bad_match_for_running(s: Soak) -> Any:
+    rid = _any_id(s, s.model.resident)
+    if rid is None:
+        return None
+    [match] = s.ctl.lookup([PrefixQuery(list(range(40)))])
+    ids = [s.new_id(), rid]
+    matches: list[PrefixMatch | None] = [None, match]
+    return (
+        lambda: s.ctl.schedule(ids, [1, 1], prefix_matches=matches),
+        ValueError,
+        f"prefix_matches[1] is given for request {rid!r}, which is already running",
+    )
+
+
 #: (name, builder): a builder returns (call, exception type, message fragment), or None when
 #: the current state offers no such call. A new bad call is one more row.
 BAD_CALLS: list[tuple[str, Callable[[Soak], Any]]] = [
@@ -539,7 +861,20 @@ BAD_CALLS: list[tuple[str, Callable[[Soak], Any]]] = [
     ("swap_purpose", _bad_swap_purpose),
     ("slots_float", _bad_slots_float),
     ("id_not_str", _bad_id_type),
+    ("lookup_not_query", _bad_lookup_not_query),
+    ("lookup_bare_query", _bad_lookup_bare_query),
+    ("lookup_float_tokens", _bad_lookup_float_tokens),
+    ("schedule_float_token_ids", _bad_schedule_float_token_ids),
+    ("stale_match", _bad_stale_match),
+    ("matches_length", _bad_matches_length),
+    ("matches_type", _bad_matches_type),
+    ("match_for_running", _bad_match_for_running),
 ]
+
+#: Bad calls the block manager checks only after it changed state (float token ids are read
+#: when the step's blocks are registered, after growth): skipped by the run and pinned as an
+#: xfail test in ``tests/test_soak.py``. Remove a name once its check moves up front.
+KNOWN_LATE_CHECKS = {"schedule_float_token_ids"}
 
 #: (name, weight, operation): a new entry point is one more row.
 OPERATIONS: list[tuple[str, int, Callable[[Soak], None]]] = [
@@ -551,15 +886,27 @@ OPERATIONS: list[tuple[str, int, Callable[[Soak], None]]] = [
     ("free", 6, Soak.op_free),
     ("verify", 3, Soak.op_verify),
     ("bad_call", 10, Soak.op_bad_call),
+    ("prefix_admit", 12, Soak.op_prefix_admit),
+    ("prefix_reset", 1, Soak.op_prefix_reset),
 ]
 
+#: rows that run only with prefix caching (``--prefix``)
+PREFIX_ONLY = {"prefix_admit", "prefix_reset"}
 
-def run_soak(num_ops: int, seed: int, progress: Callable[[int], None] | None = None) -> SoakReport:
-    """Run ``num_ops`` random operations with ``seed``; raise AssertionError on a mismatch."""
-    soak = Soak(seed)
-    names = [o[0] for o in OPERATIONS]
-    funcs = {o[0]: o[2] for o in OPERATIONS}
-    weights = [o[1] for o in OPERATIONS]
+
+def run_soak(
+    num_ops: int,
+    seed: int,
+    progress: Callable[[int], None] | None = None,
+    prefix: bool = False,
+) -> SoakReport:
+    """Run ``num_ops`` random operations with ``seed`` (``prefix``: with prefix caching and
+    its rows); raise AssertionError on a mismatch."""
+    soak = Soak(seed, prefix)
+    rows = [o for o in OPERATIONS if prefix or o[0] not in PREFIX_ONLY]
+    names = [o[0] for o in rows]
+    funcs = {o[0]: o[2] for o in rows}
+    weights = [o[1] for o in rows]
     start = time.perf_counter()
     for i in range(num_ops):
         name = soak.rng.choices(names, weights)[0]
@@ -580,6 +927,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=int, default=20_000, help="operations to run")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument(
+        "--prefix", action="store_true", help="prefix caching on, with its operations"
+    )
     args = parser.parse_args(argv)
     if args.ops < 1:
         parser.error(f"--ops must be >= 1, got {args.ops}")
@@ -596,12 +946,15 @@ def main(argv: list[str] | None = None) -> int:
         console=console,
     ) as bar:
         task = bar.add_task(f"soak seed {args.seed}", total=args.ops)
-        report = run_soak(args.ops, args.seed, lambda n: bar.update(task, completed=n))
+        report = run_soak(
+            args.ops, args.seed, lambda n: bar.update(task, completed=n), prefix=args.prefix
+        )
     table = Table(title=f"soak: {args.ops} operations, seed {args.seed}")
     table.add_column("operation")
     table.add_column("count", justify="right")
     for name, _, _ in OPERATIONS:
-        table.add_row(name, str(report.ops[name]))
+        if args.prefix or name not in PREFIX_ONLY:
+            table.add_row(name, str(report.ops[name]))
     for name, _ in BAD_CALLS:
         table.add_row(f"  bad: {name}", str(report.bad_calls[name]))
     console.print(table)
@@ -610,6 +963,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{report.entries_verified}; bytes verified: {report.bytes_verified}; "
         f"time: {report.seconds:.1f} s"
     )
+    if args.prefix:
+        console.print(f"prefix hits: {report.prefix_hits}; reused tokens: {report.reused_tokens}")
     return 0
 
 

@@ -6,7 +6,8 @@ The soak drives the facade and an independent model with the same random operati
 checks after each one that they agree; a bad call must change nothing (pool counts, tables,
 swapped set, token counts, a hash of every cache byte); every live byte reads back after swap
 ins and at the end. A failure names the seed and the operation, so it replays with
-``python benchmarks/soak.py --ops N --seed S``.
+``python benchmarks/soak.py --ops N --seed S``. One seed runs with prefix caching
+(``--prefix``): requests extend earlier prompts' prefixes and every reused byte is verified.
 """
 
 from __future__ import annotations
@@ -46,6 +47,22 @@ def test_soak_fixed_seeds(seed: int) -> None:
     assert sum(report.bad_calls.values()) > 0
 
 
+def test_soak_with_prefix_caching() -> None:
+    report = soak.run_soak(150, 7, prefix=True)
+    assert sum(report.ops[name] for name, _, _ in soak.OPERATIONS) == 150
+    # requests started on cached prefixes (boundary 256: the LCM of the V4 and GQA blocks)
+    # and their reused blocks were verified with the rest of their bytes
+    assert report.ops["prefix_admit"] > 0 and report.prefix_hits > 0
+    assert report.reused_tokens > 0 and report.reused_tokens % 256 == 0
+    assert report.ops["swap_in"] > 0 and report.entries_verified > 0
+    assert sum(report.bad_calls.values()) > 0
+
+
+def test_prefix_rows_run_only_with_prefix_caching() -> None:
+    report = soak.run_soak(60, 0)
+    assert all(report.ops[name] == 0 for name in soak.PREFIX_ONLY)
+
+
 def test_operation_table_is_complete() -> None:
     names = [name for name, _, _ in soak.OPERATIONS]
     assert names == [
@@ -57,9 +74,53 @@ def test_operation_table_is_complete() -> None:
         "free",
         "verify",
         "bad_call",
+        "prefix_admit",
+        "prefix_reset",
     ]
+    assert {"prefix_admit", "prefix_reset"} == soak.PREFIX_ONLY
     assert all(weight > 0 for _, weight, _ in soak.OPERATIONS)
     assert len({name for name, _ in soak.BAD_CALLS}) == len(soak.BAD_CALLS)
+    assert {name for name, _ in soak.BAD_CALLS} >= soak.KNOWN_LATE_CHECKS
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "lookup_not_query",
+        "lookup_bare_query",
+        "lookup_float_tokens",
+        "stale_match",
+        "matches_length",
+        "matches_type",
+        "match_for_running",
+    ],
+)
+def test_prefix_bad_calls_are_refused_and_change_nothing(name: str) -> None:
+    run = soak.Soak(7, prefix=True)
+    prompt = list(range(300))
+    step = run.ctl.schedule(["a"], [300], new_token_ids=[prompt])
+    run.model.apply_step("a", 300, 0)
+    run.model.resident["a"].tokens = prompt
+    run.write("a", 0, 300)
+    run.prompts.append(prompt)
+    assert step.allocation.request_ids == ("a",)
+    built = dict(soak.BAD_CALLS)[name](run)
+    assert built is not None
+    call, exc, fragment = built
+    run.expect_refused(call, exc, fragment)  # raises unless refused with no state change
+    run.check()
+    run.verify("a")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BlockManager.schedule reads new_token_ids as ints only in _commit, after the "
+    "step's growth was applied: float token ids raise with the request already admitted",
+)
+def test_float_token_ids_are_refused_before_any_change() -> None:
+    run = soak.Soak(7, prefix=True)
+    call, exc, fragment = dict(soak.BAD_CALLS)["schedule_float_token_ids"](run)
+    run.expect_refused(call, exc, fragment)
 
 
 def test_soak_detects_a_lost_byte() -> None:
