@@ -21,9 +21,8 @@ reused blocks included, is verified at once) and ``prefix_reset``. Shared blocks
 once: the model's per-request extents are compared with the tables, the pools' used counts with
 the distinct blocks the tables hold (each block's reference count with its holders), and which
 requests a batch accepts is read from the controller (the model does not know which blocks are
-shared or evictable). Truncation stays out of complete blocks the next tokens would overwrite:
-the block manager keeps such a block's prefix key (``tests/test_prefix_property.py`` pins that
-with an xfail test).
+shared or evictable). Truncating into a complete block copies it on write when it is shared
+and drops its key when only the cache knows it (``tests/test_prefix_property.py``).
 
     python benchmarks/soak.py --ops 200000 --seed 7
     python benchmarks/soak.py --ops 20000 --seed 1 --prefix
@@ -871,10 +870,9 @@ BAD_CALLS: list[tuple[str, Callable[[Soak], Any]]] = [
     ("match_for_running", _bad_match_for_running),
 ]
 
-#: Bad calls the block manager checks only after it changed state (float token ids are read
-#: when the step's blocks are registered, after growth): skipped by the run and pinned as an
-#: xfail test in ``tests/test_soak.py``. Remove a name once its check moves up front.
-KNOWN_LATE_CHECKS = {"schedule_float_token_ids"}
+#: Bad calls the block manager would check only after it changed state: skipped by the run
+#: and pinned by a test in ``tests/test_soak.py`` (none left).
+KNOWN_LATE_CHECKS: set[str] = set()
 
 #: (name, weight, operation): a new entry point is one more row.
 OPERATIONS: list[tuple[str, int, Callable[[Soak], None]]] = [

@@ -112,11 +112,6 @@ def test_prefix_bad_calls_are_refused_and_change_nothing(name: str) -> None:
     run.verify("a")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlockManager.schedule reads new_token_ids as ints only in _commit, after the "
-    "step's growth was applied: float token ids raise with the request already admitted",
-)
 def test_float_token_ids_are_refused_before_any_change() -> None:
     run = soak.Soak(7, prefix=True)
     call, exc, fragment = dict(soak.BAD_CALLS)["schedule_float_token_ids"](run)

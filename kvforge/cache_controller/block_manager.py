@@ -1511,6 +1511,9 @@ def _check_token_ids(token_ids: Sequence[Sequence[int]], new: np.ndarray) -> Non
             raise ValueError(
                 f"new_token_ids[{i}] has {len(ids)} token ids but num_new_tokens[{i}] is {int(n)}"
             )
+        arr = _token_array(ids, f"new_token_ids[{i}]")  # checked before anything changes
+        if arr.size and int(arr.min()) < 0:
+            raise ValueError(f"new_token_ids[{i}] holds a negative token id {int(arr.min())}")
 
 
 def _token_array(tokens: object, name: str) -> np.ndarray:
