@@ -148,7 +148,6 @@ class Run:
     prompts: list[list[int]] = field(default_factory=list)
     cached: dict[str, set[int]] = field(default_factory=dict)  # group -> keys stored, not removed
     pins: dict[str, Counter] = field(default_factory=dict)  # per-request group -> pinned blocks
-    unsafe_truncation: bool = False
     next_id: int = 0
     matches: int = 0
     hit_tokens: int = 0
@@ -213,7 +212,8 @@ class Run:
             if g.kind is GroupKind.PER_REQUEST:
                 assert match.first_col[name] == 0
                 assert match.keys[name] == (keys[length - 1],)
-                assert len(match.blocks[name]) == 1
+                [block] = match.blocks[name].tolist()
+                assert self.manager.pool(name).keys[block] == (keys[length - 1], length)
                 continue
             start = 0 if g.kind is GroupKind.FULL else max(0, length + 1 - int(g.window or 0))
             first = start // g.block_size
@@ -224,7 +224,12 @@ class Run:
             assert tuple(match.keys[name]) == want, name
             assert len(match.blocks[name]) == len(want)
             assert all(k in self.cached[name] for k in want)
-            assert NULL_ID not in match.blocks[name].tolist()
+            # each block is the pool's block of that key, ending where the key's prefix ends
+            pool_keys = self.manager.pool(name).keys
+            for c, key, block in zip(
+                range(first, length // g.block_size), want, match.blocks[name].tolist(), strict=True
+            ):
+                assert block != NULL_ID and pool_keys[block] == (key, (c + 1) * g.block_size)
 
     # ------------------------------------------------------------------ invariants
 
@@ -447,7 +452,9 @@ class Run:
         self.swapped.discard(rid)
 
     def op_truncate(self, rng: random.Random) -> None:
-        """Roll back rejected draft tokens; the request then continues with other tokens."""
+        """Roll back rejected draft tokens; the request then continues with other tokens. A
+        new end inside a complete block that another request shares copies it on write (or
+        is refused, nothing changed, when the pool has no block for the copy)."""
         running = sorted(
             r for r in self.reqs if r not in self.swapped and len(self.reqs[r].tokens) > 1
         )
@@ -456,32 +463,19 @@ class Run:
         rid = rng.choice(running)
         req = self.reqs[rid]
         n = len(req.tokens)
-        safe = [
-            t for t in range(max(1, n - 40), n) if self.unsafe_truncation or not self.rewrites(n, t)
-        ]
-        if not safe:
-            return
-        to = rng.choice(safe)
+        to = rng.randint(max(1, n - 40), n - 1)
         try:
             self.ctl.truncate(rid, to)
         except ValueError as err:
             assert "cannot truncate" in str(err)
             return
+        except OutOfBlocksError as err:
+            assert "copy on write" in str(err)
+            return
         rest = len(req.target) - to
         req.tokens = req.tokens[:to]
         req.target = req.tokens + [rng.randrange(VOCAB) for _ in range(rest)]
         req.state_written = False  # a recurrent state is not rolled back by a truncation
-
-    def rewrites(self, n: int, to: int) -> bool:
-        """Whether truncating from ``n`` to ``to`` tokens keeps a block that was complete and
-        that the next tokens overwrite: the block manager keeps such a block's prefix key (and
-        shares it with other requests), see the xfail tests below; the random runs avoid it
-        unless ``unsafe_truncation`` is set."""
-        return any(
-            to % g.block_size and (to // g.block_size + 1) * g.block_size <= n
-            for g in self.specs.values()
-            if g.kind is not GroupKind.PER_REQUEST
-        )
 
     def op_reset(self, rng: random.Random) -> None:
         self.manager.reset_prefix_cache()
@@ -536,8 +530,8 @@ def verify_request_skip(
     return verify_request(ctl, rid, seeds, skip_groups=skip).mismatched
 
 
-def run_ops(name: str, ops: list[tuple[str, int]], unsafe_truncation: bool = False) -> Run:
-    run = Run(CONFIGS[name], unsafe_truncation=unsafe_truncation)
+def run_ops(name: str, ops: list[tuple[str, int]]) -> Run:
+    run = Run(CONFIGS[name])
     for i, (op, seed) in enumerate(ops):
         try:
             OPERATIONS[op](run, random.Random(seed))
@@ -576,7 +570,7 @@ def test_a_fixed_run_reuses_and_evicts(name: str) -> None:
     assert sum(stats.evictions.values()) > 0
 
 
-# ------------------------------------------------------------------ truncation into a cached block
+# ------------------------------------------------------------------ truncation into a complete block
 
 
 def _prefill(ctl: CacheController, rid: str, toks: list[int], start: int, match=None) -> None:
@@ -589,12 +583,6 @@ def _prefill(ctl: CacheController, rid: str, toks: list[int], start: int, match=
     assert not step.allocation.refused
     write_step(ctl, step, {rid: token_seeds(toks)})
     ctl.end_step(step)
-
-
-TRUNCATION_BUG = (
-    "BlockManager.truncate keeps the prefix key of the block the new end falls in: the "
-    "request then overwrites that complete, cached (possibly shared) block"
-)
 
 
 def test_truncating_into_a_cached_block_forgets_its_key() -> None:
@@ -637,8 +625,8 @@ def test_truncating_into_a_shared_block_leaves_the_other_request_intact() -> Non
     assert verify_request_skip(ctl, "b", token_seeds(b), []) == 0
 
 
-def test_random_runs_with_truncation_into_completed_blocks() -> None:
-    # the random runs above avoid such truncations; allowing them, a fixed run finds the bug
+def test_random_runs_heavy_on_truncation() -> None:
+    # rollbacks into complete, shared blocks (copy on write) between steps and reuses
     rng = random.Random(3)
     ops = [(rng.choice(WEIGHTED + ["truncate"] * 4), rng.randrange(2**32)) for _ in range(200)]
-    run_ops("gqa_full", ops, unsafe_truncation=True)
+    run_ops("gqa_full", ops)
