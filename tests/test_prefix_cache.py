@@ -296,3 +296,11 @@ def test_linear_attention_state_is_snapshotted_at_a_boundary_and_restored():
     assert all(torch.equal(x, y) for x, y in zip(got, at_512, strict=True))
     write_step(ctl, step, {"b": token_seeds(b)})
     assert verify_request(ctl, "b", token_seeds(b), skip_groups=("linear_state",)).mismatched == 0
+
+
+def test_a_bad_query_in_a_batch_changes_no_counter():
+    layout = CacheLayout({0: GQABackend(1, 8, 16)})
+    manager = BlockManager(layout, {"kv": 8}, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match=r"queries\[1\].token_ids must be a 1-d sequence"):
+        manager.lookup([PrefixQuery([1, 2, 3]), PrefixQuery([1.5])])
+    assert manager.prefix_stats.queries == 0 and manager.prefix_stats.query_tokens == 0

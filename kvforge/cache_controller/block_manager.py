@@ -727,6 +727,10 @@ class BlockManager:
             raise TypeError(
                 f"queries must be a sequence of PrefixQuery, got {type(queries).__name__}"
             )
+        for i, q in enumerate(queries):  # every query checked before any counter moves
+            if not isinstance(q, PrefixQuery):
+                raise TypeError(f"queries[{i}] is a {type(q).__name__}, not a PrefixQuery")
+            _token_array(q.token_ids, f"queries[{i}].token_ids")
         return [self._lookup_one(q, i) for i, q in enumerate(queries)]
 
     def _lookup_one(self, query: PrefixQuery, index: int) -> PrefixMatch:
