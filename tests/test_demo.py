@@ -251,3 +251,25 @@ def test_prefix_phase_is_repeatable_and_can_be_skipped():
     assert a == run_prefix_demo(backends, conversations=2, seed=5)
     skipped = run_demo(DemoConfig(**{**SMALL, "prefix_conversations": 0}), progress=False)
     assert skipped.prefix is None
+
+
+def test_cli_prefix_conversations(capsys):
+    assert (
+        main(
+            [
+                "demo",
+                "--device",
+                "cpu",
+                "--no-progress",
+                "--requests",
+                "3",
+                "--prefix-conversations",
+                "1",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "prefix reuse" in out and LAST_LINE.match(last_line(out))
+    assert main(["demo", "--prefix-conversations", "-1"]) == 2
+    assert "'-1' must be a non-negative integer" in capsys.readouterr().err

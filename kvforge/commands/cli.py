@@ -499,6 +499,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         device_memory=args.device_memory,
         host_memory=args.host_memory,
         corrupt_after_step=args.self_test_corrupt,
+        prefix_conversations=args.prefix_conversations,
     )
     progress = not args.no_progress and sys.stderr.isatty()
     result = run_demo(config, progress=progress, backends=backends)
@@ -673,6 +674,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=None,
         help="host cache budget (default: room for every request swapped out at once)",
+    )
+    demo.add_argument(
+        "--prefix-conversations",
+        type=_non_negative,
+        default=4,
+        metavar="N",
+        help="multi-turn conversations run with the prefix cache after the loop (0: none)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--json", default=None, metavar="PATH", help="also write the result here")
