@@ -714,10 +714,10 @@ def _unbounded_blocks(layout: CacheLayout, convs: Sequence[Conversation]) -> dic
 
 
 def _allowance(g: CacheGroup, wl: PrefixWorkload) -> int:
-    """Blocks a window/state group releases in one step, at most: a step takes its new blocks
-    with ``BlockManager.schedule``'s batch check counting only blocks free before the step's
-    releases; without this allowance a pool at its high-water mark would leave the batch path
-    and evict (see ``step_num_blocks`` of ``bench_step``)."""
+    """The batch-wide step allowance a memory plan gives every window/state group
+    (``cdiv(max_num_batched_tokens, B) + max_num_seqs``): a step holds a block for every
+    token it schedules until the request's next step, so a plan keeps this reserve on top of
+    the live windows (see ``kvforge.cache_controller.memory_plan``)."""
     if g.kind.value == "full":
         return 0
     return -(-wl.max_num_batched_tokens // g.block_size) + wl.max_num_seqs
