@@ -56,6 +56,7 @@ from kvforge.cache_controller.values import (
     PrefixMatch,
     PrefixQuery,
     StepAllocation,
+    SwapFailure,
     SwapPlan,
     SwapResult,
 )
@@ -682,8 +683,7 @@ class CacheController:
 
 
 def _interrupted(plan: SwapPlan) -> SwapResult:
-    from kvforge.cache_controller.values import SwapFailure
-
+    """The result of a plan whose execution never returned (an interrupt on the way)."""
     return SwapResult(plan.plan_id, SwapFailure("copy", "", "interrupted", "interrupted"))
 
 

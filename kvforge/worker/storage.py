@@ -103,8 +103,7 @@ class CacheStorage:
             device_id = self.platform.device.index or 0
         self.device_id = _count("device_id", device_id)
         self.namer = StorageNamer(name_template, self.rank, self.device_id)
-        self.names: list[str] = [self.namer.name(e.role.name, e.layer) for e in layout.buffers]
-        _check_unique_names(layout, self.names)
+        self.names: list[str] = self.namer.check_unique(e.key for e in layout.buffers)
         self._caches: list[torch.Tensor] | None = None
         self._planes: dict[str, PlaneSet] = {}
         self._num_blocks: dict[str, int] = {}
@@ -540,18 +539,6 @@ def _count(name: str, value: object) -> int:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
-
-
-def _check_unique_names(layout: CacheLayout, names: list[str]) -> None:
-    seen: dict[str, CacheKey] = {}
-    for e, name in zip(layout.buffers, names, strict=True):
-        other = seen.get(name)
-        if other is not None:
-            raise ValueError(
-                f"name_template gives buffers {other} and {e.key} the same storage name "
-                f"{name!r}; every buffer needs its own name"
-            )
-        seen[name] = e.key
 
 
 def _check_keys(
