@@ -259,9 +259,19 @@ class BlockManager:
         max_num_seqs: table rows: requests that may hold device blocks at once.
         max_model_len: longest request in tokens (the tables' width). Default: what the
             smallest full group can hold, or 131,072 tokens when every group is windowed.
+        enable_prefix_caching: keep the blocks finished requests release reusable (see
+            :meth:`lookup`).
+        snapshot_interval: tokens between snapshots of per-request state (a multiple of
+            :attr:`boundary`; default the first multiple at or above 512).
+        share_pools: groups whose pages pair up byte for byte
+            (:attr:`CacheLayout.pool_sets`) draw on one pool: one id space, one free list,
+            one eviction order. ``num_blocks`` then gives every member the same count, the
+            pool's blocks, paid for once (the worker side places the members' buffers in
+            the same bytes: ``CacheStorage.create(..., share_pools=True)``).
 
     Raises:
-        ValueError: a bad count, or ``num_blocks`` that does not name every group.
+        ValueError: a bad count, ``num_blocks`` that does not name every group, or (with
+            ``share_pools``) different counts for the groups of one pool.
     """
 
     def __init__(
@@ -272,14 +282,27 @@ class BlockManager:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = False,
         snapshot_interval: int | None = None,
+        share_pools: bool = False,
     ) -> None:
         self.layout = layout
+        if not isinstance(share_pools, bool):
+            raise TypeError(f"share_pools must be a bool, got {share_pools!r}")
+        self.share_pools = share_pools
         self.max_num_seqs = _int_arg("max_num_seqs", max_num_seqs, 1)
         names = [g.name for g in layout.groups]
         missing = [n for n in names if n not in num_blocks]
         if missing:
             raise ValueError(f"num_blocks has no count for groups {missing} (groups: {names})")
-        pools = {n: BlockPool(num_blocks[n], n) for n in names}
+        pools: dict[str, BlockPool] = {}
+        for members in layout.pool_sets if share_pools else [(n,) for n in names]:
+            counts = {n: num_blocks[n] for n in members}
+            if len(set(counts.values())) > 1:
+                raise ValueError(
+                    f"num_blocks gives {counts} to groups {list(members)}, which share one "
+                    "pool (share_pools=True): give each of them the pool's block count"
+                )
+            pool = BlockPool(num_blocks[members[0]], "+".join(members))
+            pools.update(dict.fromkeys(members, pool))
         self.max_model_len = resolve_max_model_len(layout, num_blocks, max_model_len)
         widths = table_widths(layout, self.max_num_seqs, self.max_model_len)
         check_allocatable(
@@ -303,6 +326,14 @@ class BlockManager:
                 )
             )
         self._by_name = {g.spec.name: g for g in self._groups}
+        # distinct pools, each with the indices of the groups that draw on it
+        self._pools: list[tuple[BlockPool, list[int]]] = []
+        for gi, g in enumerate(self._groups):
+            known = next((m for p, m in self._pools if p is g.pool), None)
+            if known is None:
+                self._pools.append((g.pool, [gi]))
+            else:
+                known.append(gi)
         self._num_tokens = np.zeros(self.max_num_seqs, dtype=np.int64)
         self._row_of: dict[str, int] = {}
         self._free_rows: list[int] = list(range(self.max_num_seqs - 1, -1, -1))
@@ -338,8 +369,8 @@ class BlockManager:
             )
         self.snapshot_interval = snapshot_interval
         if self.prefix_caching:
-            for g in self._groups:
-                g.pool.enable_caching(functools.partial(self._evicted, g))
+            for pool, _ in self._pools:
+                pool.enable_caching(functools.partial(self._evicted, pool))
 
     # ================================================================== read-only views
 
@@ -516,8 +547,7 @@ class BlockManager:
                 )
         plans = self._plan_growth(safe_rows, fresh, before, after)
         if accept.all() and all(
-            self._fits_in_order(g, safe_rows, lo, hi, need)
-            for g, (need, lo, hi, _) in zip(self._groups, plans, strict=True)
+            self._fits_in_order(pool, members, safe_rows, plans) for pool, members in self._pools
         ):
             self._apply_growth(safe_rows, fresh, before, after, plans, None)
         else:
@@ -594,22 +624,29 @@ class BlockManager:
             plans.append((need, lo, hi, old_len))
         return plans
 
-    @staticmethod
     def _fits_in_order(
-        g: _Group, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, need: np.ndarray
+        self,
+        pool: BlockPool,
+        members: list[int],
+        rows: np.ndarray,
+        plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
     ) -> bool:
-        """Whether every request of the batch, served in order, gets its blocks in ``g``:
-        each request's window releases count for itself and the requests after it (the
-        same answer the one-by-one path gives, so the batch path never accepts more)."""
-        free = g.pool.num_free
+        """Whether every request of the batch, served in order, gets its blocks from
+        ``pool`` (drawn on by the groups ``members``): each request's window releases count
+        for itself and the requests after it (the same answer the one-by-one path gives, so
+        the batch path never accepts more)."""
+        free = pool.num_free
+        need = sum(plans[gi][0] for gi in members)
         if int(need.sum()) <= free:
             return True
-        if not (hi > lo).any():
-            return False
-        index, c = _expand(np.arange(len(rows)), lo, np.maximum(lo, hi))
-        old = g.table[rows[index], c]
-        gives = (old != NULL_BLOCK) & (g.pool._ref[old] == 1)
-        credit = np.bincount(index[gives], minlength=len(rows))
+        credit = np.zeros(len(rows), dtype=np.int64)
+        for gi in members:
+            _, lo, hi, _ = plans[gi]
+            if (hi > lo).any():
+                index, c = _expand(np.arange(len(rows)), lo, np.maximum(lo, hi))
+                old = self._groups[gi].table[rows[index], c]
+                gives = (old != NULL_BLOCK) & (pool._ref[old] == 1)
+                credit += np.bincount(index[gives], minlength=len(rows))
         return bool((np.cumsum(need - credit) <= free).all())
 
     def _apply_growth(
@@ -621,16 +658,21 @@ class BlockManager:
         plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
         sel: np.ndarray | None,
     ) -> None:
-        """Release, grow and record for the requests ``sel`` (all when ``None``)."""
-        for g, (need, lo, hi, first_new) in zip(self._groups, plans, strict=True):
+        """Release, grow and record for the requests ``sel`` (all when ``None``).
+
+        Every group releases before any group grows: groups that share a pool were checked
+        against the pool with all their releases counted."""
+        parts: list[tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]] = []
+        for g, (_, lo, hi, _) in zip(self._groups, plans, strict=True):
             if sel is not None:
-                need, lo, hi, first_new = need[sel], lo[sel], hi[sel], first_new[sel]
+                lo, hi = lo[sel], hi[sel]
                 g_rows = rows[sel]
             else:
                 g_rows = rows
             parts_r: list[np.ndarray] = []
             parts_c: list[np.ndarray] = []
             parts_v: list[np.ndarray] = []
+            parts.append((parts_r, parts_c, parts_v))
             if g.code not in (_FULL, _PER_REQUEST) and (hi > lo).any():
                 r, c = _expand(g_rows, lo, hi)
                 old = g.table[r, c]
@@ -640,6 +682,12 @@ class BlockManager:
                 parts_r.append(r)
                 parts_c.append(c)
                 parts_v.append(np.zeros(len(r), dtype=np.int32))
+        for g, (need, _, _, first_new), (parts_r, parts_c, parts_v) in zip(
+            self._groups, plans, parts, strict=True
+        ):
+            g_rows = rows
+            if sel is not None:
+                need, first_new, g_rows = need[sel], first_new[sel], rows[sel]
             total = int(need.sum())
             if total:
                 ids = g.pool.take(total)
@@ -674,15 +722,22 @@ class BlockManager:
             if not accept[i]:
                 continue
             short: Refusal | None = None
-            for g, (need, lo, hi, _) in zip(self._groups, plans, strict=True):
-                credit = 0
-                if hi[i] > lo[i]:
-                    old = g.table[rows[i], lo[i] : hi[i]]
-                    old = old[old != NULL_BLOCK]
-                    credit = int((g.pool._ref[old] == 1).sum())
-                available = g.pool.num_free + credit
-                if int(need[i]) > available:
-                    short = Refusal(ids[i], "out_of_blocks", g.spec.name, int(need[i]), available)
+            for pool, members in self._pools:
+                credit = need = 0
+                for gi in members:
+                    g, (g_need, lo, hi, _) = self._groups[gi], plans[gi]
+                    need += int(g_need[i])
+                    if hi[i] > lo[i]:
+                        old = g.table[rows[i], lo[i] : hi[i]]
+                        old = old[old != NULL_BLOCK]
+                        credit += int((pool._ref[old] == 1).sum())
+                available = pool.num_free + credit
+                if need > available:
+                    # a shared pool is named by its first group that asked for blocks
+                    name = next(
+                        self._groups[gi].spec.name for gi in members if plans[gi][0][i]
+                    )
+                    short = Refusal(ids[i], "out_of_blocks", name, need, available)
                     break
             if short is not None:
                 accept[i] = False
@@ -907,7 +962,7 @@ class BlockManager:
                 if g.code != _FULL and not self._in_some_tail(g, c):
                     continue  # no match can ever read it: keep the pool for blocks that can
                 g.cached[key] = block
-                g.pool.keys[block] = (key, end)
+                g.pool.keys[block] = (key, end, gi)
                 events.append(PrefixEvent("stored", g.spec.name, key, end))
                 stats.stored_blocks[g.spec.name] = stats.stored_blocks.get(g.spec.name, 0) + 1
             self._committed[gi, row] = full
@@ -920,8 +975,9 @@ class BlockManager:
                 if g.slots != 1 or key in g.cached or g.pool.num_free < g.slots:
                     continue
                 dst = g.pool.take(g.slots)
+                gi = next(i for i, h in enumerate(self._groups) if h is g)
                 for b in dst.tolist():
-                    g.pool.keys[b] = (key, after)
+                    g.pool.keys[b] = (key, after, gi)
                 g.cached[key] = int(dst[0])
                 self._pins.append((g, dst))  # written by the copy after the step's kernels
                 copies.append(BlockCopy(g.spec.name, g.table[row, : g.slots].copy(), dst))
@@ -945,15 +1001,16 @@ class BlockManager:
         for g, blocks in pins:
             g.pool.release(np.asarray(blocks, dtype=np.int32))
 
-    def _evicted(self, g: _Group, victims: list[int]) -> None:
-        family = g.spec.family.value if hasattr(g.spec, "family") else "history"
+    def _evicted(self, pool: BlockPool, victims: list[int]) -> None:
+        ev = self.prefix_stats.evictions
         for b in victims:
-            key, end = g.pool.keys[b]  # type: ignore[index, misc]
+            key, end, gi = pool.keys[b]  # type: ignore[index, misc]
+            g = self._groups[gi]
             if g.cached.get(key) == b:
                 del g.cached[key]
             self._events.append(PrefixEvent("removed", g.spec.name, key, end))  # type: ignore[arg-type]
-        ev = self.prefix_stats.evictions
-        ev[family] = ev.get(family, 0) + len(victims)
+            family = g.spec.family.value
+            ev[family] = ev.get(family, 0) + 1
 
     @_locked
     def take_events(self) -> list[PrefixEvent]:
@@ -972,7 +1029,7 @@ class BlockManager:
                 continue
             evicted += len(g.pool.evict(g.pool.num_evictable))
             for key, block in g.cached.items():
-                _, end = g.pool.keys.pop(block)  # type: ignore[misc]
+                _, end, _ = g.pool.keys.pop(block)  # type: ignore[misc]
                 self._events.append(PrefixEvent("removed", g.spec.name, key, end))  # type: ignore[arg-type]
             g.cached.clear()
         return evicted
@@ -1068,9 +1125,15 @@ class BlockManager:
             block = int(g.table[row, col])
             if block != NULL_BLOCK:
                 partial.append((g, col, block))
+        wanted: dict[int, int] = {}  # pool -> fresh blocks the copies on write take
         for g, _, block in partial:
-            if g.pool._ref[block] > 1 and g.pool.num_free < 1:
-                raise OutOfBlocksError("device", g.spec.name, 1, 0, "truncate (copy on write)")
+            if g.pool._ref[block] > 1:
+                wanted[id(g.pool)] = wanted.get(id(g.pool), 0) + 1
+                if wanted[id(g.pool)] > g.pool.num_free:
+                    raise OutOfBlocksError(
+                        "device", g.spec.name, wanted[id(g.pool)], g.pool.num_free,
+                        "truncate (copy on write)",
+                    )
         for g, col, block in partial:
             if g.pool._ref[block] > 1:
                 [fresh] = g.pool.take(1).tolist()
@@ -1088,7 +1151,7 @@ class BlockManager:
                     )
                 )
             elif g.pool.keys and block in g.pool.keys:
-                key, end = g.pool.keys.pop(block)  # type: ignore[misc]
+                key, end, _ = g.pool.keys.pop(block)  # type: ignore[misc]
                 if g.cached.get(key) == block:
                     del g.cached[key]
                 self._events.append(PrefixEvent("removed", g.spec.name, key, end))  # type: ignore[arg-type]
@@ -1288,11 +1351,11 @@ class BlockManager:
                 cols[g.spec.name] = live
                 totals[g.spec.name] += len(live)
             cols_of.append(cols)
-        for g in self._groups:
-            if totals[g.spec.name] > g.pool.num_free:
-                raise OutOfBlocksError(
-                    "device", g.spec.name, totals[g.spec.name], g.pool.num_free, "swap_in"
-                )
+        for pool, members in self._pools:
+            total = sum(totals[self._groups[gi].spec.name] for gi in members)
+            if total > pool.num_free:
+                name = self._groups[members[0]].spec.name
+                raise OutOfBlocksError("device", name, total, pool.num_free, "swap_in")
         rows: dict[str, int] = {}
         moves = []
         for rid, cols in zip(ids, cols_of, strict=True):

@@ -229,6 +229,46 @@ class CacheLayout:
         """Each distinct backend instance with its layers, ordered by its first layer."""
         return list(self._backend_layers)
 
+    # ------------------------------------------------------------------ shared pools
+
+    @cached_property
+    def pool_sets(self) -> tuple[tuple[str, ...], ...]:
+        """Groups that can share one block pool, in group order; one tuple per pool.
+
+        Two groups can share when their buffers pair up byte for byte: the same number of
+        buffers with the same device block strides (as sorted lists). Then block ``b`` of
+        the ``k``-th buffer of every member can live in the same bytes, so one id space of
+        ``N`` blocks costs ``N`` pages once, and the groups draw on one free list instead of
+        each keeping its own headroom (how a hybrid engine shares memory between its full
+        and sliding-window layers). Per-request groups never share: their slots are
+        snapshotted, not paged.
+
+        gpt-oss-20b: 12 full and 12 sliding-window layers with the same K/V shapes, so
+        ``(("swa", "kv"),)``; DeepSeek-V4-Flash: every group's pages differ, so each group is
+        a set of its own.
+        """
+        by_shape: dict[tuple[int, ...], list[str]] = {}
+        sets: list[list[str]] = []
+        for g in self.groups:
+            if g.kind is GroupKind.PER_REQUEST:
+                sets.append([g.name])
+                continue
+            shape = tuple(sorted(e.device_block_bytes for e in self.buffers_of(g.name)))
+            members = by_shape.get(shape)
+            if members is None:
+                members = by_shape[shape] = [g.name]
+                sets.append(members)
+            else:
+                members.append(g.name)
+        return tuple(tuple(s) for s in sets)
+
+    def pool_of(self, group: str, share_pools: bool) -> tuple[str, ...]:
+        """The groups whose pool ``group`` draws on (itself alone unless ``share_pools``)."""
+        name = self.group(group).name
+        if not share_pools:
+            return (name,)
+        return next(s for s in self.pool_sets if name in s)
+
     # ------------------------------------------------------------------ bytes
 
     @cached_property
