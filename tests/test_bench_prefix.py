@@ -140,10 +140,14 @@ def test_record_pools_and_memory(records: list[PrefixRecord]) -> None:
     # the LRU's budget is exactly the bytes of kvforge's pools (null blocks excluded)
     for r in records:
         layout = build_layout(r.model)
+        # a shared pool's blocks are paid once, whichever of its groups holds them
         assert r.memory_bytes == sum(
-            n * int(layout.bytes_per_block(g)) for g, n in r.pool_blocks.items()
+            n * int(layout.bytes_per_block(pool.split("+")[0]))
+            for pool, n in r.pool_blocks.items()
         )
-        assert set(r.pool_blocks) == {g.name for g in layout.groups}
+        assert set(r.pool_blocks) == {"+".join(s) for s in layout.pool_sets}
+    gpt_oss = [r for r in records if r.model == "gpt-oss-20b"]
+    assert gpt_oss and all(set(r.pool_blocks) == {"swa+kv"} for r in gpt_oss)
     llama = [r for r in records if r.model == "llama-3-8b"]
     assert [r.tail_cache_tails for r in llama] == [0, 0]
 
@@ -175,6 +179,50 @@ def test_split_pools_gives_windows_floor_and_tails_and_full_the_rest() -> None:
     assert split_pools(layout, ws, floor, 100, memory)["swa"] == 501
     # too little memory: the full group keeps its floor
     assert split_pools(layout, ws, floor, 5, 340 * swa) == {"swa": 341, "kv": 101}
+
+
+def test_floor_blocks_is_the_planners_reserve_for_windows() -> None:
+    layout = build_layout("deepseek-v4-flash")
+    live_peak = {"swa": 1, "compressed": 77, "c4_state": 2, "c128_state": 3}
+    floor = bench_prefix.floor_blocks(layout, TINY, live_peak)
+    seqs, batched = TINY.max_num_seqs, TINY.max_num_batched_tokens
+    # c4_state: 4-token blocks, window 8: 3 live blocks per request plus the step allowance
+    assert floor["c4_state"] == seqs * 3 + (-(-batched // 4) + seqs)
+    assert floor["compressed"] == 77  # a full group: what the running requests held
+
+
+def test_pool_blocks_pools_usable_blocks_of_a_shared_set() -> None:
+    assert bench_prefix.pool_blocks(build_layout("gpt-oss-20b"), {"swa": 300, "kv": 501}) == {
+        "swa": 800,
+        "kv": 800,
+    }
+    per_group = {"swa": 5, "compressed": 6, "c4_state": 7, "c128_state": 8}
+    assert bench_prefix.pool_blocks(build_layout("deepseek-v4-flash"), per_group) == per_group
+
+
+def test_lru_matches_block_manager_on_one_shared_pool() -> None:
+    """gpt-oss's two groups share one pool: the plain LRU over both is BlockManager's policy
+    exactly, the same hit per turn at the same memory, evictions included."""
+    layout = build_layout("gpt-oss-20b")
+    convs = make_conversations(TINY)
+    oracle = ManagerModel(
+        layout, bench_prefix._unbounded_blocks(layout, convs), TINY.max_num_seqs,
+        TINY.max_model_len,
+    )
+    simulate(TINY, convs, oracle)
+    usable = max(oracle.live_peak["kv"] + oracle.live_peak["swa"], oracle.peak["kv"] // 4)
+    blocks = {"swa": usable + 1, "kv": usable + 1}
+    manager = ManagerModel(
+        layout, blocks, TINY.max_num_seqs, TINY.max_model_len, share_pools=True
+    )
+    run = simulate(TINY, convs, manager)
+    key_at = bench_prefix._stream_keys(convs, 16)
+    lru_model = LruModel(layout, usable * int(layout.bytes_per_block("kv")), key_at)
+    lru = simulate(TINY, convs, lru_model)
+    assert manager.evictions["history"] > 0 and manager.evictions["window"] > 0
+    assert run.hits == lru.hits
+    assert lru_model.evictions == manager.evictions
+    assert run.hit_tokens < sum(run.prompts)
 
 
 def test_lru_matches_block_manager_on_one_full_group() -> None:

@@ -13,16 +13,19 @@ reusable), and new requests carry the match their ``lookup`` returned.
 Cache models driven by the same loop:
 
 - :class:`ManagerModel`: a real :class:`~kvforge.cache_controller.BlockManager` with prefix
-  caching, per-group pools. With unbounded pools it is the *aligned oracle*.
+  caching; the runs share pools between groups whose pages pair up (``share_pools=True``:
+  gpt-oss's full and sliding-window groups draw on one pool). With unbounded pools it is the
+  *aligned oracle*.
 - :class:`LruModel`: the *plain LRU* baseline, a small simulation with one byte budget shared
   by every group's blocks, least recently released evicted first whatever its family, and the
   same boundary rule for a hit (the rule of ``BlockManager.lookup``).
 
 At each memory size ``M`` (the same fraction of every group's working set), kvforge's pools
 are split as its planner sizes a deployment (:func:`split_pools`): each window/state group
-gets what the running requests held plus one step's release allowance plus a tail cache
-measured by :func:`tail_cache`, the full groups the rest; the plain LRU gets exactly the bytes
-of those blocks.
+gets the planner's reserve (:func:`floor_blocks`: live windows of every running request plus
+one step's allowance) plus a tail cache measured by :func:`tail_cache`, the full groups the
+rest; groups that share a pool then pool their blocks (:func:`pool_blocks`). The plain LRU
+gets exactly the bytes of those blocks.
 
 Per run (:func:`run_prefix_bench`) the figures are token hit rates over prompt tokens:
 ``hit_rate`` (the run), ``oracle_hit_rate`` (unbounded pools), ``token_oracle_hit_rate`` (any
@@ -69,8 +72,10 @@ __all__ = [
     "PrefixWorkload",
     "RunResult",
     "build_layout",
+    "floor_blocks",
     "make_conversations",
     "measure_cost",
+    "pool_blocks",
     "print_prefix_table",
     "run_prefix_bench",
     "simulate",
@@ -247,10 +252,11 @@ class ManagerModel:
 
     def __init__(
         self, layout: CacheLayout, num_blocks: Mapping[str, int], max_num_seqs: int,
-        max_model_len: int,
+        max_model_len: int, share_pools: bool = False,
     ) -> None:
         self.manager = BlockManager(
-            layout, num_blocks, max_num_seqs, max_model_len, enable_prefix_caching=True
+            layout, num_blocks, max_num_seqs, max_model_len, enable_prefix_caching=True,
+            share_pools=share_pools,
         )
         self.peak = {g: 0 for g in self.manager.groups}  # blocks in use or cached, at most
         self.live_peak = {g: 0 for g in self.manager.groups}  # blocks in use, at most
@@ -732,6 +738,28 @@ def working_set(
     return {g.name: peak[g.name] + _allowance(g, wl) for g in layout.groups}
 
 
+def floor_blocks(
+    layout: CacheLayout, wl: PrefixWorkload, live_peak: Mapping[str, int]
+) -> dict[str, int]:
+    """Per group, the usable blocks a pool never goes below: for a full group what the
+    running requests held at once in the unbounded run (``live_peak``); for a window/state
+    group the reserve kvforge's planner gives a deployment, ``max_num_seqs`` live windows
+    plus the batch-wide step allowance (:func:`_allowance`), which bounds what any step can
+    hold whatever the workload.
+
+    DeepSeek-V4-Flash ``c4_state`` (4-token blocks, window 8) at 16 sequences and 4,096
+    batched tokens: ``16 * 3 + (1024 + 16) = 1,088`` blocks.
+    """
+    out = {}
+    for g in layout.groups:
+        if g.kind.value == "full":
+            out[g.name] = live_peak[g.name]
+        else:
+            live = g.max_live_blocks(wl.max_model_len)
+            out[g.name] = wl.max_num_seqs * live + _allowance(g, wl)
+    return out
+
+
 def _pools(
     ws: Mapping[str, int], fraction: Fraction, floor: Mapping[str, int]
 ) -> dict[str, int]:
@@ -805,8 +833,8 @@ def split_pools(
 ) -> dict[str, int]:
     """kvforge's pools at ``memory`` bytes, split as its planner sizes a deployment.
 
-    Each window/state group gets ``floor`` (the most blocks the running requests held at
-    once, plus one step's release allowance) plus a tail cache of ``tails * tail_blocks``
+    Each window/state group gets ``floor`` (:func:`floor_blocks`: the planner's reserve)
+    plus a tail cache of ``tails * tail_blocks``
     blocks (``tails`` from :func:`tail_cache`), capped at its working set. The full groups
     share the remaining bytes in proportion to their working sets' bytes, whole blocks, never
     below their own ``floor``. Plus the null block per group. The caller gives the plain LRU
@@ -823,8 +851,27 @@ def split_pools(
     return {g.name: usable[g.name] + 1 for g in layout.groups}
 
 
-def _memory_bytes(layout: CacheLayout, num_blocks: Mapping[str, int]) -> int:
-    return sum((n - 1) * int(layout.bytes_per_block(g)) for g, n in num_blocks.items())
+def _memory_bytes(
+    layout: CacheLayout, num_blocks: Mapping[str, int], share_pools: bool = False
+) -> int:
+    # usable bytes; a shared pool's blocks are paid once, whichever group holds them
+    groups = [s[0] for s in layout.pool_sets] if share_pools else list(num_blocks)
+    return sum((num_blocks[g] - 1) * int(layout.bytes_per_block(g)) for g in groups)
+
+
+def pool_blocks(layout: CacheLayout, num_blocks: Mapping[str, int]) -> dict[str, int]:
+    """Per-group blocks (null block included) as shared pools of the same bytes: the groups
+    of each set of ``layout.pool_sets`` get one pool of all their usable blocks, plus one
+    null block, given to every member (``BlockManager(share_pools=True)`` reads it so).
+
+    gpt-oss, ``swa`` 300 and ``kv`` 501 blocks (299 + 500 usable): one pool of 800 blocks,
+    ``{"swa": 800, "kv": 800}``; the same 799 usable pages.
+    """
+    out = dict(num_blocks)
+    for members in layout.pool_sets:
+        total = sum(num_blocks[g] - 1 for g in members) + 1
+        out.update(dict.fromkeys(members, total))
+    return out
 
 
 def _history_only(layout: CacheLayout, hits: Sequence[int]) -> int:
@@ -898,7 +945,9 @@ class PrefixRecord:
     model: str
     fraction: str  # of the working set, e.g. "1/4"
     memory_bytes: int
-    pool_blocks: dict[str, int]  # kvforge's usable blocks per group (null block excluded)
+    # kvforge's usable blocks per pool (null block excluded), a shared pool named by its
+    # groups joined with "+" (gpt-oss: "swa+kv")
+    pool_blocks: dict[str, int]
     tail_cache_tails: int  # tails each window/state pool caches beyond its floor
     hit_rate: float
     oracle_hit_rate: float
@@ -955,7 +1004,7 @@ def run_prefix_bench(
         )
         oracle = simulate(wl, convs, oracle_model)
         ws = working_set(layout, wl, oracle_model.peak)
-        floor = working_set(layout, wl, oracle_model.live_peak)
+        floor = floor_blocks(layout, wl, oracle_model.live_peak)
         history = _history_only(layout, oracle.hits)
         say(f"{name}: tail cache")
         tails = tail_cache(layout, wl, convs, ws, floor, oracle.hit_tokens)
@@ -972,10 +1021,12 @@ def run_prefix_bench(
             # M: the same fraction of every group's working set (never below what the running
             # requests hold); kvforge splits M as its planner would, the LRU gets its bytes
             target = _memory_bytes(layout, _pools(ws, fraction, floor))
-            num_blocks = split_pools(layout, ws, floor, tails, target)
-            memory = _memory_bytes(layout, num_blocks)
+            num_blocks = pool_blocks(layout, split_pools(layout, ws, floor, tails, target))
+            memory = _memory_bytes(layout, num_blocks, share_pools=True)
             say(f"{name}: {fraction} of the working set, BlockManager")
-            run_model = ManagerModel(layout, num_blocks, wl.max_num_seqs, wl.max_model_len)
+            run_model = ManagerModel(
+                layout, num_blocks, wl.max_num_seqs, wl.max_model_len, share_pools=True
+            )
             run = simulate(wl, convs, run_model)
             say(f"{name}: {fraction} of the working set, plain LRU")
             lru_model = LruModel(layout, memory, key_at)
@@ -988,7 +1039,10 @@ def run_prefix_bench(
                     model=name,
                     fraction=str(fraction),
                     memory_bytes=memory,
-                    pool_blocks={g: n - 1 for g, n in num_blocks.items()},
+                    pool_blocks={
+                        "+".join(members): num_blocks[members[0]] - 1
+                        for members in layout.pool_sets
+                    },
                     tail_cache_tails=tails,
                     hit_rate=_rate(run.hit_tokens, run.prompt_tokens),
                     oracle_hit_rate=_rate(oracle.hit_tokens, oracle.prompt_tokens),
