@@ -219,6 +219,41 @@ CALLS: list[tuple[str, Callable[[Env], Any], type[BaseException], str]] = [
     ),
     ("slots_swapped", lambda e: e.ctl.slot_mapping("s", "kv", [1]), RequestStateError, "'s'"),
     ("index_of_bool", lambda e: e.ctl.index_of("key", True), KeyError, "got True"),
+    # shared pools: kv and gqa_swa pages pair up byte for byte, so they form one pool set
+    (
+        "controller_share_pools_str",
+        lambda e: CacheController(e.ctl.layout.backends, share_pools="yes"),
+        TypeError,
+        "share_pools must be a bool, got 'yes'",
+    ),
+    (
+        "storage_create_share_pools_str",
+        lambda e: CacheStorage(e.ctl.layout).create(NUM_BLOCKS, 4, 256, share_pools="yes"),
+        TypeError,
+        "share_pools must be a bool, got 'yes'",
+    ),
+    (
+        "storage_create_shared_unequal",
+        lambda e: CacheStorage(e.ctl.layout).create(
+            {"kv": 24, "gqa_swa": 20}, 4, 256, share_pools=True
+        ),
+        ValueError,
+        "num_blocks gives {'kv': 24, 'gqa_swa': 20} to groups ['kv', 'gqa_swa'], which share",
+    ),
+    (
+        "storage_adopt_shared_one_group_alias",
+        lambda e: CacheStorage(e.ctl.layout).adopt(
+            dict.fromkeys(
+                [b.key for b in e.ctl.layout.buffers],
+                torch.zeros((24, 16, 1, 8), dtype=torch.bfloat16),
+            ),
+            4,
+            256,
+            share_pools=True,
+        ),
+        ValueError,
+        "share bytes (block 0 of the first and block 0 of the second)",
+    ),
 ]
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "DeclaredBackend",
     "HostViewSource",
     "SwapContext",
+    "block_buffer_view",
     "padded_block_view",
 ]
 
@@ -86,6 +87,43 @@ def padded_block_view(
         strides,
     )
     return typed
+
+
+def block_buffer_view(raw: torch.Tensor, role: CacheRole, group: CacheGroup) -> torch.Tensor:
+    """The device cache of ``role`` inside ``raw`` ``uint8 [num_blocks, device_block_bytes]``.
+
+    This is the one place a declared role's device buffer gets its typed shape, so the default
+    :meth:`AttentionBackend.create_kv_cache` and the shared pools of the worker side (which
+    give several groups' buffers the same raw allocation) build identical views: a contiguous
+    ``[num_blocks, *role.block_shape(group)]`` of the role's dtype when the role has no
+    alignment padding, else :func:`padded_block_view` (block ``b`` starts ``b *
+    device_block_bytes`` bytes in, the padding after it is never addressed).
+
+    Raises:
+        ValueError: ``raw`` is not a contiguous ``uint8 [num_blocks, device_block_bytes]``
+            tensor for this role (naming the role, the shape expected and the shape given).
+    """
+    stride = role.device_block_bytes(group)
+    if (
+        not isinstance(raw, torch.Tensor)
+        or raw.dtype != torch.uint8
+        or raw.dim() != 2
+        or raw.shape[1] != stride
+        or not raw.is_contiguous()
+    ):
+        got = (
+            f"{raw.dtype} shape {tuple(raw.shape)} contiguous={raw.is_contiguous()}"
+            if isinstance(raw, torch.Tensor)
+            else type(raw).__name__
+        )
+        raise ValueError(
+            f"role {role.name!r} needs a contiguous uint8 [num_blocks, {stride}] buffer "
+            f"(its device_block_bytes), got {got}"
+        )
+    if stride != role.block_bytes(group):
+        return padded_block_view(raw, role, group)
+    shape = role.block_shape(group)
+    return raw.view(role.torch_dtype).view(raw.shape[0], *shape)
 
 
 @runtime_checkable
@@ -209,22 +247,21 @@ class AttentionBackend(ABC):
             buffer ``[num_blocks, device_block_bytes]`` seen through a strided typed view
             (see :func:`padded_block_view`): block ``b`` starts ``b * device_block_bytes``
             bytes in, and the padding after it is never addressed. Contents are zero, padding
-            included.
+            included. Each buffer is built by :func:`block_buffer_view`; a backend that keeps
+            this default can have its buffers placed in a shared pool by the worker side
+            (``CacheStorage.create(..., share_pools=True)``), one that overrides it cannot.
         """
         groups = self.groups_by_name()
         caches: CacheDict = {}
         for layer in layer_ids:
             for role in self.cache_roles():
                 group = groups[role.group]
-                n = num_blocks[role.group]
-                stride = role.device_block_bytes(group)
-                if stride == role.block_bytes(group):
-                    caches[(role.name, layer)] = torch.zeros(
-                        (n, *role.block_shape(group)), dtype=role.torch_dtype, device=device
-                    )
-                else:
-                    raw = torch.zeros((n, stride), dtype=torch.uint8, device=device)
-                    caches[(role.name, layer)] = padded_block_view(raw, role, group)
+                raw = torch.zeros(
+                    (num_blocks[role.group], role.device_block_bytes(group)),
+                    dtype=torch.uint8,
+                    device=device,
+                )
+                caches[(role.name, layer)] = block_buffer_view(raw, role, group)
         return caches
 
     def create_host_kv_cache(

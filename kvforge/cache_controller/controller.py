@@ -50,6 +50,7 @@ from kvforge.cache_controller.memory_plan import (
     blocks_per_group,
     plan_from_blocks,
     plan_memory,
+    shared_pool_blocks,
 )
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE
 from kvforge.cache_controller.values import (
@@ -115,6 +116,10 @@ class CacheController:
         name_template: storage-name template (see :mod:`kvforge.cache_controller.naming`).
         enable_prefix_caching: keep the blocks of finished requests reusable by later
             requests with the same prefix (see :meth:`lookup`).
+        share_pools: groups whose pages pair up byte for byte
+            (:attr:`CacheLayout.pool_sets`, e.g. gpt-oss's ``swa`` and ``kv``) draw on one
+            block pool whose bytes are paid once (see :class:`BlockManager` and
+            :meth:`CacheStorage.create`).
 
     Raises:
         ValueError / TypeError: bad mapping, inconsistent declarations, two backends that
@@ -130,9 +135,13 @@ class CacheController:
         device_id: int | None = None,
         name_template: str = DEFAULT_NAME_TEMPLATE,
         enable_prefix_caching: bool = False,
+        share_pools: bool = False,
     ) -> None:
+        if not isinstance(share_pools, bool):
+            raise TypeError(f"share_pools must be a bool, got {share_pools!r}")
         self.layout = CacheLayout(backends)
         self.enable_prefix_caching = enable_prefix_caching
+        self.share_pools = share_pools
         self.storage = CacheStorage(self.layout, device, rank, device_id, name_template)
         self._manager: BlockManager | None = None
         self._plan: MemoryPlan | None = None
@@ -225,8 +234,16 @@ class CacheController:
         ``max_num_seqs`` (default 256) is the number of block-table rows; ``max_model_len``
         their width in tokens (default: what the smallest full group holds).
 
+        With ``share_pools``, explicit ``num_blocks`` are the pools' counts, so the groups of
+        a shared set need equal counts (the :class:`BlockManager` refuses others); a
+        ``memory_budget`` is planned per group and each shared set's pool then gets the
+        members' usable blocks summed plus one null block (:func:`shared_pool_blocks`),
+        the same usable blocks for the plan's bytes less the members' spare null blocks.
+
         Returns:
-            the plan that was allocated.
+            the plan that was allocated: per group. Under ``share_pools`` its counts and
+            bytes are the per-group figures (a shared set's bytes counted per member); the
+            pools' counts are ``storage.num_blocks`` and their bytes ``device_bytes``.
         """
         self._check_open()
         if self.storage.ready:
@@ -234,23 +251,32 @@ class CacheController:
         _one_sizing(num_blocks, memory_budget)
         if num_blocks is not None:
             if plan_options:
-                raise ValueError(
-                    f"{sorted(plan_options)} go with memory_budget, not num_blocks"
-                )
+                raise ValueError(f"{sorted(plan_options)} go with memory_budget, not num_blocks")
             plan = plan_from_blocks(self.layout, self._blocks_per_group(num_blocks))
         else:
             plan = self.plan_memory(
-                _count("memory_budget", memory_budget), max_num_seqs, max_model_len,
+                _count("memory_budget", memory_budget),
+                max_num_seqs,
+                max_model_len,
                 **plan_options,
             )
         blocks = dict(plan.num_blocks)
         for g in self.layout.groups:  # groups with no bytes still need a pool for tables
             blocks.setdefault(g.name, 2)
+        if self.share_pools and memory_budget is not None:
+            blocks = shared_pool_blocks(self.layout, blocks)
         seqs = max_num_seqs if max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
         manager = BlockManager(
-            self.layout, blocks, seqs, max_model_len, self.enable_prefix_caching
+            self.layout,
+            blocks,
+            seqs,
+            max_model_len,
+            self.enable_prefix_caching,
+            share_pools=self.share_pools,
         )
-        self.storage.create(blocks, manager.max_num_seqs, manager.max_model_len)
+        self.storage.create(
+            blocks, manager.max_num_seqs, manager.max_model_len, share_pools=self.share_pools
+        )
         self._manager = manager
         self._plan = plan
         return plan
@@ -264,21 +290,36 @@ class CacheController:
     ) -> MemoryPlan:
         """Use device caches an engine already allocated, one tensor per ``(role, layer)``.
 
-        The block counts are read from the tensors; see :meth:`CacheStorage.adopt`.
+        The block counts are read from the tensors; see :meth:`CacheStorage.adopt`. With
+        ``share_pools``, the groups of a shared set must hold equal counts and their tensors
+        may be the same bytes.
         """
         self._check_open()
         if self.storage.ready:
             raise RuntimeError("initialize_kv_cache was already called on this controller")
-        probe = {g.name: 2 for g in self.layout.groups}
+        found: dict[str, int] = {}
         if isinstance(caches, Mapping):
             for e in self.layout.buffers:
                 t = caches.get(e.key)
                 if isinstance(t, torch.Tensor) and t.dim():
-                    probe[e.group.name] = int(t.shape[0])
+                    found[e.group.name] = int(t.shape[0])
+        probe: dict[str, int] = {}
+        for g in self.layout.groups:
+            # a group without tensors borrows its pool's count, so the storage names what
+            # is missing rather than the scheduler side a count mismatch
+            pool = self.layout.pool_of(g.name, self.share_pools)
+            probe[g.name] = found.get(g.name, next((found[m] for m in pool if m in found), 2))
         manager = BlockManager(
-            self.layout, probe, max_num_seqs, max_model_len, self.enable_prefix_caching
+            self.layout,
+            probe,
+            max_num_seqs,
+            max_model_len,
+            self.enable_prefix_caching,
+            share_pools=self.share_pools,
         )
-        blocks = self.storage.adopt(caches, manager.max_num_seqs, manager.max_model_len)
+        blocks = self.storage.adopt(
+            caches, manager.max_num_seqs, manager.max_model_len, share_pools=self.share_pools
+        )
         self._manager = manager
         self._plan = plan_from_blocks(self.layout, blocks)
         return self._plan
@@ -399,9 +440,7 @@ class CacheController:
                     "device", refusal.group, refusal.needed, refusal.available, "allocate"
                 )
             if refusal.reason == "max_num_seqs":
-                raise OutOfBlocksError(
-                    "device", "table rows (max_num_seqs)", 1, 0, "allocate"
-                )
+                raise OutOfBlocksError("device", "table rows (max_num_seqs)", 1, 0, "allocate")
             raise ValueError(refusal.message)
 
     @_locked
@@ -482,8 +521,7 @@ class CacheController:
         if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
             bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
             raise ValueError(
-                f"position {bad} is outside request {request_id!r}, which holds tokens "
-                f"0..{n - 1}"
+                f"position {bad} is outside request {request_id!r}, which holds tokens 0..{n - 1}"
             )
         self._sync_tables()
         slots = self.storage.slot_mapping(row, group, pos, ratio)

@@ -66,6 +66,7 @@ __all__ = [
     "device_memory_capacity",
     "plan_from_blocks",
     "plan_memory",
+    "shared_pool_blocks",
 ]
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -764,6 +765,51 @@ def plan_from_blocks(
                 "bytes, 2**63 - 1)"
             )
     return _assemble(sized, _Sizing(dict(blocks)), None, None, host)
+
+
+def shared_pool_blocks(layout: CacheLayout, num_blocks: Mapping[str, int]) -> dict[str, int]:
+    """Per-group block counts turned into the counts of shared pools (``share_pools=True``).
+
+    A plan sizes each group on its own, each with its own reserved null block. When the
+    groups of a set of :attr:`CacheLayout.pool_sets` share one pool, the pool gets every
+    member's usable blocks plus ONE null block, ``sum(num_blocks[m] - 1) + 1``, and every
+    member is given that count (one id space). Since the members' pages are the same bytes,
+    the pool costs ``pool * bytes_per_block`` once: the plan's bytes less the ``k - 1`` null
+    blocks the other ``k - 1`` members no longer need. Groups alone in their set keep their
+    count.
+
+    Worked example, gpt-oss-20b: 12 sliding-window and 12 full layers whose pages are both
+    ``12 layers * 2 roles * 16 tokens * 8 heads * 64 dims * 2 B = 393,216 B``::
+
+        >>> from kvforge.attn_backends import from_hf_config
+        >>> layout = CacheLayout(from_hf_config("gpt-oss-20b"))
+        >>> layout.pool_sets
+        (('swa', 'kv'),)
+        >>> shared_pool_blocks(layout, {"swa": 301, "kv": 2_001})
+        {'swa': 2301, 'kv': 2301}
+
+    ``(301 - 1) + (2001 - 1) + 1 = 2301`` blocks: 2,300 usable, as the plan had, for
+    ``2301 * 393,216 B`` instead of ``(301 + 2001) * 393,216 B`` (one null block less).
+
+    Raises:
+        ValueError: a group without a count, or a pool of more blocks than int32 block ids
+            can number (``MAX_BLOCKS_PER_GROUP``).
+    """
+    blocks = {g.name: num_blocks[g.name] for g in layout.groups if g.name in num_blocks}
+    missing = [g.name for g in layout.groups if g.name not in blocks]
+    if missing:
+        raise ValueError(f"num_blocks has no count for groups {missing}")
+    for members in layout.pool_sets:
+        if len(members) < 2:
+            continue
+        pool = sum(blocks[m] - 1 for m in members) + 1
+        if pool > MAX_BLOCKS_PER_GROUP:
+            raise ValueError(
+                f"the shared pool of groups {list(members)} would hold {pool:,} blocks, more "
+                f"than int32 block ids can number (at most {MAX_BLOCKS_PER_GROUP:,})"
+            )
+        blocks.update(dict.fromkeys(members, pool))
+    return blocks
 
 
 def cache_bytes_per_sequence(

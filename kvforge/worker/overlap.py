@@ -17,6 +17,15 @@ exactly, with integer arithmetic only, and fast enough for real caches (thousand
 3. any other pair (different strides, single-block planes) is decided in O(log) by a
    Euclid-like search for the first block of one plane that lands on a block of the other.
 
+Shared pools: groups that draw on one block pool (one id space, each block id held by at most
+one group at a time) may place their buffers in the same bytes. ``find_overlap`` accepts that
+one exception when told each plane's pool and member (``members``): planes of *different*
+members of *one* pool whose extents are identical (same base, block stride, block bytes and
+block count) are one plane, since block ``b`` of one is block ``b`` of the other and the pool
+never hands ``b`` to two members. Identical planes of one member, or of different pools, are
+an overlap (reported at blocks ``0`` and ``0``); planes of one pool that coincide only in part
+(another base or stride) are decided by the sweep like any others.
+
 Invariants: every quantity is a Python ``int`` (no float, no fixed-width overflow); a plane
 whose blocks overlap each other (``block_stride < block_bytes`` with two or more blocks) is
 itself an overlap; an empty plane (no blocks or no bytes) never overlaps anything.
@@ -26,12 +35,25 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PlaneExtent", "find_overlap", "plane_extent"]
+__all__ = ["PlaneExtent", "PoolMember", "find_overlap", "plane_extent"]
+
+
+@dataclass(frozen=True)
+class PoolMember:
+    """Which shared block pool a plane's blocks are drawn from, and for which member.
+
+    Attributes:
+        pool: identifies the pool (e.g. the tuple of its groups' names).
+        member: the member drawing on it (e.g. the plane's group name).
+    """
+
+    pool: Hashable
+    member: Hashable
 
 
 def _check_int(owner: str, field: str, value: object, minimum: int) -> None:
@@ -215,8 +237,16 @@ class _StrideArcs:
 
 def find_overlap(
     planes: Sequence[PlaneExtent],
+    members: Sequence[PoolMember | None] | None = None,
 ) -> tuple[PlaneExtent, PlaneExtent, int, int] | None:
     """The first pair of planes that share a byte, with a block index of each; else None.
+
+    ``members[i]`` (optional) is the shared pool ``planes[i]`` draws its blocks from, or None
+    when it shares none: non-empty planes with identical extents may coincide only when every
+    one of them names the same pool and a different member (see the module docstring); the
+    first pair (in input order) that breaks this is reported as ``(first, second, 0, 0)``,
+    after self-overlapping planes. The planes of a legal coincidence count as one (the first)
+    in what follows.
 
     A plane that overlaps itself (two or more blocks, ``block_stride < block_bytes``) is
     reported first, in input order, as ``(plane, plane, 0, 1)``. Otherwise planes are scanned
@@ -229,7 +259,9 @@ def find_overlap(
     O(log n) against those of its own stride, O(log) each against the others.
 
     Raises:
-        TypeError: an item is not a :class:`PlaneExtent`.
+        TypeError: an item is not a :class:`PlaneExtent`, or ``members`` holds an item that
+            is neither a :class:`PoolMember` nor None.
+        ValueError: ``members`` is not as long as ``planes``.
     """
     items = list(planes)
     for n, plane in enumerate(items):
@@ -238,6 +270,22 @@ def find_overlap(
     for plane in items:
         if plane.self_overlapping:
             return plane, plane, 0, 1
+    if members is not None:
+        tags = list(members)
+        if len(tags) != len(items):
+            raise ValueError(
+                f"members must name one pool member (or None) per plane: {len(tags)} for "
+                f"{len(items)} planes"
+            )
+        for n, tag in enumerate(tags):
+            if tag is not None and not isinstance(tag, PoolMember):
+                raise TypeError(
+                    f"members[{n}] must be a PoolMember or None, got {type(tag).__name__}"
+                )
+        kept, clash = _merge_coincident(items, tags)
+        if clash is not None:
+            return clash
+        items = kept
     order = sorted(
         (n for n, p in enumerate(items) if not p.empty), key=lambda n: (items[n].base, n)
     )
@@ -267,6 +315,33 @@ def find_overlap(
         else:
             arcs.setdefault(own, _StrideArcs(own)).add(plane.base % own, pos, plane.block_bytes)
     return None
+
+
+def _merge_coincident(
+    items: list[PlaneExtent], tags: list[PoolMember | None]
+) -> tuple[list[PlaneExtent], tuple[PlaneExtent, PlaneExtent, int, int] | None]:
+    """The planes with each legal coincidence kept once (its first plane), or the first pair
+    of identical planes that may not coincide."""
+    first_of: dict[tuple[int, int, int, int], int] = {}  # extent -> first plane with it
+    seen: dict[int, list[int]] = {}  # first plane -> every plane with its extent
+    kept: list[PlaneExtent] = []
+    for n, plane in enumerate(items):
+        if plane.empty:  # an empty plane shares no byte, whatever it coincides with
+            kept.append(plane)
+            continue
+        extent = (plane.base, plane.block_stride, plane.block_bytes, plane.num_blocks)
+        first = first_of.setdefault(extent, n)
+        if first == n:
+            kept.append(plane)
+            seen[n] = [n]
+            continue
+        tag = tags[n]
+        for other in seen[first]:
+            mate = tags[other]
+            if tag is None or mate is None or tag.pool != mate.pool or tag.member == mate.member:
+                return kept, (items[other], plane, 0, 0)
+        seen[first].append(n)
+    return kept, None
 
 
 def _forget(

@@ -11,7 +11,15 @@ Invariants:
 
 - nothing is stored until everything was validated: a refused ``create`` or ``adopt`` leaves
   the storage empty and retryable;
-- no two (role, layer) buffers share a byte (checked on every ``create`` and ``adopt``);
+- no two (role, layer) buffers share a byte (checked on every ``create`` and ``adopt``), with
+  one exception under ``share_pools=True``: buffers of *different* groups of one shared pool
+  (``CacheLayout.pool_sets``) may be the same bytes when their planes coincide exactly (same
+  base, block stride, block bytes and block count), since block ``b`` of one is then block
+  ``b`` of the other and the scheduler side never hands ``b`` to two groups of a pool;
+- ``create(..., share_pools=True)`` pays a shared pool's bytes once: the ``k``-th buffer of
+  every member (each member's buffers sorted by device block bytes, stably) is a view of one
+  raw ``uint8 [N, device_block_bytes]`` allocation, built as the default ``create_kv_cache``
+  builds a buffer (:func:`~kvforge.attn_backends.base.block_buffer_view`);
 - a failed swap is reported, never raised past the worker boundary, after every copy it
   queued has finished (``synchronize``), so the scheduler side may hand the blocks out again.
 """
@@ -27,7 +35,7 @@ import numpy as np
 import torch
 
 from kvforge import ops
-from kvforge.attn_backends.base import AttentionBackend, SwapContext
+from kvforge.attn_backends.base import AttentionBackend, SwapContext, block_buffer_view
 from kvforge.cache_controller.block_manager import table_widths
 from kvforge.cache_controller.layout import CacheLayout
 from kvforge.cache_controller.memory_plan import check_allocatable
@@ -45,6 +53,7 @@ from kvforge.host_cache.host_pool import HostPools, HostViews
 from kvforge.host_cache.swap import SwapStreams, move_pages, plane_bytes
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
+from kvforge.worker.overlap import PoolMember, find_overlap, plane_extent
 
 __all__ = ["CacheStorage", "StepInputs"]
 
@@ -113,6 +122,8 @@ class CacheStorage:
             g.name: tuple(sorted({e.role.compress_ratio for e in layout.buffers_of(g.name)}))
             for g in layout.groups
         }
+        self.share_pools = False
+        """Whether the installed caches may share a pool's bytes (set by create / adopt)."""
         self._host: HostPools | None = None
         self._host_caches: list[dict[CacheKey, torch.Tensor]] = []
         self._streams: SwapStreams | None = None
@@ -131,44 +142,146 @@ class CacheStorage:
         return self._caches is not None
 
     def create(
-        self, num_blocks: Mapping[str, int], max_num_seqs: int, max_model_len: int
+        self,
+        num_blocks: Mapping[str, int],
+        max_num_seqs: int,
+        max_model_len: int,
+        share_pools: bool = False,
     ) -> None:
         """Allocate every device cache through the backends' ``create_kv_cache``.
 
+        With ``share_pools``, the groups of each set of ``layout.pool_sets`` with more than
+        one group share their bytes (see the module invariants): the members' ``k``-th
+        buffers (sorted by device block bytes, stably) are views of one raw allocation of
+        ``N`` blocks, so a pool costs ``N * bytes_per_block`` once. The backends serving
+        those groups' layers must keep the default ``create_kv_cache`` (the storage builds
+        their buffers itself, exactly as it would); other backends are asked as usual.
+
         Every tensor is checked (keys, shape, dtype, device, plane layout, no shared bytes)
         before any is kept, so a refused call leaves the storage empty.
+
+        Raises:
+            TypeError: ``share_pools`` is not a bool.
+            ValueError: (with ``share_pools``) the groups of a shared set have different
+                counts, or a backend serving one overrides ``create_kv_cache``; a backend's
+                tensors that do not match the declaration; more bytes than the device has.
         """
         with self._lock:
             self._check_fresh()
+            _check_share_pools(share_pools)
+            blocks = dict(num_blocks)
+            shared = self._shared_sets(share_pools, blocks, "create: num_blocks gives {} to")
+            pooled = {g for members in shared for g in members}
+            builds = self._default_builders(pooled)
             nbytes = sum(
-                num_blocks[g.name] * self.layout.bytes_per_block(g.name) for g in self.layout.groups
+                blocks[g.name] * self.layout.bytes_per_block(g.name)
+                for g in self.layout.groups
+                if g.name not in pooled
             )
+            # a shared set's members have equal counts and pair up byte for byte: paid once
+            nbytes += sum(blocks[m[0]] * self.layout.bytes_per_block(m[0]) for m in shared)
             check_allocatable(nbytes, self.device, "device caches")
-            created: dict[CacheKey, torch.Tensor] = {}
+            created: dict[CacheKey, torch.Tensor] = self._create_shared(shared, blocks)
             for backend, layers in self.layout.backend_layers():
-                caches = backend.create_kv_cache(layers, dict(num_blocks), self.device)
+                if id(backend) in builds:
+                    for e in self.layout.buffers_of_layers(layers):
+                        if e.key not in created:
+                            raw = torch.zeros(
+                                (blocks[e.group.name], e.device_block_bytes),
+                                dtype=torch.uint8,
+                                device=self.device,
+                            )
+                            created[e.key] = block_buffer_view(raw, e.role, e.group)
+                    continue
+                caches = backend.create_kv_cache(layers, dict(blocks), self.device)
                 _check_keys(backend, layers, caches)
                 created.update(caches)
-            self._install(created, dict(num_blocks), max_num_seqs, max_model_len, "create")
+            self._install(created, blocks, max_num_seqs, max_model_len, "create", share_pools)
+
+    def _shared_sets(
+        self, share_pools: bool, blocks: Mapping[str, int], what: str
+    ) -> list[tuple[str, ...]]:
+        """The pool sets of more than one group (none without ``share_pools``), each with one
+        block count for all its members (``what`` words a refusal around the counts)."""
+        if not share_pools:
+            return []
+        sets = [members for members in self.layout.pool_sets if len(members) > 1]
+        for members in sets:
+            counts = {g: blocks[g] for g in members}
+            if len(set(counts.values())) > 1:
+                raise ValueError(
+                    f"{what.format(counts)} groups {list(members)}, which share one pool "
+                    "(share_pools=True): give each of them the pool's block count"
+                )
+        return sets
+
+    def _default_builders(self, pooled: set[str]) -> set[int]:
+        """Ids of the backends serving a buffer of a shared group; each must keep the default
+        ``create_kv_cache``, since only a layout the storage knows can be shared."""
+        builds: set[int] = set()
+        for backend, layers in self.layout.backend_layers():
+            groups = [
+                g.name
+                for g in self.layout.groups
+                if g.name in pooled
+                and any(e.group.name == g.name for e in self.layout.buffers_of_layers(layers))
+            ]
+            if not groups:
+                continue
+            method = getattr(backend.create_kv_cache, "__func__", None)
+            if method is not AttentionBackend.create_kv_cache:
+                raise ValueError(
+                    f"create: {backend!r} (layers {list(layers)}) overrides create_kv_cache: it "
+                    f"lays out its own memory, which cannot be shared, but serves groups "
+                    f"{groups} of a shared pool (share_pools=True); use share_pools=False"
+                )
+            builds.add(id(backend))
+        return builds
+
+    def _create_shared(
+        self, shared: list[tuple[str, ...]], blocks: Mapping[str, int]
+    ) -> dict[CacheKey, torch.Tensor]:
+        """The buffers of the shared sets: position ``k`` of every member in one allocation."""
+        created: dict[CacheKey, torch.Tensor] = {}
+        for members in shared:
+            n = blocks[members[0]]
+            # sorted() is stable: equal strides pair up in layout order
+            columns = [
+                sorted(self.layout.buffers_of(g), key=lambda e: e.device_block_bytes)
+                for g in members
+            ]
+            for row in zip(*columns, strict=True):
+                raw = torch.zeros(
+                    (n, row[0].device_block_bytes), dtype=torch.uint8, device=self.device
+                )
+                for e in row:
+                    created[e.key] = block_buffer_view(raw, e.role, e.group)
+        return created
 
     def adopt(
         self,
         caches: Mapping[CacheKey, torch.Tensor],
         max_num_seqs: int,
         max_model_len: int,
+        share_pools: bool = False,
     ) -> dict[str, int]:
         """Use device tensors an engine already allocated, one per ``(role, layer)``.
 
         Each tensor is block-major (``shape[0]`` = the group's blocks) with the role's dtype
         and the declared block shape. Returns the blocks per group the tensors hold (give the
-        same counts to the scheduler side).
+        same counts to the scheduler side). With ``share_pools``, the groups of a shared set
+        must hold equal counts and their buffers may be the same bytes (an engine that shares
+        one pool between them hands over aliasing tensors), as the module invariants say.
 
         Raises:
+            TypeError: ``share_pools`` is not a bool.
             ValueError: a missing or extra key, a wrong shape, dtype or device, two roles of
-                one group with different block counts, or buffers that share bytes.
+                one group with different block counts, (with ``share_pools``) groups of one
+                shared set with different counts, or buffers that share bytes.
         """
         with self._lock:
             self._check_fresh()
+            _check_share_pools(share_pools)
             if not isinstance(caches, Mapping):
                 raise TypeError(
                     f"caches must map (role, layer) -> tensor, got {type(caches).__name__}"
@@ -192,7 +305,8 @@ class CacheStorage:
                         f"adopt: cache {e.key} has {n} blocks but other caches of group "
                         f"{e.group.name!r} have {known}"
                     )
-            self._install(dict(caches), blocks, max_num_seqs, max_model_len, "adopt")
+            self._shared_sets(share_pools, blocks, "adopt: the caches hold {} blocks for")
+            self._install(dict(caches), blocks, max_num_seqs, max_model_len, "adopt", share_pools)
             return blocks
 
     def _install(
@@ -202,6 +316,7 @@ class CacheStorage:
         max_num_seqs: int,
         max_model_len: int,
         action: str,
+        share_pools: bool = False,
     ) -> None:
         caches = [created[e.key] for e in self.layout.buffers]
         for e, t in zip(self.layout.buffers, caches, strict=True):
@@ -217,7 +332,7 @@ class CacheStorage:
                 raise ValueError(
                     f"{who} ({e.role.name!r}, {e.layer}) on {t.device}, expected {self.device}"
                 )
-        clash = _overlap(self.names, caches)
+        clash = _overlap(self.names, caches, self._pool_members(share_pools))
         if clash is not None:
             a, b, i, j = clash
             raise ValueError(
@@ -234,6 +349,7 @@ class CacheStorage:
         widths = table_widths(self.layout, max_num_seqs, max_model_len)
         # validated: now keep everything
         self._caches = caches
+        self.share_pools = share_pools
         self._planes = planes
         self._num_blocks = dict(num_blocks)
         self._tables = {
@@ -278,12 +394,28 @@ class CacheStorage:
 
     @property
     def device_bytes(self) -> int:
-        """Bytes the device caches span, alignment padding included."""
+        """Bytes the device caches span, alignment padding included; the buffers a shared
+        pool places in the same bytes count once."""
         total = 0
+        seen: set[tuple[int, int, int]] = set()
         for t in self._caches or []:
             block = plane_bytes(t)
+            extent = (block.data_ptr(), block.shape[0], block.stride(0))
+            if extent in seen:  # only coinciding planes of one shared pool (see _install)
+                continue
+            seen.add(extent)
             total += block.shape[0] * block.stride(0) if block.shape[0] else 0
         return total
+
+    def _pool_members(self, share_pools: bool) -> list[PoolMember | None] | None:
+        """Each buffer's shared pool and group, for the overlap check (None: share nothing)."""
+        if not share_pools:
+            return None
+        members: list[PoolMember | None] = []
+        for e in self.layout.buffers:
+            pool = self.layout.pool_of(e.group.name, True)
+            members.append(PoolMember(pool, e.group.name) if len(pool) > 1 else None)
+        return members
 
     # ================================================================== block tables, steps
 
@@ -533,6 +665,11 @@ class CacheStorage:
 # ====================================================================== helpers
 
 
+def _check_share_pools(share_pools: object) -> None:
+    if not isinstance(share_pools, bool):
+        raise TypeError(f"share_pools must be a bool, got {share_pools!r}")
+
+
 def _count(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {value!r}")
@@ -563,10 +700,11 @@ def _check_keys(
             )
 
 
-def _overlap(names: list[str], caches: list[torch.Tensor]) -> Any:
-    from kvforge.worker.overlap import find_overlap, plane_extent
-
-    return find_overlap([plane_extent(n, t) for n, t in zip(names, caches, strict=True)])
+def _overlap(
+    names: list[str], caches: list[torch.Tensor], members: list[PoolMember | None] | None
+) -> Any:
+    planes = [plane_extent(n, t) for n, t in zip(names, caches, strict=True)]
+    return find_overlap(planes, members)
 
 
 def _plane(cache: torch.Tensor, name: str, action: str) -> torch.Tensor:
