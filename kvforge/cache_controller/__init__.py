@@ -16,6 +16,7 @@ from kvforge.cache_controller.memory_plan import (
     MemoryPlan,
     cache_bytes_per_sequence,
     plan_memory,
+    shared_pool_blocks,
 )
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.cache_controller.values import (
@@ -50,6 +51,7 @@ __all__ = [
     "cache_bytes_per_sequence",
     "live_start",
     "plan_memory",
+    "shared_pool_blocks",
 ]
 
 

@@ -58,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvforge.cache_controller.block_manager import BlockManager
 from kvforge.cache_controller.layout import CacheLayout
+from kvforge.cache_controller.memory_plan import shared_pool_blocks
 from kvforge.cache_controller.prefix_hash import PrefixHasher
 from kvforge.cache_controller.values import PrefixMatch, PrefixQuery
 from kvforge.specs import CacheGroup
@@ -860,18 +861,10 @@ def _memory_bytes(
 
 
 def pool_blocks(layout: CacheLayout, num_blocks: Mapping[str, int]) -> dict[str, int]:
-    """Per-group blocks (null block included) as shared pools of the same bytes: the groups
-    of each set of ``layout.pool_sets`` get one pool of all their usable blocks, plus one
-    null block, given to every member (``BlockManager(share_pools=True)`` reads it so).
-
-    gpt-oss, ``swa`` 300 and ``kv`` 501 blocks (299 + 500 usable): one pool of 800 blocks,
-    ``{"swa": 800, "kv": 800}``; the same 799 usable pages.
-    """
-    out = dict(num_blocks)
-    for members in layout.pool_sets:
-        total = sum(num_blocks[g] - 1 for g in members) + 1
-        out.update(dict.fromkeys(members, total))
-    return out
+    """Per-group blocks (null block included) as shared pools of the same usable pages: the
+    planner's :func:`~kvforge.cache_controller.memory_plan.shared_pool_blocks`, so the
+    benchmark sizes pools exactly as ``CacheController(share_pools=True)`` does."""
+    return shared_pool_blocks(layout, num_blocks)
 
 
 def _history_only(layout: CacheLayout, hits: Sequence[int]) -> int:
