@@ -14,15 +14,19 @@ as its kernel would.
 Checked after every operation:
 
 - every live entry of every resident request equals the bytes its own tokens write;
-- per group, the pool's used count equals the distinct blocks the live requests hold plus the
+- per pool, the used count equals the distinct blocks the live requests hold plus the
   snapshot blocks pinned for one step, and each block's reference count equals its holders;
+  with ``share_pools`` one pool serves several groups (``CacheLayout.pool_sets``): their
+  holders are counted together, and no block id is in two groups' tables at once;
 - a block id appears in two requests' tables only at the same index, for requests whose
   tokens agree up to that block's end;
 - a match's ``L`` is a multiple of ``manager.boundary``, below the prompt's length, and equal
   to a reference computed here from the rule in :meth:`BlockManager.lookup`'s docstring over
   the keys the manager announced (``take_events``: "stored" minus "removed"); its keys are
   the prompt's own prefix keys at each block end, and an accepted match's blocks are what the
-  request's table holds at its ``first_col``.
+  request's table holds at its ``first_col`` (blocks the pool keyed for that group: in a shared
+  pool two groups of one block size key their blocks with the same prefix keys);
+- the keys a pool holds are exactly those its groups announced and have not removed.
 
 At the end, with every request freed and ``reset_prefix_cache()`` called, every pool is full.
 """
@@ -70,6 +74,7 @@ class Config:
     chunk: tuple[int, int]
     max_num_seqs: int = 4
     host_pages: int = 60
+    share_pools: bool = False  # groups whose pages pair up draw on one pool
 
 
 CONFIGS = {
@@ -88,6 +93,18 @@ CONFIGS = {
         max_model_len=320,
         prompt_len=(8, 200),
         chunk=(8, 96),
+    ),
+    # the same layers with share_pools: both groups' pages are 1 layer * 2 roles * 16 tokens *
+    # 1 head * 8 dims * 2 B = 512 B, so swa and kv draw on one pool of 28 blocks (27 usable;
+    # a 200-token prompt holds 13 kv blocks and its swa window's), small enough that cached
+    # blocks of both families are evicted to make room for either group
+    "gqa_sliding_window_shared": Config(
+        lambda: {0: GQABackend(1, 8, 16, sliding_window=32), 1: GQABackend(1, 8, 16)},
+        {"swa": 28, "kv": 28},
+        max_model_len=320,
+        prompt_len=(8, 200),
+        chunk=(8, 96),
+        share_pools=True,
     ),
     "mla": Config(
         lambda: {0: MLABackend(block_size=16), 1: MLABackend(block_size=16)},
@@ -151,9 +168,13 @@ class Run:
     next_id: int = 0
     matches: int = 0
     hit_tokens: int = 0
+    #: evictions per family that made room for blocks (a reset's are not counted)
+    pressure_evictions: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.ctl = CacheController(self.cfg.backends(), enable_prefix_caching=True)
+        self.ctl = CacheController(
+            self.cfg.backends(), enable_prefix_caching=True, share_pools=self.cfg.share_pools
+        )
         self.ctl.initialize_kv_cache(
             num_blocks=self.cfg.num_blocks,
             max_num_seqs=self.cfg.max_num_seqs,
@@ -166,6 +187,14 @@ class Run:
         self.per_request = [g for g, s in self.specs.items() if s.kind is GroupKind.PER_REQUEST]
         self.pins = {g: Counter() for g in self.per_request}
         self.state = [e for e in self.ctl.layout.buffers if e.group.name in self.per_request]
+        # the groups of each pool: one pool object per set, a distinct one per set
+        sets = self.ctl.layout.pool_sets if self.cfg.share_pools else [(g,) for g in self.specs]
+        self.pool_sets: list[tuple[str, ...]] = [tuple(s) for s in sets]
+        assert sorted(g for s in self.pool_sets for g in s) == sorted(self.specs)
+        pools = [self.manager.pool(s[0]) for s in self.pool_sets]
+        assert len({id(p) for p in pools}) == len(pools)
+        for members, pool in zip(self.pool_sets, pools, strict=True):
+            assert all(self.manager.pool(g) is pool for g in members), members
 
     # ------------------------------------------------------------------ reference lookup
 
@@ -214,6 +243,7 @@ class Run:
                 assert match.keys[name] == (keys[length - 1],)
                 [block] = match.blocks[name].tolist()
                 assert self.manager.pool(name).keys[block][:2] == (keys[length - 1], length)
+                assert self.keyed_group(name, block) == name
                 continue
             start = 0 if g.kind is GroupKind.FULL else max(0, length + 1 - int(g.window or 0))
             first = start // g.block_size
@@ -230,6 +260,11 @@ class Run:
                 range(first, length // g.block_size), want, match.blocks[name].tolist(), strict=True
             ):
                 assert block != NULL_ID and pool_keys[block][:2] == (key, (c + 1) * g.block_size)
+                assert self.keyed_group(name, block) == name, (name, block)
+
+    def keyed_group(self, name: str, block: int) -> str:
+        """The group a cached block was keyed for (the pool's key carries its group index)."""
+        return self.manager.groups[self.manager.pool(name).keys[block][2]]
 
     # ------------------------------------------------------------------ invariants
 
@@ -243,19 +278,29 @@ class Run:
             req = self.reqs[rid]
             assert ctl.num_tokens(rid) == len(req.tokens), rid
             self.verify(rid)
-        for name, g in self.specs.items():
-            holders: dict[int, list[tuple[str, int]]] = {}
+        for members in self.pool_sets:
+            self.check_pool(members, resident)
+
+    def check_pool(self, members: tuple[str, ...], resident: list[str]) -> None:
+        """One pool and the groups that draw on it: used count, reference counts, sharing."""
+        ctl = self.ctl
+        pool = self.manager.pool(members[0])
+        group_of: dict[int, str] = {}  # block -> the one group whose tables or pins hold it
+        holders: dict[int, list[tuple[str, int]]] = {}
+        pins: Counter = Counter()
+        for name in members:
+            g = self.specs[name]
+            mine: dict[int, list[tuple[str, int]]] = {}
             for rid in resident:
                 for col, b in enumerate(ctl.block_table(rid, name)):
                     if b != NULL_ID:
-                        holders.setdefault(b, []).append((rid, col))
-            pool = self.manager.pool(name)
-            pins = self.pins.get(name, Counter())
-            held = set(holders) | set(pins)
-            assert pool.num_used == len(held), (name, pool.num_used, len(held))
-            for b in held:
-                assert pool.ref_count(b) == len(holders.get(b, ())) + pins[b], (name, b)
-            for b, owners in holders.items():
+                        mine.setdefault(b, []).append((rid, col))
+            pinned = self.pins.get(name, Counter())
+            for b in set(mine) | set(pinned):
+                assert group_of.setdefault(b, name) == name, (b, group_of[b], name)
+            holders.update(mine)
+            pins.update(pinned)
+            for b, owners in mine.items():
                 if len(owners) < 2:
                     continue
                 assert g.kind is not GroupKind.PER_REQUEST, (name, b, owners)
@@ -265,6 +310,16 @@ class Run:
                 prefixes = {tuple(self.reqs[r].tokens[:end]) for r, _ in owners}
                 assert all(len(self.reqs[r].tokens) >= end for r, _ in owners), (name, owners)
                 assert len(prefixes) == 1, (name, b, owners)
+        held = set(holders) | set(pins)
+        assert pool.num_used == len(held), (members, pool.num_used, len(held))
+        for b in held:
+            assert pool.ref_count(b) == len(holders.get(b, ())) + pins[b], (members, b)
+        # every key the pool holds is one its groups announced and have not removed
+        assert pool.keys is not None
+        assert len(pool.keys) == sum(len(self.cached[n]) for n in members), members
+        for key, _, gi in pool.keys.values():
+            group = self.manager.groups[gi]
+            assert group in members and key in self.cached[group], (members, group, key)
 
     def verify(self, rid: str) -> None:
         req = self.reqs[rid]
@@ -532,9 +587,14 @@ def verify_request_skip(
 
 def run_ops(name: str, ops: list[tuple[str, int]]) -> Run:
     run = Run(CONFIGS[name])
+    stats = run.manager.prefix_stats
     for i, (op, seed) in enumerate(ops):
         try:
+            before = dict(stats.evictions)
             OPERATIONS[op](run, random.Random(seed))
+            if op != "reset":
+                for family, n in stats.evictions.items():
+                    run.pressure_evictions[family] += n - before.get(family, 0)
             run.check()
         except AssertionError as err:
             raise AssertionError(f"operation {i} ({op}, seed {seed}): {err}") from err
@@ -568,6 +628,9 @@ def test_a_fixed_run_reuses_and_evicts(name: str) -> None:
     stats = run.manager.prefix_stats
     assert run.matches > 0 and stats.hit_tokens >= run.hit_tokens > 0
     assert sum(stats.evictions.values()) > 0
+    if run.cfg.share_pools:
+        # one pool: cached blocks of each family were evicted to make room (not by a reset)
+        assert run.pressure_evictions["window"] > 0 and run.pressure_evictions["history"] > 0
 
 
 # ------------------------------------------------------------------ truncation into a complete block
