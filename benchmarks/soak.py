@@ -24,8 +24,16 @@ requests a batch accepts is read from the controller (the model does not know wh
 shared or evictable). Truncating into a complete block copies it on write when it is shared
 and drops its key when only the cache knows it (``tests/test_prefix_property.py``).
 
+With ``--share-pools`` the controller has one more layer, a full GQA layer (group
+``gqa_full``) of the same shapes as the sliding-window one (``gqa_swa``): their pages pair up
+byte for byte (``CacheLayout.pool_sets``), and ``share_pools=True`` makes them draw on one
+pool, one free list, in the same bytes. The model then counts one free figure per pool: a
+step's needs and window releases of all the pool's groups together, and a swap in's blocks
+likewise. Both modes combine (``--prefix --share-pools``).
+
     python benchmarks/soak.py --ops 200000 --seed 7
     python benchmarks/soak.py --ops 20000 --seed 1 --prefix
+    python benchmarks/soak.py --ops 20000 --seed 3 --share-pools
 
 Invariant checked throughout: the model and the controller agree after every operation, and
 every byte written for a live token reads back unchanged.
@@ -68,7 +76,17 @@ MAX_MODEL_LEN = 768
 NUM_BLOCKS = {"swa": 20, "compressed": 9, "c4_state": 60, "c128_state": 90, "gqa_swa": 30}
 #: with prefix caching: room for cached chains and the window tails a match needs
 PREFIX_NUM_BLOCKS = {"swa": 30, "compressed": 12, "c4_state": 100, "c128_state": 100, "gqa_swa": 40}
+#: with ``share_pools``: ``gqa_swa`` and ``gqa_full`` draw on one pool of these blocks (each
+#: member names the pool's count). Small on purpose: 39 usable blocks of 16 tokens, so the two
+#: groups' growth competes for it and it is the pool a step most often runs short of
+SHARED_POOL_BLOCKS = 40
+PREFIX_SHARED_POOL_BLOCKS = 100
+#: the groups that share a pool with ``share_pools``, as the soak declares its layers (the
+#: controller's ``layout.pool_sets`` must agree); every other group is a pool of its own
+SHARED_POOLS = (("gqa_swa", "gqa_full"),)
 HOST_PAGES = 40
+#: host pages per group with ``share_pools`` (a swapped ``gqa_full`` request keeps up to 48)
+SHARED_HOST_PAGES = 80
 VOCAB = 500  # token ids of the prefix soak
 
 
@@ -76,22 +94,37 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def make_controller(prefix: bool = False) -> CacheController:
+def num_blocks_for(prefix: bool = False, share_pools: bool = False) -> dict[str, int]:
+    """Device blocks per group of the soak's controller (a shared pool's count for each of
+    its groups)."""
+    counts = dict(PREFIX_NUM_BLOCKS if prefix else NUM_BLOCKS)
+    if share_pools:
+        pool = PREFIX_SHARED_POOL_BLOCKS if prefix else SHARED_POOL_BLOCKS
+        for members in SHARED_POOLS:
+            counts.update(dict.fromkeys(members, pool))
+    return counts
+
+
+def make_controller(prefix: bool = False, share_pools: bool = False) -> CacheController:
     """DeepSeek-V4 layers of ratios 0, 4 and 128 (small heads) and a GQA sliding-window layer:
     full, sliding-window and state groups, compress ratios 1, 4 and 128; ``prefix`` turns
-    prefix caching on."""
+    prefix caching on. ``share_pools`` adds a full GQA layer of the sliding-window layer's
+    shapes (1 kv head of dim 8, 16-token blocks: 512 B pages in both groups) and shares one
+    pool between the two groups."""
     backends: dict[int, Any] = {
         i: DeepseekV4Backend(r, head_dim=64, qk_rope_head_dim=16, index_head_dim=16)
         for i, r in enumerate((0, 4, 128))
     }
     backends[3] = GQABackend(1, 8, block_size=16, sliding_window=40, group="gqa_swa")
-    ctl = CacheController(backends, enable_prefix_caching=prefix)
+    if share_pools:
+        backends[4] = GQABackend(1, 8, block_size=16, group="gqa_full")
+    ctl = CacheController(backends, enable_prefix_caching=prefix, share_pools=share_pools)
     ctl.initialize_kv_cache(
-        num_blocks=PREFIX_NUM_BLOCKS if prefix else NUM_BLOCKS,
+        num_blocks=num_blocks_for(prefix, share_pools),
         max_num_seqs=MAX_SEQS,
         max_model_len=MAX_MODEL_LEN,
     )
-    ctl.initialize_host_cache(num_pages=HOST_PAGES)
+    ctl.initialize_host_cache(num_pages=SHARED_HOST_PAGES if share_pools else HOST_PAGES)
     return ctl
 
 
@@ -125,19 +158,47 @@ class Model:
     and blocks up to ``cdiv(c + new, B)`` are held. A swapped request keeps host pages for the
     blocks covering its resting window ``[n - W, n)`` (all blocks of a full group); a swap in
     holds exactly those blocks again.
+
+    Groups of one pool (``pools``; every other group is a pool of its own) draw on one free
+    count: ``num_blocks`` gives each of them the pool's blocks, null block included, and a
+    request fits when the needs of all the pool's groups together are at most the pool's
+    free blocks plus what all its groups' windows release in the same step.
     """
 
-    def __init__(self, groups: list[CacheGroup], num_blocks: dict[str, int] = NUM_BLOCKS) -> None:
+    def __init__(
+        self,
+        groups: list[CacheGroup],
+        num_blocks: dict[str, int] = NUM_BLOCKS,
+        pools: tuple[tuple[str, ...], ...] = (),
+    ) -> None:
         self.groups = {g.name: g for g in groups}
         self.num_blocks = num_blocks
+        shared = {g for members in pools for g in members}
+        self.pools = tuple(pools) + tuple((g,) for g in self.groups if g not in shared)
+        self.pool_of = {g: members for members in self.pools for g in members}
+        if sorted(self.pool_of) != sorted(self.groups) or len(shared) != sum(map(len, pools)):
+            raise ValueError(f"pools {pools} must name groups of {sorted(self.groups)} once")
+        for members in self.pools:
+            if len({num_blocks[g] for g in members}) != 1:
+                raise ValueError(f"pool {members} needs one block count, got {num_blocks}")
         self.resident: dict[str, ModelRequest] = {}
         self.swapped: dict[str, ModelRequest] = {}
 
     def used(self, group: str) -> int:
+        """Blocks ``group``'s tables hold."""
         return sum(r.held[group].hi - r.held[group].lo for r in self.resident.values())
 
+    def pool_used(self, group: str) -> int:
+        """Blocks the pool of ``group`` has given out, to any of its groups."""
+        return sum(self.used(g) for g in self.pool_of[group])
+
     def free(self, group: str) -> int:
-        return self.num_blocks[group] - 1 - self.used(group)
+        """Free blocks of the pool ``group`` draws on."""
+        return self.num_blocks[group] - 1 - self.pool_used(group)
+
+    def pool_needs(self, needs: dict[str, int]) -> dict[tuple[str, ...], int]:
+        """Per-group block counts summed per pool."""
+        return {members: sum(needs[g] for g in members) for members in self.pools}
 
     def rest_lo(self, g: CacheGroup, n: int) -> int:
         if g.kind is GroupKind.FULL or n == 0:
@@ -168,7 +229,7 @@ class Model:
     def step(self, ids: list[str], new: list[int]) -> list[str]:
         """Accepted requests of a batch: in order, each all or nothing."""
         rows = MAX_SEQS - len(self.resident)
-        free = {g: self.free(g) for g in self.groups}
+        free = {members: self.free(members[0]) for members in self.pools}
         accepted, fresh = [], 0
         for rid, n in zip(ids, new, strict=True):
             req = self.resident.get(rid)
@@ -179,11 +240,15 @@ class Model:
             if (req.num_tokens if req else 0) + n > MAX_MODEL_LEN:
                 continue
             plan = self.grow_plan(req, n)
-            needs = {g: h.hi - (req.held[g].hi if req else 0) for g, (_, h) in plan.items()}
-            if any(needs[g] > free[g] + plan[g][0] for g in plan):
+            needs = self.pool_needs(
+                {g: h.hi - (req.held[g].hi if req else 0) for g, (_, h) in plan.items()}
+            )
+            # a window's releases come back to its pool before any group of the pool grows
+            credits = self.pool_needs({g: released for g, (released, _) in plan.items()})
+            if any(needs[p] > free[p] + credits[p] for p in self.pools):
                 continue
-            for g in plan:
-                free[g] += plan[g][0] - needs[g]
+            for p in self.pools:
+                free[p] += credits[p] - needs[p]
             accepted.append(rid)
         return accepted
 
@@ -217,6 +282,7 @@ class SoakReport:
     bytes_verified: int = 0
     prefix_hits: int = 0  # admitted requests that started on a cached prefix
     reused_tokens: int = 0  # the tokens those prefixes covered
+    short_of: Counter = field(default_factory=Counter)  # step refusals per group named short
     seconds: float = 0.0
 
 
@@ -228,14 +294,24 @@ class StepRefused(Exception):
 class Soak:
     """One soak run: a controller, its model, a seeded generator and the tallies."""
 
-    def __init__(self, seed: int, prefix: bool = False) -> None:
+    def __init__(self, seed: int, prefix: bool = False, share_pools: bool = False) -> None:
         self.rng = random.Random(seed)
         self.prefix = prefix
-        self.ctl = make_controller(prefix)
+        self.share_pools = share_pools
+        self.host_pages = SHARED_HOST_PAGES if share_pools else HOST_PAGES
+        self.ctl = make_controller(prefix, share_pools)
         self.model = Model(
             [self.ctl.layout.group(g) for g in self.ctl.groups],
-            PREFIX_NUM_BLOCKS if prefix else NUM_BLOCKS,
+            num_blocks_for(prefix, share_pools),
+            SHARED_POOLS if share_pools else (),
         )
+        manager = self.ctl.block_manager
+        if share_pools:
+            # the soak's declared pairing is the layout's, and one pool object serves it
+            assert set(SHARED_POOLS) <= set(self.ctl.layout.pool_sets), self.ctl.layout.pool_sets
+        for members in self.model.pools:
+            assert all(manager.pool(g) is manager.pool(members[0]) for g in members), members
+        assert len({id(manager.pool(m[0])) for m in self.model.pools}) == len(self.model.pools)
         self.report = SoakReport()
         self.next_id = 0
         self.entry_bytes = {e.index: e.role.entry_bytes for e in self.ctl.layout.buffers}
@@ -251,36 +327,53 @@ class Soak:
             assert ctl.num_tokens(rid) == req.num_tokens, rid
         for g in model.groups:
             np.testing.assert_array_equal(ctl.storage.block_table(g), manager.table(g))
+        for members in model.pools:
             if self.prefix:
-                self.check_shared(g)
+                self.check_shared(members)
             else:
-                assert ctl.num_used_blocks(g) == model.used(g), (g, ctl.num_used_blocks(g))
+                self.check_pool(members)
         for g, (used, _) in ctl.host_pool_usage().items():
             assert used == model.host_pages(g), (g, used, model.host_pages(g))
 
-    def check_shared(self, group: str) -> None:
+    def check_pool(self, members: tuple[str, ...]) -> None:
+        """Without prefix caching: the pool's used count is the model's for all its groups;
+        each group's tables hold the model's count of blocks, every id once, and no id is in
+        two groups of one pool."""
+        ctl, model, manager = self.ctl, self.model, self.ctl.block_manager
+        used = ctl.num_used_blocks(members[0])
+        assert used == model.pool_used(members[0]), (members, used, model.pool_used(members[0]))
+        seen: set[int] = set()
+        for g in members:
+            ids = manager.table(g)[manager.table(g) != 0]
+            assert len(ids) == len(set(ids.tolist())) == model.used(g), (g, len(ids))
+            assert not seen & set(ids.tolist()), (members, g, sorted(seen & set(ids.tolist())))
+            seen |= set(ids.tolist())
+        assert len(seen) == used, (members, len(seen), used)
+
+    def check_shared(self, members: tuple[str, ...]) -> None:
         """With prefix caching: each request holds exactly its model extent; a block held by
-        several requests sits at one index of requests whose tokens agree through its end;
-        the pool's used count is the distinct blocks held, each with one reference per
-        holder."""
-        ctl, pool = self.ctl, self.ctl.block_manager.pool(group)
-        size = self.model.groups[group].block_size
-        holders: dict[int, list[tuple[str, int]]] = {}
-        for rid, req in self.model.resident.items():
-            table = ctl.block_table(rid, group)
-            cols = [c for c, b in enumerate(table) if b != 0]
-            held = req.held[group]
-            assert cols == list(range(held.lo, held.hi)), (rid, group, cols, held)
-            for c in cols:
-                holders.setdefault(table[c], []).append((rid, c))
-        assert pool.num_used == len(holders), (group, pool.num_used, len(holders))
+        several requests sits at one index of one group's tables, of requests whose tokens
+        agree through its end; the pool's used count is the distinct blocks its groups hold,
+        each with one reference per holder, and no block is held by two groups of it."""
+        ctl, pool = self.ctl, self.ctl.block_manager.pool(members[0])
+        holders: dict[int, list[tuple[str, str, int]]] = {}
+        for group in members:
+            for rid, req in self.model.resident.items():
+                table = ctl.block_table(rid, group)
+                cols = [c for c, b in enumerate(table) if b != 0]
+                held = req.held[group]
+                assert cols == list(range(held.lo, held.hi)), (rid, group, cols, held)
+                for c in cols:
+                    holders.setdefault(table[c], []).append((group, rid, c))
+        assert pool.num_used == len(holders), (members, pool.num_used, len(holders))
         for block, owners in holders.items():
-            assert pool.ref_count(block) == len(owners), (group, block, owners)
+            assert pool.ref_count(block) == len(owners), (members, block, owners)
             if len(owners) > 1:
-                cols = {c for _, c in owners}
-                assert len(cols) == 1, (group, block, owners)
-                end = (cols.pop() + 1) * size
-                heads = {tuple(self.model.resident[r].tokens or ())[:end] for r, _ in owners}
+                places = {(g, c) for g, _, c in owners}
+                assert len(places) == 1, (block, owners)
+                group, col = places.pop()
+                end = (col + 1) * self.model.groups[group].block_size
+                heads = {tuple(self.model.resident[r].tokens or ())[:end] for _, r, _ in owners}
                 assert len(heads) == 1, (group, block, owners)
 
     def state(self) -> tuple[Any, ...]:
@@ -327,9 +420,23 @@ class Soak:
     # ------------------------------------------------------------------ helpers
 
     def free(self, group: str) -> int:
-        """Blocks a swap in may take: the model's count, or with prefix caching the pool's
-        (evictable cached blocks count as free; shared blocks count once)."""
+        """Blocks a swap in may take from the pool of ``group``: the model's count, or with
+        prefix caching the pool's (evictable cached blocks count as free; shared blocks count
+        once)."""
         return self.ctl.num_free_blocks(group) if self.prefix else self.model.free(group)
+
+    def fits_swap_in(self, rids: list[str]) -> bool:
+        """Whether the resting windows of swapped ``rids`` fit their pools, summed per pool."""
+        model = self.model
+        need = {
+            g: sum(
+                _cdiv(model.swapped[r].num_tokens, s.block_size)
+                - model.rest_lo(s, model.swapped[r].num_tokens)
+                for r in rids
+            )
+            for g, s in model.groups.items()
+        }
+        return all(n <= self.free(p[0]) for p, n in model.pool_needs(need).items())
 
     def new_id(self) -> str:
         self.next_id += 1
@@ -387,6 +494,7 @@ class Soak:
             step = self.ctl.schedule(ids, new)
             assert list(step.allocation.request_ids) == expected, (step.allocation, expected)
         self.report.refused += len(step.allocation.refused)
+        self.count_short(step.allocation.refused)
         for rid in expected:
             self.model.apply_step(rid, counts[rid], self.rng.randrange(1 << 30))
             if self.prefix:
@@ -405,6 +513,11 @@ class Soak:
                 assert r.request_id not in self.model.resident, r
             else:
                 assert r.reason == "out_of_blocks" and r.needed > r.available, r
+
+    def count_short(self, refused: Any) -> None:
+        for r in refused:
+            if r.reason == "out_of_blocks":
+                self.report.short_of[r.group] += 1
 
     def op_allocate(self) -> None:
         if self.model.resident and self.rng.random() < 0.7:
@@ -493,7 +606,7 @@ class Soak:
             )
             for g, s in self.model.groups.items()
         }
-        if any(need[g] + self.model.host_pages(g) > HOST_PAGES - 1 for g in need):
+        if any(need[g] + self.model.host_pages(g) > self.host_pages - 1 for g in need):
             self.expect_refused(lambda: self.ctl.swap_out_many(rids), OutOfBlocksError, "host")
             self.report.refused += 1
             return
@@ -505,16 +618,8 @@ class Soak:
         rids = self.pick(self.model.swapped, self.rng.randint(1, 2))
         if not rids:
             return
-        need = {
-            g: sum(
-                _cdiv(self.model.swapped[r].num_tokens, s.block_size)
-                - self.model.rest_lo(s, self.model.swapped[r].num_tokens)
-                for r in rids
-            )
-            for g, s in self.model.groups.items()
-        }
         rows_ok = len(self.model.resident) + len(rids) <= MAX_SEQS
-        if not rows_ok or any(need[g] > self.free(g) for g in need):
+        if not rows_ok or not self.fits_swap_in(rids):
             self.expect_refused(lambda: self.ctl.swap_in_many(rids), OutOfBlocksError, "swap_in")
             self.report.refused += 1
             return
@@ -585,6 +690,7 @@ class Soak:
         )
         if step.allocation.refused:
             self.check_refusals(step.allocation.refused, {rid: hit}, {rid: n})
+            self.count_short(step.allocation.refused)
             self.report.refused += 1
             return
         req = self.model.adopt(rid, hit, self.rng.randrange(1 << 30))
@@ -604,6 +710,7 @@ class Soak:
             step = self.ctl.schedule([rid], [n], new_token_ids=[prompt[done : done + n]])
             if step.allocation.refused:
                 self.check_refusals(step.allocation.refused, {rid: done}, {rid: n})
+                self.count_short(step.allocation.refused)
                 self.report.refused += 1
                 return
             self.model.apply_step(rid, n, req.seed)
@@ -612,7 +719,8 @@ class Soak:
 
     def op_prefix_reset(self) -> None:
         manager = self.ctl.block_manager
-        evictable = sum(manager.pool(g).num_evictable for g in self.model.groups)
+        # once per pool: a shared pool's evictable blocks are all its groups'
+        evictable = sum(manager.pool(m[0]).num_evictable for m in self.model.pools)
         assert manager.reset_prefix_cache() == evictable
         for g in self.model.groups:
             assert manager.pool(g).num_evictable == 0, g
@@ -635,12 +743,7 @@ class Soak:
         for rid in sorted(self.model.resident):
             self.verify(rid)
         for rid in sorted(self.model.swapped):
-            if len(self.model.resident) < MAX_SEQS and all(
-                _cdiv(self.model.swapped[rid].num_tokens, s.block_size)
-                - self.model.rest_lo(s, self.model.swapped[rid].num_tokens)
-                <= self.free(g)
-                for g, s in self.model.groups.items()
-            ):
+            if len(self.model.resident) < MAX_SEQS and self.fits_swap_in([rid]):
                 self.ctl.swap_in(rid)
                 req = self.model.swapped.pop(rid)
                 for g, s in self.model.groups.items():
@@ -899,10 +1002,12 @@ def run_soak(
     seed: int,
     progress: Callable[[int], None] | None = None,
     prefix: bool = False,
+    share_pools: bool = False,
 ) -> SoakReport:
     """Run ``num_ops`` random operations with ``seed`` (``prefix``: with prefix caching and
-    its rows); raise AssertionError on a mismatch."""
-    soak = Soak(seed, prefix)
+    its rows; ``share_pools``: with a full GQA layer sharing the sliding-window GQA layer's
+    pool); raise AssertionError on a mismatch."""
+    soak = Soak(seed, prefix, share_pools)
     rows = [o for o in OPERATIONS if prefix or o[0] not in PREFIX_ONLY]
     names = [o[0] for o in rows]
     funcs = {o[0]: o[2] for o in rows}
@@ -930,6 +1035,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefix", action="store_true", help="prefix caching on, with its operations"
     )
+    parser.add_argument(
+        "--share-pools",
+        action="store_true",
+        help="a full GQA layer that shares one block pool with the sliding-window GQA layer",
+    )
     args = parser.parse_args(argv)
     if args.ops < 1:
         parser.error(f"--ops must be >= 1, got {args.ops}")
@@ -947,7 +1057,11 @@ def main(argv: list[str] | None = None) -> int:
     ) as bar:
         task = bar.add_task(f"soak seed {args.seed}", total=args.ops)
         report = run_soak(
-            args.ops, args.seed, lambda n: bar.update(task, completed=n), prefix=args.prefix
+            args.ops,
+            args.seed,
+            lambda n: bar.update(task, completed=n),
+            prefix=args.prefix,
+            share_pools=args.share_pools,
         )
     table = Table(title=f"soak: {args.ops} operations, seed {args.seed}")
     table.add_column("operation")
@@ -965,6 +1079,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.prefix:
         console.print(f"prefix hits: {report.prefix_hits}; reused tokens: {report.reused_tokens}")
+    short = ", ".join(f"{g} {n}" for g, n in sorted(report.short_of.items()))
+    console.print(f"step refusals per group short of blocks: {short or 'none'}")
     return 0
 
 

@@ -8,6 +8,9 @@ swapped set, token counts, a hash of every cache byte); every live byte reads ba
 ins and at the end. A failure names the seed and the operation, so it replays with
 ``python benchmarks/soak.py --ops N --seed S``. One seed runs with prefix caching
 (``--prefix``): requests extend earlier prompts' prefixes and every reused byte is verified.
+Shared pools (``--share-pools``) run alone and with prefix caching: a full GQA layer whose
+pages pair up with the sliding-window GQA layer's draws on the same pool, in the same bytes,
+and the model counts one free figure for both groups.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from kvforge import CacheController, GQABackend
+from kvforge.cache_controller import BlockManager, CacheLayout
 from kvforge.verify import read_entries, verify_request, write_entries, write_request
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +61,110 @@ def test_soak_with_prefix_caching() -> None:
     assert report.reused_tokens > 0 and report.reused_tokens % 256 == 0
     assert report.ops["swap_in"] > 0 and report.entries_verified > 0
     assert sum(report.bad_calls.values()) > 0
+
+
+def test_soak_with_shared_pools() -> None:
+    report = soak.run_soak(120, 2, share_pools=True)
+    assert sum(report.ops[name] for name, _, _ in soak.OPERATIONS) == 120
+    assert all(report.ops[name] == 0 for name in soak.PREFIX_ONLY)
+    # steps the model refused for the shared pool (named by its first group that asked) and
+    # the controller refused alike; swaps came back byte for byte; bad calls changed nothing
+    assert report.short_of["gqa_swa"] > 0 and report.short_of["gqa_full"] == 0
+    assert report.ops["swap_in"] > 0 and report.entries_verified > 0
+    assert report.bytes_verified > 0
+    assert sum(report.bad_calls.values()) > 0
+
+
+def test_soak_with_shared_pools_and_prefix_caching() -> None:
+    report = soak.run_soak(150, 7, prefix=True, share_pools=True)
+    assert sum(report.ops[name] for name, _, _ in soak.OPERATIONS) == 150
+    # a hit needs gqa_full's whole chain and gqa_swa's tail, both kept in the one pool
+    assert report.ops["prefix_admit"] > 0 and report.prefix_hits > 0
+    assert report.reused_tokens > 0 and report.reused_tokens % 256 == 0
+    assert report.ops["swap_in"] > 0 and report.entries_verified > 0
+    assert sum(report.bad_calls.values()) > 0
+
+
+def test_shared_pool_soak_pairs_the_gqa_layers_in_one_pool() -> None:
+    run = soak.Soak(0, share_pools=True)
+    ctl, manager = run.ctl, run.ctl.block_manager
+    assert ("gqa_swa", "gqa_full") in ctl.layout.pool_sets
+    assert run.model.pool_of["gqa_full"] == ("gqa_swa", "gqa_full")
+    assert run.model.pool_of["swa"] == ("swa",)
+    assert manager.pool("gqa_swa") is manager.pool("gqa_full")
+    assert manager.pool("swa") is not manager.pool("gqa_swa")
+    # one pool of 40 blocks, 39 usable, counted for both groups
+    assert ctl.num_free_blocks("gqa_swa") == ctl.num_free_blocks("gqa_full") == 39
+    # the worker side: layer 3 (gqa_swa) and layer 4 (gqa_full) buffers are the same bytes
+    for role in ("key", "value"):
+        assert ctl.get(role, 3).data_ptr() == ctl.get(role, 4).data_ptr()
+    assert ctl.get("key", 3).data_ptr() != ctl.get("value", 3).data_ptr()
+    # without share_pools the soak's controller has no gqa_full layer at all
+    assert "gqa_full" not in soak.Soak(0).ctl.groups
+
+
+def _gqa_pair() -> dict[int, GQABackend]:
+    """A sliding window W = 32 and a full layer, both 1 kv head of dim 8 in 16-token blocks:
+    512 B pages in both groups, so they pair up."""
+    return {
+        0: GQABackend(1, 8, block_size=16, sliding_window=32, group="gqa_swa"),
+        1: GQABackend(1, 8, block_size=16, group="gqa_full"),
+    }
+
+
+def test_model_counts_one_free_figure_for_a_shared_pool() -> None:
+    # one pool of 9 blocks (8 usable) for both groups, the model against BlockManager
+    layout = CacheLayout(_gqa_pair())
+    counts = {"gqa_swa": 9, "gqa_full": 9}
+    manager = BlockManager(layout, counts, soak.MAX_SEQS, soak.MAX_MODEL_LEN, share_pools=True)
+    model = soak.Model(list(layout.groups), counts, soak.SHARED_POOLS)
+    assert model.pools == (("gqa_swa", "gqa_full"),)
+
+    def step(ids: list[str], new: list[int]) -> list[str]:
+        accepted = model.step(ids, new)
+        got = manager.schedule(ids, new)
+        assert list(got.request_ids) == accepted, (got, accepted)
+        for rid, n in zip(ids, new, strict=True):
+            if rid in accepted:
+                model.apply_step(rid, n, 0)
+        for g in counts:
+            assert manager.num_free_blocks(g) == model.free(g)
+            assert int(np.count_nonzero(manager.table(g))) == model.used(g)
+        return accepted
+
+    # 64 tokens: 4 blocks in each group, 8 - 4 - 4 = 0 free
+    assert step(["r"], [64]) == ["r"] and model.free("gqa_full") == 0
+    # 16 more: each group needs 1 block (2 > 0 free), but the window reads from
+    # 64 + 1 - 32 = 33, so gqa_swa gives back blocks 0 and 1: 2 credits cover both groups
+    assert step(["r"], [16]) == ["r"]
+    assert (model.used("gqa_swa"), model.used("gqa_full")) == (3, 5)
+    # a new request needs 1 block in each group, 2 > 0 free: refused by both
+    assert step(["s"], [16]) == []
+    model.resident.pop("r")
+    manager.finish(["r"])
+    assert model.free("gqa_swa") == manager.num_free_blocks("gqa_full") == 8
+
+
+MODEL_POOLS = [
+    ("unknown_group", (("gqa_swa", "nope"),), "must name groups of ['gqa_full', 'gqa_swa']"),
+    ("group_twice", (("gqa_swa", "gqa_swa"),), "must name groups of ['gqa_full', 'gqa_swa']"),
+]
+
+
+@pytest.mark.parametrize(
+    ("pools", "fragment"), [c[1:] for c in MODEL_POOLS], ids=[c[0] for c in MODEL_POOLS]
+)
+def test_model_refuses_pools_that_do_not_name_its_groups(pools, fragment) -> None:
+    groups = list(CacheLayout(_gqa_pair()).groups)
+    with pytest.raises(ValueError) as info:
+        soak.Model(groups, {"gqa_swa": 9, "gqa_full": 9}, pools)
+    assert fragment in str(info.value)
+
+
+def test_model_refuses_a_pool_with_two_block_counts() -> None:
+    groups = list(CacheLayout(_gqa_pair()).groups)
+    with pytest.raises(ValueError, match=r"pool \('gqa_swa', 'gqa_full'\) needs one block count"):
+        soak.Model(groups, {"gqa_swa": 9, "gqa_full": 12}, soak.SHARED_POOLS)
 
 
 def test_prefix_rows_run_only_with_prefix_caching() -> None:
