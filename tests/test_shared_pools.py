@@ -130,6 +130,38 @@ def test_padded_roles_pair_by_sorted_block_bytes_and_keep_the_default_views() ->
     assert storage.device_bytes == 5 * 2 * (384 + 256) == lay.bytes_per_block("kv") * 5
 
 
+class _PaddedMeetsFull(DeclaredBackend):
+    """``kv``'s role pads 256 meaningful bytes to a 384-byte stride; ``win``'s role fills a
+    384-byte block: the strides pair up (one pool set), the meaningful bytes do not."""
+
+    def __init__(self) -> None:
+        self.declare(
+            [
+                CacheGroup(name="kv", block_size=16, kind=GroupKind.FULL),
+                CacheGroup(name="win", block_size=16, kind=GroupKind.SLIDING_WINDOW, window=32),
+            ],
+            [
+                CacheRole(
+                    name="a", group="kv", entry_shape=(8,), dtype="bfloat16", block_alignment=384
+                ),
+                CacheRole(name="d", group="win", entry_shape=(12,), dtype="bfloat16"),
+            ],
+        )
+
+
+def test_a_padded_role_shares_bytes_with_a_partner_that_fills_the_stride() -> None:
+    backend = _PaddedMeetsFull()
+    ctl = CacheController({0: backend, 1: backend}, share_pools=True)
+    assert ctl.layout.pool_sets == (("kv", "win"),)
+    ctl.initialize_kv_cache(num_blocks=5, max_num_seqs=2, max_model_len=64)
+    for layer in (0, 1):
+        a, d = ctl.get("a", layer), ctl.get("d", layer)
+        assert a.data_ptr() == d.data_ptr()
+        assert (a.stride(0) * a.element_size(), d.stride(0) * d.element_size()) == (384, 384)
+    assert ctl.storage.device_bytes == 5 * 2 * 384  # 5 blocks, 2 layers, paid once
+    ctl.free()
+
+
 def test_block_buffer_view_refuses_a_raw_buffer_of_the_wrong_width() -> None:
     backend = GQABackend(2, 8, block_size=16)
     role = backend.role("key")
@@ -174,6 +206,17 @@ def test_find_overlap_with_pools_still_sees_partial_overlaps() -> None:
     # three planes: swa and kv coincide, a second kv plane on the same bytes does not
     a, b, i, j = find_overlap([P("a", 0), P("b", 0), P("c", 0)], members)
     assert (a.name, b.name, i, j) == ("b", "c", 0, 0)
+    # coinciding planes of one pool that address different bytes of each block (a role padded
+    # to the stride its partner fills) are one plane, the widest: a plane 128 B into the
+    # wide one's blocks is still an overlap, one past them is not
+    narrow = PlaneExtent(name="n", base=0, block_stride=512, block_bytes=256, num_blocks=10)
+    wide = PlaneExtent(name="w", base=0, block_stride=512, block_bytes=384, num_blocks=10)
+    inside = PlaneExtent(name="i", base=300, block_stride=512, block_bytes=64, num_blocks=10)
+    after = PlaneExtent(name="f", base=384, block_stride=512, block_bytes=128, num_blocks=10)
+    pool = [PoolMember(POOL, "swa"), PoolMember(POOL, "kv"), None]
+    assert find_overlap([narrow, wide, after], pool) is None
+    a, b, i, j = find_overlap([narrow, wide, inside], pool)
+    assert (a.name, b.name, i, j) == ("w", "i", 0, 0)
     with pytest.raises(ValueError, match=r"members must name one pool member .* 1 for 2 planes"):
         find_overlap([P("a", 0), P("b", 0)], members[:1])
     with pytest.raises(TypeError, match=r"members\[1\] must be a PoolMember or None, got str"):

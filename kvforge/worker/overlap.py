@@ -20,10 +20,11 @@ exactly, with integer arithmetic only, and fast enough for real caches (thousand
 Shared pools: groups that draw on one block pool (one id space, each block id held by at most
 one group at a time) may place their buffers in the same bytes. ``find_overlap`` accepts that
 one exception when told each plane's pool and member (``members``): planes of *different*
-members of *one* pool whose extents are identical (same base, block stride, block bytes and
-block count) are one plane, since block ``b`` of one is block ``b`` of the other and the pool
-never hands ``b`` to two members. Identical planes of one member, or of different pools, are
-an overlap (reported at blocks ``0`` and ``0``); planes of one pool that coincide only in part
+members of *one* pool that coincide (same base, block stride and block count; their
+meaningful bytes may differ, as when one member pads a role to the stride its partner fills)
+are one plane, the widest of them, since block ``b`` of one is block ``b`` of the other and the
+pool never hands ``b`` to two members. Coinciding planes of one member, or of different pools,
+are an overlap (reported at blocks ``0`` and ``0``); planes of one pool that meet only in part
 (another base or stride) are decided by the sweep like any others.
 
 Invariants: every quantity is a Python ``int`` (no float, no fixed-width overflow); a plane
@@ -242,11 +243,11 @@ def find_overlap(
     """The first pair of planes that share a byte, with a block index of each; else None.
 
     ``members[i]`` (optional) is the shared pool ``planes[i]`` draws its blocks from, or None
-    when it shares none: non-empty planes with identical extents may coincide only when every
-    one of them names the same pool and a different member (see the module docstring); the
-    first pair (in input order) that breaks this is reported as ``(first, second, 0, 0)``,
-    after self-overlapping planes. The planes of a legal coincidence count as one (the first)
-    in what follows.
+    when it shares none: non-empty planes with the same base, block stride and block count
+    may coincide only when every one of them names the same pool and a different member (see
+    the module docstring); the first pair (in input order) that breaks this is reported as
+    ``(first, second, 0, 0)``, after self-overlapping planes. The planes of a legal
+    coincidence count as one (the widest) in what follows.
 
     A plane that overlaps itself (two or more blocks, ``block_stride < block_bytes``) is
     reported first, in input order, as ``(plane, plane, 0, 1)``. Otherwise planes are scanned
@@ -320,27 +321,35 @@ def find_overlap(
 def _merge_coincident(
     items: list[PlaneExtent], tags: list[PoolMember | None]
 ) -> tuple[list[PlaneExtent], tuple[PlaneExtent, PlaneExtent, int, int] | None]:
-    """The planes with each legal coincidence kept once (its first plane), or the first pair
-    of identical planes that may not coincide."""
-    first_of: dict[tuple[int, int, int, int], int] = {}  # extent -> first plane with it
-    seen: dict[int, list[int]] = {}  # first plane -> every plane with its extent
+    """The planes with each legal coincidence kept once, or the first pair of coinciding
+    planes that may not coincide.
+
+    Planes coincide when they start at the same address with the same block stride and block
+    count; their meaningful bytes may differ (one member's role padded to the stride that its
+    partner fills). The coincidence is represented by its widest plane, so the sweep that
+    follows sees every byte any of them addresses."""
+    at: dict[tuple[int, int, int], int] = {}  # (base, stride, blocks) -> position in kept
+    seen: dict[int, list[int]] = {}  # position in kept -> every plane coinciding there
     kept: list[PlaneExtent] = []
     for n, plane in enumerate(items):
         if plane.empty:  # an empty plane shares no byte, whatever it coincides with
             kept.append(plane)
             continue
-        extent = (plane.base, plane.block_stride, plane.block_bytes, plane.num_blocks)
-        first = first_of.setdefault(extent, n)
-        if first == n:
+        where = (plane.base, plane.block_stride, plane.num_blocks)
+        pos = at.get(where)
+        if pos is None:
+            at[where] = len(kept)
+            seen[len(kept)] = [n]
             kept.append(plane)
-            seen[n] = [n]
             continue
         tag = tags[n]
-        for other in seen[first]:
+        for other in seen[pos]:
             mate = tags[other]
             if tag is None or mate is None or tag.pool != mate.pool or tag.member == mate.member:
                 return kept, (items[other], plane, 0, 0)
-        seen[first].append(n)
+        seen[pos].append(n)
+        if plane.block_bytes > kept[pos].block_bytes:
+            kept[pos] = plane
     return kept, None
 
 

@@ -13,9 +13,10 @@ Invariants:
   the storage empty and retryable;
 - no two (role, layer) buffers share a byte (checked on every ``create`` and ``adopt``), with
   one exception under ``share_pools=True``: buffers of *different* groups of one shared pool
-  (``CacheLayout.pool_sets``) may be the same bytes when their planes coincide exactly (same
-  base, block stride, block bytes and block count), since block ``b`` of one is then block
-  ``b`` of the other and the scheduler side never hands ``b`` to two groups of a pool;
+  (``CacheLayout.pool_sets``) may be the same bytes when their planes coincide (same base,
+  block stride and block count; one may address fewer bytes of each block than the other, a
+  role padded to the stride its partner fills), since block ``b`` of one is then block ``b``
+  of the other and the scheduler side never hands ``b`` to two groups of a pool;
 - ``create(..., share_pools=True)`` pays a shared pool's bytes once: the ``k``-th buffer of
   every member (each member's buffers sorted by device block bytes, stably) is a view of one
   raw ``uint8 [N, device_block_bytes]`` allocation, built as the default ``create_kv_cache``
