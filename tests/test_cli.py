@@ -268,6 +268,26 @@ def test_plan_json_for_bundled_flash(capsys):
     assert report["host"]["total_bytes"] <= 64 * 1024**3
 
 
+def test_plan_names_groups_that_can_share_a_pool(capsys):
+    args = ["plan", "--model", "gpt-oss-20b", "--device-memory", "8GiB"]
+    args += ["--max-model-len", "8192", "--max-num-seqs", "8"]
+    code, out, _ = run(capsys, *args, "--json")
+    assert code == 0
+    report = json.loads(out)
+    blocks = {g["group"]: g["num_blocks"] for g in report["groups"]}
+    # one pool of every usable block of both groups plus one null block
+    assert report["shared_pools"] == [
+        {"groups": ["swa", "kv"], "num_blocks": blocks["swa"] + blocks["kv"] - 1}
+    ]
+    code, out, _ = run(capsys, *args)
+    assert code == 0
+    assert "groups swa, kv pair up byte for byte: with share_pools=True they draw on one" in (
+        " ".join(out.split())
+    )
+    code, out, _ = run(capsys, "plan", "--model", "deepseek-v4-flash", "--num-blocks", "9", "--json")
+    assert code == 0 and json.loads(out)["shared_pools"] == []
+
+
 def test_plan_table_from_flags(capsys):
     code, out, _ = run(capsys, "plan", "--backend", "gqa", "--layers", "32", "--num-blocks", "100")
     assert code == 0

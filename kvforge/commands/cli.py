@@ -269,7 +269,11 @@ def _list_models(args: argparse.Namespace) -> int:
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``kvforge plan`` prints, as plain data."""
     from kvforge.cache_controller.layout import CacheLayout
-    from kvforge.cache_controller.memory_plan import cache_bytes_per_sequence, plan_memory
+    from kvforge.cache_controller.memory_plan import (
+        cache_bytes_per_sequence,
+        plan_memory,
+        shared_pool_blocks,
+    )
     from kvforge.cache_controller.naming import StorageNamer
 
     if args.num_blocks is not None and args.max_num_seqs is not None:
@@ -350,6 +354,16 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         "device_memory": budget,
         "total_bytes": sum(g["total_bytes"] for g in groups),
         "max_tokens": plan.max_tokens if plan else None,
+        # groups whose pages pair up byte for byte: CacheController(share_pools=True) gives
+        # each set one pool of sum(num_blocks - 1) + 1 blocks, paid once
+        "shared_pools": [
+            {
+                "groups": list(members),
+                "num_blocks": shared_pool_blocks(layout, blocks)[members[0]],
+            }
+            for members in layout.pool_sets
+            if len(members) > 1
+        ],
     }
     if max_model_len:
         report["bytes_per_sequence"] = cache_bytes_per_sequence(layout, max_model_len)
@@ -437,6 +451,11 @@ def print_plan(report: dict[str, Any]) -> None:
     )
     if report.get("max_tokens") is not None:
         out.print(f"token capacity (full groups): {report['max_tokens']:,}")
+    for pool in report.get("shared_pools", ()):
+        out.print(
+            f"groups {', '.join(pool['groups'])} pair up byte for byte: with share_pools=True "
+            f"they draw on one pool of {pool['num_blocks']:,} blocks"
+        )
     if "bytes_per_sequence" in report:
         out.print(
             f"one sequence of {report['max_model_len']:,} tokens keeps "
