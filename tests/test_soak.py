@@ -52,11 +52,13 @@ def test_soak_fixed_seeds(seed: int) -> None:
     assert sum(report.bad_calls.values()) > 0
 
 
-def test_soak_with_prefix_caching() -> None:
-    report = soak.run_soak(150, 7, prefix=True)
+@pytest.mark.parametrize("share_pools", [False, True], ids=["own_pools", "shared_pools"])
+def test_soak_with_prefix_caching(share_pools: bool) -> None:
+    report = soak.run_soak(150, 7, prefix=True, share_pools=share_pools)
     assert sum(report.ops[name] for name, _, _ in soak.OPERATIONS) == 150
     # requests started on cached prefixes (boundary 256: the LCM of the V4 and GQA blocks)
-    # and their reused blocks were verified with the rest of their bytes
+    # and their reused blocks were verified with the rest of their bytes; with shared pools a
+    # hit needs gqa_full's whole chain and gqa_swa's tail, both kept in the one pool
     assert report.ops["prefix_admit"] > 0 and report.prefix_hits > 0
     assert report.reused_tokens > 0 and report.reused_tokens % 256 == 0
     assert report.ops["swap_in"] > 0 and report.entries_verified > 0
@@ -72,16 +74,6 @@ def test_soak_with_shared_pools() -> None:
     assert report.short_of["gqa_swa"] > 0 and report.short_of["gqa_full"] == 0
     assert report.ops["swap_in"] > 0 and report.entries_verified > 0
     assert report.bytes_verified > 0
-    assert sum(report.bad_calls.values()) > 0
-
-
-def test_soak_with_shared_pools_and_prefix_caching() -> None:
-    report = soak.run_soak(150, 7, prefix=True, share_pools=True)
-    assert sum(report.ops[name] for name, _, _ in soak.OPERATIONS) == 150
-    # a hit needs gqa_full's whole chain and gqa_swa's tail, both kept in the one pool
-    assert report.ops["prefix_admit"] > 0 and report.prefix_hits > 0
-    assert report.reused_tokens > 0 and report.reused_tokens % 256 == 0
-    assert report.ops["swap_in"] > 0 and report.entries_verified > 0
     assert sum(report.bad_calls.values()) > 0
 
 
