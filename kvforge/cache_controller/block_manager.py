@@ -31,6 +31,11 @@ Invariants (tested in ``tests/test_block_manager.py``):
 
 - a table row holds exactly the blocks the pool counts as used by its request; every block
   id outside ``[held_from, cdiv(num_tokens, B))`` of a row is ``NULL_BLOCK``;
+- with ``share_pools=True`` the groups of one set of ``CacheLayout.pool_sets`` draw on one
+  pool: a block id is held by at most one of them at a time, the pool's used count is the
+  distinct blocks all their rows hold, and every capacity check sums the members' needs and
+  releases (``tests/test_shared_pools.py``, the shared config of
+  ``tests/test_prefix_property.py`` and the soak's ``--share-pools`` mode check it);
 - a refused request of a step changes nothing; the others proceed;
 - every public method is serialised by one lock: the scheduler side may be called from
   several threads, and the worker side (a different object) runs concurrently with it.
