@@ -142,7 +142,7 @@ def held_blocks(group: CacheGroup, num_computed: int, num_tokens: int) -> int:
     >>> from kvforge.specs import CacheGroup
     >>> swa = CacheGroup(name="swa", block_size=64, kind="sliding_window", window=128)
     >>> held_blocks(swa, 0, 512), held_blocks(swa, 512, 513), held_blocks(swa, 513, 513)
-    (8, 4, 3)
+    (8, 3, 3)
     """
     code = _KIND_CODES[group.kind.value]
     if code == _PER_REQUEST:
