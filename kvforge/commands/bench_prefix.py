@@ -249,7 +249,8 @@ class CacheModel(Protocol):
 
 
 class ManagerModel:
-    """The real scheduler side: a ``BlockManager`` with prefix caching and per-group pools."""
+    """The real scheduler side: a ``BlockManager`` with prefix caching (pools shared where
+    groups pair up, when ``share_pools``)."""
 
     def __init__(
         self, layout: CacheLayout, num_blocks: Mapping[str, int], max_num_seqs: int,
