@@ -166,3 +166,15 @@ def test_max_model_len_from_argument_or_mapping():
 def test_bad_max_model_len(value, message):
     with pytest.raises(ValueError, match=message):
         CacheLayout({0: GQABackend(2, 8, 16)}, max_model_len=value)
+
+
+def test_compress_ratios_per_group() -> None:
+    layout = CacheLayout(from_hf_config("deepseek-v4-flash"))
+    assert {g.name: layout.compress_ratios(g.name) for g in layout.groups} == {
+        "swa": (1,),
+        "compressed": (4, 128),
+        "c4_state": (1,),
+        "c128_state": (1,),
+    }
+    with pytest.raises(ValueError, match="group 'nope' does not exist"):
+        layout.compress_ratios("nope")

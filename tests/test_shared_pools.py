@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvforge import CacheController, GQABackend
-from kvforge.attn_backends.base import DeclaredBackend, block_buffer_view
+from kvforge.attn_backends.base import DeclaredBackend, block_buffer_view, new_block_buffer
 from kvforge.cache_controller import BlockManager, CacheLayout, memory_plan
 from kvforge.cache_controller.memory_plan import plan_memory, shared_pool_blocks
 from kvforge.cache_controller.values import PrefixEvent, PrefixQuery, Refusal
@@ -168,6 +168,13 @@ def test_block_buffer_view_refuses_a_raw_buffer_of_the_wrong_width() -> None:
     group = backend.groups_by_name()["kv"]
     view = block_buffer_view(torch.zeros((3, 512), dtype=torch.uint8), role, group)
     assert tuple(view.shape) == (3, 16, 2, 8) and view.dtype == torch.bfloat16
+    fresh = new_block_buffer(role, group, 3, "cpu")
+    assert (tuple(fresh.shape), fresh.stride(), fresh.dtype) == (
+        (3, 16, 2, 8),
+        view.stride(),
+        torch.bfloat16,
+    )
+    assert not fresh.view(torch.uint8).any()
     with pytest.raises(
         ValueError, match=r"role 'key' needs a contiguous uint8 \[num_blocks, 512\]"
     ):

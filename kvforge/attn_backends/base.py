@@ -30,6 +30,7 @@ __all__ = [
     "HostViewSource",
     "SwapContext",
     "block_buffer_view",
+    "new_block_buffer",
     "padded_block_view",
 ]
 
@@ -87,6 +88,18 @@ def padded_block_view(
         strides,
     )
     return typed
+
+
+def new_block_buffer(
+    role: CacheRole, group: CacheGroup, num_blocks: int, device: torch.device | str
+) -> torch.Tensor:
+    """A zeroed device cache of ``num_blocks`` blocks for ``role``: a fresh
+    ``uint8 [num_blocks, device_block_bytes]`` allocation seen through
+    :func:`block_buffer_view`."""
+    raw = torch.zeros(
+        (num_blocks, role.device_block_bytes(group)), dtype=torch.uint8, device=device
+    )
+    return block_buffer_view(raw, role, group)
 
 
 def block_buffer_view(raw: torch.Tensor, role: CacheRole, group: CacheGroup) -> torch.Tensor:
@@ -256,12 +269,9 @@ class AttentionBackend(ABC):
         for layer in layer_ids:
             for role in self.cache_roles():
                 group = groups[role.group]
-                raw = torch.zeros(
-                    (num_blocks[role.group], role.device_block_bytes(group)),
-                    dtype=torch.uint8,
-                    device=device,
+                caches[(role.name, layer)] = new_block_buffer(
+                    role, group, num_blocks[role.group], device
                 )
-                caches[(role.name, layer)] = block_buffer_view(raw, role, group)
         return caches
 
     def create_host_kv_cache(

@@ -176,6 +176,19 @@ class CacheLayout:
         """Buffers of ``group`` in list order."""
         return tuple(e for e in self.buffers if e.group.name == group)
 
+    @cached_property
+    def _compress_ratios(self) -> dict[str, tuple[int, ...]]:
+        return {
+            g.name: tuple(sorted({e.role.compress_ratio for e in self.buffers_of(g.name)}))
+            for g in self.groups
+        }
+
+    def compress_ratios(self, group: str) -> tuple[int, ...]:
+        """The distinct compress ratios of ``group``'s roles, ascending: a step computes one
+        slot mapping per ratio (DeepSeek-V4-Flash: ``compressed`` ``(4, 128)``, its ratio-4
+        and ratio-128 layers in one group; ``swa`` ``(1,)``)."""
+        return self._compress_ratios[self.group(group).name]
+
     def buffers_of_layers(self, layers: tuple[int, ...]) -> tuple[CacheBuffer, ...]:
         """Buffers of ``layers`` in list order (a backend's layers, asked on every swap)."""
         found = self._buffers_by_layers.get(layers)

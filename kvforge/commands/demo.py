@@ -477,10 +477,7 @@ class _Loop:
         self.most_swapped = 0
         self.running_at_end = 0
         self.swapped_at_end = 0
-        self.ratios = {
-            g: sorted({e.role.compress_ratio for e in ctl.layout.buffers if e.group.name == g})
-            for g in ctl.groups
-        }
+        self.ratios = {g: ctl.layout.compress_ratios(g) for g in ctl.groups}
         self.watermark = {
             g: math.ceil(config.watermark * ctl.num_usable_blocks(g)) for g in ctl.groups
         }

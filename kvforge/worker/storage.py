@@ -36,7 +36,12 @@ import numpy as np
 import torch
 
 from kvforge import ops
-from kvforge.attn_backends.base import AttentionBackend, SwapContext, block_buffer_view
+from kvforge.attn_backends.base import (
+    AttentionBackend,
+    SwapContext,
+    block_buffer_view,
+    new_block_buffer,
+)
 from kvforge.cache_controller.block_manager import table_widths
 from kvforge.cache_controller.layout import CacheLayout
 from kvforge.cache_controller.memory_plan import check_allocatable
@@ -119,10 +124,6 @@ class CacheStorage:
         self._num_blocks: dict[str, int] = {}
         self._tables: dict[str, np.ndarray] = {}
         self._device_tables: dict[str, torch.Tensor] = {}
-        self._ratios: dict[str, tuple[int, ...]] = {
-            g.name: tuple(sorted({e.role.compress_ratio for e in layout.buffers_of(g.name)}))
-            for g in layout.groups
-        }
         self.share_pools = False
         """Whether the installed caches may share a pool's bytes (set by create / adopt)."""
         self._host: HostPools | None = None
@@ -187,12 +188,9 @@ class CacheStorage:
                 if id(backend) in builds:
                     for e in self.layout.buffers_of_layers(layers):
                         if e.key not in created:
-                            raw = torch.zeros(
-                                (blocks[e.group.name], e.device_block_bytes),
-                                dtype=torch.uint8,
-                                device=self.device,
+                            created[e.key] = new_block_buffer(
+                                e.role, e.group, blocks[e.group.name], self.device
                             )
-                            created[e.key] = block_buffer_view(raw, e.role, e.group)
                     continue
                 caches = backend.create_kv_cache(layers, dict(blocks), self.device)
                 _check_keys(backend, layers, caches)
@@ -445,7 +443,7 @@ class CacheStorage:
         slots: dict[tuple[str, int], Any] = {}
         for g in self.layout.groups:
             table = self._tables[g.name]
-            for ratio in self._ratios[g.name]:
+            for ratio in self.layout.compress_ratios(g.name):
                 slots[(g.name, ratio)] = ops.slot_mapping(
                     table, rows, positions, g.block_size, ratio, check=False
                 )
