@@ -629,12 +629,23 @@ def _bench_prefix(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- main
 
 
+def _add_plugin_option(parser: argparse.ArgumentParser, default: object) -> None:
+    # on a subcommand the default is SUPPRESS, so `kvforge --plugin M plan` keeps the
+    # top-level value instead of the subparser overwriting it with None
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        metavar="MODULE",
+        default=default,
+        help="import MODULE first, which registers backends and model types (repeatable)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvforge", description="KV cache allocation, paging and offload for LLM inference"
     )
-    plugin_help = "import MODULE first, which registers backends and model types (repeatable)"
-    parser.add_argument("--plugin", action="append", metavar="MODULE", help=plugin_help)
+    _add_plugin_option(parser, None)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     plan = sub.add_parser("plan", help="size and name every cache of a model")
@@ -665,9 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="print JSON instead of tables; with PATH, write it there and print the tables",
     )
-    plan.add_argument(
-        "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
-    )
+    _add_plugin_option(plan, argparse.SUPPRESS)
     plan.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser(
@@ -710,9 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STEP",
         help="self-test: flip one cached byte after STEP steps; the run must fail (exit 1)",
     )
-    demo.add_argument(
-        "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
-    )
+    _add_plugin_option(demo, argparse.SUPPRESS)
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser(
@@ -738,9 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="prefix reuse: token hit rates on seeded multi-turn conversations instead",
     )
-    bench.add_argument(
-        "--plugin", action="append", metavar="MODULE", default=argparse.SUPPRESS, help=plugin_help
-    )
+    _add_plugin_option(bench, argparse.SUPPRESS)
     bench.set_defaults(func=cmd_bench)
 
     return parser
