@@ -10,6 +10,7 @@ from fractions import Fraction
 import pytest
 from pydantic import ValidationError
 
+from kvforge.cache_controller.memory_plan import shared_pool_blocks
 from kvforge.commands import bench_prefix
 from kvforge.commands.bench_prefix import (
     LruModel,
@@ -191,13 +192,13 @@ def test_floor_blocks_is_the_planners_reserve_for_windows() -> None:
     assert floor["compressed"] == 77  # a full group: what the running requests held
 
 
-def test_pool_blocks_pools_usable_blocks_of_a_shared_set() -> None:
-    assert bench_prefix.pool_blocks(build_layout("gpt-oss-20b"), {"swa": 300, "kv": 501}) == {
+def test_shared_pool_blocks_pools_usable_blocks_of_a_shared_set() -> None:
+    assert shared_pool_blocks(build_layout("gpt-oss-20b"), {"swa": 300, "kv": 501}) == {
         "swa": 800,
         "kv": 800,
     }
     per_group = {"swa": 5, "compressed": 6, "c4_state": 7, "c128_state": 8}
-    assert bench_prefix.pool_blocks(build_layout("deepseek-v4-flash"), per_group) == per_group
+    assert shared_pool_blocks(build_layout("deepseek-v4-flash"), per_group) == per_group
 
 
 @pytest.mark.parametrize(

@@ -974,13 +974,17 @@ class BlockManager:
         copies: list[BlockCopy] = []
         if snapshot:
             key = key_of[after]
-            for g in self._snapshot_groups:
+            for gi, g in enumerate(self._groups):
                 # one slot per request is what linear attention holds; several are not
                 # snapshotted (their blocks would have to be evicted together)
-                if g.slots != 1 or key in g.cached or g.pool.num_free < g.slots:
+                if (
+                    g.code != _PER_REQUEST
+                    or g.slots != 1
+                    or key in g.cached
+                    or g.pool.num_free < g.slots
+                ):
                     continue
                 dst = g.pool.take(g.slots)
-                gi = next(i for i, h in enumerate(self._groups) if h is g)
                 for b in dst.tolist():
                     g.pool.keys[b] = (key, after, gi)
                 g.cached[key] = int(dst[0])

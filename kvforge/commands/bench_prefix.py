@@ -24,7 +24,8 @@ At each memory size ``M`` (the same fraction of every group's working set), kvfo
 are split as its planner sizes a deployment (:func:`split_pools`): each window/state group
 gets the planner's reserve (:func:`floor_blocks`: live windows of every running request plus
 one step's allowance) plus a tail cache measured by :func:`tail_cache`, the full groups the
-rest; groups that share a pool then pool their blocks (:func:`pool_blocks`). The plain LRU
+rest; groups that share a pool then pool their blocks (``shared_pool_blocks``, as
+``CacheController(share_pools=True)`` sizes them). The plain LRU
 gets exactly the bytes of those blocks.
 
 Per run (:func:`run_prefix_bench`) the figures are token hit rates over prompt tokens:
@@ -76,7 +77,6 @@ __all__ = [
     "floor_blocks",
     "make_conversations",
     "measure_cost",
-    "pool_blocks",
     "print_prefix_table",
     "run_prefix_bench",
     "simulate",
@@ -861,13 +861,6 @@ def _memory_bytes(
     return sum((num_blocks[g] - 1) * int(layout.bytes_per_block(g)) for g in groups)
 
 
-def pool_blocks(layout: CacheLayout, num_blocks: Mapping[str, int]) -> dict[str, int]:
-    """Per-group blocks (null block included) as shared pools of the same usable pages: the
-    planner's :func:`~kvforge.cache_controller.memory_plan.shared_pool_blocks`, so the
-    benchmark sizes pools exactly as ``CacheController(share_pools=True)`` does."""
-    return shared_pool_blocks(layout, num_blocks)
-
-
 def _history_only(layout: CacheLayout, hits: Sequence[int]) -> int:
     """Tokens an engine caching only the full groups serves, given the aligned hits: it must
     recompute the window tail every window/state group reads, ``max(W) - 1`` tokens, and
@@ -1015,7 +1008,7 @@ def run_prefix_bench(
             # M: the same fraction of every group's working set (never below what the running
             # requests hold); kvforge splits M as its planner would, the LRU gets its bytes
             target = _memory_bytes(layout, _pools(ws, fraction, floor))
-            num_blocks = pool_blocks(layout, split_pools(layout, ws, floor, tails, target))
+            num_blocks = shared_pool_blocks(layout, split_pools(layout, ws, floor, tails, target))
             memory = _memory_bytes(layout, num_blocks, share_pools=True)
             say(f"{name}: {fraction} of the working set, BlockManager")
             run_model = ManagerModel(
