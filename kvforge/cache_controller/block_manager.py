@@ -54,7 +54,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from kvforge.cache_controller.block_pool import NULL_BLOCK, BlockPool
-from kvforge.cache_controller.layout import CacheLayout
+from kvforge.cache_controller.layout import CacheLayout, check_share_pools
 from kvforge.cache_controller.memory_plan import check_allocatable
 from kvforge.cache_controller.prefix_hash import PrefixHasher
 from kvforge.cache_controller.values import (
@@ -290,22 +290,14 @@ class BlockManager:
         share_pools: bool = False,
     ) -> None:
         self.layout = layout
-        if not isinstance(share_pools, bool):
-            raise TypeError(f"share_pools must be a bool, got {share_pools!r}")
-        self.share_pools = share_pools
+        self.share_pools = check_share_pools(share_pools)
         self.max_num_seqs = _int_arg("max_num_seqs", max_num_seqs, 1)
         names = [g.name for g in layout.groups]
         missing = [n for n in names if n not in num_blocks]
         if missing:
             raise ValueError(f"num_blocks has no count for groups {missing} (groups: {names})")
         pools: dict[str, BlockPool] = {}
-        for members in layout.pool_sets if share_pools else [(n,) for n in names]:
-            counts = {n: num_blocks[n] for n in members}
-            if len(set(counts.values())) > 1:
-                raise ValueError(
-                    f"num_blocks gives {counts} to groups {list(members)}, which share one "
-                    "pool (share_pools=True): give each of them the pool's block count"
-                )
+        for members in layout.pools(share_pools, num_blocks):
             pool = BlockPool(num_blocks[members[0]], "+".join(members))
             pools.update(dict.fromkeys(members, pool))
         self.max_model_len = resolve_max_model_len(layout, num_blocks, max_model_len)

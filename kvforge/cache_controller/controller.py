@@ -44,7 +44,7 @@ from kvforge.cache_controller.block_manager import (
     check_request_id,
     live_start,
 )
-from kvforge.cache_controller.layout import CacheLayout
+from kvforge.cache_controller.layout import CacheLayout, check_share_pools
 from kvforge.cache_controller.memory_plan import (
     MemoryPlan,
     blocks_per_group,
@@ -137,8 +137,7 @@ class CacheController:
         enable_prefix_caching: bool = False,
         share_pools: bool = False,
     ) -> None:
-        if not isinstance(share_pools, bool):
-            raise TypeError(f"share_pools must be a bool, got {share_pools!r}")
+        check_share_pools(share_pools)
         self.layout = CacheLayout(backends)
         self.enable_prefix_caching = enable_prefix_caching
         self.share_pools = share_pools

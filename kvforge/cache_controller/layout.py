@@ -25,7 +25,14 @@ from functools import cached_property
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.specs import CacheGroup, CacheRole, GroupKind, strict_int
 
-__all__ = ["CacheBuffer", "CacheEntry", "CacheLayout"]
+__all__ = ["CacheBuffer", "CacheEntry", "CacheLayout", "check_share_pools"]
+
+
+def check_share_pools(share_pools: object) -> bool:
+    """``share_pools`` itself, refused unless it is a bool (every side checks it alike)."""
+    if not isinstance(share_pools, bool):
+        raise TypeError(f"share_pools must be a bool, got {share_pools!r}")
+    return share_pools
 
 
 @dataclass(frozen=True)
@@ -274,6 +281,36 @@ class CacheLayout:
             else:
                 members.append(g.name)
         return tuple(tuple(s) for s in sets)
+
+    def pools(
+        self,
+        share_pools: bool,
+        num_blocks: Mapping[str, int],
+        refusal: str = "num_blocks gives {} to",
+    ) -> tuple[tuple[str, ...], ...]:
+        """The groups of each pool, in group order: :attr:`pool_sets` with ``share_pools``,
+        else every group alone. The groups of one pool must have the same count in
+        ``num_blocks`` (the pool's); ``refusal`` words the error around the counts.
+
+        Raises:
+            TypeError: ``share_pools`` is not a bool.
+            ValueError: two groups of one pool with different counts.
+        """
+        sets = (
+            self.pool_sets
+            if check_share_pools(share_pools)
+            else tuple((g.name,) for g in self.groups)
+        )
+        for members in sets:
+            if len(members) == 1:
+                continue
+            counts = {g: num_blocks[g] for g in members}
+            if len(set(counts.values())) > 1:
+                raise ValueError(
+                    f"{refusal.format(counts)} groups {list(members)}, which share one pool "
+                    "(share_pools=True): give each of them the pool's block count"
+                )
+        return sets
 
     def pool_of(self, group: str, share_pools: bool) -> tuple[str, ...]:
         """The groups whose pool ``group`` draws on (itself alone unless ``share_pools``)."""

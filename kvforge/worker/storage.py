@@ -43,7 +43,7 @@ from kvforge.attn_backends.base import (
     new_block_buffer,
 )
 from kvforge.cache_controller.block_manager import table_widths
-from kvforge.cache_controller.layout import CacheLayout
+from kvforge.cache_controller.layout import CacheLayout, check_share_pools
 from kvforge.cache_controller.memory_plan import check_allocatable
 from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.cache_controller.values import (
@@ -170,7 +170,7 @@ class CacheStorage:
         """
         with self._lock:
             self._check_fresh()
-            _check_share_pools(share_pools)
+            check_share_pools(share_pools)
             blocks = dict(num_blocks)
             shared = self._shared_sets(share_pools, blocks, "create: num_blocks gives {} to")
             pooled = {g for members in shared for g in members}
@@ -198,21 +198,11 @@ class CacheStorage:
             self._install(created, blocks, max_num_seqs, max_model_len, "create", share_pools)
 
     def _shared_sets(
-        self, share_pools: bool, blocks: Mapping[str, int], what: str
+        self, share_pools: bool, blocks: Mapping[str, int], refusal: str
     ) -> list[tuple[str, ...]]:
-        """The pool sets of more than one group (none without ``share_pools``), each with one
-        block count for all its members (``what`` words a refusal around the counts)."""
-        if not share_pools:
-            return []
-        sets = [members for members in self.layout.pool_sets if len(members) > 1]
-        for members in sets:
-            counts = {g: blocks[g] for g in members}
-            if len(set(counts.values())) > 1:
-                raise ValueError(
-                    f"{what.format(counts)} groups {list(members)}, which share one pool "
-                    "(share_pools=True): give each of them the pool's block count"
-                )
-        return sets
+        """The pools of more than one group (none without ``share_pools``), their counts
+        checked (``CacheLayout.pools``)."""
+        return [m for m in self.layout.pools(share_pools, blocks, refusal) if len(m) > 1]
 
     def _default_builders(self, pooled: set[str]) -> set[int]:
         """Ids of the backends serving a buffer of a shared group; each must keep the default
@@ -280,7 +270,7 @@ class CacheStorage:
         """
         with self._lock:
             self._check_fresh()
-            _check_share_pools(share_pools)
+            check_share_pools(share_pools)
             if not isinstance(caches, Mapping):
                 raise TypeError(
                     f"caches must map (role, layer) -> tensor, got {type(caches).__name__}"
@@ -662,11 +652,6 @@ class CacheStorage:
 
 
 # ====================================================================== helpers
-
-
-def _check_share_pools(share_pools: object) -> None:
-    if not isinstance(share_pools, bool):
-        raise TypeError(f"share_pools must be a bool, got {share_pools!r}")
 
 
 def _count(name: str, value: object) -> int:
