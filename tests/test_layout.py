@@ -178,3 +178,30 @@ def test_compress_ratios_per_group() -> None:
     }
     with pytest.raises(ValueError, match="group 'nope' does not exist"):
         layout.compress_ratios("nope")
+
+
+POOL_REFUSALS = [
+    # (share_pools, num_blocks, exception, message)
+    ("yes", {"swa": 4, "kv": 4}, TypeError, "share_pools must be a bool, got 'yes'"),
+    (
+        True,
+        {"swa": 4, "kv": 5},
+        ValueError,
+        "num_blocks gives {'swa': 4, 'kv': 5} to groups ['swa', 'kv'], which share one pool",
+    ),
+]
+
+
+def test_pools_are_the_pool_sets_with_sharing_else_every_group_alone() -> None:
+    layout = CacheLayout({0: GQABackend(1, 8, 16, sliding_window=32), 1: GQABackend(1, 8, 16)})
+    assert layout.pools(True, {"swa": 4, "kv": 4}) == (("swa", "kv"),)
+    # without sharing the counts may differ
+    assert layout.pools(False, {"swa": 4, "kv": 5}) == (("swa",), ("kv",))
+
+
+@pytest.mark.parametrize(("share", "blocks", "exc", "message"), POOL_REFUSALS)
+def test_pools_refuse(share: object, blocks: dict[str, int], exc: type, message: str) -> None:
+    layout = CacheLayout({0: GQABackend(1, 8, 16, sliding_window=32), 1: GQABackend(1, 8, 16)})
+    with pytest.raises(exc) as info:
+        layout.pools(share, blocks)  # type: ignore[arg-type]
+    assert message in str(info.value)
