@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/bench_offload.py [--quick] [--device cpu|cuda] [--json PATH]
 
-Same as ``kvforge bench``; see ``kvforge/commands/bench.py`` for what is measured and
+Same as ``kvforge bench``; see ``kvforge/cli/bench.py`` for what is measured and
 ``docs/performance.md`` for recorded figures.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from kvforge.commands.cli import main
+from kvforge.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Prefix reuse: kvforge's prefix cache on seeded multi-turn conversations, and its cost vs vLLM.
 
-The kvforge side is :mod:`kvforge.commands.bench_prefix`: conversations through
+The kvforge side is :mod:`prefix_sim`: conversations through
 ``BlockManager`` (lookup, chunked prefill with prefix matches, one decode token per step,
 finish) for DeepSeek-V4-Flash, Llama-3-8B and gpt-oss-20b, at memory sizes from "nothing is
 ever evicted" down to a quarter of the working set (kvforge's pools split as its planner
@@ -30,16 +30,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_baseline import VLLM_VERSION, run_vllm_prefix_cost, vllm_available
-
-from kvforge.commands.bench_prefix import (
+from prefix_sim import (
     MODELS,
     PrefixWorkload,
     print_prefix_table,
     run_prefix_bench,
     write_prefix_json,
 )
-from kvforge.commands.formatting import console
+from vllm_baseline import VLLM_VERSION, run_vllm_prefix_cost, vllm_available
+
+from kvforge.cli.formatting import console
 
 
 def _vllm_cost(repeats: int):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-step bookkeeping: kvforge against vLLM 0.33, same schedules, same process, same run.
 
-The kvforge side is :mod:`kvforge.commands.bench_step` (scheduler-side ``BlockManager.schedule``
+The kvforge side is :mod:`step_sim` (scheduler-side ``BlockManager.schedule``
 and worker-side ``CacheStorage.apply`` per step); the vLLM side is :mod:`vllm_baseline`
 (``KVCacheManager`` and ``MultiGroupBlockTable`` driven as vLLM's scheduler and V1 runner drive
 them). Both run every workload of :mod:`step_workloads` and report the same phases, in
@@ -31,10 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_workloads import SCALING_WORKLOADS, all_workloads, schedule
-from vllm_baseline import VLLM_VERSION, run_vllm_step, vllm_available
-
-from kvforge.commands.bench_step import (
+from step_sim import (
     StepRecord,
     print_step_table,
     run_facade_decode,
@@ -42,7 +39,10 @@ from kvforge.commands.bench_step import (
     step_records,
     write_step_json,
 )
-from kvforge.commands.formatting import console, make_table
+from step_workloads import SCALING_WORKLOADS, all_workloads, schedule
+from vllm_baseline import VLLM_VERSION, run_vllm_step, vllm_available
+
+from kvforge.cli.formatting import console, make_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """kvforge's memory plans against vLLM 0.33's own KV cache sizing, at the same concurrency.
 
-kvforge (:func:`kvforge.cache_controller.memory_plan.plan_memory`) gives every group its own
+kvforge (:func:`kvforge.core.memory_plan.plan_memory`) gives every group its own
 pool: window and state groups get ``n * max_live_blocks(L) + cdiv(T, B) + N`` blocks (plus a
 null block), full groups the rest. vLLM 0.33 has one shared pool for all groups (hybrid
 allocator) and admits a request into a sliding-window group with a reservation of
@@ -48,9 +48,9 @@ from fractions import Fraction
 from types import SimpleNamespace
 from typing import Any
 
-from kvforge.attn_backends.hf_config import from_hf_config
-from kvforge.cache_controller.layout import CacheLayout
-from kvforge.cache_controller.memory_plan import MemoryPlan, plan_memory
+from kvforge.core.layout import CacheLayout
+from kvforge.core.memory_plan import MemoryPlan, plan_memory
+from kvforge.models.hf_config import from_hf_config
 from kvforge.specs import GroupKind
 
 GIB = 1 << 30

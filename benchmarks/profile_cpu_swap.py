@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from kvforge import CacheController, SwapPurpose, ops
-from kvforge.commands.bench import _flash_backends, _group_moves, _grow_interleaved, _moved_bytes
-from kvforge.host_cache.swap import move_pages
+from kvforge.cli.bench import _flash_backends, _group_moves, _grow_interleaved, _moved_bytes
 from kvforge.ops import _common, cpu_fast
+from kvforge.worker.transfer import move_pages
 
 
 def best_us(

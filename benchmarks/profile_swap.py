@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 from kvforge import NULL_BLOCK, CacheController, GQABackend, ops
-from kvforge.host_cache import swap
 from kvforge.ops import _common
+from kvforge.worker import transfer as swap
 
 
 def best_of(fn: Callable[[], object], reps: int = 10) -> float:

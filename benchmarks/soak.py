@@ -22,7 +22,7 @@ once: the model's per-request extents are compared with the tables, the pools' u
 the distinct blocks the tables hold (each block's reference count with its holders), and which
 requests a batch accepts is read from the controller (the model does not know which blocks are
 shared or evictable). Truncating into a complete block copies it on write when it is shared
-and drops its key when only the cache knows it (``tests/test_prefix_property.py``).
+and drops its key when only the cache knows it (``tests/properties/test_prefix_property.py``).
 
 With ``--share-pools`` the controller has one more layer, a full GQA layer (group
 ``gqa_full``) of the same shapes as the sliding-window one (``gqa_swa``): their pages pair up
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from kvforge import CacheController, DeepseekV4Backend, GQABackend
-from kvforge.cache_controller.values import PrefixMatch, PrefixQuery
+from kvforge.core.values import PrefixMatch, PrefixQuery
 from kvforge.errors import OutOfBlocksError, RequestStateError
 from kvforge.specs import CacheGroup, GroupKind
 from kvforge.verify import entry_bytes_for, token_seeds, verify_request, write_entries
@@ -564,8 +564,8 @@ class Soak:
     def rewrites_complete_block(self, n: int, to: int) -> bool:
         """Whether truncating from ``n`` to ``to`` tokens keeps a complete block that the next
         tokens overwrite. The block manager copies such a block on write when it is shared
-        (``tests/test_prefix_property.py`` covers it); this model does not count the copy's
-        block, so the prefix run leaves these truncations out."""
+        (``tests/properties/test_prefix_property.py`` covers it); this model does not count the
+        copy's block, so the prefix run leaves these truncations out."""
         return any(
             to % g.block_size and (to // g.block_size + 1) * g.block_size <= n
             for g in self.model.groups.values()
@@ -976,7 +976,7 @@ BAD_CALLS: list[tuple[str, Callable[[Soak], Any]]] = [
 ]
 
 #: Bad calls the block manager would check only after it changed state: skipped by the run
-#: and pinned by a test in ``tests/test_soak.py`` (none left).
+#: and pinned by a test in ``tests/properties/test_soak.py`` (none left).
 KNOWN_LATE_CHECKS: set[str] = set()
 
 #: (name, weight, operation): a new entry point is one more row.

@@ -49,8 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from kvforge.commands.bench_step import StepTimes
+from step_sim import StepTimes
 
 if __package__:
     from .step_workloads import GroupDef, Schedule, Step, StepWorkload, all_workloads, schedule

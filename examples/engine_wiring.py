@@ -16,8 +16,8 @@ import argparse
 import torch
 
 from kvforge import CacheController, OutOfBlocksError
-from kvforge.attn_backends import from_hf_config
-from kvforge.cache_controller.layout import CacheBuffer
+from kvforge.core.layout import CacheBuffer
+from kvforge.models import from_hf_config
 from kvforge.verify import entry_bytes_for, verify_request, write_entries
 
 

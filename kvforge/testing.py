@@ -47,10 +47,10 @@ from typing import TypeVar
 import torch
 
 from kvforge.attn_backends.base import AttentionBackend
-from kvforge.cache_controller.block_pool import NULL_BLOCK
-from kvforge.cache_controller.controller import CacheController
-from kvforge.cache_controller.memory_plan import blocks_per_group
+from kvforge.controller import CacheController
+from kvforge.core.memory_plan import blocks_per_group
 from kvforge.platform import get_platform
+from kvforge.scheduler.block_pool import NULL_BLOCK
 from kvforge.specs import CacheGroup, CacheRole, SwapPurpose, TokenRange
 from kvforge.verify import entry_bytes_for, write_request
 from kvforge.worker.overlap import PlaneExtent, find_overlap, plane_extent

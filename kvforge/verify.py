@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from kvforge.cache_controller.controller import CacheController
-from kvforge.cache_controller.layout import CacheBuffer
+from kvforge.controller import CacheController
+from kvforge.core.layout import CacheBuffer
 
 __all__ = [
     "EntryCheck",
@@ -43,7 +43,7 @@ def token_seeds(token_ids: Sequence[int], extra_keys: Sequence[object] = ()) -> 
     prefix key, 62 bits): content written with them is what recomputing that prefix would
     write, so a block reused from another request with the same prefix must hold exactly
     it. ``int64 [len(token_ids)]``."""
-    from kvforge.cache_controller.prefix_hash import PrefixHasher
+    from kvforge.scheduler.prefix_hash import PrefixHasher
 
     keys = PrefixHasher(extra_keys).extend(token_ids)
     return torch.tensor([k & ((1 << 62) - 1) for k in keys.tolist()], dtype=torch.int64)

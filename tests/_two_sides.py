@@ -8,11 +8,12 @@ import sys
 from typing import Any
 
 MODELS = ("gqa", "dsa", "deepseek-v4-tiny-mtp")
-SCHEDULER_FORBIDDEN = ("kvforge.host_cache", "kvforge.ops", "kvforge.worker")
+SCHEDULER_FORBIDDEN = ("kvforge.worker", "kvforge.ops", "kvforge.worker")
 
 
 def build(model: str) -> dict:
-    from kvforge.attn_backends import DSABackend, GQABackend, from_hf_config
+    from kvforge.attn_backends import DSABackend, GQABackend
+    from kvforge.models import from_hf_config
 
     if model == "gqa":
         return {i: GQABackend(4, 32, 16) for i in range(3)}
@@ -41,11 +42,12 @@ def plain(value: Any) -> bool:
 def worker_main(conn: Any, model: str) -> None:
     import numpy as np
     import torch
+    from kvforge.core.kinds import live_start
 
-    from kvforge.cache_controller import CacheLayout, live_start
-    from kvforge.host_cache import swap
+    from kvforge.core.layout import CacheLayout
     from kvforge.verify import entry_bytes_for, read_entries, write_entries
     from kvforge.worker import CacheStorage
+    from kvforge.worker import transfer as swap
 
     layout = CacheLayout(build(model))
     storage = CacheStorage(layout, "cpu")
@@ -133,7 +135,8 @@ def scheduler_main(conn: Any, model: str, out: Any) -> None:
 
 
 def _scheduler(conn: Any, model: str) -> dict:
-    from kvforge.cache_controller import BlockManager, CacheLayout
+    from kvforge.core.layout import CacheLayout
+    from kvforge.scheduler import BlockManager
 
     def call(op: str, payload: Any = None) -> Any:
         assert plain(payload), f"{op} would send a tensor"

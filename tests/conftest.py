@@ -9,3 +9,14 @@ An explicit ``TRITON_INTERPRET`` in the environment wins.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import sys
+from pathlib import Path
+
+# Tests live in one folder per package (core/, scheduler/, ...); their shared helpers
+# (``_helpers``, ``_two_sides``) sit here, and the research harnesses they check sit in the
+# checkout's ``benchmarks/`` (they are not shipped in the package).
+_HERE = Path(__file__).resolve().parent
+for _path in (_HERE, _HERE.parent / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))

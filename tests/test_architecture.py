@@ -83,12 +83,12 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_contract_imports_nothing_from_the_controller_or_host_packages():
     graph = import_graph()
-    for bottom in ("kvforge.specs", "kvforge.attn_backends.base", "kvforge.cache_controller.layout"):
+    for bottom in ("kvforge.specs", "kvforge.attn_backends.base", "kvforge.core.layout"):
         assert not {
             m
             for m in graph[bottom]
-            if m.startswith(("kvforge.host_cache", "kvforge.worker", "kvforge.ops"))
-            or m == "kvforge.cache_controller.controller"
+            if m.startswith(("kvforge.worker", "kvforge.worker", "kvforge.ops"))
+            or m == "kvforge.controller"
         }, bottom
 
 
@@ -105,13 +105,13 @@ def test_the_scheduler_side_loads_no_backend_host_cache_or_kernel():
         "kvforge.attn_backends.mla",
         "kvforge.attn_backends.dsa",
         "kvforge.attn_backends.deepseek_v4",
-        "kvforge.attn_backends.hf_config",
+        "kvforge.models.hf_config",
     }
     assert not loaded & concrete
-    assert not {m for m in loaded if m.startswith(("kvforge.host_cache", "kvforge.ops", "kvforge.worker"))}
-    assert "kvforge.cache_controller.block_manager" in loaded
+    assert not {m for m in loaded if m.startswith(("kvforge.worker", "kvforge.ops", "kvforge.worker"))}
+    assert "kvforge.scheduler.block_manager" in loaded
 
 
 def test_the_facade_still_loads_on_first_use():
     loaded = loaded_after("from kvforge import CacheController")
-    assert {"kvforge.cache_controller.controller", "kvforge.worker.storage"} <= loaded
+    assert {"kvforge.controller", "kvforge.worker.storage"} <= loaded

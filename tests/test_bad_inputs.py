@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvforge import CacheController, GQABackend
-from kvforge.cache_controller.values import SwapResult
+from kvforge.core.values import SwapResult
 from kvforge.errors import RequestStateError
 from kvforge.verify import write_request
 from kvforge.worker import CacheStorage

@@ -29,8 +29,8 @@ WITH_EXAMPLES = [name for name in MODULES if _examples(name)]
 def test_the_docstrings_carry_worked_examples() -> None:
     # the modules whose arithmetic the guide asks to show at the formula
     for name in (
-        "kvforge.cache_controller.block_manager",
-        "kvforge.cache_controller.memory_plan",
+        "kvforge.scheduler.block_manager",
+        "kvforge.core.memory_plan",
     ):
         assert name in WITH_EXAMPLES, name
 

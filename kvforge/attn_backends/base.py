@@ -143,7 +143,7 @@ def block_buffer_view(raw: torch.Tensor, role: CacheRole, group: CacheGroup) -> 
 class HostViewSource(Protocol):
     """Where :meth:`AttentionBackend.create_host_kv_cache` gets its host views from.
 
-    The worker side passes its host pools (``kvforge.host_cache.HostViews``); the contract
+    The worker side passes its host pools (``kvforge.worker.HostViews``); the contract
     names only this protocol so that backends import nothing from the host package.
     """
 

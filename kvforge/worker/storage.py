@@ -42,11 +42,10 @@ from kvforge.attn_backends.base import (
     block_buffer_view,
     new_block_buffer,
 )
-from kvforge.cache_controller.block_manager import table_widths
-from kvforge.cache_controller.layout import CacheLayout, check_share_pools
-from kvforge.cache_controller.memory_plan import check_allocatable
-from kvforge.cache_controller.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
-from kvforge.cache_controller.values import (
+from kvforge.core.layout import CacheLayout, check_share_pools
+from kvforge.core.memory_plan import check_allocatable
+from kvforge.core.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
+from kvforge.core.values import (
     BlockCopy,
     StepAllocation,
     SwapFailure,
@@ -55,11 +54,12 @@ from kvforge.cache_controller.values import (
     TableDelta,
 )
 from kvforge.errors import ControllerClosedError
-from kvforge.host_cache.host_pool import HostPools, HostViews
-from kvforge.host_cache.swap import SwapStreams, move_pages, plane_bytes
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
+from kvforge.scheduler.block_manager import table_widths
+from kvforge.worker.host_pool import HostPools, HostViews
 from kvforge.worker.overlap import PoolMember, find_overlap, plane_extent
+from kvforge.worker.transfer import SwapStreams, move_pages, plane_bytes
 
 __all__ = ["CacheStorage", "StepInputs"]
 
@@ -100,7 +100,7 @@ class CacheStorage:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu"`` or ``"auto"``.
         rank: tensor-parallel rank (used in storage names).
         device_id: device ordinal used in storage names (default: the device's index or 0).
-        name_template: storage-name template (see :mod:`kvforge.cache_controller.naming`).
+        name_template: storage-name template (see :mod:`kvforge.core.naming`).
     """
 
     def __init__(

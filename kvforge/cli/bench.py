@@ -1,0 +1,450 @@
+"""Offload benchmark: our swap path against two baselines on the same bytes, in one run.
+
+For each case a controller is built, two requests grow in turns so their blocks interleave
+(as in a live engine), and one of them is swapped out and in repeatedly. Each direction is
+compared with, on the same number of bytes:
+
+- ``memcpy``: one contiguous copy (device -> host on swap out, host -> device on swap in),
+  the limit any paged transfer can approach;
+- ``loop``: a per-block, per-plane copy loop between the same device blocks and host pages,
+  what engines do today.
+
+Times are the best of ``repeats`` runs; ratios are throughput ratios measured in this run.
+
+On CPU every timed run starts with the bytes it moves out of cache (unless ``warm_cache``),
+for the baselines and for our path alike: see :func:`cache_flusher`. Without that, a small
+transfer repeated back to back is a cache-to-cache copy for the contiguous baseline (30-45 GB/s
+for 1.6 MiB on a 2-core VM with an 8 MiB L3, against about 7 GB/s from memory), which says
+nothing about a swap: the blocks of a preempted request and the host pages it goes to were
+last touched long before.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from kvforge.attn_backends import DeepseekV4Backend, GQABackend
+from kvforge.attn_backends.base import AttentionBackend, DeclaredBackend
+from kvforge.controller import CacheController
+from kvforge.ops import PlaneSet
+from kvforge.platform import Platform, get_platform
+from kvforge.specs import CacheGroup, CacheRole, SwapPurpose
+from kvforge.worker.host_pool import HostGroupPool
+from kvforge.worker.transfer import move_pages
+
+__all__ = ["BenchCase", "BenchResult", "default_cases", "run_bench"]
+
+
+class BenchResult(BaseModel):
+    """One measured (case, direction)."""
+
+    layout: str
+    direction: str
+    device: str
+    impl: str
+    page_bytes: int
+    """Bytes of one host page (one block of every plane of the group)."""
+    min_plane_bytes: int
+    """Smallest contiguous unit the gather moves: one block of the smallest plane."""
+    num_planes: int
+    requests: int
+    """Requests moved together in one data-path call."""
+    blocks: int
+    bytes: int
+    seconds: float
+    cache: str
+    """Cache state at the start of each timed run: ``"cold data"`` (the moved bytes evicted),
+    ``"cold"`` (whole caches flushed), ``"warm"`` (``--warm-cache``) or ``"n/a"`` (GPU)."""
+    gbps: float
+    memcpy_gbps: float
+    loop_gbps: float
+    ratio_vs_memcpy: float
+    ratio_vs_loop: float
+
+
+class _SynthBackend(DeclaredBackend):
+    """One uint8 role per layer with ``plane_bytes`` per block (block size 1 token)."""
+
+    def __init__(self, plane_bytes: int) -> None:
+        self.plane_bytes = plane_bytes
+        self.declare(
+            [CacheGroup(name="kv", block_size=1)],
+            [CacheRole(name="key", group="kv", entry_shape=(plane_bytes,), dtype="uint8")],
+        )
+
+    def __repr__(self) -> str:
+        return f"_SynthBackend({self.plane_bytes})"
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """A model and what of it to swap.
+
+    Attributes:
+        name: label in reports.
+        backends: layer id -> backend.
+        group: the group whose pages are measured through the swap data path
+            (``move_pages``); ``None``: whole requests through ``swap_out_many`` /
+            ``swap_in_many``, every group, hooks and bookkeeping included.
+        target_bytes: with a group, roughly how many bytes one request should move; without,
+            the request length in tokens.
+        requests: how many requests move together, in one data-path call per group (as
+            ``swap_out_many`` does); 1 measures a single swap.
+    """
+
+    name: str
+    backends: Mapping[int, AttentionBackend]
+    group: str | None
+    target_bytes: int
+    requests: int = 1
+
+
+def _flash_backends(layers: int = 43) -> dict[int, AttentionBackend]:
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(layers - 2)] + [0]
+    kinds = {r: DeepseekV4Backend(r) for r in (0, 4, 128)}
+    return {layer: kinds[r] for layer, r in enumerate(ratios)}
+
+
+def default_cases(quick: bool) -> list[BenchCase]:
+    """Llama-3-8B GQA, the DeepSeek-V4-Flash groups, and a sweep of plane sizes."""
+    mib = 1 << 20
+    big = (32 if quick else 128) * mib  # well above the last-level cache
+    llama = {i: GQABackend(8, 128, 16, "bfloat16") for i in range(32)}
+    flash = _flash_backends()
+    cases = [BenchCase("llama3-8b/kv", llama, "kv", big)]
+    groups = ["swa", "compressed"] if quick else ["swa", "compressed", "c4_state", "c128_state"]
+    cases += [BenchCase(f"dsv4-flash/{g}", flash, g, big) for g in groups]
+    # One request's window or state is a small transfer (latency); an engine preempting
+    # several requests in one step moves them in one call (throughput).
+    batched = ["swa"] if quick else ["swa", "c4_state"]
+    cases += [BenchCase(f"dsv4-flash/{g} x16", flash, g, big, requests=16) for g in batched]
+    # One whole request, all four groups through the controller: what an engine waits for.
+    lengths = (4096,) if quick else (1024, 4096, 16384)
+    cases += [BenchCase(f"dsv4-flash/request {n // 1024}k", flash, None, n) for n in lengths]
+    sweep = (1_168, 37_376) if quick else (1_168, 8_448, 32_768, 37_376)
+    for size in sweep:
+        cases.append(
+            BenchCase(f"planes-{size}B", {i: _SynthBackend(size) for i in range(20)}, "kv", big)
+        )
+    return cases
+
+
+#: Least bytes a whole-cache flush touches; more when the last-level cache is larger.
+FLUSH_MIN_BYTES = 64 << 20
+
+
+def _last_level_cache_bytes() -> int:
+    """Size of the last-level CPU cache as the OS reports it, 0 where it does not."""
+    for name in ("SC_LEVEL4_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            size = os.sysconf(name)
+        except (ValueError, OSError):
+            continue
+        if size > 0:
+            return size
+    return 0
+
+
+def cache_flusher(
+    platform: Platform, buffers: list[torch.Tensor]
+) -> tuple[Callable[[], None] | None, str]:
+    """What to run before each timed run so that it starts with the moved bytes out of cache,
+    and its label for reports.
+
+    - accelerators: nothing (``"n/a"``): their swaps cross the host link, not a host cache;
+    - x86-64 CPU with numba: evict exactly ``buffers`` line by line (``"cold data"``); the code
+      stays warm, as in a serving loop where the swap path runs often but the preempted
+      request's bytes were last touched long ago;
+    - other CPUs: read and write a scratch buffer of ``max(FLUSH_MIN_BYTES, 2 * last-level
+      cache)`` bytes (``"cold"``), which evicts the code too. It runs on the calling thread
+      (numpy): a torch op would leave OpenMP workers spinning into the timed run.
+    """
+    if platform.is_accelerator:
+        return None, "n/a"
+    try:
+        from kvforge.ops import cpu_fast
+    except Exception:  # numba missing or broken: fall back to the whole-cache flush
+        cpu_fast = None  # type: ignore[assignment]
+    if cpu_fast is not None and cpu_fast.can_evict():
+        return (lambda: cpu_fast.evict_from_caches(buffers)), "cold data"
+    size = max(FLUSH_MIN_BYTES, 2 * _last_level_cache_bytes())
+    scratch = np.zeros(size // 8, dtype=np.int64)
+
+    def flush() -> None:
+        np.add(scratch, 1, out=scratch)
+
+    return flush, "cold"
+
+
+def _timed(
+    platform: Platform,
+    fn: Callable[[], Any],
+    repeats: int,
+    flush: Callable[[], None] | None = None,
+) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        if flush is not None:
+            flush()
+        platform.synchronize()
+        start = time.perf_counter()
+        fn()
+        platform.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _grow_interleaved(ctl: CacheController, names: list[str], tokens: int, step: int) -> None:
+    """Grow ``names`` and ``"other"`` in turns, ``step`` tokens at a time, so their blocks
+    interleave as in a live engine."""
+    for end in range(step, tokens + step, step):
+        for name in (*names, "other"):
+            ctl.allocate(name, min(end, tokens))
+
+
+def _case_blocks(ctl: CacheController, case: BenchCase) -> int:
+    assert case.group is not None
+    page = ctl.layout.host_page_bytes(case.group)
+    group = ctl.layout.group(case.group)
+    blocks = max(4, case.target_bytes // page)
+    if group.window is not None:  # only the window moves: keep the request inside it
+        blocks = min(blocks, max(1, group.window // group.block_size))
+    return blocks
+
+
+@dataclass
+class _GroupMove:
+    """One group's part of a measured move: the requests' device blocks and host pages."""
+
+    planes: PlaneSet
+    host: HostGroupPool
+    ids: list[int]
+    pages: list[int]
+
+
+def _group_moves(ctl: CacheController, names: list[str], groups: list[str]) -> list[_GroupMove]:
+    """The blocks a swap of ``names`` moves in ``groups``, with host pages taken for them."""
+    host = ctl.storage.host
+    manager = ctl.block_manager
+    moves = []
+    for g in groups:
+        indices = {r: manager.selection(r, SwapPurpose.PREEMPT).get(g, ()) for r in names}
+        ids = [ctl.block_table(r, g)[i] for r in names for i in indices[r]]
+        if ids:
+            pages = manager.host_pool(g).allocate(len(ids))
+            moves.append(_GroupMove(ctl.storage.planes(g), host.groups[g], ids, pages))
+    return moves
+
+
+def _moved_bytes(moves: list[_GroupMove]) -> list[torch.Tensor]:
+    """Exactly the bytes ``moves`` read and write: each moved block of each plane and each
+    host page they use, as contiguous views (what a "cold data" flush evicts)."""
+    views = [p[b] for m in moves for p in m.planes for b in m.ids]
+    return views + [m.host.pages[page] for m in moves for page in m.pages]
+
+
+def _allocation(cache: torch.Tensor) -> torch.Tensor:
+    """The whole allocation under ``cache`` as one contiguous uint8 tensor."""
+    storage = cache.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage)
+
+
+def _block_loop(moves: list[_GroupMove], direction: str) -> None:
+    """What engines do today: one copy per block per plane."""
+    for m in moves:
+        sizes = [p.shape[1] for p in m.planes]
+        for b, page in zip(m.ids, m.pages, strict=True):
+            row = m.host.pages[page]
+            for plane, off, size in zip(m.planes, m.host.offsets, sizes, strict=True):
+                if direction == "out":
+                    row[off : off + size].copy_(plane[b], non_blocking=True)
+                else:
+                    plane[b].copy_(row[off : off + size], non_blocking=True)
+
+
+def _measure_case(
+    case: BenchCase, platform: Platform, repeats: int, warm_cache: bool
+) -> list[BenchResult]:
+    from kvforge import ops
+
+    probe = CacheController(case.backends, device=platform.device)
+    if case.group is not None:
+        blocks = _case_blocks(probe, case)
+        step = probe.layout.group(case.group).block_size
+        tokens = blocks * step
+    else:
+        tokens = case.target_bytes
+        step = max(g.block_size for g in probe.layout.groups)
+    # Every request fits in every group; window and state groups stay small. Whole-request
+    # swaps take host pages of their own besides those of the loop baseline: twice as many.
+    copies = case.requests + 1 if case.group is not None else 2 * case.requests + 1
+    # a window group also holds the blocks of the step that grew it (one ``step`` of tokens)
+    num_blocks = {
+        g.name: copies * (g.max_live_blocks(tokens) + -(-step // g.block_size) + 1) + 2
+        for g in probe.layout.groups
+    }
+    ctl = CacheController(case.backends, device=platform.device)
+    ctl.initialize_kv_cache(num_blocks=num_blocks)
+    ctl.initialize_host_cache(num_pages=num_blocks)
+    names = [f"bench{k}" for k in range(case.requests)]
+    _grow_interleaved(ctl, names, tokens, step)
+
+    # What one swap of the requests moves, per group, with host pages of its own for the
+    # data-path cases and for the per-block loop baseline.
+    groups = [case.group] if case.group is not None else [g.name for g in ctl.layout.groups]
+    moves = _group_moves(ctl, names, groups)
+    nbytes = sum(len(m.ids) * m.host.page_bytes for m in moves)
+    src = platform.empty((nbytes,), torch.uint8)
+    dst = platform.empty_host((nbytes,), torch.uint8)
+    # Touch both first: an untouched CPU buffer reads as the kernel's shared zero page, which
+    # would make the baseline a copy out of one cached 4 KiB page.
+    src.fill_(0x5A)
+    dst.fill_(0xA5)
+    if case.group is not None:
+        buffers = _moved_bytes(moves)
+    else:  # the blocks a whole-request swap picks are known only once it runs: every pool
+        # (a padded cache is a strided view: evict its whole allocation)
+        buffers = [_allocation(t) for t in ctl.kv_caches]
+        buffers += [p.pages for p in ctl.storage.host.groups.values()]
+    buffers += [src, dst]
+    flush, cache = (None, "warm") if warm_cache else cache_flusher(platform, buffers)
+
+    keep: list[torch.Tensor] = []
+    if case.group is not None:
+        # The swap data path of one group, on the requests' real (interleaved) blocks, all of
+        # them in one call as swap_out_many moves them.
+        [m] = moves
+        args = (platform, ctl.storage.streams, m.planes, m.ids, m.host.pages, m.pages, keep)
+        swap_out = functools.partial(move_pages, "out", *args)
+        swap_in = functools.partial(move_pages, "in", *args)
+        swap_out()  # warm-up: kernel compilation, first touch of pages
+        swap_in()
+        t_out = _timed(platform, swap_out, repeats, flush)
+        t_in = _timed(platform, swap_in, repeats, flush)
+    else:
+        ctl.swap_out_many(names)  # warm-up
+        ctl.swap_in_many(names)
+        t_out = t_in = float("inf")
+        for _ in range(repeats):  # out and in alternate: each needs the other's result
+            t_out = min(t_out, _timed(platform, lambda: ctl.swap_out_many(names), 1, flush))
+            t_in = min(t_in, _timed(platform, lambda: ctl.swap_in_many(names), 1, flush))
+    keep.clear()
+    t_memcpy_out = _timed(platform, lambda: dst.copy_(src, non_blocking=True), repeats, flush)
+    t_memcpy_in = _timed(platform, lambda: src.copy_(dst, non_blocking=True), repeats, flush)
+    reps = max(1, repeats // 2)
+    t_loop_out = _timed(platform, lambda: _block_loop(moves, "out"), reps, flush)
+    t_loop_in = _timed(platform, lambda: _block_loop(moves, "in"), reps, flush)
+    sizes = [p.shape[1] for m in moves for p in m.planes]
+    page = max(m.host.page_bytes for m in moves)
+    moved = sum(len(m.ids) for m in moves)
+    num_planes = len(sizes)
+    impl = ops.resolve_impl("auto", platform.device)
+    ctl.free()
+
+    results = []
+    for direction, t, tm, tl in (
+        ("out", t_out, t_memcpy_out, t_loop_out),
+        ("in", t_in, t_memcpy_in, t_loop_in),
+    ):
+        gbps = nbytes / t / 1e9
+        memcpy_gbps = nbytes / tm / 1e9
+        loop_gbps = nbytes / tl / 1e9
+        results.append(
+            BenchResult(
+                layout=case.name,
+                direction=direction,
+                device=str(platform.device),
+                impl=impl,
+                page_bytes=page,
+                min_plane_bytes=min(sizes),
+                num_planes=num_planes,
+                requests=case.requests,
+                blocks=moved,
+                bytes=nbytes,
+                seconds=t,
+                cache=cache,
+                gbps=round(gbps, 3),
+                memcpy_gbps=round(memcpy_gbps, 3),
+                loop_gbps=round(loop_gbps, 3),
+                ratio_vs_memcpy=round(gbps / memcpy_gbps, 3),
+                ratio_vs_loop=round(gbps / loop_gbps, 2),
+            )
+        )
+    return results
+
+
+def run_bench(
+    quick: bool = False,
+    device: str | None = None,
+    repeats: int | None = None,
+    cases: list[BenchCase] | None = None,
+    progress: bool = True,
+    warm_cache: bool = False,
+) -> list[BenchResult]:
+    """Measure every case in both directions; see the module docstring."""
+    platform = get_platform(device)
+    chosen = cases if cases is not None else default_cases(quick)
+    reps = repeats or (3 if quick else 5)
+    results: list[BenchResult] = []
+    if progress:
+        from rich.progress import track
+
+        iterator = track(chosen, description="benchmarking swaps", transient=True)
+    else:
+        iterator = iter(chosen)
+    for case in iterator:
+        results += _measure_case(case, platform, reps, warm_cache)
+    return results
+
+
+def print_results(results: list[BenchResult]) -> None:
+    from kvforge.cli.formatting import console, format_bytes, make_table
+
+    table = make_table(
+        "kvforge swap throughput vs baselines (same bytes, same run; at the start of each "
+        f"run the caches were {', '.join(sorted({r.cache for r in results}))})",
+        (
+            "layout",
+            "dir",
+            "impl",
+            "page",
+            "min plane",
+            "moved",
+            "GB/s",
+            "memcpy GB/s",
+            "loop GB/s",
+            "vs memcpy",
+            "vs loop",
+        ),
+        left=("layout", "dir", "impl"),
+    )
+    for r in results:
+        table.add_row(
+            r.layout,
+            r.direction,
+            r.impl,
+            f"{r.page_bytes:,}",
+            f"{r.min_plane_bytes:,}",
+            format_bytes(r.bytes),
+            f"{r.gbps:.2f}",
+            f"{r.memcpy_gbps:.2f}",
+            f"{r.loop_gbps:.2f}",
+            f"{r.ratio_vs_memcpy:.2f}",
+            f"{r.ratio_vs_loop:.1f}x",
+        )
+    console().print(table)
+
+
+def write_json(results: list[BenchResult], path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump([r.model_dump() for r in results], fh, indent=2)

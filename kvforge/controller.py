@@ -1,0 +1,740 @@
+"""The one-process facade over both sides of the cache.
+
+:class:`CacheController` owns a scheduler side (:class:`BlockManager`: pools, tables, swap
+bookkeeping) and a worker side (:class:`~kvforge.worker.CacheStorage`: device caches, host
+pages, copies) and passes the plain values between them, so a program that runs both in one
+process calls one object. Engines that schedule in one process and run workers in others use
+the two sides directly (see ``docs/architecture.md``).
+
+Lifecycle::
+
+    controller = CacheController(backends, device="cpu")
+    controller.initialize_kv_cache(memory_budget=...)      # or num_blocks=...
+    controller.initialize_host_cache(memory_budget=...)    # optional, for swaps
+    controller.schedule(["req-0"], [num_tokens])           # per step, the whole batch
+    controller.allocate("req-0", num_tokens)               # or one request at a time
+    controller.slot_mapping("req-0", "kv", positions)
+    handle = controller.swap_out("req-0"); ...; controller.swap_in("req-0")
+    controller.free_request("req-0")
+    controller.free()                                      # once; idempotent
+
+Invariants: the cache list is layer-major and follows each backend's role order; an
+operation that fails leaves pools, tables and host pages as they were; everything allocated
+is freed exactly once by :meth:`CacheController.free`. Every public method holds one lock,
+so threads may share a controller (calls are serialised).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from kvforge.attn_backends.base import AttentionBackend
+from kvforge.core.layout import CacheLayout, check_share_pools
+from kvforge.core.memory_plan import (
+    MemoryPlan,
+    blocks_per_group,
+    plan_from_blocks,
+    plan_memory,
+    shared_pool_blocks,
+)
+from kvforge.core.naming import DEFAULT_NAME_TEMPLATE
+from kvforge.core.values import (
+    PrefixMatch,
+    PrefixQuery,
+    StepAllocation,
+    SwapFailure,
+    SwapPlan,
+    SwapResult,
+)
+from kvforge.errors import ControllerClosedError, OutOfBlocksError, RequestStateError
+from kvforge.platform import Platform
+from kvforge.scheduler.block_manager import (
+    DEFAULT_MAX_NUM_SEQS,
+    BlockManager,
+    PrefixStats,
+    SwapStats,
+    check_request_id,
+    live_start,
+)
+from kvforge.specs import SwapPurpose
+from kvforge.worker.storage import CacheStorage, StepInputs
+from kvforge.worker.transfer import SwapHandle
+
+__all__ = ["CacheController", "ScheduledStep", "SwapStats"]
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """One step through the facade: what the scheduler side decided and what the worker
+    side computed from it."""
+
+    allocation: StepAllocation
+    inputs: StepInputs
+
+
+def _one_sizing(count: object, memory_budget: object, name: str = "num_blocks") -> None:
+    if (count is None) == (memory_budget is None):
+        raise ValueError(
+            f"give exactly one of {name} or memory_budget, got "
+            f"{name}={count!r}, memory_budget={memory_budget!r}"
+        )
+
+
+def _count(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    @functools.wraps(method)
+    def wrapper(self: CacheController, *args: Any, **kwargs: Any) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class CacheController:
+    """Allocates, names, orders, pages and offloads the caches of a model, in one process.
+
+    Args:
+        backends: layer id -> backend. Layers may use different backends; an instance may
+            serve many layers.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"npu"`` or ``"auto"``.
+        rank: tensor-parallel rank (used in storage names).
+        device_id: device ordinal used in storage names (default: the device's index or 0).
+        name_template: storage-name template (see :mod:`kvforge.core.naming`).
+        enable_prefix_caching: keep the blocks of finished requests reusable by later
+            requests with the same prefix (see :meth:`lookup`).
+        share_pools: groups whose pages pair up byte for byte
+            (:attr:`CacheLayout.pool_sets`, e.g. gpt-oss's ``swa`` and ``kv``) draw on one
+            block pool whose bytes are paid once (see :class:`BlockManager` and
+            :meth:`CacheStorage.create`).
+
+    Raises:
+        ValueError / TypeError: bad mapping, inconsistent declarations, two backends that
+            declare one group name differently, an unknown device, a bad template, a template
+            that gives two buffers one name.
+    """
+
+    def __init__(
+        self,
+        backends: Mapping[int, AttentionBackend],
+        device: str | torch.device = "cpu",
+        rank: int = 0,
+        device_id: int | None = None,
+        name_template: str = DEFAULT_NAME_TEMPLATE,
+        enable_prefix_caching: bool = False,
+        share_pools: bool = False,
+    ) -> None:
+        check_share_pools(share_pools)
+        self.layout = CacheLayout(backends)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.share_pools = share_pools
+        self.storage = CacheStorage(self.layout, device, rank, device_id, name_template)
+        self._manager: BlockManager | None = None
+        self._plan: MemoryPlan | None = None
+        self._closed = False
+        self._lock = threading.RLock()
+
+    # ================================================================== declarations
+
+    @property
+    def platform(self) -> Platform:
+        return self.storage.platform
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    @property
+    def rank(self) -> int:
+        return self.storage.rank
+
+    @property
+    def device_id(self) -> int:
+        return self.storage.device_id
+
+    @property
+    def namer(self) -> Any:
+        return self.storage.namer
+
+    @property
+    def groups(self) -> list[str]:
+        """Group names in the controller's deterministic order."""
+        return [g.name for g in self.layout.groups]
+
+    def bytes_per_block(self, group: str) -> int:
+        """Device bytes of one block of ``group`` over every layer and role."""
+        return self.layout.bytes_per_block(group)
+
+    def kv_bytes_per_token(self) -> Any:
+        """Device bytes one token of full-attention history costs (see ``CacheLayout``)."""
+        return self.layout.kv_bytes_per_token()
+
+    def storage_name(self, role: str, layer: int) -> str:
+        """The stable name of the buffer ``(role, layer)``."""
+        return self.storage.names[self.index_of(role, layer)]
+
+    @property
+    def storage_names(self) -> list[str]:
+        """Storage names in cache-list order."""
+        return list(self.storage.names)
+
+    def index_of(self, role: str, layer: int) -> int:
+        """Position of ``(role, layer)`` in :attr:`kv_caches`; kernels use it, never ``2*l+1``."""
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise KeyError(f"layer must be an int, got {layer!r}")
+        return self.layout.entry(role, layer).index
+
+    def plan_memory(
+        self,
+        memory_budget: int,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        **options: Any,
+    ) -> MemoryPlan:
+        """The plan :meth:`initialize_kv_cache` would allocate for these arguments."""
+        return plan_memory(self.layout, memory_budget, max_num_seqs, max_model_len, **options)
+
+    # ================================================================== the two sides
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The scheduler side (pools, tables, swap bookkeeping)."""
+        return self._ready_manager()
+
+    # ================================================================== device caches
+
+    @_locked
+    def initialize_kv_cache(
+        self,
+        num_blocks: int | Mapping[str, int] | None = None,
+        memory_budget: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        **plan_options: Any,
+    ) -> MemoryPlan:
+        """Allocate every device cache and the scheduler side's tables.
+
+        Give either ``num_blocks`` (an int for every group, or group -> int; physical blocks
+        including the reserved null block, so at least 2) or ``memory_budget`` in bytes
+        (optionally with ``max_num_seqs`` and ``max_model_len``; see :func:`plan_memory`).
+        ``max_num_seqs`` (default 256) is the number of block-table rows; ``max_model_len``
+        their width in tokens (default: what the smallest full group holds).
+
+        With ``share_pools``, explicit ``num_blocks`` are the pools' counts, so the groups of
+        a shared set need equal counts (the :class:`BlockManager` refuses others); a
+        ``memory_budget`` is planned per group and each shared set's pool then gets the
+        members' usable blocks summed plus one null block (:func:`shared_pool_blocks`),
+        the same usable blocks for the plan's bytes less the members' spare null blocks.
+
+        Returns:
+            the plan that was allocated: per group. Under ``share_pools`` its counts and
+            bytes are the per-group figures (a shared set's bytes counted per member); the
+            pools' counts are ``storage.num_blocks`` and their bytes ``device_bytes``.
+        """
+        self._check_open()
+        if self.storage.ready:
+            raise RuntimeError("initialize_kv_cache was already called on this controller")
+        _one_sizing(num_blocks, memory_budget)
+        if num_blocks is not None:
+            if plan_options:
+                raise ValueError(f"{sorted(plan_options)} go with memory_budget, not num_blocks")
+            plan = plan_from_blocks(self.layout, self._blocks_per_group(num_blocks))
+        else:
+            plan = self.plan_memory(
+                _count("memory_budget", memory_budget),
+                max_num_seqs,
+                max_model_len,
+                **plan_options,
+            )
+        blocks = dict(plan.num_blocks)
+        for g in self.layout.groups:  # groups with no bytes still need a pool for tables
+            blocks.setdefault(g.name, 2)
+        if self.share_pools and memory_budget is not None:
+            blocks = shared_pool_blocks(self.layout, blocks)
+        seqs = max_num_seqs if max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+        manager = BlockManager(
+            self.layout,
+            blocks,
+            seqs,
+            max_model_len,
+            self.enable_prefix_caching,
+            share_pools=self.share_pools,
+        )
+        self.storage.create(
+            blocks, manager.max_num_seqs, manager.max_model_len, share_pools=self.share_pools
+        )
+        self._manager = manager
+        self._plan = plan
+        return plan
+
+    @_locked
+    def adopt_kv_cache(
+        self,
+        caches: Mapping[tuple[str, int], torch.Tensor],
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_model_len: int | None = None,
+    ) -> MemoryPlan:
+        """Use device caches an engine already allocated, one tensor per ``(role, layer)``.
+
+        The block counts are read from the tensors; see :meth:`CacheStorage.adopt`. With
+        ``share_pools``, the groups of a shared set must hold equal counts and their tensors
+        may be the same bytes.
+        """
+        self._check_open()
+        if self.storage.ready:
+            raise RuntimeError("initialize_kv_cache was already called on this controller")
+        found: dict[str, int] = {}
+        if isinstance(caches, Mapping):
+            for e in self.layout.buffers:
+                t = caches.get(e.key)
+                if isinstance(t, torch.Tensor) and t.dim():
+                    found[e.group.name] = int(t.shape[0])
+        probe: dict[str, int] = {}
+        for g in self.layout.groups:
+            # a group without tensors borrows its pool's count, so the storage names what
+            # is missing rather than the scheduler side a count mismatch
+            pool = self.layout.pool_of(g.name, self.share_pools)
+            probe[g.name] = found.get(g.name, next((found[m] for m in pool if m in found), 2))
+        manager = BlockManager(
+            self.layout,
+            probe,
+            max_num_seqs,
+            max_model_len,
+            self.enable_prefix_caching,
+            share_pools=self.share_pools,
+        )
+        blocks = self.storage.adopt(
+            caches, manager.max_num_seqs, manager.max_model_len, share_pools=self.share_pools
+        )
+        self._manager = manager
+        self._plan = plan_from_blocks(self.layout, blocks)
+        return self._plan
+
+    def _blocks_per_group(self, num_blocks: int | Mapping[str, int]) -> dict[str, int]:
+        return blocks_per_group(self.groups, num_blocks)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every device cache, layer-major, roles in each backend's declared order."""
+        self._check_open()
+        return self.storage.kv_caches
+
+    @property
+    def cache_map(self) -> dict[str, torch.Tensor]:
+        """Storage name -> device cache."""
+        self._check_open()
+        return self.storage.cache_map
+
+    def get(self, role: str, layer: int) -> torch.Tensor:
+        """The device cache of ``(role, layer)``."""
+        self._check_open()
+        return self.storage.get(role, layer)
+
+    @property
+    def memory_plan(self) -> MemoryPlan:
+        self._ready_manager()
+        assert self._plan is not None
+        return self._plan
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of device cache held (0 before initialisation and after :meth:`free`)."""
+        return self.storage.device_bytes
+
+    def _ready_manager(self) -> BlockManager:
+        self._check_open()
+        if self._manager is None:
+            raise RuntimeError("call initialize_kv_cache before using the caches")
+        return self._manager
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ControllerClosedError(
+                "this CacheController was freed; its caches are gone (create a new controller)"
+            )
+
+    def _sync_tables(self) -> None:
+        deltas = self._ready_manager().take_table_deltas()
+        if deltas:
+            self.storage.apply_deltas(deltas)
+
+    # ================================================================== steps
+
+    @_locked
+    def schedule(
+        self,
+        request_ids: Sequence[str],
+        num_new_tokens: Sequence[int] | np.ndarray,
+        new_token_ids: Sequence[Sequence[int]] | None = None,
+        prefix_matches: Sequence[PrefixMatch | None] | None = None,
+    ) -> ScheduledStep:
+        """One engine step for the whole batch: grow the tables (scheduler side), mirror them,
+        compute the slot mappings and restore per-request state from prefix snapshots (worker
+        side). See :meth:`BlockManager.schedule`. After the step's kernels ran, call
+        :meth:`end_step` (it takes the per-request state snapshots the step is due)."""
+        allocation = self._ready_manager().schedule(
+            request_ids, num_new_tokens, new_token_ids, prefix_matches
+        )
+        inputs = self.storage.apply(allocation)
+        if allocation.copies_before:
+            self.storage.copy_blocks(allocation.copies_before)
+        return ScheduledStep(allocation, inputs)
+
+    @_locked
+    def end_step(self, step: ScheduledStep) -> None:
+        """Run the copies due after a step's kernels (per-request state snapshots)."""
+        if step.allocation.copies_after:
+            self.storage.copy_blocks(step.allocation.copies_after)
+
+    @_locked
+    def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
+        """The longest reusable cached prefix of each prompt (see :meth:`BlockManager.lookup`);
+        pass the matches to :meth:`schedule`."""
+        return self._ready_manager().lookup(queries)
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        return self._ready_manager().prefix_stats
+
+    @_locked
+    def allocate(self, request_id: str, num_tokens: int) -> None:
+        """Grow ``request_id``'s block tables in every group to cover ``num_tokens`` tokens.
+
+        All-or-nothing: if any group lacks blocks, :class:`OutOfBlocksError` names it (blocks
+        needed and free) and no pool changes. This is one step of one request: window blocks
+        that slid out during an earlier step go back to their pool now.
+        """
+        manager = self._ready_manager()
+        check_request_id(request_id)
+        if manager.is_swapped(request_id):
+            raise RequestStateError(f"request {request_id!r} is swapped out; swap_in it first")
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+        current = manager.num_tokens(request_id) if request_id in manager._row_of else 0
+        if num_tokens < current:
+            raise ValueError(
+                f"num_tokens={num_tokens} is less than the {current} tokens request "
+                f"{request_id!r} already holds; tables only grow (use truncate to roll back)"
+            )
+        step = manager.schedule([request_id], [num_tokens - current])
+        if step.table_deltas:
+            self.storage.apply_deltas(step.table_deltas)
+        if step.refused:
+            refusal = step.refused[0]
+            if refusal.reason == "out_of_blocks":
+                raise OutOfBlocksError(
+                    "device", refusal.group, refusal.needed, refusal.available, "allocate"
+                )
+            if refusal.reason == "max_num_seqs":
+                raise OutOfBlocksError("device", "table rows (max_num_seqs)", 1, 0, "allocate")
+            raise ValueError(refusal.message)
+
+    @_locked
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Roll a request back to ``num_tokens`` tokens (rejected speculative tokens)."""
+        manager = self._ready_manager()
+        manager.truncate(request_id, num_tokens)
+        self._sync_tables()
+        copies = manager.take_copies()
+        if copies:  # a block shared with another request was copied before it is rewritten
+            self.storage.copy_blocks(copies)
+
+    @_locked
+    def free_request(self, request_id: str) -> None:
+        """Return every device block and host page of ``request_id``."""
+        self._ready_manager().finish([check_request_id(request_id)])
+        self._sync_tables()
+
+    @_locked
+    def free_requests(self, request_ids: Sequence[str]) -> None:
+        """:meth:`free_request` for several requests, all or nothing."""
+        self._ready_manager().finish(request_ids)
+        self._sync_tables()
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens ``request_id`` holds (on the device or swapped out)."""
+        return self._ready_manager().num_tokens(request_id)
+
+    @property
+    def requests(self) -> list[str]:
+        """Ids of requests that hold device blocks, sorted."""
+        return self._ready_manager().requests
+
+    @property
+    def swapped_requests(self) -> list[str]:
+        """Ids of requests whose caches are in host memory, sorted."""
+        return self._ready_manager().swapped_requests
+
+    def is_swapped(self, request_id: str) -> bool:
+        return self._ready_manager().is_swapped(request_id)
+
+    def block_table(self, request_id: str, group: str) -> list[int]:
+        """``request_id``'s block table in ``group`` (null id 0 where it holds no block)."""
+        return self._ready_manager().block_table(request_id, group)
+
+    def slot_mapping(
+        self,
+        request_id: str,
+        group: str,
+        positions: Sequence[int] | torch.Tensor,
+        compress_ratio: int = 1,
+    ) -> torch.Tensor:
+        """Cache slots of ``positions`` of one request (int64 tensor, -1 where none is written).
+
+        Position ``p`` of a role with compress ratio ``r`` writes an entry only when a
+        compressed token completes (``p % r == r - 1``), entry ``p // r``, which lives in
+        block ``table[(p // r) // (block_size // r)]``; a position outside the group's live
+        window between steps (see :func:`live_start`) maps to ``-1``. Engines use
+        :meth:`schedule`, which computes the slots of a whole step at once.
+
+        Raises:
+            ValueError: an unknown group, a ratio that does not divide the block size, or a
+                position that is not an int in ``[0, num_tokens)``.
+        """
+        manager = self._ready_manager()
+        row = manager.row_of(request_id)
+        spec = self.layout.group(group)
+        ratio = compress_ratio
+        if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+            raise ValueError(f"compress_ratio must be an int >= 1, got {ratio!r}")
+        if spec.block_size % ratio:
+            raise ValueError(
+                f"compress_ratio={ratio} does not divide block_size={spec.block_size} of group "
+                f"{group!r}"
+            )
+        pos = _positions(positions)
+        n = manager.num_tokens(request_id)
+        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
+            bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
+            raise ValueError(
+                f"position {bad} is outside request {request_id!r}, which holds tokens 0..{n - 1}"
+            )
+        self._sync_tables()
+        slots = self.storage.slot_mapping(row, group, pos, ratio)
+        first = live_start(spec, n)
+        if first:  # between steps only the window is readable, even where a block is held
+            slots[pos < first] = -1
+        return torch.from_numpy(slots)
+
+    def num_free_blocks(self, group: str) -> int:
+        return self._ready_manager().num_free_blocks(group)
+
+    def num_used_blocks(self, group: str) -> int:
+        return self._ready_manager().num_used_blocks(group)
+
+    def num_usable_blocks(self, group: str) -> int:
+        return self._ready_manager().num_usable_blocks(group)
+
+    @property
+    def stats(self) -> SwapStats:
+        if self._manager is None:
+            return SwapStats()
+        return self._manager.stats
+
+    # ================================================================== host cache
+
+    @_locked
+    def initialize_host_cache(
+        self,
+        num_pages: int | Mapping[str, int] | None = None,
+        memory_budget: int | None = None,
+        *,
+        num_blocks: int | Mapping[str, int] | None = None,
+    ) -> MemoryPlan:
+        """Allocate the pinned host pools (page-first, one per group with offloaded roles).
+
+        Give ``num_pages`` (pages per group, the reserved null page included) or
+        ``memory_budget`` in bytes (split like the device budget). ``num_blocks`` is the
+        deprecated name of ``num_pages``.
+
+        Raises:
+            ValueError: no role of any group is offloaded (there is nothing to size), or a
+                bad count or budget.
+        """
+        manager = self._ready_manager()
+        if self.storage.host_ready:
+            raise RuntimeError("initialize_host_cache was already called on this controller")
+        if num_blocks is not None:
+            if num_pages is not None:
+                raise ValueError("give num_pages (num_blocks is its deprecated name), not both")
+            num_pages = num_blocks
+        num_blocks = num_pages
+        _one_sizing(num_blocks, memory_budget, "num_pages")
+        if not any(self.layout.host_page_bytes(g) for g in self.groups):
+            raise ValueError(
+                "no role of any group is offloaded (every role has offload=False): there is "
+                "no host cache to allocate"
+            )
+        if num_blocks is not None:
+            plan = plan_from_blocks(self.layout, self._blocks_per_group(num_blocks), host=True)
+        else:
+            plan = plan_memory(self.layout, _count("memory_budget", memory_budget), host=True)
+        pages = plan.num_blocks
+        self.storage.init_host(pages)
+        manager.init_host(pages)
+        return plan
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host pages held (0 before initialisation and after :meth:`free`)."""
+        return self.storage.host_bytes
+
+    @property
+    def host_kv_caches(self) -> dict[tuple[str, int], torch.Tensor]:
+        """``(role, layer)`` -> host view made by the backends' ``create_host_kv_cache``."""
+        return self.storage.host_kv_caches
+
+    def host_pool_usage(self) -> dict[str, tuple[int, int]]:
+        """Group -> (used pages, usable pages) of the host pools."""
+        manager = self._ready_manager()
+        self.storage.host  # noqa: B018 - raises before initialize_host_cache
+        return {
+            g: (manager.host_pool(g).num_used, manager.host_pool(g).num_usable)
+            for g in manager.host_groups
+        }
+
+    # ================================================================== swaps
+
+    def swap_out(self, request_id: str, purpose: SwapPurpose | str = "preempt") -> SwapHandle:
+        """Move ``request_id``'s live blocks to host pages and free its device blocks.
+
+        What moves is asked of each backend (``offload_selection``): by default every block of
+        full groups, the blocks covering the last ``window`` tokens of sliding-window groups,
+        and the newest state blocks of state groups (skipped for purpose ``"prefix"``).
+
+        Raises:
+            OutOfBlocksError: the host pools lack pages (nothing changed).
+            RequestStateError: unknown request, or already swapped out.
+        """
+        return self.swap_out_many([request_id], purpose)[0]
+
+    @_locked
+    def swap_out_many(
+        self, request_ids: Sequence[str], purpose: SwapPurpose | str = "preempt"
+    ) -> list[SwapHandle]:
+        """:meth:`swap_out` for several requests at once, all or nothing.
+
+        Each group's blocks of every request move in one data-path call. Hooks:
+        ``before_swap_out`` runs for every request before any byte moves; if one raises,
+        nothing is swapped, the host pages are given back and the exception propagates.
+
+        Returns:
+            One handle per request, in order. They share one event.
+
+        Raises:
+            OutOfBlocksError: the host pools lack pages for the whole batch (nothing changed).
+            RequestStateError: an unknown request, or one already swapped out (nothing changed).
+            ValueError: a request id appears twice, or an unknown purpose.
+        """
+        self.storage.host  # noqa: B018 - raises before initialize_host_cache
+        plan = self._ready_manager().plan_swap_out(request_ids, purpose)
+        return self._run(plan)
+
+    def swap_in(self, request_id: str) -> SwapHandle:
+        """Bring a swapped-out request back: new device blocks, scatter, free host pages.
+
+        Raises:
+            OutOfBlocksError: the device pools lack blocks (nothing changed).
+            RequestStateError: the request is not swapped out.
+        """
+        return self.swap_in_many([request_id])[0]
+
+    @_locked
+    def swap_in_many(self, request_ids: Sequence[str]) -> list[SwapHandle]:
+        """:meth:`swap_in` for several requests at once, all or nothing.
+
+        ``after_swap_in`` runs once every request of the batch is resident; if it raises, the
+        new device blocks are given back, the requests stay swapped out, and the exception
+        propagates.
+        """
+        self.storage.host  # noqa: B018 - raises before initialize_host_cache
+        plan = self._ready_manager().plan_swap_in(request_ids)
+        return self._run(plan)
+
+    def _run(self, plan: SwapPlan) -> list[SwapHandle]:
+        """Execute a plan on the worker side and complete it on the scheduler side, always:
+        an interrupt between the two would otherwise leave the plan's pages reserved."""
+        manager = self._ready_manager()
+        self._sync_tables()  # a swap in wrote new rows the copies do not read, but mirror now
+        result: SwapResult | None = None
+        completion = None
+        try:
+            result, completion = self.storage._execute(plan)
+        finally:
+            manager.complete_swap(result if result is not None else _interrupted(plan))
+            self._sync_tables()
+        if not result.ok:
+            assert result.error is not None
+            raise result.error
+        handles = []
+        for move in plan.requests:
+            handle = SwapHandle(move.request_id, plan.direction, move.purpose, move.num_tokens)
+            for group, pages in move.host_pages.items():
+                handle.blocks_moved[group] = len(pages)
+                handle.bytes_moved += len(pages) * manager.page_bytes(group)
+            if completion is not None:
+                handle.event, handle.keep_alive = completion.event, completion.keep_alive
+            handles.append(handle)
+        return handles
+
+    # ================================================================== teardown
+
+    @_locked
+    def free(self) -> None:
+        """Free every device cache, host page and host view, once. Idempotent."""
+        if self._closed:
+            return
+        self.storage.free()
+        self._manager = None
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> CacheController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self._closed else ("ready" if self.storage.ready else "declared")
+        return (
+            f"CacheController({len(self.layout.layers)} layers, groups={self.groups}, "
+            f"device={self.device}, {state})"
+        )
+
+
+def _interrupted(plan: SwapPlan) -> SwapResult:
+    """The result of a plan whose execution never returned (an interrupt on the way)."""
+    return SwapResult(plan.plan_id, SwapFailure("copy", "", "interrupted", "interrupted"))
+
+
+def _positions(positions: object) -> np.ndarray:
+    """Token positions as ``int64``; floats and bools are refused, never truncated."""
+    if isinstance(positions, torch.Tensor):
+        positions = positions.detach().cpu().numpy()
+    if isinstance(positions, range):
+        return np.arange(positions.start, positions.stop, positions.step, dtype=np.int64)
+    if isinstance(positions, Sequence) and not isinstance(positions, str):
+        for p in positions:
+            if not isinstance(p, int | np.integer) or isinstance(p, bool):
+                raise ValueError(f"positions must be ints, got {p!r}")
+    arr = np.asarray(positions)
+    if arr.size and (arr.dtype == bool or arr.dtype.kind not in "iu"):
+        raise ValueError(f"positions must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64).reshape(-1) if arr.ndim != 1 else arr.astype(np.int64)

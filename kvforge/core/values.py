@@ -1,0 +1,308 @@
+"""Plain values that cross from the scheduler side to the worker side and back.
+
+Everything here is a frozen dataclass of ints, strings and numpy arrays: it pickles cheaply,
+holds no torch tensor and no device memory, and imports nothing from the worker side. The
+scheduler side (:class:`~kvforge.scheduler.block_manager.BlockManager`) produces
+:class:`StepAllocation` and :class:`SwapPlan`; the worker side
+(:class:`~kvforge.worker.CacheStorage`) applies them and answers a :class:`SwapResult`.
+
+Array conventions: block ids and table rows are ``int32`` (the dtype attention kernels read
+block tables in), token counts and positions ``int64``. ``NULL_BLOCK`` (0) in a table means
+"no block here".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from kvforge.specs import SwapPurpose
+
+__all__ = [
+    "BlockCopy",
+    "PrefixEvent",
+    "PrefixMatch",
+    "PrefixQuery",
+    "Refusal",
+    "RequestMove",
+    "StepAllocation",
+    "SwapFailure",
+    "SwapPlan",
+    "SwapResult",
+    "TableDelta",
+]
+
+_EMPTY32 = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class TableDelta:
+    """One change to the persistent block table of one group.
+
+    A worker mirrors a table by applying, in order: ``table[clear_rows, :] = 0``, then
+    ``table[rows, cols] = block_ids``. Within one delta every ``(row, col)`` cell appears at
+    most once, so the assignment is well defined; deltas are applied in the order given.
+
+    Attributes:
+        group: the group whose table changes.
+        clear_rows: ``int32 [k]`` rows emptied (a request finished, swapped out or moved).
+        rows: ``int32 [n]`` row of each written cell.
+        cols: ``int32 [n]`` block index of each written cell.
+        block_ids: ``int32 [n]`` new content: a block id, or ``0`` where a window released one.
+    """
+
+    group: str
+    clear_rows: np.ndarray = field(default_factory=lambda: _EMPTY32)
+    rows: np.ndarray = field(default_factory=lambda: _EMPTY32)
+    cols: np.ndarray = field(default_factory=lambda: _EMPTY32)
+    block_ids: np.ndarray = field(default_factory=lambda: _EMPTY32)
+
+    def apply(self, table: np.ndarray) -> None:
+        """Apply this delta to a numpy mirror ``int32 [max_num_seqs, max_blocks]``."""
+        if len(self.clear_rows):
+            table[self.clear_rows] = 0
+        if len(self.rows):
+            table[self.rows, self.cols] = self.block_ids
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request of a step could not be scheduled; nothing changed for it.
+
+    Attributes:
+        request_id: the refused request.
+        reason: ``"out_of_blocks"`` (a pool is short), ``"max_num_seqs"`` (every table row is
+            taken) or ``"max_model_len"`` (the request would grow past the tables' width).
+        group: the group that ran short (``out_of_blocks`` and ``max_model_len``), else ``""``.
+        needed: blocks (or rows, or tokens for ``max_model_len``) the request needed.
+        available: what was available when its turn came.
+    """
+
+    request_id: str
+    reason: Literal["out_of_blocks", "max_num_seqs", "max_model_len", "stale_prefix"]
+    group: str
+    needed: int
+    available: int
+
+    @property
+    def message(self) -> str:
+        if self.reason == "out_of_blocks":
+            return (
+                f"request {self.request_id!r}: device group {self.group!r} needs {self.needed} "
+                f"free blocks but has {self.available}; nothing was allocated"
+            )
+        if self.reason == "stale_prefix":
+            return (
+                f"request {self.request_id!r}: its prefix match is stale (a block of group "
+                f"{self.group!r} was evicted since the lookup); look it up again"
+            )
+        if self.reason == "max_num_seqs":
+            return (
+                f"request {self.request_id!r}: every one of the {self.available} table rows "
+                "(max_num_seqs) is taken; nothing was allocated"
+            )
+        return (
+            f"request {self.request_id!r}: {self.needed} tokens exceed max_model_len="
+            f"{self.available}; nothing was allocated"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy whole blocks of every (layer, role) of one group on the device: ``src[i]`` to
+    ``dst[i]`` (per-request state snapshots for prefix reuse).
+
+    Attributes:
+        group: the group.
+        src: ``int32 [k]`` source block ids.
+        dst: ``int32 [k]`` destination block ids.
+    """
+
+    group: str
+    src: np.ndarray
+    dst: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class StepAllocation:
+    """What one scheduler step decided, for the whole batch.
+
+    Attributes:
+        request_ids: scheduled requests, in the order they were given (refused ones left out).
+        rows: ``int32 [B]`` block-table row of each scheduled request.
+        num_computed: ``int64 [B]`` tokens each request held before this step.
+        num_new: ``int64 [B]`` tokens scheduled for it in this step.
+        refused: requests that could not be scheduled, with the reason.
+        table_deltas: every change to the block tables since the previous step, in order
+            (finishes and swaps in between, then this step's growth).
+        copies_before: block copies to run before the step's kernels (restoring a
+            per-request state from a prefix snapshot).
+        copies_after: block copies to run after them (snapshots of per-request state taken
+            at a boundary the step ended on).
+    """
+
+    request_ids: tuple[str, ...]
+    rows: np.ndarray
+    num_computed: np.ndarray
+    num_new: np.ndarray
+    refused: tuple[Refusal, ...]
+    table_deltas: tuple[TableDelta, ...]
+    copies_before: tuple[BlockCopy, ...] = ()
+    copies_after: tuple[BlockCopy, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return int(self.num_new.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMove:
+    """The blocks of one request that a swap moves.
+
+    Attributes:
+        request_id: the request.
+        num_tokens: tokens it holds.
+        purpose: why it moves.
+        block_indices: group -> ``int64 [k]`` block-table index of each moved block.
+        device_blocks: group -> ``int32 [k]`` device block ids (the source of a swap out, the
+            destination of a swap in).
+        host_pages: group -> ``int32 [k]`` host page ids, same order.
+    """
+
+    request_id: str
+    num_tokens: int
+    purpose: SwapPurpose
+    block_indices: dict[str, np.ndarray]
+    device_blocks: dict[str, np.ndarray]
+    host_pages: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class SwapPlan:
+    """A swap decided by the scheduler side, for the worker side to execute.
+
+    Attributes:
+        plan_id: identifies the plan when its :class:`SwapResult` comes back.
+        direction: ``"out"`` (device to host) or ``"in"``.
+        requests: the requests, in the order they were given.
+        groups: the groups that move, in the layout's order.
+    """
+
+    plan_id: int
+    direction: Literal["out", "in"]
+    requests: tuple[RequestMove, ...]
+    groups: tuple[str, ...]
+
+    def group_move(self, group: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(device block ids, host page ids)`` of every request for ``group``, in order."""
+        blocks = [m.device_blocks[group] for m in self.requests if group in m.device_blocks]
+        pages = [m.host_pages[group] for m in self.requests if group in m.host_pages]
+        if not blocks:
+            return _EMPTY32, _EMPTY32
+        return np.concatenate(blocks), np.concatenate(pages)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapFailure:
+    """Why the worker side could not execute a swap plan.
+
+    Attributes:
+        stage: ``"hook"`` (a backend's ``before_swap_out`` / ``after_swap_in`` raised) or
+            ``"copy"`` (the data path failed).
+        request_id: the request whose hook raised, ``""`` for a copy failure.
+        error_type: the exception's class name.
+        message: the exception's message.
+    """
+
+    stage: Literal["hook", "copy"]
+    request_id: str
+    error_type: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SwapResult:
+    """The worker side's answer to a :class:`SwapPlan`.
+
+    ``failure`` is ``None`` when every byte moved. A failed swap out left the device blocks
+    as they were; a failed swap in may have written some new device blocks, which the
+    scheduler side gives back. ``error`` is the original exception when it could be carried
+    (it is dropped if it cannot be pickled).
+    """
+
+    plan_id: int
+    failure: SwapFailure | None = None
+    error: BaseException | None = field(default=None, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def __reduce__(self) -> tuple[object, ...]:
+        import pickle
+
+        error = self.error
+        try:
+            pickle.dumps(error)
+        except Exception:
+            error = None
+        return (SwapResult, (self.plan_id, self.failure, error))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixQuery:
+    """A prompt to look up in the prefix cache.
+
+    Attributes:
+        token_ids: the prompt's token ids.
+        extra_keys: request-level keys that must match for blocks to be shared (a namespace
+            or cache salt, a LoRA adapter id, ...).
+        token_keys: ``(start, end, key)``: positions whose content is not told by their ids
+            (multimodal placeholders) and the content hash folded into them.
+    """
+
+    token_ids: Sequence[int] | np.ndarray
+    extra_keys: tuple[object, ...] = ()
+    token_keys: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The cached prefix of one prompt, to hand to ``BlockManager.schedule``.
+
+    Attributes:
+        num_tokens: ``L``, the tokens served from cache (0 on a miss): aligned to every
+            group's block, below the prompt's length.
+        first_col: group -> first block index the request shares (0 for full groups; the
+            start of the trailing window or chunk for window groups).
+        blocks: group -> ``int32`` block ids for block indices ``first_col ..``; for a
+            per-request group, the snapshot block to restore from.
+        keys: group -> the keys of those blocks (to check the match is still valid).
+        hasher: the request's key chain at ``L`` (continues hashing its suffix).
+    """
+
+    num_tokens: int
+    first_col: dict[str, int]
+    blocks: dict[str, np.ndarray]
+    keys: dict[str, tuple[object, ...]]
+    hasher: object
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixEvent:
+    """A change of the prefix cache an engine or a router may mirror.
+
+    Attributes:
+        kind: ``"stored"`` (a block became reusable) or ``"removed"`` (it was evicted).
+        group: the group of the block.
+        key: the block's prefix key (an int; stable across processes).
+        num_tokens: the prefix length the key covers.
+    """
+
+    kind: Literal["stored", "removed"]
+    group: str
+    key: int
+    num_tokens: int
