@@ -24,6 +24,7 @@ __all__ = [
     "make_table",
     "one_line",
     "parse_size",
+    "write_text",
 ]
 
 _UNITS = {
@@ -113,7 +114,7 @@ def format_exact(value: int | Fraction) -> str:
 def one_line(exc: BaseException) -> str:
     """The message of an input error as one line (a pydantic error: its first problem)."""
     if isinstance(exc, ValidationError):
-        from kvforge.models.registry import short_repr
+        from kvforge.models.base import short_repr
 
         err = exc.errors()[0]
         where = ".".join(str(part) for part in err["loc"]) or exc.title
@@ -148,3 +149,16 @@ def check_output_path(path: str, option: str) -> None:
             target.unlink()
     except OSError as exc:
         raise UsageError(f"{cannot}: {exc.strerror or exc}") from None
+
+
+def write_text(path: str, text: str, option: str = "--json") -> None:
+    """Write ``text`` to ``path``, which :func:`check_output_path` accepted before the work.
+
+    Raises:
+        UsageError: the file cannot be written after all (a race with the filesystem).
+    """
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise UsageError(f"cannot write {option} {path!r}: {exc.strerror or exc}") from None

@@ -2,7 +2,7 @@
 
 Every command reports bad input as one line on stderr and exit code 2, never a traceback:
 input is checked up front (output paths before any work, layer counts against
-:data:`~kvforge.models.registry.MAX_LAYERS`, options against the model they describe).
+:data:`~kvforge.models.base.MAX_LAYERS`, options against the model they describe).
 Only ``ValueError`` (``UsageError`` and pydantic's errors included) and ``FileNotFoundError``
 are input errors; any other exception escaping a command is a bug and keeps its traceback.
 
@@ -13,8 +13,10 @@ those the model's family does not use; with ``--backend NAME`` only ``--layers``
 parameters of the backend's builder apply.
 
 Plugins: at start the CLI imports every entry point of the group ``kvforge.backends``
-(:func:`~kvforge.models.registry.load_plugins`) and every ``--plugin MODULE``; what
-they register is then known to ``--config`` (model types) and ``--backend`` (backends).
+(:func:`~kvforge.models.plugins.load_plugins`) and every ``--plugin MODULE``; what
+they register is then known to ``--config`` (model types) and ``--backend`` (backends). A
+plugin that fails to load in any way is one line on stderr and exit code 2, and registers
+nothing; with ``--help`` it is a one-line warning and the help is printed all the same.
 ``--backend NAME`` builds one layer's backend with the registered builder, passing the model
 options the user gave as keyword arguments: the builder's parameters are the options it takes.
 """
@@ -39,13 +41,9 @@ from kvforge.cli.formatting import (
     one_line,
     parse_size,
 )
-from kvforge.models.registry import (
-    MAX_LAYERS,
-    PluginError,
-    load_plugin_module,
-    load_plugins,
-    registered_backends,
-)
+from kvforge.models.base import MAX_LAYERS
+from kvforge.models.plugins import PluginError, load_plugin_module, load_plugins
+from kvforge.models.registry import registered_backends
 
 __all__ = ["main"]
 
@@ -693,26 +691,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _wants_help(argv: Sequence[str]) -> bool:
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return any(a in ("-h", "--help") for a in options)
+
+
 def _load_plugins(argv: list[str]) -> int | None:
-    """Import the installed plugins and those of ``--plugin``; an exit code on failure."""
+    """Import the installed plugins and those of ``--plugin``; an exit code on failure.
+
+    With ``--help`` a failure is a warning: the help of what did load is still useful.
+    """
     pre = _Parser(prog="kvforge", add_help=False)
     pre.add_argument("--plugin", action="append", default=[])
     try:
         known, _ = pre.parse_known_args(argv)
-    except SystemExit as exc:
+    except SystemExit as exc:  # e.g. --plugin without a value: argparse printed one line
         return int(exc.code or 0)
-    try:
-        load_plugins()
-        for module in known.plugin:
-            load_plugin_module(module)
-    except PluginError as exc:
-        # A plugin that cannot be found or that conflicts with a registration is a problem of
-        # the command line or the installation: one line. Any other failure is a bug in the
-        # plugin and keeps its traceback.
-        if not isinstance(exc.__cause__, (ImportError, ValueError)):
-            raise
-        print(f"kvforge: error: {exc}", file=sys.stderr)
-        return 2
+    help_only = _wants_help(argv)
+    loads = [("", load_plugins)] + [(m, lambda m=m: load_plugin_module(m)) for m in known.plugin]
+    for module, load in loads:
+        try:
+            load()
+        except (PluginError, ValueError, TypeError) as exc:
+            # PluginError carries any failure of the plugin itself; ValueError / TypeError
+            # are a bad --plugin name (empty), refused before importing anything.
+            where = "" if isinstance(exc, PluginError) else f"--plugin {module!r}: "
+            if help_only:
+                print(f"kvforge: warning: {where}{one_line(exc)}", file=sys.stderr)
+                continue
+            print(f"kvforge: error: {where}{one_line(exc)}", file=sys.stderr)
+            return 2
     return None
 
 

@@ -1,9 +1,16 @@
-"""Models: Hugging Face configs to layer -> backend maps, the registry, plugins, bundled configs.
+"""Models: Hugging Face configs to layer -> backend maps, the registries, plugins, bundled configs.
 
 :func:`from_hf_config` reads a ``config.json`` (or a bundled name such as
-``"deepseek-v4-flash"``) and returns one backend per cache layer; :mod:`.registry` is where
-backends and ``model_type`` builders are registered, by kvforge itself and by plugins.
-Names are loaded on first use.
+``"deepseek-v4-flash"``) and returns one backend per cache layer. A plugin registers its
+backends and model types with :func:`register_backend` / :func:`register_model_type` and
+writes its builders with :class:`ModelOptions`, :func:`parse_fields` and
+:class:`ModelBackends`; the ``build_*`` functions of the bundled families can be registered
+for other model types of the same shape. Names are loaded on first use.
+
+Modules, bottom to top (imports only go down): ``base`` (the builder contract), ``reading``
+(config files, dtype rules), ``families`` / ``deepseek`` (builders), ``bundled`` (what kvforge
+registers), ``registry`` (the tables, seeded on import), ``plugins``, ``hf_config``
+(:func:`from_hf_config`).
 """
 
 from __future__ import annotations
@@ -11,18 +18,32 @@ from __future__ import annotations
 from kvforge._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "MAX_LAYERS": "kvforge.models.registry",
-    "ModelBackends": "kvforge.models.registry",
-    "ModelOptions": "kvforge.models.registry",
-    "PluginError": "kvforge.models.registry",
-    "bundled_models": "kvforge.models.hf_config",
-    "from_hf_config": "kvforge.models.hf_config",
-    "load_model_config": "kvforge.models.hf_config",
-    "load_plugins": "kvforge.models.registry",
+    "MAX_LAYERS": "kvforge.models.base",
+    "LayerFields": "kvforge.models.base",
+    "ModelBackends": "kvforge.models.base",
+    "ModelBuilder": "kvforge.models.base",
+    "ModelOptions": "kvforge.models.base",
+    "parse_fields": "kvforge.models.base",
+    "bundled_models": "kvforge.models.reading",
+    "load_model_config": "kvforge.models.reading",
+    "build_deepseek_v4": "kvforge.models.deepseek",
+    "build_dsa": "kvforge.models.deepseek",
+    "build_mla": "kvforge.models.deepseek",
+    "build_gemma2": "kvforge.models.families",
+    "build_gemma3": "kvforge.models.families",
+    "build_gpt_oss": "kvforge.models.families",
+    "build_gqa": "kvforge.models.families",
+    "build_llama4": "kvforge.models.families",
+    "build_mistral": "kvforge.models.families",
+    "build_qwen": "kvforge.models.families",
+    "build_qwen3_next": "kvforge.models.families",
     "register_backend": "kvforge.models.registry",
     "register_model_type": "kvforge.models.registry",
     "registered_backends": "kvforge.models.registry",
     "registered_model_types": "kvforge.models.registry",
+    "PluginError": "kvforge.models.plugins",
+    "load_plugins": "kvforge.models.plugins",
+    "from_hf_config": "kvforge.models.hf_config",
 }
 
 __all__ = sorted(_EXPORTS)

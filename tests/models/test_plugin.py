@@ -24,6 +24,8 @@ from kvforge.core.layout import CacheLayout
 from kvforge.models import (
     ModelOptions,
     PluginError,
+    build_gqa,
+    build_qwen,
     from_hf_config,
     load_plugins,
     register_backend,
@@ -32,8 +34,7 @@ from kvforge.models import (
     registered_model_types,
 )
 from kvforge.models import registry as registry_module
-from kvforge.models.hf_config import build_gqa, build_qwen
-from kvforge.models.registry import load_plugin_module
+from kvforge.models.plugins import load_plugin_module
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "examples" / "plugin"
@@ -100,19 +101,26 @@ def _snapshot():
         (
             lambda: register_backend("gqa", MLABackend),
             ValueError,
-            "backend 'gqa' is already registered to kvforge.attn_backends.gqa.GQABackend (cli_builder kvforge.models.registry._gqa_from_cli); refusing kvforge.attn_backends.mla.MLABackend (cli_builder None)",
+            "backend 'gqa' is already registered to kvforge.attn_backends.gqa.GQABackend (cli_builder kvforge.models.bundled._gqa_from_cli), bundled with kvforge; refusing kvforge.attn_backends.mla.MLABackend (cli_builder None): pass replace=True to register_backend to replace it on purpose",
         ),
         (
             lambda: register_backend("gqa", GQABackend),
             ValueError,
             "backend 'gqa' is already registered",
         ),
+        (lambda: register_backend("x", GQABackend, replace="yes"), TypeError, "backend 'x': replace must be a bool, got 'yes'"),
+        (lambda: register_model_type("llama", build_qwen, replace=1), TypeError, "model_type 'llama': replace must be a bool, got 1"),
+        (
+            lambda: register_model_type("new", build_qwen, architectures=("LlamaForCausalLM",), replace=True),
+            ValueError,
+            "model_type 'new': architecture 'LlamaForCausalLM' already stands for model_type 'llama'",
+        ),
         (lambda: register_model_type(None, build_gqa), TypeError, "model_type must be a str, got NoneType None"),
         (lambda: register_model_type("new", 5), TypeError, "model_type 'new': builder must be callable, got 5"),
         (
             lambda: register_model_type("llama", build_qwen),
             ValueError,
-            "model_type 'llama' is already registered to kvforge.models.hf_config.build_gqa (architectures ['LlamaForCausalLM']); refusing kvforge.models.hf_config.build_qwen (architectures [])",
+            "model_type 'llama' is already registered to kvforge.models.families.build_gqa (architectures ['LlamaForCausalLM']), bundled with kvforge; refusing kvforge.models.families.build_qwen (architectures []): pass replace=True to register_model_type to replace it on purpose",
         ),
         (
             lambda: register_model_type("llama", build_gqa),
@@ -207,7 +215,7 @@ def test_model_options_refuse_what_is_set():
     ("name", "error", "message"),
     [
         (3, TypeError, "plugin module name must be a str, got int"),
-        (" ", ValueError, "plugin module name is empty"),
+        (" ", ValueError, "plugin module name ' ' is empty"),
         ("kvforge_no_such_plugin", PluginError, "cannot import plugin module 'kvforge_no_such_plugin': ModuleNotFoundError"),
     ],
 )
@@ -394,19 +402,10 @@ def test_backend_choice_of_the_plugin(example, capsys):
             ["plan", "--plugin", "kvforge_no_such_plugin", "--backend", "gqa"],
             "kvforge: error: cannot import plugin module 'kvforge_no_such_plugin': ModuleNotFoundError: No module named 'kvforge_no_such_plugin'",
         ),
-        (
-            ["plan", "--plugin", "kvforge_conflicting_plugin"],
-            "kvforge: error: cannot import plugin module 'kvforge_conflicting_plugin': ValueError: backend 'gqa' is already registered",
-        ),
         (["plan", "--plugin"], "kvforge: error: argument --plugin: expected one argument"),
     ],
 )
-def test_plugin_and_backend_errors_are_one_line_exit_2(example, capsys, tmp_path, monkeypatch, argv, message):
-    (tmp_path / "kvforge_conflicting_plugin.py").write_text(
-        "from kvforge.attn_backends import MLABackend\nfrom kvforge.models import register_backend\n"
-        "register_backend('gqa', MLABackend)\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_plugin_and_backend_errors_are_one_line_exit_2(example, capsys, argv, message):
     before = _snapshot()
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
@@ -415,12 +414,138 @@ def test_plugin_and_backend_errors_are_one_line_exit_2(example, capsys, tmp_path
     assert _snapshot() == before
 
 
-def test_a_plugin_that_crashes_keeps_its_traceback(isolated_registry, capsys, tmp_path, monkeypatch):
-    (tmp_path / "kvforge_crashing_plugin.py").write_text("raise RuntimeError('plugin bug')\n")
+# Plugin modules the failure table imports by --plugin, written to a temporary directory.
+FAILING_PLUGINS = {
+    "kvforge_p_crash": "raise RuntimeError('plugin bug')\n",
+    "kvforge_p_exit0": "import sys\nsys.exit(0)\n",
+    "kvforge_p_exit_text": "import sys\nsys.exit('bye')\n",
+    "kvforge_p_llama": (
+        "from kvforge.models import build_qwen, register_model_type\n"
+        "register_model_type('llama', build_qwen)\n"
+    ),
+    "kvforge_p_arch": (
+        "from kvforge.models import build_qwen, register_model_type\n"
+        "register_model_type('my_llama', build_qwen, architectures=['LlamaForCausalLM'])\n"
+    ),
+    "kvforge_p_gqa": (
+        "from kvforge.attn_backends import MLABackend\nfrom kvforge.models import register_backend\n"
+        "register_backend('gqa', MLABackend)\n"
+    ),
+    # registers one thing, then fails: what it registered must be undone
+    "kvforge_p_half": (
+        "from kvforge.attn_backends import MLABackend\nfrom kvforge.models import register_backend\n"
+        "register_backend('half-done', MLABackend)\nraise KeyError('second step')\n"
+    ),
+    "kvforge_p_lines": "raise ValueError('first line\\nsecond line')\n",
+    "kvforge_p_bad_import": "import kvforge_no_such_dependency_xyz\n",
+}
+
+
+@pytest.fixture
+def failing_plugins(isolated_registry, tmp_path, monkeypatch):
+    for name, source in FAILING_PLUGINS.items():
+        (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(PluginError, match=r"cannot import plugin module 'kvforge_crashing_plugin': RuntimeError: plugin bug") as info:
-        main(["plan", "--plugin", "kvforge_crashing_plugin"])
-    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    ("plugin", "message"),
+    [
+        ("kvforge_no_such_plugin", "cannot import plugin module 'kvforge_no_such_plugin': ModuleNotFoundError: No module named 'kvforge_no_such_plugin'"),
+        ("kvforge_p_bad_import", "cannot import plugin module 'kvforge_p_bad_import': ModuleNotFoundError: No module named 'kvforge_no_such_dependency_xyz'"),
+        ("kvforge_p_crash", "cannot import plugin module 'kvforge_p_crash': RuntimeError: plugin bug"),
+        ("kvforge_p_exit0", "cannot import plugin module 'kvforge_p_exit0': it called sys.exit(0) while loading"),
+        ("kvforge_p_exit_text", "cannot import plugin module 'kvforge_p_exit_text': it called sys.exit('bye') while loading"),
+        (
+            "kvforge_p_llama",
+            "cannot import plugin module 'kvforge_p_llama': ValueError: model_type 'llama' is already registered to "
+            "kvforge.models.families.build_gqa (architectures ['LlamaForCausalLM']), bundled with kvforge; refusing "
+            "kvforge.models.families.build_qwen (architectures []): pass replace=True to register_model_type to replace it on purpose",
+        ),
+        ("kvforge_p_arch", "ValueError: model_type 'my_llama': architecture 'LlamaForCausalLM' already stands for model_type 'llama'"),
+        (
+            "kvforge_p_gqa",
+            "cannot import plugin module 'kvforge_p_gqa': ValueError: backend 'gqa' is already registered to "
+            "kvforge.attn_backends.gqa.GQABackend (cli_builder kvforge.models.bundled._gqa_from_cli), bundled with kvforge",
+        ),
+        ("kvforge_p_half", "cannot import plugin module 'kvforge_p_half': KeyError: 'second step'"),
+        ("kvforge_p_lines", "cannot import plugin module 'kvforge_p_lines': ValueError: first line second line"),
+        ("", "kvforge: error: --plugin '': plugin module name '' is empty"),
+        ("  ", "kvforge: error: --plugin '  ': plugin module name '  ' is empty"),
+        (".relative", "cannot import plugin module '.relative': TypeError: the 'package' argument is required"),
+    ],
+)
+def test_a_plugin_that_fails_to_load_is_one_line_exit_2_and_registers_nothing(failing_plugins, capsys, plugin, message):
+    before = _snapshot()
+    code, out, err = run(capsys, "plan", "--plugin", plugin, "--num-blocks", "3")
+    assert (code, out) == (2, "")
+    assert err.startswith("kvforge: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # state: nothing registered (the half-done plugin's first registration was undone), the
+    # module is not left half-imported, and every command still works
+    assert _snapshot() == before
+    assert "half-done" not in registered_backends()
+    assert plugin.strip() == "" or plugin not in sys.modules
+    assert run(capsys, "plan", "--backend", "gqa", "--layers", "2", "--num-blocks", "3", "--json")[0] == 0
+    code, out, err = run(capsys, "--help")
+    assert (code, err) == (0, "") and "usage: kvforge" in out
+
+
+def test_help_still_works_with_a_failing_plugin(failing_plugins, capsys):
+    before = _snapshot()
+    for argv in (["--plugin", "kvforge_p_llama", "--help"], ["plan", "--plugin", "kvforge_p_exit0", "-h"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 0 and "usage: kvforge" in out
+        assert err.startswith("kvforge: warning: cannot import plugin module") and len(err.splitlines()) == 1
+    assert _snapshot() == before
+
+
+def test_replace_is_explicit_and_replaces_the_bundled_entry(isolated_registry):
+    register_model_type("llama", build_qwen, architectures=("MyLlamaForCausalLM",), replace=True)
+    entry = registered_model_types()["llama"]
+    assert (entry.builder, entry.architectures, entry.bundled) == (build_qwen, ("MyLlamaForCausalLM",), False)
+    # the bundled architecture went with the replaced entry
+    assert from_hf_config({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8})[0].sliding_window is None
+    with pytest.raises(ValueError, match="unsupported model_type None"):
+        from_hf_config({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})
+    register_backend("gqa", MLABackend, replace=True)
+    assert registered_backends()["gqa"].cls is MLABackend and not registered_backends()["gqa"].bundled
+    # replaced once, a name is no longer bundled: registering it again still needs replace
+    with pytest.raises(ValueError, match=r"backend 'gqa' is already registered to .*MLABackend .cli_builder None.; refusing"):
+        register_backend("gqa", GQABackend)
+
+
+def test_a_transaction_undoes_its_registrations_on_any_exception(isolated_registry):
+    from kvforge.models.registry import transaction
+
+    before = _snapshot()
+    for error in (RuntimeError("x"), SystemExit(0), KeyboardInterrupt()):
+        with pytest.raises(type(error)), transaction():
+            register_backend("temp", MLABackend)
+            register_model_type("temp_lm", build_gqa, replace=True)
+            raise error
+        assert _snapshot() == before
+    with transaction():
+        register_backend("kept", MLABackend)
+    assert "kept" in registered_backends()
+
+
+def test_the_bundled_entries_are_there_before_anyone_can_register():
+    # a fresh interpreter that reaches the registry by its deepest path and registers first
+    script = textwrap.dedent(
+        """
+        from kvforge.models.registry import register_model_type, registered_model_types
+        from kvforge.models.families import build_qwen
+        assert registered_model_types()["llama"].bundled
+        try:
+            register_model_type("llama", build_qwen)
+        except ValueError as exc:
+            print(exc)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "bundled with kvforge" in proc.stdout
 
 
 def test_plan_with_plugin_option_in_a_subprocess():
@@ -506,10 +631,31 @@ def test_a_broken_entry_point_is_named(tmp_path, monkeypatch, capsys):
     assert (code, out, err) == (2, "", f"kvforge: error: {message}\n")
 
 
+@pytest.mark.parametrize(
+    ("entry_point", "cause"),
+    [
+        ("exits = kvforge_p_exit0", "it called sys.exit(0) while loading"),
+        ("llama = kvforge_p_llama", "ValueError: model_type 'llama' is already registered to kvforge.models.families.build_gqa"),
+        ("half = kvforge_p_half", "KeyError: 'second step'"),
+        ("function = kvforge_p_crash:register", "RuntimeError: plugin bug"),
+    ],
+)
+def test_an_entry_point_that_fails_is_one_line_and_registers_nothing(failing_plugins, tmp_path, capsys, entry_point, cause):
+    write_dist_info(tmp_path, "kvforge-failing-plugin", entry_point)
+    before = _snapshot()
+    code, out, err = run(capsys, "plan", "--backend", "gqa", "--num-blocks", "3")
+    assert (code, out) == (2, "")
+    name, value = (part.strip() for part in entry_point.split("="))
+    assert err.startswith(f"kvforge: error: kvforge plugin entry point '{name} = {value}' (group 'kvforge.backends'")
+    assert f"failed to load: {cause}" in err and len(err.splitlines()) == 1
+    assert _snapshot() == before
+    code, out, err = run(capsys, "--help")  # help still works, and says what failed
+    assert code == 0 and "usage: kvforge" in out and err.startswith("kvforge: warning: kvforge plugin entry point")
+
+
 def test_an_entry_point_may_name_a_register_function(isolated_registry, tmp_path, monkeypatch):
     (tmp_path / "kvforge_ep_function.py").write_text(
-        "from kvforge.models import register_model_type\n"
-        "from kvforge.models.hf_config import build_gqa\n"
+        "from kvforge.models import build_gqa, register_model_type\n"
         "CALLS = []\n"
         "def register():\n"
         "    CALLS.append(1)\n"

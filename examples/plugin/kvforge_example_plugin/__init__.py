@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvforge.models.registry import register_backend, register_model_type
+from kvforge.models import register_backend, register_model_type
 from kvforge_example_plugin.fused_kv import FusedKVBackend, GPTBigCodeFields, build_gpt_bigcode
 
 __all__ = ["SAMPLE_CONFIG", "FusedKVBackend", "GPTBigCodeFields", "build_gpt_bigcode"]

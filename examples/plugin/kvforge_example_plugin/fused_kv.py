@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kvforge.attn_backends.base import DeclaredBackend
-from kvforge.models.registry import MAX_LAYERS, ModelBackends, ModelOptions, parse_fields
+from kvforge.models import MAX_LAYERS, ModelBackends, ModelOptions, parse_fields
 from kvforge.specs import CacheGroup, CacheRole, canonical_dtype
 
 __all__ = ["FusedKVBackend", "GPTBigCodeFields", "build_gpt_bigcode"]

@@ -1,8 +1,9 @@
 """Cache-relevant fields of published Hugging Face ``config.json`` files, shipped as package data.
 
-Load one with :func:`kvforge.attn_backends.load_model_config` (by name, e.g.
-``"deepseek-v4-flash"``) or build its backends with :func:`kvforge.attn_backends.from_hf_config`;
-:func:`kvforge.attn_backends.bundled_models` lists the names. ``examples/configs`` is a link to
+Load one with :func:`kvforge.models.load_model_config` (by name, e.g.
+``"deepseek-v4-flash"``) or build its backends with :func:`kvforge.models.from_hf_config`;
+:func:`kvforge.models.bundled_models` lists the names. They ship in the wheel as package data
+(``tests/cli/test_wheel.py`` checks every one is there). ``examples/configs`` is a link to
 this directory.
 
 Each file keeps only ``architectures``, ``model_type``, ``torch_dtype``, ``num_hidden_layers``
