@@ -21,6 +21,7 @@ last touched long before.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -35,6 +36,13 @@ from pydantic import BaseModel
 
 from kvforge.attn_backends import DeepseekV4Backend, GQABackend
 from kvforge.attn_backends.base import AttentionBackend, DeclaredBackend
+from kvforge.cli.formatting import (
+    UsageError,
+    check_output_path,
+    console,
+    format_bytes,
+    make_table,
+)
 from kvforge.controller import CacheController
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
@@ -42,7 +50,7 @@ from kvforge.specs import CacheGroup, CacheRole, SwapPurpose
 from kvforge.worker.host_pool import HostGroupPool
 from kvforge.worker.transfer import move_pages
 
-__all__ = ["BenchCase", "BenchResult", "default_cases", "run_bench"]
+__all__ = ["HARNESSES", "BenchCase", "BenchResult", "cmd_bench", "default_cases", "run_bench"]
 
 
 class BenchResult(BaseModel):
@@ -408,8 +416,6 @@ def run_bench(
 
 
 def print_results(results: list[BenchResult]) -> None:
-    from kvforge.cli.formatting import console, format_bytes, make_table
-
     table = make_table(
         "kvforge swap throughput vs baselines (same bytes, same run; at the start of each "
         f"run the caches were {', '.join(sorted({r.cache for r in results}))})",
@@ -448,3 +454,42 @@ def print_results(results: list[BenchResult]) -> None:
 def write_json(results: list[BenchResult], path: str) -> None:
     with open(path, "w") as fh:
         json.dump([r.model_dump() for r in results], fh, indent=2)
+
+
+# ---------------------------------------------------------------------------------- command
+
+#: ``kvforge bench`` flag -> the research harness that replaced it. The harnesses compare
+#: kvforge with vLLM's own code and live in the checkout's ``benchmarks/``, not in the wheel.
+HARNESSES = {"--step": "benchmarks/bench_step.py", "--prefix": "benchmarks/bench_prefix.py"}
+
+
+def _moved_to_checkout(flag: str) -> UsageError:
+    return UsageError(
+        f"kvforge bench {flag} is a research harness that is not installed with kvforge; "
+        f"from a checkout run: python {HARNESSES[flag]} --no-vllm (with vLLM installed, "
+        "without --no-vllm)"
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``kvforge bench``: the offload benchmark (``--step`` / ``--prefix``: exit 2, naming the
+    harness to run from a checkout)."""
+    if args.json is not None:
+        check_output_path(args.json, "--json")
+    if args.step and args.prefix:
+        raise UsageError("give one of --step or --prefix, not both")
+    if args.step:
+        raise _moved_to_checkout("--step")
+    if args.prefix:
+        raise _moved_to_checkout("--prefix")
+    results = run_bench(
+        quick=args.quick,
+        device=args.device,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+        warm_cache=args.warm_cache,
+    )
+    print_results(results)
+    if args.json:
+        write_json(results, args.json)
+    return 0

@@ -27,8 +27,10 @@ run must report a mismatch (the CLI then exits 1).
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -39,7 +41,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.cli.args import build_backends, list_models
 from kvforge.cli.demo_prefix import PrefixDemoResult, run_prefix_demo
+from kvforge.cli.formatting import UsageError, check_output_path, write_text
 from kvforge.controller import CacheController
 from kvforge.core.layout import CacheLayout
 from kvforge.errors import OutOfBlocksError
@@ -58,7 +62,9 @@ __all__ = [
     "DemoConfig",
     "DemoResult",
     "GroupUsage",
+    "SelfTestOutOfRange",
     "VerifyCount",
+    "cmd_demo",
     "print_summary",
     "run_demo",
 ]
@@ -96,7 +102,9 @@ class DemoConfig(BaseModel):
         verify_on_swap_in: verify every request right after it is swapped back in.
         corrupt_after_step: self-test: once this many steps have run, flip one byte of one
             live entry (of a full-history group when the model has one, so it stays live until
-            it is checked); the run must then report at least one mismatch.
+            it is checked); the run must then report at least one mismatch. A step after the
+            last one that ends with a request running (or after ``max_steps``) is refused:
+            the self-test could not flip anything there.
         prefix_conversations: after the serving loop, run this many multi-turn conversations
             over a shared system prompt with the prefix cache on, and verify every reused
             byte (:mod:`kvforge.cli.demo_prefix`); 0 skips it.
@@ -129,7 +137,33 @@ class DemoConfig(BaseModel):
                     f"{name} must be an inclusive range (lo, hi) with {least} <= lo <= hi, "
                     f"got {(lo, hi)}"
                 )
+        if (
+            self.corrupt_after_step is not None
+            and self.max_steps is not None
+            and self.corrupt_after_step > self.max_steps
+        ):
+            raise ValueError(
+                f"corrupt_after_step={self.corrupt_after_step} is after max_steps="
+                f"{self.max_steps}: the run stops before it could flip a byte"
+            )
         return self
+
+
+class SelfTestOutOfRange(ValueError):
+    """``corrupt_after_step`` named a step after the last one at which the run had a running
+    request, so the self-test could not flip a byte (and the run would pass, silently)."""
+
+    def __init__(self, step: int, steps: int, last_live: int) -> None:
+        self.step, self.steps, self.last_live = step, steps, last_live
+        super().__init__(self.describe(f"corrupt_after_step={step}"))
+
+    def describe(self, what: str) -> str:
+        """The message, with ``what`` naming the value (the field, or the CLI flag)."""
+        return (
+            f"{what} is past the run: it ran {self.steps} steps and step {self.last_live} was "
+            f"the last with a running request whose bytes could be flipped; give a step from "
+            f"1 to {self.last_live}"
+        )
 
 
 class GroupUsage(BaseModel):
@@ -475,6 +509,7 @@ class _Loop:
         self.clock = 0
         self.idle = 0
         self.most_swapped = 0
+        self.last_live_step = 0  # the last step that ended with a request running
         self.running_at_end = 0
         self.swapped_at_end = 0
         self.ratios = {g: ctl.layout.compress_ratios(g) for g in ctl.groups}
@@ -720,6 +755,8 @@ def run_demo(
     Raises:
         ValueError: a budget too small for one request alone (the message says how much is
             needed), an unknown model, an unavailable device.
+        SelfTestOutOfRange: ``corrupt_after_step`` is past the last step with a running
+            request (a ``ValueError``; the message gives the steps that work).
     """
     config = config or DemoConfig()
     start = time.perf_counter()
@@ -770,6 +807,8 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
             if config.max_steps is not None and loop.steps >= config.max_steps:
                 break
             generated = loop.step()
+            if loop.running:
+                loop.last_live_step = loop.steps
             if (
                 config.corrupt_after_step is not None
                 and not loop.corrupted
@@ -784,6 +823,8 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
                 ),
             )
     loop.finish()
+    if config.corrupt_after_step is not None and not loop.corrupted:
+        raise SelfTestOutOfRange(config.corrupt_after_step, loop.steps, loop.last_live_step)
     usage = ctl.host_pool_usage()
     host_usable = {g: usable for g, (_, usable) in usage.items()}
     groups = [
@@ -936,3 +977,36 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
     if result.unverified_requests:
         out.print(f"{result.unverified_requests} requests could not be verified")
     out.print(result.summary_line(), markup=False, highlight=False, soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------------- command
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``kvforge demo``: the serving loop; exit 1 on a mismatch (the self-test's included)."""
+    if args.list_models:
+        return list_models(args)
+    if args.json is not None:
+        check_output_path(args.json, "--json")
+    if not (args.model or args.config or args.backend):
+        args.model = DEFAULT_MODEL
+    description, backends = build_backends(args)
+    config = DemoConfig(
+        model=description,
+        device=args.device,
+        seed=args.seed,
+        requests=args.requests,
+        device_memory=args.device_memory,
+        host_memory=args.host_memory,
+        corrupt_after_step=args.self_test_corrupt,
+        prefix_conversations=args.prefix_conversations,
+    )
+    progress = not args.no_progress and sys.stderr.isatty()
+    try:
+        result = run_demo(config, progress=progress, backends=backends)
+    except SelfTestOutOfRange as exc:
+        raise UsageError(exc.describe(f"--self-test-corrupt {exc.step}")) from None
+    if args.json is not None:
+        write_text(args.json, result.model_dump_json(indent=2) + "\n")
+    print_summary(result)
+    return 0 if result.ok else 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import BaseModel, ValidationError
 
-from kvforge.cli import main as cli
+from kvforge.cli import plan as cli_plan
 from kvforge.cli.formatting import (
     UsageError,
     check_output_path,
@@ -103,6 +103,14 @@ def test_parse_size_units():
         (["--backend", "gqa", "--tp-size", "2"], "--tp-size does not apply to --backend gqa"),
         (["--num-speculative-tokens", "1"], "--num-speculative-tokens does not apply to --backend gqa"),
         (["--backend", "dsa", "--kv-cache-dtype", "int4"], "kv_cache_dtype must be 'fp8' or 'bf16', got 'int4'"),
+        # --dtype names a floating-point cache dtype: the integer storage dtypes are not caches
+        (["--dtype", "int64"], "argument --dtype: 'int64' is not a cache dtype; use one of float32, float16, bfloat16, float8_e4m3fn, float8_e5m2"),
+        (["--backend", "mla", "--dtype", "uint8"], "argument --dtype: 'uint8' is not a cache dtype"),
+        (["--model", "llama-3-8b", "--dtype", "int8"], "argument --dtype: 'int8' is not a cache dtype"),
+        (["--dtype", "float128"], "argument --dtype: 'float128' is not a cache dtype"),
+        (["--dtype", ""], "argument --dtype: '' is not a cache dtype"),
+        # a float cache dtype that is not a model dtype is the model's to refuse, quoted as typed
+        (["--model", "llama-3-8b", "--dtype", "fp8"], "dtype='fp8' is not a model dtype; use one of ['float16', 'bfloat16', 'float32']"),
         (["--backend", "deepseek-v4", "--compress-ratio", "8"], "compress_ratio must be one of [0, 4, 128], got 8"),
         (["--list-models", "--backend", "mla"], "--list-models lists the bundled configs and takes no model options, got --backend"),
         # layer counts and configs that would take minutes or a RecursionError
@@ -158,7 +166,7 @@ def test_an_unexpected_error_in_a_command_is_a_traceback(capsys, monkeypatch, er
     def broken(args):
         raise error
 
-    monkeypatch.setattr(cli, "plan_report", broken)
+    monkeypatch.setattr(cli_plan, "plan_report", broken)
     with pytest.raises(type(error), match="a bug"):
         main(["plan"])
 
@@ -170,7 +178,7 @@ def test_input_errors_from_a_command_are_one_line(capsys, monkeypatch):
     def invalid(args):
         Options(requests="many")
 
-    monkeypatch.setattr(cli, "plan_report", invalid)
+    monkeypatch.setattr(cli_plan, "plan_report", invalid)
     code, _, err = run(capsys, "plan")
     assert code == 2
     assert err == (
@@ -294,6 +302,19 @@ def test_plan_table_from_flags(capsys):
     assert "key_caches_{layer}_rank0.device0" in out
     assert "KV bytes per token: 131,072" in out
     assert "0-31" in out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "stored", "itemsize"),
+    [("fp8", "float8_e4m3fn", 1), ("float8_e5m2", "float8_e5m2", 1), ("bf16", "bfloat16", 2), ("fp32", "float32", 4)],
+)
+def test_plan_dtype_takes_every_float_cache_dtype(capsys, dtype, stored, itemsize):
+    code, out, _ = run(capsys, "plan", "--backend", "gqa", "--layers", "1", "--dtype", dtype, "--num-blocks", "2", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert {r["dtype"] for r in report["roles"]} == {stored}
+    # one layer: (key, value) * 8 kv heads * 128 dims * itemsize
+    assert report["kv_bytes_per_token"] == 2 * 8 * 128 * itemsize
 
 
 def test_plan_from_config_path(capsys, tmp_path):

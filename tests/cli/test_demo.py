@@ -16,13 +16,14 @@ from pydantic import ValidationError
 from kvforge import CacheController
 from kvforge.cli.demo import (
     DemoConfig,
+    SelfTestOutOfRange,
     _Loop,
     _make_requests,
     _size_host,
     run_demo,
 )
 from kvforge.cli.main import main
-from kvforge.models.hf_config import from_hf_config, load_model_config
+from kvforge.models import from_hf_config, load_model_config
 
 SMALL = {"requests": 8, "prompt_len": (16, 200), "output_len": (8, 40), "seed": 2, "device": "cpu"}
 LAST_LINE = re.compile(r"^verified (\d+) entries, (\d+) mismatched$")
@@ -189,6 +190,43 @@ def test_cli_self_test_corruption_exits_1(capsys):
     assert code == 1
     match = LAST_LINE.match(last_line(out))
     assert match and int(match.group(2)) > 0
+
+
+def test_self_test_past_the_run_is_refused_and_its_last_step_works(capsys, tmp_path):
+    small = {**SMALL, "requests": 2, "prefix_conversations": 0}
+    with pytest.raises(SelfTestOutOfRange) as info:
+        run_demo(DemoConfig(**small, corrupt_after_step=100_000), progress=False)
+    err = info.value
+    assert str(err).startswith(f"corrupt_after_step=100000 is past the run: it ran {err.steps} steps")
+    assert 0 < err.last_live <= err.steps
+    assert str(err).endswith(f"give a step from 1 to {err.last_live}")
+    # the last step the message offers is one the self-test can use: the run then fails
+    r = run_demo(DemoConfig(**small, corrupt_after_step=err.last_live), progress=False)
+    assert r.corrupted and not r.ok
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["--self-test-corrupt", "100000"], 2, "kvforge demo: error: --self-test-corrupt 100000 is past the run: it ran "),
+        (["--self-test-corrupt", "0"], 2, "kvforge demo: error: argument --self-test-corrupt: '0' must be a positive integer"),
+        (["--self-test-corrupt", "-3"], 2, "argument --self-test-corrupt: '-3' must be a positive integer"),
+        (["--self-test-corrupt", "2.5"], 2, "argument --self-test-corrupt: '2.5' is not an integer"),
+        (["--dtype", "int64", "--backend", "gqa", "--layers", "2"], 2, "kvforge demo: error: argument --dtype: 'int64' is not a cache dtype"),
+    ],
+)
+def test_cli_self_test_and_dtype_out_of_range_exit_2(capsys, tmp_path, argv, code, message):
+    path = tmp_path / "demo.json"
+    base = ["demo", "--device", "cpu", "--requests", "2", "--no-progress", "--prefix-conversations", "0"]
+    assert main([*base, "--json", str(path), *argv]) == code
+    captured = capsys.readouterr()
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert captured.out == "" and not path.exists()  # no summary, no result file
+
+
+def test_config_refuses_a_self_test_after_max_steps():
+    with pytest.raises(ValidationError, match=r"corrupt_after_step=9 is after max_steps=8"):
+        DemoConfig(max_steps=8, corrupt_after_step=9)
 
 
 def test_cli_bad_unit_exits_2_with_one_line(capsys):

@@ -1,0 +1,265 @@
+"""``kvforge plan``: size and name every cache of a model, without allocating anything.
+
+:func:`plan_report` builds the model the options name, sizes its groups with the integer
+planner (:func:`~kvforge.core.memory_plan.plan_memory` from ``--device-memory``, or the
+explicit ``--num-blocks``), and returns everything the command prints as plain data: per
+role its groups, shapes, bytes and storage-name pattern, per group its blocks and token
+capacity, which groups can share one pool, and the host pages of ``--host-memory``.
+:func:`print_plan` shows it as tables; ``--json`` prints it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+from kvforge.cli.args import build_backends, list_models
+from kvforge.cli.formatting import (
+    UsageError,
+    check_output_path,
+    console,
+    format_bytes,
+    format_exact,
+    make_table,
+    write_text,
+)
+
+__all__ = ["cmd_plan", "plan_report", "print_plan"]
+
+
+def _layer_ranges(layers: Sequence[int]) -> str:
+    parts: list[str] = []
+    start = prev = layers[0]
+    for layer in [*layers[1:], None]:
+        if layer is not None and layer == prev + 1:
+            prev = layer
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if layer is not None:
+            start = prev = layer
+    return ",".join(parts)
+
+
+def plan_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``kvforge plan`` prints, as plain data."""
+    from kvforge.core.layout import CacheLayout
+    from kvforge.core.memory_plan import (
+        cache_bytes_per_sequence,
+        plan_memory,
+        shared_pool_blocks,
+    )
+    from kvforge.core.naming import StorageNamer
+
+    if args.num_blocks is not None and args.max_num_seqs is not None:
+        raise UsageError(
+            "--max-num-seqs does not apply with --num-blocks: it sizes the pools from "
+            "--device-memory, and --num-blocks gives their sizes"
+        )
+    description, backends = build_backends(args)
+    if args.tp_size is not None and args.rank >= args.tp_size:
+        raise UsageError(
+            f"--rank {args.rank} is out of range for --tp-size {args.tp_size} "
+            f"(ranks 0..{args.tp_size - 1})"
+        )
+    layout = CacheLayout(backends)
+    max_model_len = args.max_model_len
+    if args.num_blocks is not None:
+        blocks = dict.fromkeys((g.name for g in layout.groups), args.num_blocks)
+        budget = sum(n * layout.bytes_per_block(g) for g, n in blocks.items())
+        plan = None
+    else:
+        if args.max_num_seqs is not None and max_model_len is None:
+            # vLLM's rule: max_model_len defaults to the model's max_position_embeddings
+            max_model_len = getattr(backends, "max_position_embeddings", None)
+        if (args.max_num_seqs is None) != (max_model_len is None):
+            raise UsageError(
+                "--max-num-seqs and --max-model-len go together (the model's config gives no "
+                "max_position_embeddings to default --max-model-len to)"
+            )
+        plan = plan_memory(layout, args.device_memory, args.max_num_seqs, max_model_len)
+        blocks = plan.num_blocks
+        budget = args.device_memory
+    namer = StorageNamer(rank=args.rank)
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in layout.buffers:
+        key = (e.role, e.group.name)
+        row = rows.setdefault(
+            key,
+            {
+                "role": e.role.name,
+                "group": e.group.name,
+                "entry_shape": list(e.role.entry_shape),
+                "dtype": e.role.dtype,
+                "compress_ratio": e.role.compress_ratio,
+                "block_shape": [
+                    blocks[e.group.name],
+                    e.role.entries_per_block(e.group),
+                    *e.role.entry_shape,
+                ],
+                "bytes_per_block": e.block_bytes,
+                "storage_name": namer.pattern(e.role.name),
+                "layers": [],
+                "total_bytes": 0,
+            },
+        )
+        row["layers"].append(e.layer)
+        row["total_bytes"] += blocks[e.group.name] * e.block_bytes
+    groups = []
+    for g in layout.groups:
+        groups.append(
+            {
+                "group": g.name,
+                "kind": g.kind.value,
+                "block_size": g.block_size,
+                "window": g.window,
+                "num_blocks": blocks[g.name],
+                "bytes_per_block": layout.bytes_per_block(g.name),
+                "total_bytes": blocks[g.name] * layout.bytes_per_block(g.name),
+                "token_capacity": (blocks[g.name] - 1) * g.block_size,
+            }
+        )
+    report: dict[str, Any] = {
+        "model": description,
+        "num_layers": len(layout.layers),
+        "roles": list(rows.values()),
+        "groups": groups,
+        # exact: an int when whole, else the string of a fraction ("15401/4"): no float bytes
+        "kv_bytes_per_token": _exact(layout.kv_bytes_per_token()),
+        "device_memory": budget,
+        "total_bytes": sum(g["total_bytes"] for g in groups),
+        "max_tokens": plan.max_tokens if plan else None,
+        # groups whose pages pair up byte for byte: CacheController(share_pools=True) gives
+        # each set one pool of sum(num_blocks - 1) + 1 blocks, paid once
+        "shared_pools": [
+            {
+                "groups": list(members),
+                "num_blocks": shared_pool_blocks(layout, blocks)[members[0]],
+            }
+            for members in layout.pool_sets
+            if len(members) > 1
+        ],
+    }
+    if max_model_len:
+        report["bytes_per_sequence"] = cache_bytes_per_sequence(layout, max_model_len)
+        report["max_num_seqs"] = args.max_num_seqs
+        report["max_model_len"] = max_model_len
+    if args.host_memory:
+        host = plan_memory(layout, args.host_memory, host=True)
+        report["host"] = {
+            "memory": args.host_memory,
+            "pages": host.num_blocks,
+            "page_bytes": {g.group: g.bytes_per_block for g in host.groups},
+            "total_bytes": host.total_bytes,
+            "max_tokens": host.max_tokens,
+        }
+    return report
+
+
+def _exact(value: int | Fraction) -> int | str:
+    if isinstance(value, Fraction) and value.denominator != 1:
+        return str(value)
+    return int(value)
+
+
+def print_plan(report: dict[str, Any]) -> None:
+    out = console()
+    roles = make_table(
+        f"kvforge plan: {report['model']} ({report['num_layers']} cache layers)",
+        (
+            "role",
+            "group",
+            "layers",
+            "entry shape",
+            "dtype",
+            "ratio",
+            "bytes/block",
+            "storage name",
+            "total",
+        ),
+        left=("role", "group", "layers", "entry shape", "dtype", "ratio", "storage name"),
+    )
+    for r in report["roles"]:
+        roles.add_row(
+            r["role"],
+            r["group"],
+            _layer_ranges(r["layers"]),
+            str(tuple(r["entry_shape"])),
+            r["dtype"],
+            str(r["compress_ratio"]),
+            f"{r['bytes_per_block']:,}",
+            r["storage_name"],
+            format_bytes(r["total_bytes"]),
+        )
+    out.print(roles)
+    groups = make_table(
+        "groups",
+        (
+            "group",
+            "kind",
+            "block size",
+            "window",
+            "blocks",
+            "bytes/block",
+            "total",
+            "token capacity",
+        ),
+        left=("group", "kind"),
+    )
+    for g in report["groups"]:
+        groups.add_row(
+            g["group"],
+            g["kind"],
+            str(g["block_size"]),
+            str(g["window"] or "-"),
+            f"{g['num_blocks']:,}",
+            f"{g['bytes_per_block']:,}",
+            format_bytes(g["total_bytes"]),
+            f"{g['token_capacity']:,}",
+        )
+    out.print(groups)
+    per_token = Fraction(report["kv_bytes_per_token"])
+    out.print(f"KV bytes per token: {format_exact(per_token)}")
+    out.print(
+        f"device memory: {format_bytes(report['total_bytes'])} of "
+        f"{format_bytes(report['device_memory'])}"
+    )
+    if report.get("max_tokens") is not None:
+        out.print(f"token capacity (full groups): {report['max_tokens']:,}")
+    for pool in report.get("shared_pools", ()):
+        out.print(
+            f"groups {', '.join(pool['groups'])} pair up byte for byte: with share_pools=True "
+            f"they draw on one pool of {pool['num_blocks']:,} blocks"
+        )
+    if "bytes_per_sequence" in report:
+        out.print(
+            f"one sequence of {report['max_model_len']:,} tokens keeps "
+            f"{format_bytes(report['bytes_per_sequence'])} live"
+        )
+    if "host" in report:
+        host = report["host"]
+        out.print(
+            f"host pages: {host['pages']} ({format_bytes(host['total_bytes'])} of "
+            f"{format_bytes(host['memory'])})"
+        )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``kvforge plan``: tables on stdout; ``--json`` prints JSON instead, ``--json PATH``
+    writes it there as well."""
+    if args.list_models:
+        return list_models(args)
+    to_file = args.json not in (None, "-")
+    if to_file:
+        check_output_path(args.json, "--json")
+    report = plan_report(args)
+    text = json.dumps(report, indent=2)
+    if to_file:
+        write_text(args.json, text + "\n")
+    if args.json == "-":
+        print(text)
+    else:
+        print_plan(report)
+    return 0
