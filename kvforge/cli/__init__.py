@@ -1,5 +1,9 @@
 """The command-line tools: ``kvforge plan``, ``kvforge demo`` and ``kvforge bench``.
 
-:mod:`~kvforge.cli.main` parses arguments and reports bad input as one line;
-:mod:`~kvforge.cli.formatting` holds the display helpers the commands share.
+:mod:`~kvforge.cli.main` loads plugins and runs one command; :mod:`~kvforge.cli.args` parses
+the command line and builds the model its options name; :mod:`~kvforge.cli.plan`,
+:mod:`~kvforge.cli.demo` (with :mod:`~kvforge.cli.demo_sizing`,
+:mod:`~kvforge.cli.demo_report` and :mod:`~kvforge.cli.demo_prefix`) and
+:mod:`~kvforge.cli.bench` are the commands; :mod:`~kvforge.cli.formatting` holds the display
+helpers and input checks they share.
 """

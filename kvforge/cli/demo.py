@@ -23,6 +23,10 @@ checked after a swap-in and again when its request finishes counts twice.
 
 ``DemoConfig.corrupt_after_step`` is a self-test: it flips one byte of one live entry so the
 run must report a mismatch (the CLI then exits 1).
+
+The device pools are sized in integers through the memory planner
+(:mod:`kvforge.cli.demo_sizing`); results and their tables are :mod:`kvforge.cli.demo_report`
+(re-exported here); :func:`cmd_demo` is ``kvforge demo``.
 """
 
 from __future__ import annotations
@@ -35,22 +39,27 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.cli.args import build_backends, list_models
-from kvforge.cli.demo_prefix import PrefixDemoResult, run_prefix_demo
+from kvforge.cli.demo_prefix import run_prefix_demo
+from kvforge.cli.demo_report import DemoResult, GroupUsage, VerifyCount, print_summary
+from kvforge.cli.demo_sizing import (
+    PREFILL_CHUNK,
+    live_blocks,
+    prefill_peak,
+    size_device,
+    size_host,
+)
 from kvforge.cli.formatting import UsageError, check_output_path, write_text
 from kvforge.controller import CacheController
-from kvforge.core.layout import CacheLayout
 from kvforge.errors import OutOfBlocksError
-from kvforge.scheduler.block_manager import held_blocks
-from kvforge.specs import CacheGroup, GroupKind
+from kvforge.specs import GroupKind
 from kvforge.verify import (
-    EntryCheck,
     read_entries,
     verify_request,
     write_entries,
@@ -164,258 +173,6 @@ class SelfTestOutOfRange(ValueError):
             f"the last with a running request whose bytes could be flipped; give a step from "
             f"1 to {self.last_live}"
         )
-
-
-class GroupUsage(BaseModel):
-    """Block use of one group over the run."""
-
-    group: str
-    kind: str
-    block_size: int
-    bytes_per_block: int
-    usable_blocks: int
-    peak_used_blocks: int
-    host_usable_pages: int
-    """0 when the group has nothing to offload."""
-    host_peak_used_pages: int
-
-
-class VerifyCount(BaseModel):
-    """Entries checked at one kind of checkpoint, and how many differed."""
-
-    entries: int = 0
-    mismatched: int = 0
-
-    def add(self, check: EntryCheck) -> None:
-        self.entries += check.entries
-        self.mismatched += check.mismatched
-
-
-class DemoResult(BaseModel):
-    """Everything a demo run measured. ``counts()`` leaves out the timings."""
-
-    model: str
-    device: str
-    seed: int
-    requests_total: int
-    requests_finished: int
-    steps: int
-    tokens_generated: int
-    """Decode tokens written (one per running request per step)."""
-    prompt_tokens_written: int
-    """Prefill positions written, re-prefills of recomputed requests included."""
-    preemptions: int
-    """Swap outs (purpose ``preempt``)."""
-    swap_ins: int
-    most_swapped: int
-    """The most requests swapped out at the same time."""
-    recomputes: int
-    """Preemptions that dropped a request to recompute it later (host pool full)."""
-    bytes_swapped_out: int
-    bytes_swapped_in: int
-    swap_out_seconds: float
-    swap_in_seconds: float
-    wall_seconds: float
-    device_memory_budget: int
-    device_cache_bytes: int
-    host_cache_bytes: int
-    device_share: float
-    """Share of the requests' combined peak block demand the device pools hold, per group."""
-    longest_request: int
-    """Tokens the longest request reaches."""
-    groups: list[GroupUsage]
-    verify_finished: VerifyCount
-    """Requests verified when they finished (or before a recompute dropped them)."""
-    verify_swap_in: VerifyCount
-    """Requests verified right after each swap-in."""
-    verify_end: VerifyCount
-    """Requests still live when the run stopped."""
-    running_at_end: int
-    """Requests running when the run stopped (``max_steps``), verified then freed."""
-    swapped_at_end: int
-    """Requests swapped out when the run stopped, swapped back in, verified, then freed."""
-    unverified_requests: int
-    """Requests holding entries that could not be checked (0 unless something went wrong)."""
-    corrupted: bool
-    """The self-test flipped a byte."""
-    prefix: PrefixDemoResult | None = None
-    """The prefix-reuse phase (``None`` when skipped)."""
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def entries_verified(self) -> int:
-        prefix = self.prefix.entries_verified if self.prefix else 0
-        return (
-            self.verify_finished.entries
-            + self.verify_swap_in.entries
-            + self.verify_end.entries
-            + prefix
-        )
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def entries_mismatched(self) -> int:
-        return (
-            self.verify_finished.mismatched
-            + self.verify_swap_in.mismatched
-            + self.verify_end.mismatched
-            + (self.prefix.entries_mismatched if self.prefix else 0)
-        )
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def ok(self) -> bool:
-        """True when every checked entry matched and nothing was left unchecked."""
-        return self.entries_mismatched == 0 and self.unverified_requests == 0
-
-    @staticmethod
-    def _gbps(nbytes: int, seconds: float) -> float | None:
-        return nbytes / seconds / 1e9 if seconds > 0 else None
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def swap_out_gbps(self) -> float | None:
-        """Bytes swapped out per second spent in ``swap_out`` (GB/s)."""
-        return self._gbps(self.bytes_swapped_out, self.swap_out_seconds)
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def swap_in_gbps(self) -> float | None:
-        """Bytes swapped in per second spent in ``swap_in`` (GB/s)."""
-        return self._gbps(self.bytes_swapped_in, self.swap_in_seconds)
-
-    def counts(self) -> dict[str, Any]:
-        """Everything except timings: equal for two runs with the same config."""
-        timings = {"swap_out_seconds", "swap_in_seconds", "wall_seconds"}
-        return self.model_dump(exclude=timings | {"swap_out_gbps", "swap_in_gbps"})
-
-    def summary_line(self) -> str:
-        """The last line the CLI prints."""
-        return f"verified {self.entries_verified} entries, {self.entries_mismatched} mismatched"
-
-
-# ---------------------------------------------------------------------------------- sizing
-
-
-def _live_blocks(group: CacheGroup, num_tokens: int) -> int:
-    """Blocks a request of ``num_tokens`` tokens holds in ``group`` between steps."""
-    return held_blocks(group, num_tokens, num_tokens)
-
-
-#: Prompts are prefilled in chunks of this many tokens, one step each, as engines do (small,
-#: so a window group's prefill allowance stays small next to the full groups it competes with).
-PREFILL_CHUNK = 16
-
-
-def _prefill_peak(group: CacheGroup, prompt_len: int) -> int:
-    """The most blocks a request holds in ``group`` while its prompt is prefilled in chunks:
-    a window group holds a block for every token of the current chunk, plus its window."""
-    return max(
-        held_blocks(group, start, min(prompt_len, start + PREFILL_CHUNK))
-        for start in range(0, prompt_len, PREFILL_CHUNK)
-    )
-
-
-def _peak_blocks(group: CacheGroup, prompt_len: int, final_len: int) -> int:
-    """The most blocks a request holds in ``group``: its prefill peak, then its live window
-    as it decodes."""
-    return max(_prefill_peak(group, prompt_len), group.max_live_blocks(final_len))
-
-
-@dataclass
-class _Sizing:
-    budget: int
-    """The budget given, or the one derived."""
-    share: float
-    """Share of the requests' combined peak demand the pools hold, per group."""
-    blocks: dict[str, int]
-    """Physical blocks per group (null block included)."""
-    longest: int
-    """Tokens the longest request reaches."""
-
-
-def _size_device(
-    layout: CacheLayout, lengths: list[tuple[int, int]], budget: int | None, share: float
-) -> _Sizing:
-    """Device blocks per group: ``share`` of what every request would hold at once.
-
-    The demand of a group is the sum over requests of the most blocks each holds in it while
-    it grows to its final length (a full group: all its blocks; a window or state group: its
-    live window). Each group gets ``ceil(share * demand)`` blocks, and never fewer than the
-    longest request needs alone. Sizing every group by the same share (rather than reserving
-    window and state blocks for a fixed ``max_num_seqs``) lets every group run dry, so
-    preemption is driven by growth in any of them. With a ``budget``, ``share`` is the largest
-    that fits it.
-
-    Raises:
-        ValueError: the budget cannot hold the longest request alone (says what would).
-    """
-    from kvforge.cli.formatting import format_bytes
-
-    longest = max(final for _, final in lengths)
-    groups = [(g.name, layout.bytes_per_block(g.name)) for g in layout.groups]
-    # Between steps a request holds its live window; during its prefill step a window group
-    # also holds the prompt's other blocks, until its first decode step. Demand is the
-    # steady state of every request plus one prefill allowance (the largest), as a memory
-    # plan budgets one batch-wide allowance rather than one per request.
-    steady = {g.name: [g.max_live_blocks(f) for _, f in lengths] for g in layout.groups}
-    peaks = {g.name: [_peak_blocks(g, p, f) for p, f in lengths] for g in layout.groups}
-    demand = {
-        name: sum(steady[name])
-        + max(pk - st for pk, st in zip(peaks[name], steady[name], strict=True))
-        for name in peaks
-    }
-    alone = {name: max(counts) for name, counts in peaks.items()}
-
-    def blocks_for(f: float) -> dict[str, int]:
-        return {name: max(alone[name], math.ceil(f * demand[name])) + 1 for name, _ in groups}
-
-    def cost(f: float) -> int:
-        blocks = blocks_for(f)
-        return sum(blocks[name] * bpb for name, bpb in groups)
-
-    if budget is None:
-        return _Sizing(cost(share), share, blocks_for(share), longest)
-    least = cost(0.0)
-    if budget < least:
-        short = ", ".join(f"{name}: {alone[name]} blocks" for name, _ in groups)
-        raise ValueError(
-            f"device memory {format_bytes(budget)} cannot hold even one request alone: the "
-            f"longest request reaches {longest} tokens and needs {short}; raise "
-            f"--device-memory to at least {format_bytes(least)} ({least} bytes)"
-        )
-    lo, hi = 0.0, 1.0
-    if cost(hi) <= budget:
-        lo = hi  # everything fits at once: more blocks would never be used
-    for _ in range(40):
-        if hi - lo < 1e-6:
-            break
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid)
-    return _Sizing(budget, lo, blocks_for(lo), longest)
-
-
-def _size_host(
-    layout: CacheLayout, max_len: int, requests: int, budget: int | None
-) -> dict[str, int]:
-    """Host pages per group: room for ``requests`` swapped requests, or what ``budget`` holds."""
-    from kvforge.cli.formatting import format_bytes
-
-    need = {g.name: g.max_live_blocks(max_len) for g in layout.groups}
-    page = {g.name: layout.host_page_bytes(g.name) for g in layout.groups}
-    per_request = sum(need[n] * page[n] for n in need)
-    held = requests
-    if budget is not None:
-        null_pages = sum(page.values())
-        held = (budget - null_pages) // per_request if per_request else requests
-        if held < 1:
-            raise ValueError(
-                f"host memory {format_bytes(budget)} cannot hold one preempted request (the "
-                f"longest needs {format_bytes(per_request)} of host pages plus "
-                f"{format_bytes(null_pages)} of reserved pages); raise --host-memory to at "
-                f"least {format_bytes(per_request + null_pages)}"
-            )
-    return {n: max(2, held * need[n] + 1) for n in need}
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -533,7 +290,7 @@ class _Loop:
         for r in self.running:
             n = r.context
             for g in self.groups:
-                need[g.name] += max(0, _live_blocks(g, n + 1) - _live_blocks(g, n))
+                need[g.name] += max(0, live_blocks(g, n + 1) - live_blocks(g, n))
         return need
 
     def _fits(self, num_tokens: int, reserve: bool = False, prefill: bool = False) -> bool:
@@ -548,7 +305,7 @@ class _Loop:
                 keep[g] += n
         return all(
             self.ctl.num_free_blocks(g.name)
-            - (_prefill_peak(g, num_tokens) if prefill else _live_blocks(g, num_tokens))
+            - (prefill_peak(g, num_tokens) if prefill else live_blocks(g, num_tokens))
             >= keep[g.name]
             for g in self.groups
         )
@@ -761,9 +518,9 @@ def run_demo(
     config = config or DemoConfig()
     start = time.perf_counter()
     if backends is None:
-        from kvforge.models.hf_config import from_hf_config, load_model_config
+        from kvforge.models.hf_config import from_hf_config
 
-        backends = from_hf_config(load_model_config(config.model))
+        backends = from_hf_config(config.model)
     ctl = CacheController(backends, device=config.device)
     try:
         with _cpu_threads(ctl.device):
@@ -781,8 +538,8 @@ def run_demo(
 def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float) -> DemoResult:
     requests = _make_requests(config)
     lengths = [(r.prompt_len, r.prompt_len + r.output_len) for r in requests]
-    sizing = _size_device(ctl.layout, lengths, config.device_memory, config.device_share)
-    host_pages = _size_host(ctl.layout, sizing.longest, len(requests), config.host_memory)
+    sizing = size_device(ctl.layout, lengths, config.device_memory, config.device_share)
+    host_pages = size_host(ctl.layout, sizing.longest, len(requests), config.host_memory)
     ctl.initialize_kv_cache(num_blocks=sizing.blocks)
     ctl.initialize_host_cache(num_pages=host_pages)
     device_bytes, host_bytes = ctl.device_bytes, ctl.host_bytes
@@ -863,7 +620,7 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
         device_memory_budget=sizing.budget,
         device_cache_bytes=device_bytes,
         host_cache_bytes=host_bytes,
-        device_share=sizing.share,
+        device_share=float(sizing.share),
         longest_request=sizing.longest,
         groups=groups,
         verify_finished=loop.verify_finished,
@@ -877,106 +634,6 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
 
 
 # ---------------------------------------------------------------------------------- summary
-
-
-def print_summary(result: DemoResult, out: Any = None) -> None:
-    """Print ``result`` as rich tables; the very last line is ``verified N entries, M mismatched``.
-
-    Args:
-        result: what :func:`run_demo` returned.
-        out: a rich ``Console`` (default: :func:`kvforge.cli.formatting.console`).
-    """
-    from rich.table import Table
-
-    from kvforge.cli.formatting import console, format_bytes
-
-    out = out or console()
-
-    def rate(gbps: float | None) -> str:
-        return f"{gbps:.2f} GB/s" if gbps is not None else "-"
-
-    run = Table(title=f"kvforge demo: {result.model} on {result.device}", show_header=False)
-    run.add_column("what")
-    run.add_column("value", justify="right")
-    rows = [
-        ("requests finished / total", f"{result.requests_finished} / {result.requests_total}"),
-        ("seed", str(result.seed)),
-        ("steps", f"{result.steps:,}"),
-        ("tokens generated (decode)", f"{result.tokens_generated:,}"),
-        ("prompt tokens written (prefill)", f"{result.prompt_tokens_written:,}"),
-        ("preemptions (swap outs)", f"{result.preemptions:,}"),
-        ("swap ins", f"{result.swap_ins:,}"),
-        ("most requests swapped out at once", f"{result.most_swapped:,}"),
-        ("recomputes (host pool full)", f"{result.recomputes:,}"),
-        ("bytes swapped out", format_bytes(result.bytes_swapped_out)),
-        ("bytes swapped in", format_bytes(result.bytes_swapped_in)),
-        ("swap-out throughput", rate(result.swap_out_gbps)),
-        ("swap-in throughput", rate(result.swap_in_gbps)),
-        (
-            "device cache (budget)",
-            f"{format_bytes(result.device_cache_bytes)} "
-            f"({format_bytes(result.device_memory_budget)})",
-        ),
-        ("device pools hold (share of peak demand)", f"{result.device_share:.0%}"),
-        ("longest request", f"{result.longest_request:,} tokens"),
-        ("host cache", format_bytes(result.host_cache_bytes)),
-        ("wall time", f"{result.wall_seconds:.2f} s"),
-    ]
-    for what, value in rows:
-        run.add_row(what, value)
-    out.print(run)
-
-    groups = Table(title="blocks per group (peak used / usable)")
-    for col in ("group", "kind", "block size", "device peak", "device usable", "use", "host peak"):
-        groups.add_column(col, justify="left" if col in ("group", "kind") else "right")
-    for g in result.groups:
-        use = f"{100 * g.peak_used_blocks // max(1, g.usable_blocks)}%"
-        host = f"{g.host_peak_used_pages} / {g.host_usable_pages}" if g.host_usable_pages else "-"
-        groups.add_row(
-            g.group,
-            g.kind,
-            str(g.block_size),
-            f"{g.peak_used_blocks:,}",
-            f"{g.usable_blocks:,}",
-            use,
-            host,
-        )
-    out.print(groups)
-
-    checks = Table(title="byte-for-byte verification")
-    for col in ("checkpoint", "entries", "mismatched"):
-        checks.add_column(col, justify="left" if col == "checkpoint" else "right")
-    for what, count in (
-        ("finished requests (before free)", result.verify_finished),
-        ("after each swap-in", result.verify_swap_in),
-        (
-            f"still live at the end ({result.running_at_end} running, "
-            f"{result.swapped_at_end} swapped)",
-            result.verify_end,
-        ),
-    ):
-        checks.add_row(what, f"{count.entries:,}", f"{count.mismatched:,}")
-    out.print(checks)
-    if result.prefix is not None:
-        p = result.prefix
-        reuse = Table(title="prefix reuse (multi-turn, shared system prompt)", show_header=False)
-        reuse.add_column("what")
-        reuse.add_column("value", justify="right")
-        for what, value in (
-            ("conversations / turns", f"{p.conversations} / {p.turns}"),
-            ("prompt tokens", f"{p.prompt_tokens:,}"),
-            ("served from cache", f"{p.hit_tokens:,} ({p.hit_rate:.1%})"),
-            ("reuse boundary (LCM of block sizes)", f"{p.boundary} tokens"),
-            ("entries verified (reused included)", f"{p.entries_verified:,}"),
-            ("mismatched", f"{p.entries_mismatched:,}"),
-        ):
-            reuse.add_row(what, value)
-        out.print(reuse)
-    if result.corrupted:
-        out.print("self-test: one byte of one live entry was flipped on purpose")
-    if result.unverified_requests:
-        out.print(f"{result.unverified_requests} requests could not be verified")
-    out.print(result.summary_line(), markup=False, highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------- command

@@ -19,9 +19,9 @@ from kvforge.cli.demo import (
     SelfTestOutOfRange,
     _Loop,
     _make_requests,
-    _size_host,
     run_demo,
 )
+from kvforge.cli.demo_sizing import size_host
 from kvforge.cli.main import main
 from kvforge.models import from_hf_config, load_model_config
 
@@ -93,7 +93,7 @@ def test_full_host_pool_falls_back_to_recompute():
     requests = _make_requests(config)
     ctl = CacheController(from_hf_config(load_model_config("deepseek-v4-tiny")), device="cpu")
     ctl.initialize_kv_cache(num_blocks=96)
-    ctl.initialize_host_cache(num_pages=_size_host(ctl.layout, 112, 1, None))  # one request
+    ctl.initialize_host_cache(num_pages=size_host(ctl.layout, 112, 1, None))  # one request
     loop = _Loop(ctl, config, requests)
     loop.step()  # all three arrive, are admitted and decode one token
     _, middle, newest = sorted(loop.running, key=lambda r: r.index)
