@@ -61,7 +61,7 @@ def selection_cost(flash: dict) -> None:
     ctl = CacheController(flash)
     ctl.initialize_kv_cache(num_blocks={g.name: 40 for g in ctl.layout.groups})
     ctl.allocate("r", 1024)
-    t = best_us(lambda: ctl.block_manager.selection("r", SwapPurpose.PREEMPT), 200)
+    t = best_us(lambda: ctl.scheduler.selection("r", SwapPurpose.PREEMPT), 200)
     print(f"selection of a V4-Flash swap ({len(ctl.layout.buffers)} buffers): {t:.0f} us")
 
 

@@ -47,7 +47,7 @@ def main() -> None:
     planes = ctl.storage.planes("kv")
     host = ctl.storage.host.groups["kv"]
     ids = [b for b in ctl.block_table("a", "kv") if b != NULL_BLOCK]
-    pages = host.pool.allocate(len(ids))
+    pages = host.pool.take(len(ids)).tolist()
     nbytes = len(ids) * host.page_bytes
     staging = torch.empty((len(ids), host.page_bytes), dtype=torch.uint8, device="cuda")
     ids_cpu = torch.tensor(ids)

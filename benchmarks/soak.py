@@ -305,7 +305,7 @@ class Soak:
             num_blocks_for(prefix, share_pools),
             SHARED_POOLS if share_pools else (),
         )
-        manager = self.ctl.block_manager
+        manager = self.ctl.scheduler
         if share_pools:
             # the soak's declared pairing is the layout's, and one pool object serves it
             assert set(SHARED_POOLS) <= set(self.ctl.layout.pool_sets), self.ctl.layout.pool_sets
@@ -320,7 +320,7 @@ class Soak:
     # ------------------------------------------------------------------ checks
 
     def check(self) -> None:
-        ctl, model, manager = self.ctl, self.model, self.ctl.block_manager
+        ctl, model, manager = self.ctl, self.model, self.ctl.scheduler
         assert manager.requests == sorted(model.resident), (manager.requests, model.resident)
         assert manager.swapped_requests == sorted(model.swapped)
         for rid, req in {**model.resident, **model.swapped}.items():
@@ -339,7 +339,7 @@ class Soak:
         """Without prefix caching: the pool's used count is the model's for all its groups;
         each group's tables hold the model's count of blocks, every id once, and no id is in
         two groups of one pool."""
-        ctl, model, manager = self.ctl, self.model, self.ctl.block_manager
+        ctl, model, manager = self.ctl, self.model, self.ctl.scheduler
         used = ctl.num_used_blocks(members[0])
         assert used == model.pool_used(members[0]), (members, used, model.pool_used(members[0]))
         seen: set[int] = set()
@@ -355,7 +355,7 @@ class Soak:
         several requests sits at one index of one group's tables, of requests whose tokens
         agree through its end; the pool's used count is the distinct blocks its groups hold,
         each with one reference per holder, and no block is held by two groups of it."""
-        ctl, pool = self.ctl, self.ctl.block_manager.pool(members[0])
+        ctl, pool = self.ctl, self.ctl.scheduler.pool(members[0])
         holders: dict[int, list[tuple[str, str, int]]] = {}
         for group in members:
             for rid, req in self.model.resident.items():
@@ -377,7 +377,7 @@ class Soak:
                 assert len(heads) == 1, (group, block, owners)
 
     def state(self) -> tuple[Any, ...]:
-        ctl, manager = self.ctl, self.ctl.block_manager
+        ctl, manager = self.ctl, self.ctl.scheduler
         digest = hashlib.sha256()
         for t in ctl.kv_caches:
             digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
@@ -461,7 +461,7 @@ class Soak:
         if end <= start:
             return
         seed = self.model.resident[rid].seeds()
-        row = self.ctl.block_manager.row_of(rid)
+        row = self.ctl.scheduler.row_of(rid)
         pos = np.arange(start, end, dtype=np.int64)
         caches = self.ctl.kv_caches
         for e in self.ctl.layout.buffers:
@@ -658,7 +658,7 @@ class Soak:
         sources = self.sources()
         if not sources or rng.random() < 0.15:
             return [rng.randrange(VOCAB) for _ in range(rng.randint(1, 600))]
-        step = self.ctl.block_manager.boundary
+        step = self.ctl.scheduler.boundary
         # most often a recent prompt past a boundary: its blocks (window tails above all)
         # are still cached
         long = [t for t in sources if len(t) > step]
@@ -682,7 +682,7 @@ class Soak:
         prompt = self.new_prompt()
         [match] = self.ctl.lookup([PrefixQuery(prompt)])
         hit = match.num_tokens
-        assert hit % self.ctl.block_manager.boundary == 0 and hit <= max(0, len(prompt) - 1)
+        assert hit % self.ctl.scheduler.boundary == 0 and hit <= max(0, len(prompt) - 1)
         rid = self.new_id()
         n = min(self.rng.randint(1, 200), len(prompt) - hit)
         step = self.ctl.schedule(
@@ -718,7 +718,7 @@ class Soak:
             self.write(rid, done, done + n)
 
     def op_prefix_reset(self) -> None:
-        manager = self.ctl.block_manager
+        manager = self.ctl.scheduler
         # once per pool: a shared pool's evictable blocks are all its groups'
         evictable = sum(manager.pool(m[0]).num_evictable for m in self.model.pools)
         assert manager.reset_prefix_cache() == evictable
@@ -761,7 +761,7 @@ class Soak:
         self.check()
         for g in self.model.groups:
             assert self.ctl.num_free_blocks(g) == self.model.num_blocks[g] - 1
-            assert self.ctl.block_manager.pool(g).num_evictable == 0
+            assert self.ctl.scheduler.pool(g).num_evictable == 0
         self.ctl.free()
 
 
@@ -901,7 +901,7 @@ def _bad_stale_match(s: Soak) -> Any:
             break
     else:
         return None
-    s.ctl.block_manager.reset_prefix_cache()  # every matched block loses its key
+    s.ctl.scheduler.reset_prefix_cache()  # every matched block loses its key
     rid = s.new_id()
     extra = tokens[match.num_tokens : match.num_tokens + 1]
 

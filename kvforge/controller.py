@@ -26,18 +26,19 @@ so threads may share a controller (calls are serialised).
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
+from kvforge._checks import locked
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.core.layout import CacheLayout, check_share_pools
 from kvforge.core.memory_plan import (
+    DEFAULT_MAX_NUM_SEQS,
     MemoryPlan,
     blocks_per_group,
     plan_from_blocks,
@@ -52,24 +53,17 @@ from kvforge.core.values import (
     SwapFailure,
     SwapPlan,
     SwapResult,
+    check_request_id,
 )
 from kvforge.errors import ControllerClosedError, OutOfBlocksError, RequestStateError
+from kvforge.kinds import live_start
 from kvforge.platform import Platform
-from kvforge.scheduler.block_manager import (
-    DEFAULT_MAX_NUM_SEQS,
-    BlockManager,
-    PrefixStats,
-    SwapStats,
-    check_request_id,
-    live_start,
-)
+from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
 from kvforge.specs import SwapPurpose
-from kvforge.worker.storage import CacheStorage, StepInputs
+from kvforge.worker.storage import CacheStorage, StepInputs, SwapExecution
 from kvforge.worker.transfer import SwapHandle
 
 __all__ = ["CacheController", "ScheduledStep", "SwapStats"]
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -93,15 +87,6 @@ def _count(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {value!r}")
     return value
-
-
-def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
-    @functools.wraps(method)
-    def wrapper(self: CacheController, *args: Any, **kwargs: Any) -> _T:
-        with self._lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper
 
 
 class CacheController:
@@ -158,18 +143,6 @@ class CacheController:
         return self.storage.device
 
     @property
-    def rank(self) -> int:
-        return self.storage.rank
-
-    @property
-    def device_id(self) -> int:
-        return self.storage.device_id
-
-    @property
-    def namer(self) -> Any:
-        return self.storage.namer
-
-    @property
     def groups(self) -> list[str]:
         """Group names in the controller's deterministic order."""
         return [g.name for g in self.layout.groups]
@@ -210,13 +183,15 @@ class CacheController:
     # ================================================================== the two sides
 
     @property
-    def block_manager(self) -> BlockManager:
-        """The scheduler side (pools, tables, swap bookkeeping)."""
+    def scheduler(self) -> BlockManager:
+        """The scheduler side (pools, tables, the prefix cache, the swap book): for anything
+        the facade does not pass through, e.g. ``ctl.scheduler.pool("kv").num_evictable``.
+        ``ctl.storage`` is the worker side and ``ctl.layout`` the declarations."""
         return self._ready_manager()
 
     # ================================================================== device caches
 
-    @_locked
+    @locked
     def initialize_kv_cache(
         self,
         num_blocks: int | Mapping[str, int] | None = None,
@@ -280,7 +255,7 @@ class CacheController:
         self._plan = plan
         return plan
 
-    @_locked
+    @locked
     def adopt_kv_cache(
         self,
         caches: Mapping[tuple[str, int], torch.Tensor],
@@ -373,7 +348,7 @@ class CacheController:
 
     # ================================================================== steps
 
-    @_locked
+    @locked
     def schedule(
         self,
         request_ids: Sequence[str],
@@ -393,13 +368,13 @@ class CacheController:
             self.storage.copy_blocks(allocation.copies_before)
         return ScheduledStep(allocation, inputs)
 
-    @_locked
+    @locked
     def end_step(self, step: ScheduledStep) -> None:
         """Run the copies due after a step's kernels (per-request state snapshots)."""
         if step.allocation.copies_after:
             self.storage.copy_blocks(step.allocation.copies_after)
 
-    @_locked
+    @locked
     def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
         """The longest reusable cached prefix of each prompt (see :meth:`BlockManager.lookup`);
         pass the matches to :meth:`schedule`."""
@@ -409,7 +384,7 @@ class CacheController:
     def prefix_stats(self) -> PrefixStats:
         return self._ready_manager().prefix_stats
 
-    @_locked
+    @locked
     def allocate(self, request_id: str, num_tokens: int) -> None:
         """Grow ``request_id``'s block tables in every group to cover ``num_tokens`` tokens.
 
@@ -423,7 +398,7 @@ class CacheController:
             raise RequestStateError(f"request {request_id!r} is swapped out; swap_in it first")
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-        current = manager.num_tokens(request_id) if request_id in manager._row_of else 0
+        current = manager.num_tokens(request_id) if manager.is_running(request_id) else 0
         if num_tokens < current:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than the {current} tokens request "
@@ -442,7 +417,7 @@ class CacheController:
                 raise OutOfBlocksError("device", "table rows (max_num_seqs)", 1, 0, "allocate")
             raise ValueError(refusal.message)
 
-    @_locked
+    @locked
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Roll a request back to ``num_tokens`` tokens (rejected speculative tokens)."""
         manager = self._ready_manager()
@@ -452,13 +427,13 @@ class CacheController:
         if copies:  # a block shared with another request was copied before it is rewritten
             self.storage.copy_blocks(copies)
 
-    @_locked
+    @locked
     def free_request(self, request_id: str) -> None:
         """Return every device block and host page of ``request_id``."""
         self._ready_manager().finish([check_request_id(request_id)])
         self._sync_tables()
 
-    @_locked
+    @locked
     def free_requests(self, request_ids: Sequence[str]) -> None:
         """:meth:`free_request` for several requests, all or nothing."""
         self._ready_manager().finish(request_ids)
@@ -535,9 +510,6 @@ class CacheController:
     def num_used_blocks(self, group: str) -> int:
         return self._ready_manager().num_used_blocks(group)
 
-    def num_usable_blocks(self, group: str) -> int:
-        return self._ready_manager().num_usable_blocks(group)
-
     @property
     def stats(self) -> SwapStats:
         if self._manager is None:
@@ -546,19 +518,16 @@ class CacheController:
 
     # ================================================================== host cache
 
-    @_locked
+    @locked
     def initialize_host_cache(
         self,
         num_pages: int | Mapping[str, int] | None = None,
         memory_budget: int | None = None,
-        *,
-        num_blocks: int | Mapping[str, int] | None = None,
     ) -> MemoryPlan:
         """Allocate the pinned host pools (page-first, one per group with offloaded roles).
 
         Give ``num_pages`` (pages per group, the reserved null page included) or
-        ``memory_budget`` in bytes (split like the device budget). ``num_blocks`` is the
-        deprecated name of ``num_pages``.
+        ``memory_budget`` in bytes (split like the device budget).
 
         Raises:
             ValueError: no role of any group is offloaded (there is nothing to size), or a
@@ -567,19 +536,14 @@ class CacheController:
         manager = self._ready_manager()
         if self.storage.host_ready:
             raise RuntimeError("initialize_host_cache was already called on this controller")
-        if num_blocks is not None:
-            if num_pages is not None:
-                raise ValueError("give num_pages (num_blocks is its deprecated name), not both")
-            num_pages = num_blocks
-        num_blocks = num_pages
-        _one_sizing(num_blocks, memory_budget, "num_pages")
+        _one_sizing(num_pages, memory_budget, "num_pages")
         if not any(self.layout.host_page_bytes(g) for g in self.groups):
             raise ValueError(
                 "no role of any group is offloaded (every role has offload=False): there is "
                 "no host cache to allocate"
             )
-        if num_blocks is not None:
-            plan = plan_from_blocks(self.layout, self._blocks_per_group(num_blocks), host=True)
+        if num_pages is not None:
+            plan = plan_from_blocks(self.layout, self._blocks_per_group(num_pages), host=True)
         else:
             plan = plan_memory(self.layout, _count("memory_budget", memory_budget), host=True)
         pages = plan.num_blocks
@@ -621,7 +585,7 @@ class CacheController:
         """
         return self.swap_out_many([request_id], purpose)[0]
 
-    @_locked
+    @locked
     def swap_out_many(
         self, request_ids: Sequence[str], purpose: SwapPurpose | str = "preempt"
     ) -> list[SwapHandle]:
@@ -652,7 +616,7 @@ class CacheController:
         """
         return self.swap_in_many([request_id])[0]
 
-    @_locked
+    @locked
     def swap_in_many(self, request_ids: Sequence[str]) -> list[SwapHandle]:
         """:meth:`swap_in` for several requests at once, all or nothing.
 
@@ -669,30 +633,28 @@ class CacheController:
         an interrupt between the two would otherwise leave the plan's pages reserved."""
         manager = self._ready_manager()
         self._sync_tables()  # a swap in wrote new rows the copies do not read, but mirror now
-        result: SwapResult | None = None
-        completion = None
+        execution: SwapExecution | None = None
         try:
-            result, completion = self.storage._execute(plan)
+            execution = self.storage.execute(plan)
         finally:
-            manager.complete_swap(result if result is not None else _interrupted(plan))
+            manager.complete_swap(execution.result if execution is not None else _interrupted(plan))
             self._sync_tables()
-        if not result.ok:
-            assert result.error is not None
-            raise result.error
+        if not execution.ok:
+            assert execution.result.error is not None
+            raise execution.result.error
         handles = []
         for move in plan.requests:
             handle = SwapHandle(move.request_id, plan.direction, move.purpose, move.num_tokens)
             for group, pages in move.host_pages.items():
                 handle.blocks_moved[group] = len(pages)
                 handle.bytes_moved += len(pages) * manager.page_bytes(group)
-            if completion is not None:
-                handle.event, handle.keep_alive = completion.event, completion.keep_alive
+            handle.event, handle.keep_alive = execution.event, execution.keep_alive
             handles.append(handle)
         return handles
 
     # ================================================================== teardown
 
-    @_locked
+    @locked
     def free(self) -> None:
         """Free every device cache, host page and host view, once. Idempotent."""
         if self._closed:

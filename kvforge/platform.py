@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -142,3 +144,60 @@ def get_platform(device: str | torch.device | None = None) -> Platform:
     if dev.type != "cpu" and dev.index is None:  # pragma: no cover - accelerators only
         dev = torch.device(dev.type, 0)
     return Platform(device=dev)
+
+
+MAX_ADDRESSABLE_BYTES = (1 << 63) - 1
+"""No device addresses more: tensor sizes and the kernels' byte offsets are 64-bit."""
+
+
+def device_memory_capacity(device: str | torch.device) -> int | None:
+    """Total memory of ``device`` in bytes, or None where it cannot be known.
+
+    CPU: this machine's physical memory. CUDA / NPU: the device's total memory (the NPU path
+    needs ``torch_npu``, imported only when asked about an NPU).
+    """
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
+            return None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    if dev.type == "npu":  # pragma: no cover - Ascend only
+        npu = getattr(torch, "npu", None)
+        if npu is None:
+            return None
+        index = dev.index if dev.index is not None else npu.current_device()
+        return int(npu.get_device_properties(index).total_memory)
+    return None
+
+
+def check_allocatable(nbytes: int, device: str | torch.device, what: str = "caches") -> None:
+    """Refuse, before allocating, ``nbytes`` that cannot be allocated on ``device``.
+
+    An allocator calls this with the bytes it is about to allocate (e.g. ``plan.total_bytes``
+    before creating a plan's device caches, or the host pool size before pinning it). A plan
+    for another machine stays legal; only allocating it here is refused.
+
+    Raises:
+        ValueError: ``nbytes`` is not an int >= 0, exceeds ``2**63 - 1`` bytes, or exceeds the
+            total memory of ``device``; the message names what was asked and what there is.
+    """
+    if not isinstance(nbytes, Integral) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    nbytes = int(nbytes)
+    if nbytes > MAX_ADDRESSABLE_BYTES:
+        raise ValueError(
+            f"cannot allocate {nbytes:,} bytes of {what}: more than any device can address "
+            f"({MAX_ADDRESSABLE_BYTES:,} bytes, 2**63 - 1)"
+        )
+    capacity = device_memory_capacity(device)
+    if capacity is not None and nbytes > capacity:
+        raise ValueError(
+            f"cannot allocate {nbytes:,} bytes of {what} on {torch.device(device)}: it has "
+            f"{capacity:,} bytes of memory in total"
+        )

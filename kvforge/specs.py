@@ -38,6 +38,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvforge.kinds import GroupFamily, KindRule, rule_of
+
 __all__ = [
     "DTYPE_ITEMSIZE",
     "BlockLayout",
@@ -69,28 +71,6 @@ class GroupKind(str, Enum):
     PER_REQUEST = "per_request"
     """A fixed number of slots per request whatever its length (linear-attention conv and
     recurrent state): ``slots_per_request`` blocks of one slot each."""
-
-
-class GroupFamily(str, Enum):
-    """How a group serves prefix reuse (see the design's *family*)."""
-
-    HISTORY = "history"
-    """The whole chain of blocks up to a boundary (``full``)."""
-    WINDOW = "window"
-    """Only the blocks covering the trailing window at a boundary (``sliding_window``,
-    ``state``, ``chunked``)."""
-    SNAPSHOT = "snapshot"
-    """A copy of the per-request state taken at exactly the boundary (``per_request``)."""
-
-
-_FAMILY = {
-    GroupKind.FULL: GroupFamily.HISTORY,
-    GroupKind.SLIDING_WINDOW: GroupFamily.WINDOW,
-    GroupKind.STATE: GroupFamily.WINDOW,
-    GroupKind.CHUNKED: GroupFamily.WINDOW,
-    GroupKind.PER_REQUEST: GroupFamily.SNAPSHOT,
-}
-_WINDOWED = frozenset({GroupKind.SLIDING_WINDOW, GroupKind.STATE, GroupKind.CHUNKED})
 
 
 class SwapPurpose(str, Enum):
@@ -216,18 +196,18 @@ class CacheGroup(BaseModel):
 
     name: str = Field(min_length=1)
     block_size: int
-    kind: GroupKind = GroupKind.FULL
+    kind: GroupKind | str = GroupKind.FULL
     window: int | None = None
     slots_per_request: int = 1
 
     @field_validator("kind", mode="before")
     @classmethod
-    def _kind(cls, value: Any) -> GroupKind:
+    def _kind(cls, value: Any) -> GroupKind | str:
+        rule = rule_of(value)  # a ValueError listing the registered kinds
         try:
-            return GroupKind(value)
+            return GroupKind(rule.name)
         except ValueError:
-            kinds = [k.value for k in GroupKind]
-            raise ValueError(f"kind must be one of {kinds}, got {value!r}") from None
+            return rule.name  # a kind registered with kvforge.kinds.register_kind
 
     @field_validator("block_size", mode="before")
     @classmethod
@@ -251,23 +231,23 @@ class CacheGroup(BaseModel):
 
     @model_validator(mode="after")
     def _kind_rules(self) -> CacheGroup:
-        kind = self.kind
-        if kind is not GroupKind.PER_REQUEST and self.slots_per_request != 1:
+        rule = self.rule
+        if not rule.per_request and self.slots_per_request != 1:
             raise ValueError(
                 f"slots_per_request={self.slots_per_request} is only for per_request groups; "
-                f"group {self.name!r} is {kind.value}"
+                f"group {self.name!r} is {rule.name}"
             )
-        if kind in (GroupKind.FULL, GroupKind.PER_REQUEST):
+        if not rule.needs_window:
             if self.window is not None:
                 raise ValueError(
-                    f"window must be None for a {kind.value} group, got window={self.window} "
+                    f"window must be None for a {rule.name} group, got window={self.window} "
                     f"on group {self.name!r}"
                 )
         elif self.window is None:
             raise ValueError(
-                f"window is required for a {kind.value} group; group {self.name!r} has none"
+                f"window is required for a {rule.name} group; group {self.name!r} has none"
             )
-        if kind is GroupKind.PER_REQUEST and self.block_size != 1:
+        if rule.per_request and self.block_size != 1:
             raise ValueError(
                 f"block_size must be 1 for a per_request group (one block per state slot), "
                 f"got block_size={self.block_size} on group {self.name!r}"
@@ -277,21 +257,28 @@ class CacheGroup(BaseModel):
     def __repr_args__(self) -> Any:
         # slots_per_request means something only for per_request groups: keep other reprs short
         for name, value in super().__repr_args__():
-            if name != "slots_per_request" or self.kind is GroupKind.PER_REQUEST:
+            if name != "slots_per_request" or self.rule.per_request:
                 yield name, value
 
     # ------------------------------------------------------------------ semantics
+    # Every answer below comes from the kind's rule (kvforge.kinds): nothing here switches
+    # on the kind.
+
+    @property
+    def rule(self) -> KindRule:
+        """The rule object of this group's kind (:mod:`kvforge.kinds`)."""
+        return rule_of(self.kind)
 
     @property
     def windowed(self) -> bool:
         """True when only a trailing window of tokens stays live (sliding_window, state,
         chunked)."""
-        return self.kind in _WINDOWED
+        return self.rule.windowed
 
     @property
     def family(self) -> GroupFamily:
         """How the group serves prefix reuse: history, window or snapshot."""
-        return _FAMILY[self.kind]
+        return self.rule.family
 
     def live_token_range(self, num_tokens: int) -> TokenRange:
         """Tokens of a sequence of ``num_tokens`` that can still be read (see the class table).
@@ -300,15 +287,8 @@ class CacheGroup(BaseModel):
         chunked group keeps the chunk of the newest token (all of it when ``num_tokens`` ends a
         chunk); full and per-request groups keep ``[0, num_tokens)``.
         """
-        n = _check_tokens(num_tokens)
-        kind = self.kind
-        if kind is GroupKind.FULL or kind is GroupKind.PER_REQUEST:
-            return TokenRange(start=0, end=n)
-        window = self.window
-        assert window is not None  # guaranteed by validation for windowed kinds
-        if kind is GroupKind.CHUNKED:
-            return TokenRange(start=((n - 1) // window) * window if n else 0, end=n)
-        return TokenRange(start=max(0, n - window), end=n)
+        start, end = self.rule.live_token_range(self, _check_tokens(num_tokens))
+        return TokenRange(start=start, end=end)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Block-table length of a sequence of ``num_tokens`` tokens.
@@ -316,17 +296,12 @@ class CacheGroup(BaseModel):
         ``cdiv(num_tokens, block_size)`` for token-indexed kinds; ``slots_per_request`` for a
         per-request group once the request holds any token (0 for an empty sequence).
         """
-        n = _check_tokens(num_tokens)
-        if self.kind is GroupKind.PER_REQUEST:
-            return self.slots_per_request if n else 0
-        return _cdiv(n, self.block_size)
+        return self.rule.blocks_for(self, _check_tokens(num_tokens))
 
     def first_live_block(self, num_tokens: int) -> int:
         """Index in the block table of the first block still live (``blocks_for`` ends it)."""
-        if self.kind is GroupKind.PER_REQUEST:
-            _check_tokens(num_tokens)
-            return 0
-        return self.live_token_range(num_tokens).start // self.block_size
+        start, _ = self.rule.live_token_range(self, _check_tokens(num_tokens))
+        return 0 if self.rule.per_request else start // self.block_size
 
     def max_live_blocks(self, max_model_len: int) -> int:
         """The most blocks one sequence of at most ``max_model_len`` tokens holds at rest.
@@ -344,17 +319,7 @@ class CacheGroup(BaseModel):
         Capped at ``blocks_for(max_model_len)``. A step that schedules ``k`` new tokens holds
         at most ``cdiv(k, B)`` more until the request's next step (see ``memory_plan``).
         """
-        total = self.blocks_for(max_model_len)
-        kind = self.kind
-        if kind is GroupKind.FULL or kind is GroupKind.PER_REQUEST:
-            return total
-        window, block = self.window, self.block_size
-        assert window is not None
-        if kind is GroupKind.CHUNKED:
-            live = _cdiv(window + block - math.gcd(window, block), block)
-        else:
-            live = (window + block - 2) // block + 1
-        return min(total, live)
+        return self.rule.max_live_blocks(self, _check_tokens(max_model_len))
 
 
 class TokenRange(BaseModel):

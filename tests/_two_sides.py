@@ -42,9 +42,9 @@ def plain(value: Any) -> bool:
 def worker_main(conn: Any, model: str) -> None:
     import numpy as np
     import torch
-    from kvforge.core.kinds import live_start
 
     from kvforge.core.layout import CacheLayout
+    from kvforge.kinds import live_start
     from kvforge.verify import entry_bytes_for, read_entries, write_entries
     from kvforge.worker import CacheStorage
     from kvforge.worker import transfer as swap
@@ -114,7 +114,7 @@ def worker_main(conn: Any, model: str) -> None:
             fail_next[0] = True
             reply = None
         elif op == "execute":
-            reply = storage.execute(payload)
+            reply = storage.execute(payload).result
         else:  # pragma: no cover - a test bug
             raise ValueError(op)
         conn.send(("ok", reply))

@@ -37,7 +37,7 @@ class Env:
 
     @property
     def manager(self) -> Any:
-        return self.ctl.block_manager
+        return self.ctl.scheduler
 
 
 def _make() -> Env:

@@ -82,7 +82,7 @@ def test_custom_template_rank_and_device():
         {0: MLABackend()}, rank=3, device_id=5, name_template="{role}.L{layer}.r{rank}.d{device}"
     )
     assert ctl.storage_name("key", 0) == "key.L0.r3.d5"
-    assert ctl.namer.pattern("key") == "key.L{layer}.r3.d5"
+    assert ctl.storage.namer.pattern("key") == "key.L{layer}.r3.d5"
     ctl2 = CacheController({0: MLABackend()}, rank=2)
     assert ctl2.storage_name("key", 0) == "key_caches_0_rank2.device0"
 

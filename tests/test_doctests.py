@@ -29,8 +29,10 @@ WITH_EXAMPLES = [name for name in MODULES if _examples(name)]
 def test_the_docstrings_carry_worked_examples() -> None:
     # the modules whose arithmetic the guide asks to show at the formula
     for name in (
-        "kvforge.scheduler.block_manager",
+        "kvforge.kinds",
+        "kvforge.scheduler.tables",
         "kvforge.core.memory_plan",
+        "kvforge.core.prefix_keys",
     ):
         assert name in WITH_EXAMPLES, name
 

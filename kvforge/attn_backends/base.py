@@ -18,7 +18,6 @@ import torch
 from kvforge.specs import (
     CacheGroup,
     CacheRole,
-    GroupKind,
     SwapPurpose,
     TokenRange,
     check_role_in_group,
@@ -311,7 +310,7 @@ class AttentionBackend(ABC):
         group = self.groups_by_name()[role.group]
         if not role.offload:
             return TokenRange(start=num_tokens, end=num_tokens)
-        if purpose is SwapPurpose.PREFIX and group.kind is GroupKind.STATE:
+        if purpose is SwapPurpose.PREFIX and group.rule.recomputed_for_prefix:
             return TokenRange(start=num_tokens, end=num_tokens)
         return group.live_token_range(num_tokens)
 
@@ -346,8 +345,6 @@ class DeclaredBackend(AttentionBackend):
         self._groups = tuple(groups)
         self._roles = tuple(roles)
         self.validate()
-
-    _declare = declare  # deprecated name of declare
 
     def cache_groups(self) -> list[CacheGroup]:
         return list(self._groups)

@@ -243,13 +243,13 @@ class _GroupMove:
 def _group_moves(ctl: CacheController, names: list[str], groups: list[str]) -> list[_GroupMove]:
     """The blocks a swap of ``names`` moves in ``groups``, with host pages taken for them."""
     host = ctl.storage.host
-    manager = ctl.block_manager
+    manager = ctl.scheduler
     moves = []
     for g in groups:
         indices = {r: manager.selection(r, SwapPurpose.PREEMPT).get(g, ()) for r in names}
         ids = [ctl.block_table(r, g)[i] for r in names for i in indices[r]]
         if ids:
-            pages = manager.host_pool(g).allocate(len(ids))
+            pages = manager.host_pool(g).take(len(ids)).tolist()
             moves.append(_GroupMove(ctl.storage.planes(g), host.groups[g], ids, pages))
     return moves
 

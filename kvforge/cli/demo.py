@@ -271,7 +271,7 @@ class _Loop:
         self.swapped_at_end = 0
         self.ratios = {g: ctl.layout.compress_ratios(g) for g in ctl.groups}
         self.watermark = {
-            g: math.ceil(config.watermark * ctl.num_usable_blocks(g)) for g in ctl.groups
+            g: math.ceil(config.watermark * ctl.scheduler.num_usable_blocks(g)) for g in ctl.groups
         }
 
     # ------------------------------------------------------------------ bookkeeping
@@ -590,7 +590,7 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
             kind=g.kind.value,
             block_size=g.block_size,
             bytes_per_block=ctl.bytes_per_block(g.name),
-            usable_blocks=ctl.num_usable_blocks(g.name),
+            usable_blocks=ctl.scheduler.num_usable_blocks(g.name),
             peak_used_blocks=loop.peak[g.name],
             host_usable_pages=host_usable.get(g.name, 0),
             host_peak_used_pages=loop.host_peak[g.name],

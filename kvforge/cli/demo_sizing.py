@@ -31,7 +31,7 @@ from fractions import Fraction
 from kvforge.cli.formatting import format_bytes
 from kvforge.core.layout import CacheLayout
 from kvforge.core.memory_plan import MemoryPlan, plan_from_blocks
-from kvforge.scheduler.block_manager import held_blocks
+from kvforge.kinds import held_blocks
 from kvforge.specs import CacheGroup
 
 __all__ = [

@@ -22,17 +22,24 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
 
+from kvforge._checks import check_bool, check_int
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.kinds import GroupFamily, rule_of
 from kvforge.specs import CacheGroup, CacheRole, GroupKind, strict_int
 
-__all__ = ["CacheBuffer", "CacheEntry", "CacheLayout", "check_share_pools"]
+__all__ = [
+    "DEFAULT_WINDOWED_MAX_MODEL_LEN",
+    "CacheBuffer",
+    "CacheLayout",
+    "check_share_pools",
+    "resolve_max_model_len",
+    "table_widths",
+]
 
 
 def check_share_pools(share_pools: object) -> bool:
     """``share_pools`` itself, refused unless it is a bool (every side checks it alike)."""
-    if not isinstance(share_pools, bool):
-        raise TypeError(f"share_pools must be a bool, got {share_pools!r}")
-    return share_pools
+    return check_bool("share_pools", share_pools)
 
 
 @dataclass(frozen=True)
@@ -270,7 +277,7 @@ class CacheLayout:
         by_shape: dict[tuple[int, ...], list[str]] = {}
         sets: list[list[str]] = []
         for g in self.groups:
-            if g.kind is GroupKind.PER_REQUEST:
+            if g.rule.per_request:
                 sets.append([g.name])
                 continue
             shape = tuple(sorted(e.device_block_bytes for e in self.buffers_of(g.name)))
@@ -342,7 +349,7 @@ class CacheLayout:
         """Bytes of one host page of ``group``: its offloaded roles, packed, no padding."""
         return self._host_page_bytes[self.group(group).name]
 
-    def bytes_per_token_by_kind(self) -> dict[GroupKind, Fraction]:
+    def bytes_per_token_by_kind(self) -> dict[GroupKind | str, Fraction]:
         """Exact device bytes per token, block-amortised, summed per group kind.
 
         ``sum(bytes_per_block(g) / block_size(g))`` over the groups of each token-indexed kind
@@ -351,9 +358,9 @@ class CacheLayout:
         their window. ``per_request`` groups cost per request, not per token (see
         :meth:`bytes_per_request`) and are left out.
         """
-        found: dict[GroupKind, Fraction] = {}
+        found: dict[GroupKind | str, Fraction] = {}
         for g in self.groups:
-            if g.kind is GroupKind.PER_REQUEST:
+            if g.rule.per_request:
                 continue
             share = Fraction(self.bytes_per_block(g.name), g.block_size)
             found[g.kind] = found.get(g.kind, Fraction(0)) + share
@@ -364,7 +371,7 @@ class CacheLayout:
         return sum(
             g.slots_per_request * self.bytes_per_block(g.name)
             for g in self.groups
-            if g.kind is GroupKind.PER_REQUEST
+            if g.rule.per_request
         )
 
     def kv_bytes_per_token(self) -> int | Fraction:
@@ -380,22 +387,38 @@ class CacheLayout:
         :meth:`bytes_per_token_by_kind`.
         """
         by_kind = self.bytes_per_token_by_kind()
-        total = by_kind.get(GroupKind.FULL)
+        history = [v for kind, v in by_kind.items() if rule_of(kind).history]
+        total = sum(history, Fraction(0)) if history else None
         if total is None:
             total = sum(by_kind.values(), Fraction(0))
         return total.numerator if total.denominator == 1 else total
 
 
-CacheEntry = CacheBuffer
-"""Deprecated name of :class:`CacheBuffer` ("entry" now means only what one role stores per
-cached position)."""
+#: Table width (tokens) used when no ``max_model_len`` is given and no full group bounds it.
+DEFAULT_WINDOWED_MAX_MODEL_LEN = 1 << 17
 
 
-def _deprecated_alias(new: str) -> property:
-    return property(lambda self: getattr(self, new), doc=f"Deprecated name of ``{new}``.")
+def resolve_max_model_len(
+    layout: CacheLayout, num_blocks: Mapping[str, int], max_model_len: int | None
+) -> int:
+    """``max_model_len``, or its default: the tokens the smallest full group holds, at most
+    131,072 (the tables are ``max_num_seqs x max_model_len / block_size`` ids: a default
+    must not make them larger than the caches)."""
+    if max_model_len is None:
+        full = [
+            (num_blocks[g.name] - 1) * g.block_size
+            for g in layout.groups
+            if g.family is GroupFamily.HISTORY
+        ]
+        max_model_len = min([*full, DEFAULT_WINDOWED_MAX_MODEL_LEN])
+    return check_int("max_model_len", max_model_len, minimum=1)
 
 
-CacheLayout.entries = _deprecated_alias("buffers")  # type: ignore[attr-defined]
-CacheLayout.entries_of = CacheLayout.buffers_of  # type: ignore[attr-defined]
-CacheLayout.entries_of_layers = CacheLayout.buffers_of_layers  # type: ignore[attr-defined]
-CacheLayout.offload_entries = CacheLayout.offload_buffers  # type: ignore[attr-defined]
+def table_widths(layout: CacheLayout, max_num_seqs: int, max_model_len: int) -> dict[str, int]:
+    """Columns of each group's table: the blocks ``max_model_len`` tokens span, or the slots
+    of a per-request group. Shared by both sides so their tables have one shape."""
+    check_int("max_num_seqs", max_num_seqs, minimum=1)
+    return {
+        g.name: g.rule.table_width(g, max_model_len)
+        for g in layout.groups
+    }

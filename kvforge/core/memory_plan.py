@@ -42,16 +42,19 @@ Allocation limits: a plan is legal for any machine, but no plan may exceed ``2**
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from numbers import Integral
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.core.layout import CacheLayout
+from kvforge.kinds import rule_of
+from kvforge.platform import (
+    MAX_ADDRESSABLE_BYTES,
+    check_allocatable,
+    device_memory_capacity,
+)
 from kvforge.specs import CacheGroup, GroupKind
 
 __all__ = [
@@ -73,8 +76,6 @@ DEFAULT_MAX_NUM_SEQS = 256
 """Engine default for concurrent sequences (vLLM's ``max_num_seqs``)."""
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 """Engine default for tokens scheduled in one step (vLLM's ``max_num_batched_tokens``)."""
-MAX_ADDRESSABLE_BYTES = (1 << 63) - 1
-"""No device addresses more: tensor sizes and the kernels' byte offsets are 64-bit."""
 MAX_BLOCKS_PER_GROUP = (1 << 31) - 1
 """Block ids are int32 in block tables and slot mappings: no pool has more blocks."""
 
@@ -85,7 +86,7 @@ class GroupPlan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     group: str
-    kind: GroupKind
+    kind: GroupKind | str
     block_size: int
     num_blocks: int
     """Physical blocks, including the reserved null block."""
@@ -169,7 +170,7 @@ class MemoryPlan(BaseModel):
         if assumed:
             lines.append("Planned for " + ", ".join(assumed))
         for g in self.groups:
-            shape = g.kind.value
+            shape = rule_of(g.kind).name
             if g.window is not None:
                 shape += f", window {g.window:,}"
             if g.slots_per_request is not None:
@@ -185,7 +186,7 @@ class MemoryPlan(BaseModel):
                 parts.append(f"{g.max_sequences:,} sequences of max_model_len")
             if g.step_blocks:
                 parts.append(f"{g.step_blocks:,} {unit} for one step's tokens")
-            if g.kind is GroupKind.FULL:
+            if rule_of(g.kind).history:
                 parts.append(f"{g.max_tokens:,} tokens of history")
             if parts:
                 line += "; " + ", ".join(parts)
@@ -197,7 +198,7 @@ class MemoryPlan(BaseModel):
                 f"Holds {self.max_concurrency:,} sequences of {self.max_model_len:,} tokens at once"
             )
         spare = 0 if self.memory_budget is None else self.memory_budget - self.total_bytes
-        if spare and not any(g.kind is GroupKind.FULL for g in self.groups):
+        if spare and not any(rule_of(g.kind).history for g in self.groups):
             lines.append(
                 f"Leaves {spare:,} B of the budget unallocated: no full-history group needs them"
             )
@@ -228,59 +229,6 @@ def _budget(value: object) -> int:
             f"({MAX_ADDRESSABLE_BYTES:,} bytes, 2**63 - 1)"
         )
     return budget
-
-
-def device_memory_capacity(device: str | torch.device) -> int | None:
-    """Total memory of ``device`` in bytes, or None where it cannot be known.
-
-    CPU: this machine's physical memory. CUDA / NPU: the device's total memory (the NPU path
-    needs ``torch_npu``, imported only when asked about an NPU).
-    """
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
-            return None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return None
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.get_device_properties(index).total_memory)
-    if dev.type == "npu":  # pragma: no cover - Ascend only
-        npu = getattr(torch, "npu", None)
-        if npu is None:
-            return None
-        index = dev.index if dev.index is not None else npu.current_device()
-        return int(npu.get_device_properties(index).total_memory)
-    return None
-
-
-def check_allocatable(nbytes: int, device: str | torch.device, what: str = "caches") -> None:
-    """Refuse, before allocating, ``nbytes`` that cannot be allocated on ``device``.
-
-    An allocator calls this with the bytes it is about to allocate (e.g. ``plan.total_bytes``
-    before creating a plan's device caches, or the host pool size before pinning it). A plan
-    for another machine stays legal; only allocating it here is refused.
-
-    Raises:
-        ValueError: ``nbytes`` is not an int >= 0, exceeds ``2**63 - 1`` bytes, or exceeds the
-            total memory of ``device``; the message names what was asked and what there is.
-    """
-    if not isinstance(nbytes, Integral) or isinstance(nbytes, bool) or nbytes < 0:
-        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
-    nbytes = int(nbytes)
-    if nbytes > MAX_ADDRESSABLE_BYTES:
-        raise ValueError(
-            f"cannot allocate {nbytes:,} bytes of {what}: more than any device can address "
-            f"({MAX_ADDRESSABLE_BYTES:,} bytes, 2**63 - 1)"
-        )
-    capacity = device_memory_capacity(device)
-    if capacity is not None and nbytes > capacity:
-        raise ValueError(
-            f"cannot allocate {nbytes:,} bytes of {what} on {torch.device(device)}: it has "
-            f"{capacity:,} bytes of memory in total"
-        )
 
 
 # ====================================================================== planning
@@ -347,9 +295,9 @@ def _give_rest_to_full(
     sized: list[tuple[CacheGroup, int]], blocks: dict[str, int], budget: int
 ) -> None:
     """Grow the full groups of ``blocks`` (each already at its floor) into what is left."""
-    full = [(g, bpb) for g, bpb in sized if g.kind is GroupKind.FULL]
+    full = [(g, bpb) for g, bpb in sized if g.rule.history]
     if full:
-        others = sum(blocks[g.name] * bpb for g, bpb in sized if g.kind is not GroupKind.FULL)
+        others = sum(blocks[g.name] * bpb for g, bpb in sized if not g.rule.history)
         blocks.update(_fill_full(full, blocks, budget - others))
 
 
@@ -483,7 +431,7 @@ def _plan_without_length(
             "(the longest sequence the engine will run); the model does not say"
         )
     blocks: dict[str, int] = {}
-    per_request = [(g, bpb) for g, bpb in sized if g.kind is GroupKind.PER_REQUEST]
+    per_request = [(g, bpb) for g, bpb in sized if g.rule.per_request]
     for g, _ in per_request:
         blocks[g.name] = setting.seqs * g.slots_per_request + 1
     reserved = sum(blocks[g.name] * bpb for g, bpb in per_request)
@@ -493,7 +441,7 @@ def _plan_without_length(
             f"memory_budget={budget:,} bytes is too small: per-request groups alone need "
             f"{reserved:,} bytes for max_num_seqs={setting.seqs} ({detail})"
         )
-    shared = [(g, bpb) for g, bpb in sized if g.kind is not GroupKind.PER_REQUEST]
+    shared = [(g, bpb) for g, bpb in sized if not g.rule.per_request]
     warnings = []
     if shared:
         balanced = _balanced_blocks(shared, budget - reserved)
@@ -552,10 +500,10 @@ def _plan_with_length(
 
     def reserve(g: CacheGroup, n: int) -> int:
         """Blocks of ``g`` (null included) for ``n`` resident sequences."""
-        if g.kind is GroupKind.PER_REQUEST:
+        if g.rule.per_request:
             return seqs * g.slots_per_request + 1
         whole = g.blocks_for(model_len)
-        if g.kind is GroupKind.FULL:
+        if g.rule.history:
             return max(n * g.blocks_for(fill), whole) + 1
         live = n * _per_sequence(g, model_len)
         if batched is None:  # host pages: requests at rest, no step in flight
@@ -571,7 +519,7 @@ def _plan_with_length(
 
     # what does not depend on sequences: per-request slots, step allowances, null blocks
     fixed = {
-        g.name: (reserve(g, 0) if g.kind is not GroupKind.FULL else 1) * bpb for g, bpb in sized
+        g.name: (reserve(g, 0) if not g.rule.history else 1) * bpb for g, bpb in sized
     }
     if sum(fixed.values()) > budget:
         detail = ", ".join(f"{name}: {b:,} B" for name, b in fixed.items())
@@ -605,10 +553,10 @@ def _plan_with_length(
 def _held(g: CacheGroup, usable: int, model_len: int, seqs: int | None, step: int) -> int:
     """Sequences of ``model_len`` tokens ``usable`` blocks of ``g`` hold at once (``step``:
     the blocks among them kept for one step's tokens)."""
-    if g.kind is GroupKind.PER_REQUEST:
+    if g.rule.per_request:
         return usable // g.slots_per_request
     whole = usable // g.blocks_for(model_len)  # whole sequences fit, step or not
-    if g.kind is GroupKind.FULL:
+    if g.rule.history:
         return whole
     windows = (usable - step) // _per_sequence(g, model_len)
     return max(windows if seqs is None else min(seqs, windows), whole)
@@ -644,14 +592,14 @@ def _assemble(
                 max_tokens=usable * g.block_size,
                 window=g.window,
                 slots_per_request=(
-                    g.slots_per_request if g.kind is GroupKind.PER_REQUEST else None
+                    g.slots_per_request if g.rule.per_request else None
                 ),
                 blocks_per_sequence=per_seq,
                 step_blocks=step,
                 max_sequences=held,
             )
         )
-    full = [p.max_tokens for p in plans if p.kind is GroupKind.FULL]
+    full = [p.max_tokens for p in plans if rule_of(p.kind).history]
     helds = [p.max_sequences for p in plans if p.max_sequences is not None]
     concurrency = min(helds) if helds else None
     warnings = list(sizing.warnings)
@@ -830,10 +778,10 @@ def cache_bytes_per_sequence(
         raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
     total = 0
     for e in layout.buffers:
-        kind = e.group.kind
-        if kind in (GroupKind.STATE, GroupKind.PER_REQUEST) and not include_state:
+        rule = e.group.rule
+        if (rule.recomputed_for_prefix or rule.per_request) and not include_state:
             continue
-        if kind is GroupKind.PER_REQUEST:
+        if rule.per_request:
             total += e.group.blocks_for(num_tokens) * e.role.entry_bytes
             continue
         live = e.group.live_token_range(num_tokens)

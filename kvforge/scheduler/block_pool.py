@@ -13,11 +13,16 @@ The free stack and the counts are numpy arrays, so the scheduler side can take o
 blocks of a whole step in a few array operations (:meth:`BlockPool.take`,
 :meth:`BlockPool.release`) instead of a Python loop per block.
 
-With prefix caching (:meth:`BlockPool.enable_caching`) a block that reaches ref count 0 while
-it holds a key does not go back to the free stack: it becomes *evictable*, keeps its bytes and
-its key, and can be shared again by a later request with the same prefix. It is evicted (its
-key dropped, least recently released first) only when :meth:`BlockPool.take` finds the free
-stack short. ``num_free`` counts both: evictable blocks are free capacity.
+A block the prefix cache *retains* (:meth:`BlockPool.retain`) does not go back to the free
+stack when its ref count reaches 0: it becomes *evictable*, keeps its bytes, and can be shared
+again by a later request with the same prefix. It is evicted, least recently released first,
+only when :meth:`BlockPool.take` finds the free stack short; the eviction hook (the prefix
+cache, which alone knows the block's key) hears of it first. ``num_free`` counts both:
+evictable blocks are free capacity.
+
+One verb per action: :meth:`take`, :meth:`share`, :meth:`release` move references;
+:meth:`retain`, :meth:`forget`, :meth:`evict` move blocks in and out of the evictable set.
+Every verb checks its input with array operations before any count moves.
 """
 
 from __future__ import annotations
@@ -46,7 +51,13 @@ class BlockPool:
         kind: ``"device"`` or ``"host"``, used in error messages.
     """
 
-    def __init__(self, num_blocks: int, name: str, kind: str = "device") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        name: str,
+        kind: str = "device",
+        on_evict: Callable[[np.ndarray], None] | None = None,
+    ) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
             raise ValueError(
                 f"num_blocks for {kind} group {name!r} must be an int >= 2 (one usable block "
@@ -64,19 +75,12 @@ class BlockPool:
         # The free stack: the top is at index _num_free - 1, so a fresh pool pops 1, 2, 3, ...
         self._stack = np.arange(num_blocks - 1, NULL_BLOCK, -1, dtype=np.int32)
         self._num_free = num_blocks - 1
-        # prefix caching (off until enable_caching): block -> key of blocks that hold one, and
-        # the evictable ones (ref 0, keyed) in eviction order, oldest first
-        self.keys: dict[int, object] | None = None
+        # blocks the prefix cache retains, and those of them at ref 0 in eviction order
+        self._retained = np.zeros(num_blocks, dtype=bool)
         self._evictable: dict[int, None] = {}
-        self._on_evict: Callable[[list[int]], None] | None = None
+        self.on_evict = on_evict
         self.evictions = 0
         self._shared = False  # set once any block gets a second holder
-
-    def enable_caching(self, on_evict: Callable[[list[int]], None]) -> None:
-        """Keep keyed blocks evictable at ref count 0; ``on_evict(block_ids)`` is told before
-        their keys are dropped."""
-        self.keys = {}
-        self._on_evict = on_evict
 
     @property
     def num_usable(self) -> int:
@@ -95,59 +99,34 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_usable - self.num_free
 
+    @property
+    def ref_counts(self) -> np.ndarray:
+        """Reference counts of every block id (read-only ``int32 [num_blocks]``)."""
+        view = self._ref.view()
+        view.flags.writeable = False
+        return view
+
     def ref_count(self, block_id: int) -> int:
-        self._check_ids([block_id], "ref_count")
+        self._check_ids(np.asarray([block_id]), "ref_count")
         return int(self._ref[block_id])
 
-    # ------------------------------------------------------------------ checked API
+    def is_retained(self, block_id: int) -> bool:
+        return bool(self._retained[block_id])
 
-    def allocate(self, count: int) -> list[int]:
-        """Take ``count`` free blocks (ref count 1 each).
-
-        Raises:
-            OutOfBlocksError: fewer than ``count`` blocks are free.
-        """
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"count must be an int >= 0, got {count!r}")
-        if count > self.num_free:
-            raise OutOfBlocksError(self.kind, self.name, count, self.num_free, "allocate")
-        return self.take(count).tolist()
-
-    def incref(self, block_ids: Sequence[int]) -> None:
-        """Share used blocks once more (e.g. a prefix shared by two requests)."""
-        self._check_ids(block_ids, "incref")
-        for i in block_ids:
-            if self._ref[i] == 0:
-                raise ValueError(f"incref: block {i} of {self.kind} group {self.name!r} is free")
-        self._shared = True
-        np.add.at(self._ref, np.asarray(block_ids, dtype=np.int64), 1)
-
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero return to the pool.
-
-        Raises:
-            ValueError: an id is the null block, out of range, already free, or dropped more
-                times than it is referenced; nothing is changed then.
-        """
-        self._check_ids(block_ids, "free")
-        drops: dict[int, int] = {}
-        for i in block_ids:
-            drops[i] = drops.get(i, 0) + 1
-        for i, n in drops.items():
-            if n > self._ref[i]:
-                ref = int(self._ref[i])
-                state = "already free" if ref == 0 else f"referenced {ref} times"
-                raise ValueError(
-                    f"free: block {i} of {self.kind} group {self.name!r} is {state}, "
-                    f"cannot drop {n} reference(s)"
-                )
-        self.release(np.asarray(block_ids, dtype=np.int32))
-
-    # ------------------------------------------------------------------ unchecked, batched
+    # ------------------------------------------------------------------ references
 
     def take(self, count: int) -> np.ndarray:
-        """``count`` free blocks as ``int32 [count]`` (ref count 1 each); the caller has
-        checked ``count <= num_free``. Evicts cached blocks when the free stack is short."""
+        """``count`` free blocks as ``int32 [count]`` (ref count 1 each). Evicts retained
+        blocks, least recently released first, when the free stack is short.
+
+        Raises:
+            ValueError: ``count`` is not an int >= 0.
+            OutOfBlocksError: fewer than ``count`` blocks are free (nothing changed).
+        """
+        if not isinstance(count, int | np.integer) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if count > self.num_free:
+            raise OutOfBlocksError(self.kind, self.name, int(count), self.num_free, "take")
         if count > self._num_free:
             self.evict(count - self._num_free)
         top = self._num_free
@@ -156,87 +135,148 @@ class BlockPool:
         self._ref[ids] = 1
         return ids
 
-    def release(self, block_ids: np.ndarray) -> None:
-        """Drop one reference to each of ``block_ids`` (ids may repeat); the caller holds
-        those references. Blocks reaching zero go back on the free stack."""
-        if not len(block_ids):
-            return
-        if self._shared:  # a shared block may be dropped twice in one call
-            np.subtract.at(self._ref, block_ids, 1)
-            zero = block_ids[self._ref[block_ids] == 0]
-            if len(zero) > 1:  # distinct, in the order given (chain order decides eviction)
-                _, first = np.unique(zero, return_index=True)
-                zero = zero[np.sort(first)]
-        else:  # every used block has one holder: the ids are distinct
-            self._ref[block_ids] -= 1
-            zero = block_ids[self._ref[block_ids] == 0]
-        if self.keys:
-            keyed = [b for b in zero.tolist() if b in self.keys]
-            if keyed:
-                for b in reversed(keyed):  # the deepest block of a chain is evicted first
-                    self._evictable[b] = None
-                zero = zero[~np.isin(zero, keyed)]
-        top = self._num_free
-        self._stack[top : top + len(zero)] = zero[::-1]
-        self._num_free = top + len(zero)
+    def share(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        """Take one more reference to used or evictable blocks (a prefix hit, a second
+        holder).
 
-    def share(self, block_ids: Sequence[int]) -> None:
-        """Take one more reference to used or evictable blocks (a prefix hit)."""
-        for b in block_ids:
+        Raises:
+            ValueError: an id is the null block, out of range, or free (nothing changed).
+        """
+        ids = self._check_ids(np.asarray(block_ids), "share")
+        free = ids[(self._ref[ids] == 0) & ~self._retained[ids]]
+        if len(free):
+            raise ValueError(
+                f"share: block {int(free[0])} of {self.kind} group {self.name!r} is free"
+            )
+        for b in ids.tolist():
             if self._ref[b] == 0:
                 del self._evictable[b]
             else:
                 self._shared = True
             self._ref[b] += 1
 
-    def evict(self, count: int) -> list[int]:
-        """Drop the keys of the ``count`` least recently released evictable blocks and put
-        them on the free stack."""
-        victims = list(itertools.islice(self._evictable, count))
-        if self._on_evict is not None and victims:
-            self._on_evict(victims)
-        assert self.keys is not None or not victims
-        for b in victims:
+    def release(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        """Drop one reference to each block (ids may repeat). Blocks reaching zero go back on
+        the free stack, or become evictable when retained (the deepest block of a chain is
+        evicted first).
+
+        Raises:
+            ValueError: an id is the null block, out of range, already free, or dropped more
+                times than it is referenced (nothing changed).
+        """
+        block_ids = self._check_ids(np.asarray(block_ids), "release")
+        if not len(block_ids):
+            return
+        if self._shared:  # a shared block may be dropped twice in one call
+            uniq, counts = np.unique(block_ids, return_counts=True)
+            bad = counts > self._ref[uniq]
+            if bad.any():
+                self._over_release(int(uniq[bad][0]), int(counts[bad][0]))
+            np.subtract.at(self._ref, block_ids, 1)
+            zero = block_ids[self._ref[block_ids] == 0]
+            if len(zero) > 1:  # distinct, in the order given (chain order decides eviction)
+                _, first = np.unique(zero, return_index=True)
+                zero = zero[np.sort(first)]
+        else:  # every used block has one holder: the ids are distinct
+            held = self._ref[block_ids]
+            repeated = len(block_ids) > 1 and len(np.unique(block_ids)) < len(block_ids)
+            if (held < 1).any() or repeated:
+                uniq, counts = np.unique(block_ids, return_counts=True)
+                bad = counts > self._ref[uniq]
+                self._over_release(int(uniq[bad][0]), int(counts[bad][0]))
+            self._ref[block_ids] = held - 1
+            zero = block_ids[held == 1]
+        keyed = self._retained[zero]
+        if keyed.any():
+            for b in reversed(zero[keyed].tolist()):
+                self._evictable[b] = None
+            zero = zero[~keyed]
+        top = self._num_free
+        self._stack[top : top + len(zero)] = zero[::-1]
+        self._num_free = top + len(zero)
+
+    def _over_release(self, block: int, drops: int) -> None:
+        ref = int(self._ref[block])
+        state = "already free" if ref == 0 else f"referenced {ref} times"
+        raise ValueError(
+            f"release: block {block} of {self.kind} group {self.name!r} is {state}, "
+            f"cannot drop {drops} reference(s)"
+        )
+
+    # ------------------------------------------------------------------ the evictable set
+
+    def retain(self, block_id: int) -> None:
+        """Keep ``block_id`` (in use) evictable rather than free once its last holder
+        releases it: the prefix cache registered its key."""
+        self._retained[block_id] = True
+
+    def forget(self, block_id: int) -> None:
+        """Stop retaining ``block_id``; an evictable one goes back on the free stack. The
+        caller (the prefix cache) drops the key itself, so the eviction hook is not told."""
+        if not self._retained[block_id]:
+            return
+        self._retained[block_id] = False
+        if block_id in self._evictable:
+            del self._evictable[block_id]
+            self._stack[self._num_free] = block_id
+            self._num_free += 1
+
+    def evict(
+        self, count: int | None = None, block_ids: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """Put evictable blocks on the free stack, telling the eviction hook first: the
+        ``count`` least recently released, or exactly ``block_ids`` (each must be evictable).
+        Returns their ids.
+
+        Raises:
+            ValueError: a ``block_ids`` entry is not evictable (nothing changed).
+        """
+        if block_ids is not None:
+            victims = self._check_ids(np.asarray(block_ids), "evict")
+            stray = [b for b in victims.tolist() if b not in self._evictable]
+            if stray:
+                raise ValueError(
+                    f"evict: block {stray[0]} of {self.kind} group {self.name!r} is not "
+                    "evictable (in use, or not retained)"
+                )
+        else:
+            n = min(int(count or 0), len(self._evictable))
+            victims = np.fromiter(itertools.islice(self._evictable, n), dtype=np.int32, count=n)
+        if not len(victims):
+            return victims
+        if self.on_evict is not None:
+            self.on_evict(victims)
+        for b in victims.tolist():
             del self._evictable[b]
-            del self.keys[b]  # type: ignore[union-attr]
+        self._retained[victims] = False
         top = self._num_free
         self._stack[top : top + len(victims)] = victims[::-1]
         self._num_free = top + len(victims)
         self.evictions += len(victims)
         return victims
 
-    def forget(self, block_id: int) -> None:
-        """Drop the key of a block (evictable ones go back on the free stack)."""
-        if self.keys is None or block_id not in self.keys:
-            return
-        if block_id in self._evictable:
-            self.evict_one(block_id)
-        else:
-            del self.keys[block_id]
-
-    def evict_one(self, block_id: int) -> None:
-        if self._on_evict is not None:
-            self._on_evict([block_id])
-        del self._evictable[block_id]
-        del self.keys[block_id]  # type: ignore[union-attr]
-        self._stack[self._num_free] = block_id
-        self._num_free += 1
-        self.evictions += 1
-
-    def _check_ids(self, block_ids: Sequence[int], action: str) -> None:
-        for i in block_ids:
-            if not isinstance(i, int | np.integer) or isinstance(i, bool):
-                raise TypeError(f"{action}: block id {i!r} is not an int")
-            if i == NULL_BLOCK:
-                raise ValueError(
-                    f"{action}: block {NULL_BLOCK} is the reserved null block of "
-                    f"{self.kind} group {self.name!r}"
-                )
-            if not 0 < i < self.num_blocks:
-                raise ValueError(
-                    f"{action}: block {i} is out of range for {self.kind} group {self.name!r} "
-                    f"with blocks 1..{self.num_blocks - 1}"
-                )
+    def _check_ids(self, block_ids: np.ndarray, action: str) -> np.ndarray:
+        if block_ids.ndim != 1 or (
+            block_ids.size and (block_ids.dtype == bool or block_ids.dtype.kind not in "iu")
+        ):
+            values = block_ids.ravel().tolist()
+            bad = next((i for i in values if not isinstance(i, int) or isinstance(i, bool)), values)
+            raise TypeError(f"{action}: block id {bad!r} is not an int")
+        if not block_ids.size:
+            return block_ids.astype(np.int32)
+        low, high = int(block_ids.min()), int(block_ids.max())
+        if low < 0 or high >= self.num_blocks:
+            i = low if low < 0 else high
+            raise ValueError(
+                f"{action}: block {i} is out of range for {self.kind} group {self.name!r} "
+                f"with blocks 1..{self.num_blocks - 1}"
+            )
+        if low == NULL_BLOCK:
+            raise ValueError(
+                f"{action}: block {NULL_BLOCK} is the reserved null block of "
+                f"{self.kind} group {self.name!r}"
+            )
+        return block_ids.astype(np.int32, copy=False)
 
     def __repr__(self) -> str:
         return (

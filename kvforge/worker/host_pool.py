@@ -19,7 +19,7 @@ from kvforge.core.layout import CacheBuffer, CacheLayout
 from kvforge.platform import Platform
 from kvforge.specs import CacheRole
 
-__all__ = ["HostCacheAllocator", "HostGroupPool", "HostPools", "HostViews"]
+__all__ = ["HostGroupPool", "HostPools", "HostViews"]
 
 
 class HostGroupPool:
@@ -115,7 +115,3 @@ class HostViews:
             return raw
         entries = nbytes // role.entry_bytes
         return typed.view(raw.shape[0], entries, *role.entry_shape)
-
-
-HostCacheAllocator = HostViews
-"""Deprecated name of :class:`HostViews` (it never allocated anything)."""

@@ -42,7 +42,7 @@ from kvforge.attn_backends.base import (
     block_buffer_view,
     new_block_buffer,
 )
-from kvforge.core.layout import CacheLayout, check_share_pools
+from kvforge.core.layout import CacheLayout, check_share_pools, table_widths
 from kvforge.core.memory_plan import check_allocatable
 from kvforge.core.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.core.values import (
@@ -56,7 +56,6 @@ from kvforge.core.values import (
 from kvforge.errors import ControllerClosedError
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
-from kvforge.scheduler.block_manager import table_widths
 from kvforge.worker.host_pool import HostPools, HostViews
 from kvforge.worker.overlap import PoolMember, find_overlap, plane_extent
 from kvforge.worker.transfer import SwapStreams, move_pages, plane_bytes
@@ -85,11 +84,23 @@ class StepInputs:
 
 
 @dataclass
-class _Completion:
-    """Copies of one executed plan: the event they end with and what they keep alive."""
+class SwapExecution:
+    """What :meth:`CacheStorage.execute` did with one plan.
 
-    event: Any
+    Attributes:
+        result: the plain value to hand back to the scheduler side
+            (``BlockManager.complete_swap``): it pickles, the rest stays on the worker.
+        event: the event the plan's copies end with (``None`` on CPU, or on failure).
+        keep_alive: tensors the copies read or write until ``event`` completes.
+    """
+
+    result: SwapResult
+    event: Any = None
     keep_alive: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.result.ok
 
 
 class CacheStorage:
@@ -129,7 +140,7 @@ class CacheStorage:
         self._host: HostPools | None = None
         self._host_caches: list[dict[CacheKey, torch.Tensor]] = []
         self._streams: SwapStreams | None = None
-        self._copies: list[_Completion] = []
+        self._copies: list[SwapExecution] = []
         self._closed = False
         self._lock = threading.RLock()
 
@@ -514,19 +525,19 @@ class CacheStorage:
 
     # ================================================================== swaps
 
-    def execute(self, plan: SwapPlan) -> SwapResult:
+    def execute(self, plan: SwapPlan) -> SwapExecution:
         """Run a swap plan: hooks, then one gather (or scatter) per group for every request.
 
         Swap out: ``before_swap_out`` of every backend for every request, then the copies.
         Swap in: the copies, then ``after_swap_in`` once every request is resident. A hook
         that raises or a copy that fails is reported in the result (after every queued copy
-        finished), never raised.
+        finished), never raised. Hand ``execution.result`` to the scheduler side's
+        ``complete_swap``; keep ``execution.event`` / ``keep_alive`` until the copies are done.
         """
         with self._lock:
-            result, _ = self._execute(plan)
-            return result
+            return self._execute(plan)
 
-    def _execute(self, plan: SwapPlan) -> tuple[SwapResult, _Completion | None]:
+    def _execute(self, plan: SwapPlan) -> SwapExecution:
         self._ready()
         if not isinstance(plan, SwapPlan):
             raise TypeError(f"plan must be a SwapPlan, got {type(plan).__name__}")
@@ -555,11 +566,11 @@ class CacheStorage:
             # no copy of a failed plan may still touch the blocks or pages it named
             self.platform.synchronize()
             failure = SwapFailure(stage, current, type(exc).__name__, str(exc))
-            return SwapResult(plan.plan_id, failure, exc), None
-        completion = _Completion(self._finish(), keep_alive)
-        if completion.event is not None:  # pragma: no cover - accelerators only
-            self._copies.append(completion)
-        return SwapResult(plan.plan_id), completion
+            return SwapExecution(SwapResult(plan.plan_id, failure, exc))
+        execution = SwapExecution(SwapResult(plan.plan_id), self._finish(), keep_alive)
+        if execution.event is not None:  # pragma: no cover - accelerators only
+            self._copies.append(execution)
+        return execution
 
     def _context(
         self, backend: AttentionBackend, layers: tuple[int, ...], move: Any
@@ -698,7 +709,7 @@ def _plane(cache: torch.Tensor, name: str, action: str) -> torch.Tensor:
         raise ValueError(f"{action}: buffer {name!r}: {exc}") from None
 
 
-def _finished(completion: _Completion) -> bool:
+def _finished(completion: SwapExecution) -> bool:
     event = completion.event
     return event is None or bool(event.query())  # pragma: no cover - accelerators only
 

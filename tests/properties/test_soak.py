@@ -80,7 +80,7 @@ def test_soak_with_shared_pools() -> None:
 
 def test_shared_pool_soak_pairs_the_gqa_layers_in_one_pool() -> None:
     run = soak.Soak(0, share_pools=True)
-    ctl, manager = run.ctl, run.ctl.block_manager
+    ctl, manager = run.ctl, run.ctl.scheduler
     assert ("gqa_swa", "gqa_full") in ctl.layout.pool_sets
     assert run.model.pool_of["gqa_full"] == ("gqa_swa", "gqa_full")
     assert run.model.pool_of["swa"] == ("swa",)

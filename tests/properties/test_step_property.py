@@ -149,7 +149,7 @@ class RefModel:
 
 
 def _check_invariants(ctl: CacheController, model: RefModel) -> None:
-    manager = ctl.block_manager
+    manager = ctl.scheduler
     assert sorted(model.resident) == manager.requests
     assert sorted(model.swapped) == manager.swapped_requests
     for name in model.groups:
@@ -189,7 +189,7 @@ def _expected_slots(model: RefModel, group: str, ratio: int, ids, befores, news)
 
 
 def _do_step(ctl: CacheController, model: RefModel, ids: list[str], new: list[int]) -> None:
-    manager = ctl.block_manager
+    manager = ctl.scheduler
     expected = model.step(ids, new, manager.max_model_len)
     befores_all = {
         rid: model.resident[rid].num_tokens if rid in model.resident else 0 for rid in ids
@@ -279,7 +279,7 @@ def _swap_out(ctl: CacheController, model: RefModel, rids: list[str]) -> None:
 
 
 def _swap_in(ctl: CacheController, model: RefModel, rids: list[str]) -> None:
-    manager = ctl.block_manager
+    manager = ctl.scheduler
     ctl.swap_in_many(rids)
     for rid in rids:
         n = model.swapped.pop(rid)

@@ -63,7 +63,7 @@ def test_scheduler_and_worker_sides_run_concurrently():
     # the worker side computes a step's inputs while the scheduler side plans the next one
     ctl = CacheController({0: GQABackend(1, 8, 16)})
     ctl.initialize_kv_cache(num_blocks=200)
-    manager, storage = ctl.block_manager, ctl.storage
+    manager, storage = ctl.scheduler, ctl.storage
     steps = [manager.schedule([f"r{i}" for i in range(8)], [16] * 8)]
     done = threading.Event()
 
@@ -114,7 +114,7 @@ def test_host_cache_with_nothing_to_offload_is_refused_at_once():
 
     ctl = CacheController({0: Pinned(1, 8, 16)})
     ctl.initialize_kv_cache(num_blocks=8)
-    for kwargs in ({"memory_budget": 1 << 20}, {"num_blocks": 4}):
+    for kwargs in ({"memory_budget": 1 << 20}, {"num_pages": 4}):
         with pytest.raises(ValueError, match="no role of any group is offloaded"):
             ctl.initialize_host_cache(**kwargs)
     with pytest.raises(RuntimeError, match="call initialize_host_cache before swapping"):

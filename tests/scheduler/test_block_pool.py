@@ -1,4 +1,5 @@
-"""BlockPool: O(1) allocate/free, ref counts, reserved null block; property-tested."""
+"""BlockPool: one verb per action (take / share / release, retain / forget / evict), ref
+counts, the reserved null block, the eviction hook; property-tested."""
 
 import pytest
 from hypothesis import given, settings
@@ -11,27 +12,27 @@ from kvforge.scheduler import NULL_BLOCK, BlockPool
 def test_fresh_pool_hands_out_ascending_ids_and_never_null():
     pool = BlockPool(5, "kv")
     assert (pool.num_usable, pool.num_free, pool.num_used) == (4, 4, 0)
-    assert pool.allocate(3) == [1, 2, 3]
-    assert pool.allocate(1) == [4]
+    assert pool.take(3).tolist() == [1, 2, 3]
+    assert pool.take(1).tolist() == [4]
     assert pool.num_free == 0
 
 
 def test_out_of_blocks_changes_nothing():
     pool = BlockPool(4, "kv")
-    pool.allocate(2)
+    pool.take(2)
     with pytest.raises(OutOfBlocksError, match=r"device group 'kv' needs 2 free blocks but has 1"):
-        pool.allocate(2)
+        pool.take(2)
     assert pool.num_free == 1
 
 
 def test_ref_counts():
     pool = BlockPool(4, "kv")
-    a, b = pool.allocate(2)
-    pool.incref([a])
+    a, b = pool.take(2)
+    pool.share([a])
     assert pool.ref_count(a) == 2
-    pool.free([a])
+    pool.release([a])
     assert pool.num_free == 1  # still referenced once
-    pool.free([a, b])
+    pool.release([a, b])
     assert pool.num_free == 3
 
 
@@ -45,11 +46,11 @@ def test_ref_counts():
         (["1"], "block id '1' is not an int"),
     ],
 )
-def test_bad_free_changes_nothing(ids, message):
+def test_bad_release_changes_nothing(ids, message):
     pool = BlockPool(4, "kv")
-    pool.allocate(1)
+    pool.take(1)
     with pytest.raises((ValueError, TypeError), match=message):
-        pool.free(ids)
+        pool.release(ids)
     assert (pool.num_free, pool.ref_count(1)) == (2, 1)
 
 
@@ -57,9 +58,9 @@ def test_bad_sizes():
     with pytest.raises(ValueError, match="num_blocks for device group 'kv' must be an int >= 2"):
         BlockPool(1, "kv")
     with pytest.raises(ValueError, match="count must be an int >= 0, got -1"):
-        BlockPool(3, "kv").allocate(-1)
-    with pytest.raises(ValueError, match="incref: block 1 of device group 'kv' is free"):
-        BlockPool(3, "kv").incref([1])
+        BlockPool(3, "kv").take(-1)
+    with pytest.raises(ValueError, match="share: block 1 of device group 'kv' is free"):
+        BlockPool(3, "kv").share([1])
 
 
 ops = st.lists(
@@ -81,23 +82,74 @@ def test_random_sequences_never_leak_or_double_allocate(num_blocks, steps):
         if op == "alloc":
             if arg > pool.num_free:
                 with pytest.raises(OutOfBlocksError):
-                    pool.allocate(arg)
+                    pool.take(arg)
                 continue
-            got = pool.allocate(arg)
+            got = pool.take(arg).tolist()
             assert NULL_BLOCK not in got
             assert not set(got) & set(held), "a used block was handed out again"
             held += got
         elif held:
             block = held[arg % len(held)]
             if op == "free":
-                pool.free([block])
+                pool.release([block])
                 held.remove(block)
             else:
-                pool.incref([block])
+                pool.share([block])
                 held.append(block)
         assert pool.num_used == len(set(held))
         assert pool.num_free + pool.num_used == pool.num_usable
         for b in set(held):
             assert pool.ref_count(b) == held.count(b)
-    pool.free(held)
+    pool.release(held)
     assert pool.num_free == pool.num_usable
+
+
+def test_retained_blocks_stay_evictable_and_the_hook_hears_evictions_oldest_first():
+    heard = []
+    pool = BlockPool(5, "kv", on_evict=lambda ids: heard.append(ids.tolist()))
+    a, b, c = pool.take(3).tolist()
+    pool.retain(a)
+    pool.retain(b)
+    pool.release([a, b, c])  # a and b keep their bytes: evictable, still free capacity
+    assert (pool.num_free, pool.num_evictable, pool.num_used) == (4, 2, 0)
+    pool.share([b])  # a hit takes b back
+    assert (pool.num_evictable, pool.ref_count(b)) == (1, 1)
+    got = pool.take(2).tolist()  # the free stack has c and 4: nothing evicted
+    assert sorted(got) == [c, 4] and heard == []
+    assert pool.take(1).tolist() == [a]  # short: a is evicted, the hook hears first
+    assert heard == [[a]] and not pool.is_retained(a) and pool.evictions == 1
+
+
+def test_forget_returns_an_evictable_block_without_the_hook():
+    heard = []
+    pool = BlockPool(3, "kv", on_evict=heard.append)
+    a = int(pool.take(1)[0])
+    pool.retain(a)
+    pool.release([a])
+    pool.forget(a)
+    assert (pool.num_evictable, pool.num_free, heard) == (0, 2, [])
+
+
+def test_ref_counts_are_public_and_read_only():
+    pool = BlockPool(4, "kv")
+    a = int(pool.take(1)[0])
+    assert pool.ref_counts[a] == 1
+    with pytest.raises(ValueError, match="read-only"):
+        pool.ref_counts[a] = 5
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([0], "share: block 0 is the reserved null block"),
+        ([-1], r"share: block -1 is out of range for device group 'kv' with blocks 1..3"),
+        ([3], "share: block 3 of device group 'kv' is free"),
+        ([True], "share: block id True is not an int"),
+    ],
+)
+def test_bad_share_changes_nothing(ids, message):
+    pool = BlockPool(4, "kv")
+    pool.take(1)
+    with pytest.raises((ValueError, TypeError), match=message):
+        pool.share(ids)
+    assert (pool.num_free, pool.ref_count(1)) == (2, 1)

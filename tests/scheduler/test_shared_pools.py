@@ -318,7 +318,7 @@ def test_a_memory_budget_becomes_pools_of_the_same_usable_blocks() -> None:
     got = ctl.initialize_kv_cache(memory_budget=budget, **sizes)
     assert got.num_blocks == plan.num_blocks  # the per-group plan is what is returned
     assert ctl.storage.num_blocks == {"swa": pool, "kv": pool}
-    assert ctl.num_usable_blocks("kv") == pool - 1 == sum(plan.num_blocks.values()) - 2
+    assert ctl.scheduler.num_usable_blocks("kv") == pool - 1 == sum(plan.num_blocks.values()) - 2
     # the plan's bytes less the one null block the second member no longer needs
     assert ctl.device_bytes == pool * PAGE == plan.total_bytes - PAGE
 

@@ -87,14 +87,14 @@ def test_flash_moves_only_live_window_and_state_blocks():
         num_blocks={"swa": 8, "compressed": 8, "c4_state": 400, "c128_state": 200}
     )
     ctl.initialize_host_cache(
-        num_blocks={"swa": 8, "compressed": 8, "c4_state": 8, "c128_state": 20}
+        num_pages={"swa": 8, "compressed": 8, "c4_state": 8, "c128_state": 20}
     )
     grow(ctl, "r", 1000)
     handle = ctl.swap_out("r")
     # swa: last 128 tokens (872..999) -> blocks 13..15 = 3; compressed: 1000 tokens -> 4 blocks;
     # c4_state: last 8 tokens (992..999) -> blocks 248, 249 = 2; c128_state: 872..999 -> 109..124 = 16
     assert handle.blocks_moved == {"swa": 3, "compressed": 4, "c4_state": 2, "c128_state": 16}
-    page = {g: ctl.block_manager.page_bytes(g) for g in ctl.groups}
+    page = {g: ctl.scheduler.page_bytes(g) for g in ctl.groups}
     # swa page: 6 layers * 37,376; compressed page: 2 ratio-4 layers (37,376 + 8,448) + 1 ratio-128 (1,168)
     assert page["swa"] == 6 * 37_376
     assert page["compressed"] == 2 * (37_376 + 8_448) + 1_168
@@ -385,7 +385,7 @@ def test_random_interleavings_lose_nothing(steps):
         num_blocks={"swa": 10, "compressed": 6, "c4_state": 10, "c128_state": 40}
     )
     ctl.initialize_host_cache(
-        num_blocks={"swa": 8, "compressed": 5, "c4_state": 8, "c128_state": 36}
+        num_pages={"swa": 8, "compressed": 5, "c4_state": 8, "c128_state": 36}
     )
     seeds: dict[str, int] = {}
 

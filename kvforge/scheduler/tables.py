@@ -1,0 +1,141 @@
+"""Per-request block tables of the scheduler side: rows, per-group tables, token counts, and
+the table deltas and block copies a step hands to the worker side.
+
+:class:`RequestTables` is the one owner of this state. :class:`~.block_manager.BlockManager`
+creates it and grows rows in it; :class:`~.prefix_cache.PrefixCache` and
+:class:`~.swap_book.SwapBook` read and write it, always under the manager's lock.
+
+Layout of one group's table (``int32 [max_num_seqs, width]``), a sliding window ``W = 128``
+over 64-token blocks after a step that took the request in row 0 to 300 tokens::
+
+    col:    0      1      2      3      4
+          | null | null |  17  |  18  |  22  |      tokens 128..299 still held
+                          ^ held_from[0] = 2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvforge.core.values import BlockCopy, TableDelta
+from kvforge.kinds import GroupFamily, KindRule
+from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
+from kvforge.specs import CacheGroup
+
+__all__ = ["GroupTable", "RequestTables", "expand"]
+
+
+@dataclass
+class GroupTable:
+    """One group's table, its pool and the per-row extent of the blocks rows hold."""
+
+    spec: CacheGroup
+    rule: KindRule
+    history: bool  # keeps every block (full)
+    windowed: bool  # releases blocks behind its window
+    per_request: bool  # slots per request, snapshotted for reuse
+    block_size: int
+    window: int
+    slots: int
+    pool: BlockPool
+    table: np.ndarray  # int32 [max_num_seqs, width]
+    held_from: np.ndarray  # int64 [max_num_seqs]: first column that may hold a block
+
+    @classmethod
+    def create(cls, spec: CacheGroup, pool: BlockPool, rows: int, width: int) -> GroupTable:
+        rule = spec.rule
+        return cls(
+            spec=spec,
+            rule=rule,
+            history=rule.family is GroupFamily.HISTORY,
+            windowed=rule.windowed,
+            per_request=rule.per_request,
+            block_size=spec.block_size,
+            window=int(spec.window or 0),
+            slots=spec.slots_per_request,
+            pool=pool,
+            table=np.zeros((rows, width), dtype=np.int32),
+            held_from=np.zeros(rows, dtype=np.int64),
+        )
+
+
+def expand(rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Cells ``(row, col)`` for ``col`` in ``[start[i], end[i])`` of each ``rows[i]``.
+
+    >>> r, c = expand(np.array([3, 5]), np.array([0, 7]), np.array([2, 9]))
+    >>> r.tolist(), c.tolist()
+    ([3, 3, 5, 5], [0, 1, 7, 8])
+    """
+    counts = end - start
+    total = int(counts.sum())
+    r = np.repeat(rows, counts)
+    firsts = np.cumsum(counts) - counts
+    c = np.repeat(start - firsts, counts) + np.arange(total)
+    return r, c
+
+
+class RequestTables:
+    """Rows and tables of every group.
+
+    Attributes:
+        groups: one :class:`GroupTable` per group, in the layout's order.
+        by_name: group name -> its table.
+        pools: distinct pools, each with the indices of the groups that draw on it.
+        num_tokens: ``int64 [max_num_seqs]``: tokens each row holds.
+        committed: ``int64 [groups, max_num_seqs]``: blocks of each row the prefix cache has
+            seen completed (it registers each block once).
+        row_of: request id -> row, for requests that hold device blocks.
+        free_rows: rows no request holds (popped from the end).
+        pending: table changes not yet handed to the worker side.
+        copies: block copies due before the next step's kernels (copy on write).
+    """
+
+    def __init__(self, groups: list[GroupTable], max_num_seqs: int) -> None:
+        self.groups = groups
+        self.by_name = {g.spec.name: g for g in groups}
+        self.pools: list[tuple[BlockPool, list[int]]] = []
+        for gi, g in enumerate(groups):
+            known = next((m for p, m in self.pools if p is g.pool), None)
+            if known is None:
+                self.pools.append((g.pool, [gi]))
+            else:
+                known.append(gi)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.committed = np.zeros((len(groups), max_num_seqs), dtype=np.int64)
+        self.row_of: dict[str, int] = {}
+        self.free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.pending: list[TableDelta] = []
+        self.copies: list[BlockCopy] = []
+
+    def record(self, g: GroupTable, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
+        """Queue the change of cells ``(rows[i], cols[i])`` to ``ids[i]`` for the workers."""
+        self.pending.append(
+            TableDelta(
+                group=g.spec.name,
+                rows=rows.astype(np.int32),
+                cols=cols.astype(np.int32),
+                block_ids=ids.astype(np.int32),
+            )
+        )
+
+    def release_rows(self, rows: np.ndarray) -> None:
+        """Free every block of ``rows``, clear them, and put the rows back. Only the columns a
+        row can hold are read (``held_from .. cdiv(num_tokens, B)``), so freeing costs the
+        blocks held, not the table's width."""
+        tokens = self.num_tokens[rows]
+        for g in self.groups:
+            if g.per_request:
+                start, end = np.zeros_like(tokens), np.full_like(tokens, g.slots)
+            else:
+                start, end = g.held_from[rows], -(-tokens // g.block_size)
+            r, c = expand(rows, start, np.maximum(start, end))
+            held = g.table[r, c]
+            g.pool.release(held[held != NULL_BLOCK])  # (release evicts the deepest first)
+            g.table[r, c] = NULL_BLOCK
+            g.held_from[rows] = 0
+            self.pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
+        self.num_tokens[rows] = 0
+        self.committed[:, rows] = 0
+        self.free_rows.extend(int(r) for r in rows[::-1])
