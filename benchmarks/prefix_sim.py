@@ -59,9 +59,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvforge.core.layout import CacheLayout
 from kvforge.core.memory_plan import shared_pool_blocks
+from kvforge.core.prefix_keys import PrefixHasher
 from kvforge.core.values import PrefixMatch, PrefixQuery
 from kvforge.scheduler.block_manager import BlockManager
-from kvforge.scheduler.prefix_hash import PrefixHasher
 from kvforge.specs import CacheGroup
 
 __all__ = [
@@ -874,7 +874,10 @@ def _history_only(layout: CacheLayout, hits: Sequence[int]) -> int:
 
 def _stream_keys(convs: Sequence[Conversation], unit: int) -> Callable[[int, int], object]:
     keys = [
-        PrefixHasher().extend(c.tokens, at=np.arange(unit, len(c.tokens) + 1, unit))
+        PrefixHasher(unit=unit).extend(
+            c.tokens[: len(c.tokens) // unit * unit],
+            at=np.arange(unit, len(c.tokens) + 1, unit),
+        )
         for c in convs
     ]
 
@@ -901,8 +904,8 @@ def measure_cost(layout: CacheLayout, prompt_len: int = 2048, repeats: int = 200
     manager.finish(["first"])
     boundary = manager.boundary
     expected = (prompt_len - 1) // boundary * boundary
-    unit = min(g.block_size for g in layout.groups)
-    at = np.arange(unit, prompt_len + 1, unit)
+    unit = manager.prefix_unit
+    at = np.arange(unit, prompt_len // unit * unit + 1, unit)
     clock = time.perf_counter_ns
     hash_ns: list[int] = []
     lookup_ns: list[int] = []
@@ -912,7 +915,7 @@ def measure_cost(layout: CacheLayout, prompt_len: int = 2048, repeats: int = 200
     try:
         for _ in range(repeats + 1):  # the first round warms up
             t0 = clock()
-            PrefixHasher().extend(tokens, at=at)
+            PrefixHasher(unit=unit).extend(tokens, at=at)
             t1 = clock()
             match: PrefixMatch = manager.lookup(query)[0]
             t2 = clock()

@@ -22,6 +22,7 @@ import torch
 
 from kvforge.controller import CacheController
 from kvforge.core.layout import CacheBuffer
+from kvforge.core.prefix_keys import ExtraKeys, PrefixHasher
 
 __all__ = [
     "EntryCheck",
@@ -38,15 +39,14 @@ __all__ = [
 Seed = int | Sequence[int] | torch.Tensor
 
 
-def token_seeds(token_ids: Sequence[int], extra_keys: Sequence[object] = ()) -> torch.Tensor:
-    """Per-position seeds that depend on the tokens up to each position (the position's
-    prefix key, 62 bits): content written with them is what recomputing that prefix would
-    write, so a block reused from another request with the same prefix must hold exactly
-    it. ``int64 [len(token_ids)]``."""
-    from kvforge.scheduler.prefix_hash import PrefixHasher
-
-    keys = PrefixHasher(extra_keys).extend(token_ids)
-    return torch.tensor([k & ((1 << 62) - 1) for k in keys.tolist()], dtype=torch.int64)
+def token_seeds(token_ids: Sequence[int], extra_keys: ExtraKeys | None = None) -> torch.Tensor:
+    """Per-position seeds that depend on the tokens up to each position (62 bits of the
+    position's prefix key, hashed per token): content written with them is what recomputing
+    that prefix would write, so a block reused from another request with the same prefix must
+    hold exactly it. ``int64 [len(token_ids)]``."""
+    keys = PrefixHasher(extra_keys, unit=1).extend(token_ids)
+    mask = (1 << 62) - 1
+    return torch.tensor([int.from_bytes(k[:8], "little") & mask for k in keys], dtype=torch.int64)
 
 
 def _seed_at(seed: Seed, positions: torch.Tensor) -> torch.Tensor | int:

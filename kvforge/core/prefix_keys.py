@@ -689,6 +689,52 @@ class PrefixHasher:
                 payloads[u] = payloads[u][:-4] + _U32(len(encs)) + b"".join(encs)
         return tuple(payloads)
 
+    def tail_key(self, end: int) -> tuple[bytes, bytes, bytes]:
+        """The key of a prefix that ends inside a unit: ``(key, parent, payload)``.
+
+        Window and state blocks end between unit boundaries (a 4-token state block under a
+        256-token unit). Their key hangs off the chain at ``base = end // unit * unit``:
+        ``key = H(key_at(base) ‖ payload)`` with ``payload = u64 base ‖ u32 n ‖ n x u32 token
+        id ‖ u32 M ‖ M x item`` over tokens ``[base, end)`` (``0 < n < unit``, so it never
+        encodes like a unit, whose count is ``unit``), the items overlapping them as in a unit.
+        ``base`` must lie in the last :meth:`extend` (``unit_records().start <= base``) and
+        ``end <= num_tokens``.
+
+        >>> h = PrefixHasher(unit=16)
+        >>> _ = h.extend(np.arange(40))
+        >>> key, parent, payload = h.tail_key(20)    # tokens 16..19 after the first unit
+        >>> parent == h.unit_records().keys[0], len(payload)    # 8 + 4 + 4 * 4 + 4
+        (True, 32)
+        """
+        unit = self._unit
+        batch = self._batch
+        if isinstance(end, bool) or not isinstance(end, int | np.integer):
+            raise TypeError(f"end must be an int, got {_show(end)}")
+        end = int(end)
+        base = end // unit * unit
+        if end % unit == 0 or not batch.start <= base or end > self.num_tokens:
+            raise ValueError(
+                f"tail_key({end}): the end must fall inside a unit of {unit} tokens, after the "
+                f"last extend's start ({batch.start}) and at most num_tokens ({self.num_tokens})"
+            )
+        n = end - base
+        if base < batch.end:
+            payload = batch.payloads[(base - batch.start) // unit]
+            tokens = payload[12 : 12 + 4 * n]
+        else:
+            tokens = self._pending[:n].astype("<u4").tobytes()
+        index = (base - batch.start) // unit - 1
+        parent = batch.parent if index < 0 else batch.keys[index]
+        items = [
+            self._mm_enc[i]
+            for i in np.flatnonzero((self._mm_ends > base) & (self._mm_starts < end)).tolist()
+        ]
+        body = struct.pack("<QI", base, n) + tokens + _U32(len(items)) + b"".join(items)
+        key = self._digest(parent + body)
+        if type(key) is not bytes:
+            raise TypeError(f"algorithm returned {type(key).__name__}, not bytes")
+        return key, parent, body
+
     def unit_records(self) -> UnitRecords:
         """The records of the units the last :meth:`extend` completed (for a hasher made by
         :meth:`at_prefix`, those of its source's last extend up to its position): what

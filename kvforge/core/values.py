@@ -19,6 +19,8 @@ from typing import Literal
 
 import numpy as np
 
+from kvforge.core.prefix_keys import ExtraKeys, MultimodalKey, as_extra_keys
+from kvforge.errors import RequestStateError
 from kvforge.specs import SwapPurpose
 
 __all__ = [
@@ -258,15 +260,34 @@ class PrefixQuery:
 
     Attributes:
         token_ids: the prompt's token ids.
-        extra_keys: request-level keys that must match for blocks to be shared (a namespace
-            or cache salt, a LoRA adapter id, ...).
-        token_keys: ``(start, end, key)``: positions whose content is not told by their ids
-            (multimodal placeholders) and the content hash folded into them.
+        extra_keys: request-level keys that must match for blocks to be shared, tagged by
+            source: :class:`~kvforge.core.prefix_keys.ExtraKeys` (``cache_salt``, ``adapter``,
+            custom fields). ``None``: none. A plain tuple is refused (``TypeError``).
+        mm_keys: :class:`~kvforge.core.prefix_keys.MultimodalKey` ``(start, end, digest)``:
+            token ranges whose content is not told by their ids (multimodal placeholders) and
+            a digest of at least 32 bytes of that content, hashed by position.
+
+    Raises:
+        TypeError / ValueError: a field of the wrong type or value, named.
     """
 
     token_ids: Sequence[int] | np.ndarray
-    extra_keys: tuple[object, ...] = ()
-    token_keys: tuple[tuple[int, int, int], ...] = ()
+    extra_keys: ExtraKeys | None = None
+    mm_keys: tuple[MultimodalKey, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_keys", as_extra_keys(self.extra_keys, "extra_keys"))
+        if isinstance(self.mm_keys, MultimodalKey) or not isinstance(self.mm_keys, Sequence):
+            raise TypeError(
+                f"mm_keys must be a sequence of MultimodalKey, got {type(self.mm_keys).__name__}"
+            )
+        for i, key in enumerate(self.mm_keys):
+            if not isinstance(key, MultimodalKey):
+                raise TypeError(
+                    f"mm_keys[{i}] must be a MultimodalKey(start, end, digest), got "
+                    f"{type(key).__name__}"
+                )
+        object.__setattr__(self, "mm_keys", tuple(self.mm_keys))
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +308,7 @@ class PrefixMatch:
     num_tokens: int
     first_col: dict[str, int]
     blocks: dict[str, np.ndarray]
-    keys: dict[str, tuple[object, ...]]
+    keys: dict[str, tuple[bytes, ...]]
     hasher: object
 
 
@@ -306,3 +327,10 @@ class PrefixEvent:
     group: str
     key: int
     num_tokens: int
+
+
+def check_request_id(request_id: object) -> str:
+    """``request_id`` itself, refused unless it is a non-empty str (both sides check alike)."""
+    if not isinstance(request_id, str) or not request_id:
+        raise RequestStateError(f"request_id must be a non-empty str, got {request_id!r}")
+    return request_id

@@ -46,9 +46,9 @@ from hypothesis import strategies as st
 
 from kvforge import CacheController, DeepseekV4Backend, DSABackend, GQABackend, MLABackend
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
+from kvforge.core.prefix_keys import PrefixHasher
 from kvforge.core.values import PrefixMatch, PrefixQuery
 from kvforge.errors import OutOfBlocksError
-from kvforge.scheduler.prefix_hash import PrefixHasher
 from kvforge.specs import CacheGroup, GroupKind
 from kvforge.verify import entry_bytes_for, read_entries, token_seeds, write_entries, write_step
 
@@ -181,7 +181,7 @@ class Run:
             max_model_len=self.cfg.max_model_len,
         )
         self.ctl.initialize_host_cache(num_pages=self.cfg.host_pages)
-        self.manager = self.ctl.block_manager
+        self.manager = self.ctl.scheduler
         self.specs = {g: self.ctl.layout.group(g) for g in self.ctl.groups}
         self.cached = {g: set() for g in self.specs}
         self.per_request = [g for g, s in self.specs.items() if s.kind is GroupKind.PER_REQUEST]
@@ -218,10 +218,21 @@ class Run:
             keys[(c + 1) * g.block_size - 1] in have for c in range(first, length // g.block_size)
         )
 
+    def keys_by_position(self, prompt: list[int]) -> list[bytes | None]:
+        """``keys[p - 1]`` keys ``prompt[:p]`` where ``p`` ends a hashed unit (else None)."""
+        unit = self.manager.prefix_unit
+        hasher = PrefixHasher(unit=unit)
+        chain = hasher.extend(prompt)
+        # a block that ends inside a unit has a tail key off the chain (PrefixHasher.tail_key)
+        return [
+            chain[p // unit - 1] if p % unit == 0 else hasher.tail_key(p)[0]
+            for p in range(1, len(prompt) + 1)
+        ]
+
     def reference_length(self, prompt: list[int]) -> int:
         if len(prompt) < 2:
             return 0
-        keys = PrefixHasher().extend(prompt).tolist()
+        keys = self.keys_by_position(prompt)
         step = self.manager.boundary
         for length in range((len(prompt) - 1) // step * step, 0, -step):
             if all(self._tail_ok(g, keys, length) for g in self.specs.values()):
@@ -236,13 +247,14 @@ class Run:
         assert length == self.reference_length(prompt), (length, self.reference_length(prompt))
         if not length:
             return
-        keys = PrefixHasher().extend(prompt[:length]).tolist()
+        keys = self.keys_by_position(prompt[:length])
         for name, g in self.specs.items():
             if g.kind is GroupKind.PER_REQUEST:
                 assert match.first_col[name] == 0
                 assert match.keys[name] == (keys[length - 1],)
                 [block] = match.blocks[name].tolist()
-                assert self.manager.pool(name).keys[block][:2] == (keys[length - 1], length)
+                registered = self.manager.registered_blocks(name)
+                assert registered[block][:2] == (keys[length - 1], length)
                 assert self.keyed_group(name, block) == name
                 continue
             start = 0 if g.kind is GroupKind.FULL else max(0, length + 1 - int(g.window or 0))
@@ -255,7 +267,7 @@ class Run:
             assert len(match.blocks[name]) == len(want)
             assert all(k in self.cached[name] for k in want)
             # each block is the pool's block of that key, ending where the key's prefix ends
-            pool_keys = self.manager.pool(name).keys
+            pool_keys = self.manager.registered_blocks(name)
             for c, key, block in zip(
                 range(first, length // g.block_size), want, match.blocks[name].tolist(), strict=True
             ):
@@ -264,7 +276,7 @@ class Run:
 
     def keyed_group(self, name: str, block: int) -> str:
         """The group a cached block was keyed for (the pool's key carries its group index)."""
-        return self.manager.groups[self.manager.pool(name).keys[block][2]]
+        return self.manager.registered_blocks(name)[block][2]
 
     # ------------------------------------------------------------------ invariants
 
@@ -315,11 +327,11 @@ class Run:
         for b in held:
             assert pool.ref_count(b) == len(holders.get(b, ())) + pins[b], (members, b)
         # every key the pool holds is one its groups announced and have not removed
-        assert pool.keys is not None
-        assert len(pool.keys) == sum(len(self.cached[n]) for n in members), members
-        for key, _, gi in pool.keys.values():
-            group = self.manager.groups[gi]
+        registered = self.manager.registered_blocks(members[0])
+        assert len(registered) == sum(len(self.cached[n]) for n in members), members
+        for block, (key, _, group) in registered.items():
             assert group in members and key in self.cached[group], (members, group, key)
+            assert pool.is_retained(block), (members, block)
 
     def verify(self, rid: str) -> None:
         req = self.reqs[rid]

@@ -17,9 +17,9 @@ import torch
 
 from kvforge import CacheController, DeepseekV4Backend, DSABackend, GQABackend, MLABackend
 from kvforge.core.layout import CacheLayout
+from kvforge.core.prefix_keys import ExtraKeys, MultimodalKey, PrefixHasher
 from kvforge.core.values import PrefixQuery
 from kvforge.scheduler import BlockManager
-from kvforge.scheduler.prefix_hash import PrefixHasher
 from kvforge.verify import token_seeds, verify_request, write_step
 
 
@@ -67,22 +67,23 @@ def lookup(ctl, toks):
 
 def test_keys_are_stable_across_processes():
     code = (
-        "from kvforge.scheduler.prefix_hash import prefix_keys;"
-        "print(prefix_keys(list(range(40)), ('salt',))[-1])"
+        "from kvforge.core.prefix_keys import ExtraKeys, PrefixHasher;"
+        "print(PrefixHasher(ExtraKeys(cache_salt='salt'), unit=8).extend(list(range(40)))[-1].hex())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert int(out.stdout) == PrefixHasher(("salt",)).extend(list(range(40)))[-1]
+    here = PrefixHasher(ExtraKeys(cache_salt="salt"), unit=8).extend(list(range(40)))[-1]
+    assert out.stdout.strip() == here.hex()
 
 
 def test_keys_cover_the_whole_prefix_and_the_extra_keys():
-    base = PrefixHasher().extend([5, 6, 7, 8])
-    assert PrefixHasher().extend([9, 6, 7, 8])[3] != base[3]  # an earlier token differs
-    assert PrefixHasher(("adapter-1",)).extend([5, 6, 7, 8])[0] != base[0]
-    image = PrefixHasher(token_keys=((2, 4, 0xABC),)).extend([5, 6, 7, 8])
-    assert image[1] == base[1] and image[2] != base[2]  # only prefixes through the image
-    other = PrefixHasher(token_keys=((2, 4, 0xABD),)).extend([5, 6, 7, 8])
-    assert other[3] != image[3]  # same placeholder ids, other image content
-    assert PrefixHasher(algorithm="sha256").extend([5, 6])[1] != base[1]
+    base = PrefixHasher(unit=2).extend([5, 6, 7, 8])
+    assert PrefixHasher(unit=2).extend([9, 6, 7, 8])[1] != base[1]  # an earlier token differs
+    assert PrefixHasher(ExtraKeys(adapter="a-1"), unit=2).extend([5, 6, 7, 8])[0] != base[0]
+    item = MultimodalKey(2, 4, bytes(32))
+    image = PrefixHasher(mm_keys=[item], unit=2).extend([5, 6, 7, 8])
+    assert image[0] == base[0] and image[1] != base[1]  # only prefixes through the image
+    other = PrefixHasher(mm_keys=[MultimodalKey(2, 4, bytes(31) + b"x")], unit=2)
+    assert other.extend([5, 6, 7, 8])[1] != image[1]  # same placeholder ids, other content
 
 
 # ---------------------------------------------------------------------------------- full groups
@@ -123,9 +124,9 @@ def test_a_match_never_crosses_a_missing_block_and_eviction_is_deepest_first():
     a = tokens(96)  # 6 blocks
     run_prompt(ctl, "a", a)
     ctl.free_request("a")
-    ctl.block_manager.take_events()
+    ctl.scheduler.take_events()
     run_prompt(ctl, "x", tokens(48, seed=9))  # 3 blocks: 2 free + 1 evicted
-    removed = [e for e in ctl.block_manager.take_events() if e.kind == "removed"]
+    removed = [e for e in ctl.scheduler.take_events() if e.kind == "removed"]
     assert [e.num_tokens for e in removed] == [96]  # the deepest block of the chain first
     assert lookup(ctl, tokens(200, shared=a)).num_tokens == 80
     assert ctl.prefix_stats.evictions == {"history": 1}
@@ -173,12 +174,12 @@ def test_deepseek_v4_worked_example():
     seeds = run_prompt(ctl, "b", b, match=match)
     assert verify_request(ctl, "b", seeds).mismatched == 0
     # evicting one state tail block caps the next match at the previous boundary
-    manager = ctl.block_manager
+    manager = ctl.scheduler
     ctl.free_request("b")
     pool = manager.pool("c4_state")
     key = match.keys["c4_state"][0]
-    block = manager._by_name["c4_state"].cached[key]
-    pool.evict_one(block)
+    block = manager.cached_block("c4_state", key)
+    pool.evict(block_ids=[block])
     assert lookup(ctl, b).num_tokens == 512
 
 
@@ -229,7 +230,7 @@ def test_reset_forgets_every_prefix():
     a = tokens(64)
     run_prompt(ctl, "a", a)
     ctl.free_request("a")
-    assert ctl.block_manager.reset_prefix_cache() == 4
+    assert ctl.scheduler.reset_prefix_cache() == 4
     assert lookup(ctl, tokens(80, shared=a)).num_tokens == 0
 
 

@@ -1,0 +1,552 @@
+"""The prefix cache of the scheduler side: the one owner of key <-> block, its events,
+its counters, the request key chains and the snapshot pins.
+
+:class:`PrefixCache` decides which completed blocks become reusable (:meth:`commit`), finds
+the longest reusable prefix of a prompt (:meth:`lookup`), shares a match into a new request's
+row (:meth:`adopt`), and hears of every eviction from the pools (:meth:`_evicted`, the pools'
+eviction hook). It holds no lock of its own: :class:`~.block_manager.BlockManager` calls it
+under its lock, and owns the tables it reads and writes (:class:`~.tables.RequestTables`).
+
+Invariants (tested in ``tests/scheduler/test_prefix_cache.py`` and the prefix property test):
+
+- a block is in ``_owner`` of its pool exactly when some group's ``_cached`` maps a key to it,
+  and exactly then its pool retains it (evictable at ref 0);
+- a block is registered at most once, and only after the step that completed it ran
+  (:meth:`commit` is called with the step's tokens);
+- a match shares only blocks that are still registered under the keys it was looked up with.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from kvforge.core.prefix_keys import Algorithm, PrefixHasher, unit_of
+from kvforge.core.values import BlockCopy, PrefixEvent, PrefixMatch, PrefixQuery, TableDelta
+from kvforge.scheduler.args import token_array
+from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
+from kvforge.scheduler.tables import GroupTable, RequestTables
+from kvforge.scheduler.unit_records import UnitRecordStore
+
+__all__ = ["PrefixCache", "PrefixStats"]
+
+
+@dataclass
+class PrefixStats:
+    """Counters of the prefix cache.
+
+    Attributes:
+        queries: prompts looked up.
+        query_tokens: their tokens.
+        hit_tokens: tokens served from cache (``sum(L)``).
+        hit_tokens_by_group: per group, the tokens its shared blocks cover.
+        stored_blocks: blocks that became reusable, per group.
+        evictions: blocks evicted, per family (``history``, ``window``, ``snapshot``).
+        collisions: lookups whose keys named cached blocks of other content (possible only
+            with an injected weak key function), cut to the tokens that are truly cached.
+    """
+
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_group: dict[str, int] = field(default_factory=dict)
+    stored_blocks: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+    collisions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Display only: ``hit_tokens / query_tokens``."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class _Entry(NamedTuple):
+    """What the prefix cache knows of one registered block."""
+
+    key: bytes
+    end: int  # the token count its key covers
+    group: int  # index of its group
+    ref: bytes | None  # the unit record it holds a reference on
+    proof: tuple[bytes, bytes, bytes] | None  # a tail key's (parent, payload, root preimage)
+
+
+class PrefixCache:
+    """Cached prefixes of every group.
+
+    Args:
+        tables: the scheduler side's tables (owned by the block manager).
+        enabled: keep completed blocks reusable (off: lookups always miss).
+        boundary: the LCM of the token-indexed groups' block sizes: matches end on it.
+        snapshot_interval: tokens between snapshots of per-request state.
+    """
+
+    def __init__(
+        self,
+        tables: RequestTables,
+        enabled: bool,
+        boundary: int,
+        snapshot_interval: int,
+        key_algorithm: Algorithm = "sha256",
+    ) -> None:
+        self._t = tables
+        self.key_algorithm = key_algorithm
+        self._collided = False  # the current lookup met a key that names other content
+        self.enabled = enabled
+        self.boundary = boundary
+        self.snapshot_interval = snapshot_interval
+        self.stats = PrefixStats()
+        self._events: list[PrefixEvent] = []
+        self._hashers: dict[str, PrefixHasher] = {}  # request -> key chain of its tokens
+        self._cursors: dict[str, bytes] = {}  # request -> its held chain's last record
+        self.records = UnitRecordStore()  # the token ids behind every cached key
+        history = [g.block_size for g in tables.groups if g.history]
+        snapshots = any(g.per_request for g in tables.groups)
+        #: tokens per hashed unit of the chain: every history block end, boundary and snapshot
+        #: is a unit end. Window and state blocks that end inside a unit get tail keys off the
+        #: chain (``PrefixHasher.tail_key``), hashed only for the few blocks a tail needs.
+        self.unit = unit_of([*history, boundary], snapshot_interval if snapshots else None)
+        self._pins: list[tuple[GroupTable, np.ndarray]] = []  # snapshot blocks held a step
+        self._cached: dict[str, dict[object, int]] = {g.spec.name: {} for g in tables.groups}
+        # per pool: block -> (key, end token, group index) of every registered block
+        # per pool: block -> (key, end token, group index, the record it holds or None, the
+        # tail proof (parent, payload, root preimage) of a key that ends inside a unit)
+        self._owner: dict[int, dict[int, _Entry]] = {
+            id(pool): {} for pool, _ in tables.pools
+        }
+        if enabled:
+            for pool, _ in tables.pools:
+                pool.on_evict = functools.partial(self._evicted, pool)
+
+    @property
+    def snapshot_groups(self) -> list[GroupTable]:
+        return [g for g in self._t.groups if g.per_request]
+
+    def _window_start(self, g: GroupTable, num_tokens: int) -> int:
+        """First token the step after a prefix of ``num_tokens`` reads in group ``g``."""
+        return g.rule.tail_start(g.spec, num_tokens)
+
+    def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
+        """The longest reusable prefix of each prompt, for many prompts at once.
+
+        ``L`` is the largest multiple of :attr:`boundary` (the LCM of the groups' block sizes)
+        below the prompt's length such that every full group holds the whole chain
+        ``[0, L)``, every sliding-window and state group the blocks covering the window the
+        next token reads (``[L + 1 - W, L)``), every chunked group the blocks of the current
+        chunk (``[L // C * C, L)``), and every per-request group a snapshot taken at exactly
+        ``L``. Nothing changes but the counters; pass the matches to :meth:`schedule`.
+
+        Worked example, DeepSeek-V4 (``swa`` block 64 window 128; ``compressed`` block 256;
+        ``c4_state`` block 4 window 8; ``c128_state`` block 8 window 128; LCM 256), a prompt
+        of 1,000 tokens whose first 768 are cached: ``L = 768``; ``compressed`` shares blocks
+        0..2 (tokens 0..767); ``swa`` needs tokens 641..767: blocks 10 and 11; ``c4_state``
+        tokens 761..767: blocks 190 and 191; ``c128_state`` tokens 641..767: blocks 80..95.
+        """
+        if isinstance(queries, PrefixQuery) or not isinstance(queries, Sequence):
+            raise TypeError(
+                f"queries must be a sequence of PrefixQuery, got {type(queries).__name__}"
+            )
+        for i, q in enumerate(queries):  # every query checked before any counter moves
+            if not isinstance(q, PrefixQuery):
+                raise TypeError(f"queries[{i}] is a {type(q).__name__}, not a PrefixQuery")
+            token_array(q.token_ids, f"queries[{i}].token_ids")
+        return [self._lookup_one(q, i) for i, q in enumerate(queries)]
+
+    def _lookup_one(self, query: PrefixQuery, index: int) -> PrefixMatch:
+        if not isinstance(query, PrefixQuery):
+            raise TypeError(f"queries[{index}] is a {type(query).__name__}, not a PrefixQuery")
+        tokens = token_array(query.token_ids, f"queries[{index}].token_ids")
+        n = len(tokens)
+        hasher = self._hasher(query)
+        stats = self.stats
+        stats.queries += 1
+        stats.query_tokens += n
+        step = self.boundary
+        top = ((n - 1) // step) * step if n else 0
+        if not self.enabled or top == 0:
+            return PrefixMatch(0, {}, {}, {}, hasher)
+        unit = self.unit
+        keys = hasher.extend(tokens[:top], at=np.arange(unit, top + 1, unit))
+        self._collided = False
+
+        tails: dict[int, tuple[bytes, bytes, bytes]] = {}
+
+        def key_at(t: int) -> bytes:
+            if t % unit == 0:
+                return keys[t // unit - 1]
+            tail = tails.get(t)
+            if tail is None:
+                tail = tails[t] = hasher.tail_key(t)
+            return tail[0]
+
+        upper = top
+        for g in self._t.groups:
+            if g.history:
+                i = 0
+                bs = g.block_size
+                cached = self._cached[g.spec.name]
+                while (i + 1) * bs <= upper and key_at((i + 1) * bs) in cached:
+                    i += 1
+                upper = min(upper, i * g.block_size)
+        length = (upper // step) * step
+        while length > 0:
+            if self._tails_present(length, key_at, tails, hasher):
+                break
+            length -= step
+        if length:
+            # Exact by construction: the cached chain must equal this prompt's token ids,
+            # multimodal items and extra keys for every unit up to L, byte for byte. A key
+            # that names other content (a collision) shortens the hit: a counted miss.
+            exact = self.records.confirm(hasher.unit_records(), length // unit) * unit
+            if exact < length:
+                self._collided = True
+                length = (exact // step) * step
+                while length > 0 and not self._tails_present(length, key_at, tails, hasher):
+                    length -= step
+        stats.collisions += self._collided  # one per lookup whose keys named other content
+        if length == 0:
+            return PrefixMatch(0, {}, {}, {}, self._hasher(query))
+        first: dict[str, int] = {}
+        blocks: dict[str, np.ndarray] = {}
+        used: dict[str, tuple[bytes, ...]] = {}
+        for g in self._t.groups:
+            name = g.spec.name
+            if g.per_request:
+                found = (key_at(length),)
+                first[name] = 0
+            else:
+                c0 = self._window_start(g, length) // g.block_size
+                found = tuple(
+                    key_at((c + 1) * g.block_size) for c in range(c0, length // g.block_size)
+                )
+                first[name] = c0
+            used[name] = found
+            blocks[name] = np.array([self._cached[g.spec.name][k] for k in found], dtype=np.int32)
+            covered = length if not g.windowed else len(found) * g.block_size
+            stats.hit_tokens_by_group[name] = stats.hit_tokens_by_group.get(name, 0) + covered
+        stats.hit_tokens += length
+        return PrefixMatch(length, first, blocks, used, hasher.at_prefix(length))
+
+    def _hasher(self, query: PrefixQuery) -> PrefixHasher:
+        return PrefixHasher(
+            query.extra_keys, query.mm_keys, unit=self.unit, algorithm=self.key_algorithm
+        )
+
+    def _tails_present(
+        self,
+        length: int,
+        key_at: Callable[[int], bytes],
+        tails: dict[int, tuple[bytes, bytes, bytes]],
+        hasher: PrefixHasher,
+    ) -> bool:
+        """Whether every window / state group holds the blocks the step after ``length``
+        reads, and every snapshot group a snapshot at ``length``. A tail block whose key ends
+        inside a unit must also hold exactly this prompt's tokens (its stored proof)."""
+        for g in self._t.groups:
+            cached = self._cached[g.spec.name]
+            if g.per_request:
+                if (
+                    g.slots != 1
+                    or length % self.snapshot_interval
+                    or key_at(length) not in cached
+                ):
+                    return False
+            elif g.windowed:
+                c0 = self._window_start(g, length) // g.block_size
+                owner = self._owner[id(g.pool)]
+                for c in range(c0, length // g.block_size):
+                    end = (c + 1) * g.block_size
+                    block = cached.get(key_at(end))
+                    if block is None:
+                        return False
+                    if end % self.unit:
+                        _, parent, payload = tails[end]
+                        root = hasher.root_preimage if end < self.unit else b""
+                        if owner[block].proof != (parent, payload, root):
+                            self._collided = True
+                            return False
+        return True
+
+    def adopt(self, request_id: str, row: int, match: PrefixMatch | None) -> str | None:
+        """Share a match's blocks into ``row``; the name of a group whose blocks were evicted
+        since the lookup (nothing changed then), else ``None``."""
+        hasher = (
+            match.hasher
+            if match is not None
+            else PrefixHasher(unit=self.unit, algorithm=self.key_algorithm)
+        )
+        if self.enabled:
+            if not isinstance(hasher, PrefixHasher) or hasher.unit != self.unit:
+                raise TypeError(f"prefix match of {request_id!r} carries no PrefixHasher")
+            self._hashers[request_id] = hasher.at_prefix(hasher.num_tokens)
+        if match is None or not match.num_tokens:
+            return None
+        for g in self._t.groups:
+            keys = match.keys.get(g.spec.name, ())
+            blocks = match.blocks.get(g.spec.name)
+            if blocks is None or len(blocks) != len(keys):
+                return g.spec.name
+            cached = self._cached[g.spec.name]
+            if any(cached.get(k) != int(b) for k, b in zip(keys, blocks.tolist(), strict=True)):
+                self._hashers.pop(request_id, None)
+                return g.spec.name
+        assert isinstance(hasher, PrefixHasher)
+        held = self.records.hold(hasher.unit_records())  # verifies units 0 .. L again
+        if held.cursor is None:
+            self._hashers.pop(request_id, None)
+            return next(iter(match.keys), "")
+        self._cursors[request_id] = held.cursor
+        for gi, g in enumerate(self._t.groups):
+            blocks = match.blocks[g.spec.name]
+            g.pool.share(blocks.tolist())
+            if g.per_request:
+                self._pins.append((g, blocks))  # the restore copy reads it during the step
+                continue
+            c0 = match.first_col[g.spec.name]
+            g.table[row, c0 : c0 + len(blocks)] = blocks
+            g.held_from[row] = c0
+            self._t.committed[gi, row] = match.num_tokens // g.block_size
+        self._t.num_tokens[row] = match.num_tokens
+        return None
+
+    def unadopt(self, row: int, match: PrefixMatch) -> None:
+        for gi, g in enumerate(self._t.groups):
+            blocks = match.blocks[g.spec.name]
+            if g.per_request:
+                self._pins = [(pg, pb) for pg, pb in self._pins if pb is not blocks]
+            else:
+                c0 = match.first_col[g.spec.name]
+                g.table[row, c0 : c0 + len(blocks)] = NULL_BLOCK
+                g.held_from[row] = 0
+                self._t.committed[gi, row] = 0
+            g.pool.release(blocks)
+        self._t.num_tokens[row] = 0
+
+    def record_adoption(self, row: int, match: PrefixMatch) -> list[BlockCopy]:
+        """Table deltas of an accepted hit, and the copies restoring per-request state."""
+        copies = []
+        for g in self._t.groups:
+            blocks = match.blocks[g.spec.name]
+            if g.per_request:
+                copies.append(BlockCopy(g.spec.name, blocks, g.table[row, : g.slots].copy()))
+                continue
+            c0 = match.first_col[g.spec.name]
+            self._t.pending.append(
+                TableDelta(
+                    group=g.spec.name,
+                    rows=np.full(len(blocks), row, dtype=np.int32),
+                    cols=np.arange(c0, c0 + len(blocks), dtype=np.int32),
+                    block_ids=blocks.astype(np.int32),
+                )
+            )
+        return copies
+
+    def commit(
+        self, request_id: str, row: int, before: int, after: int, tokens: Sequence[int] | None
+    ) -> list[BlockCopy]:
+        """Make the blocks this step completed reusable; snapshot per-request state."""
+        hasher = self._hashers.get(request_id)
+        if hasher is None or after == before:
+            return []
+        if tokens is None or hasher.num_tokens != before:
+            self.end_chain(request_id)  # the chain is broken: stop registering
+            return []
+        toks = token_array(tokens, "new_token_ids")[: after - before]
+        wanted: set[int] = set()
+        for gi, g in enumerate(self._t.groups):
+            if not g.per_request:
+                done = int(self._t.committed[gi, row])
+                wanted.update((c + 1) * g.block_size for c in range(done, after // g.block_size))
+        snapshot = bool(self.snapshot_groups) and after % self.snapshot_interval == 0
+        if snapshot:
+            wanted.add(after)
+        unit = self.unit
+        at = np.array(sorted(e for e in wanted if e % unit == 0), dtype=np.int64)
+        keys = hasher.extend(toks, at=at)
+        key_of = dict(zip(at.tolist(), keys, strict=True))
+        proofs: dict[int, tuple[bytes, bytes, bytes]] = {}
+        for end in wanted:
+            if end % unit:  # a window block ending inside a unit: its tail key and proof
+                key, parent, payload = hasher.tail_key(end)
+                key_of[end] = key
+                proofs[end] = (parent, payload, hasher.root_preimage if end < unit else b"")
+        # the blocks to register and the snapshot, decided before the records are held
+        chosen: list[tuple[int, GroupTable, int, int]] = []  # (group index, group, block, end)
+        tail_chosen: list[tuple[int, GroupTable, int, int]] = []  # tails off the root
+        for gi, g in enumerate(self._t.groups):
+            if g.per_request:
+                continue
+            done, full = int(self._t.committed[gi, row]), after // g.block_size
+            owner = self._owner[id(g.pool)]
+            for c in range(done, full):
+                block = int(g.table[row, c])
+                end = (c + 1) * g.block_size
+                if block == NULL_BLOCK or key_of[end] in self._cached[g.spec.name]:
+                    continue
+                if block in owner:
+                    continue
+                if g.windowed and not self._in_some_tail(g, c):
+                    continue  # no match can ever read it: keep the pool for blocks that can
+                if end % unit and end // unit == 0:
+                    # a tail off the root: its proof carries the extra keys, no record needed
+                    tail_chosen.append((gi, g, block, end))
+                    continue
+                chosen.append((gi, g, block, end))
+            self._t.committed[gi, row] = full
+        snapshots = []
+        if snapshot:
+            key = key_of[after]
+            for gi, g in enumerate(self._t.groups):
+                # one slot per request is what linear attention holds; several are not
+                # snapshotted (their blocks would have to be evicted together)
+                if (
+                    g.per_request
+                    and g.slots == 1
+                    and key not in self._cached[g.spec.name]
+                    and g.pool.num_free >= g.slots
+                ):
+                    snapshots.append((gi, g))
+        # each block holds the record its key hangs off: its own end, or a tail's base
+        ends = [end // unit * unit for _, _, _, end in chosen] + [after] * len(snapshots)
+        held = self.records.hold(
+            hasher.unit_records(), at=ends, cursor=self._cursors.pop(request_id, None)
+        )
+        if held.cursor is None and len(hasher.unit_records()):
+            self._hashers.pop(request_id, None)  # the chain names other content: stop
+        elif held.cursor is not None:
+            self._cursors[request_id] = held.cursor
+        stats, events = self.stats, self._events
+        registered = [
+            (gi, g, block, end, ref)
+            for (gi, g, block, end), ref in zip(chosen, held.keys, strict=False)
+        ]
+        if held.cursor is not None or not len(hasher.unit_records()):
+            registered += [(gi, g, block, end, b"") for gi, g, block, end in tail_chosen]
+        for gi, g, block, end, ref in registered:
+            if ref is None:
+                continue
+            key = key_of[end]
+            self._store(gi, g, key, block, end, ref or None, proofs.get(end))
+            events.append(PrefixEvent("stored", g.spec.name, key, end))
+            stats.stored_blocks[g.spec.name] = stats.stored_blocks.get(g.spec.name, 0) + 1
+        copies: list[BlockCopy] = []
+        for (gi, g), ref in zip(snapshots, held.keys[len(chosen) :], strict=True):
+            if ref is None:
+                continue
+            dst = g.pool.take(g.slots)
+            self._store(gi, g, ref, int(dst[0]), after, ref, None)
+            self._pins.append((g, dst))  # written by the copy after the step's kernels
+            copies.append(BlockCopy(g.spec.name, g.table[row, : g.slots].copy(), dst))
+            events.append(PrefixEvent("stored", g.spec.name, ref, after))
+            stats.stored_blocks[g.spec.name] = stats.stored_blocks.get(g.spec.name, 0) + 1
+        return copies
+
+    def _in_some_tail(self, g: GroupTable, col: int) -> bool:
+        """Whether block ``col`` of window group ``g`` lies in the tail some boundary needs.
+
+        Tails move forward with ``L``, so the first boundary at or after the block's end
+        decides: a 4-token ``c4_state`` block (window 8, boundary 256) is in a tail only if it
+        is one of the two blocks before a multiple of 256 (2 of every 64 blocks).
+        """
+        end = (col + 1) * g.block_size
+        first = -(-end // self.boundary) * self.boundary
+        return self._window_start(g, first) // g.block_size <= col
+
+    def release_pins(self) -> None:
+        pins, self._pins = self._pins, []
+        for g, blocks in pins:
+            g.pool.release(np.asarray(blocks, dtype=np.int32))
+
+    def _store(
+        self,
+        gi: int,
+        g: GroupTable,
+        key: bytes,
+        block: int,
+        end: int,
+        ref: bytes | None,
+        proof: tuple[bytes, bytes, bytes] | None,
+    ) -> None:
+        """Register ``block`` as the cached copy of ``key``: both directions of the index
+        change here and in :meth:`_drop` / :meth:`_evicted` only. ``ref`` is the unit record
+        the block holds a reference on (released when it goes)."""
+        self._cached[g.spec.name][key] = block
+        self._owner[id(g.pool)][block] = _Entry(key, end, gi, ref, proof)
+        g.pool.retain(block)
+
+    def _drop(self, g: GroupTable, block: int) -> None:
+        """Forget the key of ``block`` (it will be written again): the block stays with its
+        holders and goes back to the free stack when they release it."""
+        entry = self._owner[id(g.pool)].pop(block, None)
+        if entry is None:
+            return
+        group = self._t.groups[entry.group]
+        if self._cached[group.spec.name].get(entry.key) == block:
+            del self._cached[group.spec.name][entry.key]
+        g.pool.forget(block)
+        if entry.ref is not None:
+            self.records.release(entry.ref)
+        self._events.append(PrefixEvent("removed", group.spec.name, entry.key, entry.end))
+
+    def forget_block(self, g: GroupTable, block: int) -> None:
+        """:meth:`_drop` for the block manager (truncation rewrites a registered block)."""
+        self._drop(g, block)
+
+    def end_chain(self, request_id: str) -> None:
+        """Stop registering the blocks of ``request_id`` (finished, refused, or truncated)
+        and let go of the records its chain held."""
+        self._hashers.pop(request_id, None)
+        cursor = self._cursors.pop(request_id, None)
+        if cursor is not None:
+            self.records.release(cursor)
+
+    @property
+    def has_chains(self) -> bool:
+        return bool(self._hashers)
+
+    def _evicted(self, pool: BlockPool, victims: np.ndarray) -> None:
+        ev = self.stats.evictions
+        owner = self._owner[id(pool)]
+        for b in victims.tolist():
+            entry = owner.pop(b)
+            g = self._t.groups[entry.group]
+            cached = self._cached[g.spec.name]
+            if cached.get(entry.key) == b:
+                del cached[entry.key]
+            if entry.ref is not None:
+                self.records.release(entry.ref)
+            self._events.append(PrefixEvent("removed", g.spec.name, entry.key, entry.end))
+            family = g.spec.family.value
+            ev[family] = ev.get(family, 0) + 1
+
+    def block_of(self, group: str, key: object) -> int | None:
+        """The cached block of ``key`` in ``group``, or ``None``."""
+        return self._cached[group].get(key)
+
+    def registered(self, pool: BlockPool) -> dict[int, tuple[object, int, str]]:
+        """Every block of ``pool`` the cache knows: block -> (key, end token, group)."""
+        names = [g.spec.name for g in self._t.groups]
+        return {b: (e.key, e.end, names[e.group]) for b, e in self._owner[id(pool)].items()}
+
+    def take_events(self) -> list[PrefixEvent]:
+        """Blocks stored in and removed from the prefix cache since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    def reset(self) -> int:
+        """Forget every cached prefix: evictable blocks go back to the free stacks and blocks
+        in use lose their keys. Returns the number of blocks evicted."""
+        self.release_pins()
+        evicted = 0
+        if not self.enabled:
+            return 0
+        for pool, _ in self._t.pools:
+            evicted += len(pool.evict(pool.num_evictable))
+        for pool, _ in self._t.pools:
+            for block in list(self._owner[id(pool)]):
+                g = self._t.groups[self._owner[id(pool)][block].group]
+                self._drop(g, block)
+        return evicted
