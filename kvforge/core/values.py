@@ -54,6 +54,9 @@ class TableDelta:
         rows: ``int32 [n]`` row of each written cell.
         cols: ``int32 [n]`` block index of each written cell.
         block_ids: ``int32 [n]`` new content: a block id, or ``0`` where a window released one.
+        seq: the delta's place in the scheduler side's one sequence of deltas (0, 1, 2, ...),
+            numbered when the deltas are handed out; a worker applies them in this order,
+            each once (``-1``: not handed out yet).
     """
 
     group: str
@@ -61,6 +64,7 @@ class TableDelta:
     rows: np.ndarray = field(default_factory=lambda: _EMPTY32)
     cols: np.ndarray = field(default_factory=lambda: _EMPTY32)
     block_ids: np.ndarray = field(default_factory=lambda: _EMPTY32)
+    seq: int = -1
 
     def apply(self, table: np.ndarray) -> None:
         """Apply this delta to a numpy mirror ``int32 [max_num_seqs, max_blocks]``."""
@@ -121,11 +125,16 @@ class BlockCopy:
         group: the group.
         src: ``int32 [k]`` source block ids.
         dst: ``int32 [k]`` destination block ids.
+        row: the table row of the request the copy writes for: ``dst`` lies in that row (a
+            restored state, a copy on write), or, for ``-1``, in no row at all (a snapshot
+            into fresh blocks the prefix cache holds). A worker refuses a ``dst`` that another
+            row holds.
     """
 
     group: str
     src: np.ndarray
     dst: np.ndarray
+    row: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +153,7 @@ class StepAllocation:
             per-request state from a prefix snapshot).
         copies_after: block copies to run after them (snapshots of per-request state taken
             at a boundary the step ended on).
+        step_id: the step's unique id (1, 2, ...): ``end_step`` takes it, once.
     """
 
     request_ids: tuple[str, ...]
@@ -154,6 +164,7 @@ class StepAllocation:
     table_deltas: tuple[TableDelta, ...]
     copies_before: tuple[BlockCopy, ...] = ()
     copies_after: tuple[BlockCopy, ...] = ()
+    step_id: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -401,8 +401,7 @@ class BlockManager:
                 copies_after += self._prefix.commit(
                     ids[i], int(safe_rows[i]), int(before[i]), int(after[i]), tokens
                 )
-        deltas = tuple(self._t.pending)
-        self._t.pending = []
+        deltas = self._t.take_pending()
         refused.sort(key=lambda r: ids.index(r.request_id))
         return StepAllocation(
             request_ids=kept_ids,
@@ -722,7 +721,12 @@ class BlockManager:
                 g.table[row, col] = fresh
                 g.pool.release(np.array([block], dtype=np.int32))
                 self._t.copies.append(
-                    BlockCopy(g.spec.name, np.array([block], np.int32), np.array([fresh], np.int32))
+                    BlockCopy(
+                        g.spec.name,
+                        np.array([block], np.int32),
+                        np.array([fresh], np.int32),
+                        row,
+                    )
                 )
                 self._t.pending.append(
                     TableDelta(
@@ -770,8 +774,7 @@ class BlockManager:
     def take_table_deltas(self) -> tuple[TableDelta, ...]:
         """Table changes since the last step or the last call (finishes, swaps, truncations),
         for an engine that mirrors them on its workers between steps."""
-        deltas = tuple(self._t.pending)
-        self._t.pending = []
+        deltas = self._t.take_pending()
         return deltas
 
     # ================================================================== helpers

@@ -331,7 +331,7 @@ class PrefixCache:
         for g in self._t.groups:
             blocks = match.blocks[g.spec.name]
             if g.per_request:
-                copies.append(BlockCopy(g.spec.name, blocks, g.table[row, : g.slots].copy()))
+                copies.append(BlockCopy(g.spec.name, blocks, g.table[row, : g.slots].copy(), row))
                 continue
             c0 = match.first_col[g.spec.name]
             self._t.pending.append(

@@ -15,6 +15,7 @@ over 64-token blocks after a step that took the request in row 0 to 300 tokens::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +109,7 @@ class RequestTables:
         self.free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.pending: list[TableDelta] = []
         self.copies: list[BlockCopy] = []
+        self.next_seq = 0  # the sequence number of the next delta handed out
 
     def record(self, g: GroupTable, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         """Queue the change of cells ``(rows[i], cols[i])`` to ``ids[i]`` for the workers."""
@@ -119,6 +121,17 @@ class RequestTables:
                 block_ids=ids.astype(np.int32),
             )
         )
+
+    def take_pending(self) -> tuple[TableDelta, ...]:
+        """Hand out the pending deltas, numbered in order (``TableDelta.seq``): a worker that
+        mirrors them refuses a gap, a repeat or a reordering."""
+        start = self.next_seq
+        deltas = tuple(
+            dataclasses.replace(d, seq=start + i) for i, d in enumerate(self.pending)
+        )
+        self.next_seq = start + len(deltas)
+        self.pending = []
+        return deltas
 
     def release_rows(self, rows: np.ndarray) -> None:
         """Free every block of ``rows``, clear them, and put the rows back. Only the columns a
