@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ControllerClosedError", "OutOfBlocksError", "RequestStateError"]
+__all__ = ["ControllerClosedError", "OutOfBlocksError", "RequestStateError", "StepError"]
 
 
 class OutOfBlocksError(RuntimeError):
@@ -29,3 +29,8 @@ class RequestStateError(ValueError):
 
 class ControllerClosedError(RuntimeError):
     """The controller was freed; it holds no caches any more."""
+
+
+class StepError(ValueError):
+    """A step protocol violation: ``end_step`` of a step that is unknown, already ended or
+    stale, or a request touched while a step that writes it is still in flight."""
