@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["ControllerClosedError", "OutOfBlocksError", "RequestStateError", "StepError"]
+__all__ = [
+    "BlockOwnershipError",
+    "BlockRangeError",
+    "ControllerClosedError",
+    "DeltaOrderError",
+    "OutOfBlocksError",
+    "PlanReplayError",
+    "RequestStateError",
+    "StepError",
+    "WorkerRefusedError",
+]
 
 
 class OutOfBlocksError(RuntimeError):
@@ -34,3 +44,88 @@ class ControllerClosedError(RuntimeError):
 class StepError(ValueError):
     """A step protocol violation: ``end_step`` of a step that is unknown, already ended or
     stale, or a request touched while a step that writes it is still in flight."""
+
+
+class WorkerRefusedError(ValueError):
+    """The worker side refused a value from the scheduler side (a table delta, a step, a block
+    copy or a swap plan) before it mirrored or moved anything: the worker is unchanged.
+
+    Subclasses name the kind; a value that is malformed (a wrong type, arrays of different
+    lengths, an unknown group) raises this class itself.
+    """
+
+
+class DeltaOrderError(WorkerRefusedError):
+    """A table delta arrived out of its sequence (``TableDelta.seq``): a gap, a repeat, a
+    reordering, a delta never handed out, or one from another scheduler.
+
+    Attributes:
+        expected: the sequence number the worker mirrors next.
+        got: the delta's ``seq``.
+        group: the delta's group.
+    """
+
+    def __init__(self, expected: int, got: object, group: str) -> None:
+        self.expected, self.got, self.group = expected, got, group
+        if not isinstance(got, int) or isinstance(got, bool) or got < 0:
+            why = "it was never handed out (take deltas from take_table_deltas or a step)"
+        elif got > expected:
+            why = f"a gap: deltas {expected}..{got - 1} were never mirrored"
+        else:
+            why = f"a repeat or a reordering: deltas 0..{expected - 1} were already mirrored"
+        super().__init__(
+            f"apply_deltas: table delta of group {group!r} has seq {got!r}, expected "
+            f"{expected}: {why}; nothing was mirrored"
+        )
+
+
+class BlockRangeError(WorkerRefusedError):
+    """A block id, table row, table column or host page outside its range, or the null block
+    where something would be written.
+
+    Attributes:
+        what: ``"block id"``, ``"row"``, ``"column"``, ``"host page"`` or ``"plan id"``.
+        group: the group it belongs to (``""`` for a plan id).
+        value: the first value out of range.
+        low, high: the allowed range ``[low, high)``.
+    """
+
+    def __init__(self, action: str, what: str, group: str, value: int, low: int, high: int) -> None:
+        self.what, self.group, self.value, self.low, self.high = what, group, value, low, high
+        null = " (0 is the null block)" if what == "block id" and low == 1 else ""
+        null = " (0 is the null page)" if what == "host page" and low == 1 else null
+        super().__init__(
+            f"{action}: {what} {value} of group {group!r} is outside [{low}, {high}){null}; "
+            "nothing changed"
+        )
+
+
+class BlockOwnershipError(WorkerRefusedError):
+    """A copy or swap names a block its request does not own: a destination another table
+    row holds (shared blocks are read-only), one not in the row it writes for, or swap blocks
+    that the mirrored tables do not hold for the request at the plan's indices.
+
+    Attributes:
+        group: the group of the block.
+        block: the block id.
+        row: the row the write is for (``-1``: none, or not found).
+        holder: the row that holds the block (``-1``: none).
+    """
+
+    def __init__(self, message: str, group: str, block: int, row: int, holder: int) -> None:
+        self.group, self.block, self.row, self.holder = group, block, row, holder
+        super().__init__(message)
+
+
+class PlanReplayError(WorkerRefusedError):
+    """A swap plan whose id this worker already executed (a retry, a replay, or a plan of
+    another scheduler that reuses the id): executing it again could scatter pages into blocks
+    that now belong to another request.
+
+    Attributes:
+        plan_id: the plan's id.
+    """
+
+    def __init__(self, plan_id: object, detail: str) -> None:
+        self.plan_id = plan_id
+        super().__init__(f"execute: swap plan {plan_id!r} {detail}; nothing moved")
