@@ -42,8 +42,11 @@ role                                   meaningful (host page share)        devic
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Literal
 
+from kvforge._checks import ArgumentError
+from kvforge.attn_backends._args import choice, width
 from kvforge.attn_backends.base import DeclaredBackend
 from kvforge.specs import CacheGroup, CacheRole, GroupKind
 
@@ -74,6 +77,15 @@ class DeepseekV4Backend(DeclaredBackend):
             indexer stays fp8 + scale in uint8).
         block_alignment: bytes every role's device block stride is a multiple of (default
             576, FlashMLA pages); 1 for unpadded blocks.
+
+    Raises:
+        ArgumentError: (a ``TypeError`` and a ``ValueError``) an argument of the wrong type
+            or out of range, named with its value: ``compress_ratio`` an int of
+            :data:`COMPRESS_RATIOS` (not a bool or a float), every width and the window a
+            positive int with ``0 < qk_rope_head_dim < head_dim``, ``kv_cache_dtype``
+            ``"fp8"`` or ``"bf16"``. Everything is checked before anything is built.
+        ValueError: a ``block_alignment`` that gives a role a device stride of partial
+            elements.
     """
 
     def __init__(
@@ -86,16 +98,34 @@ class DeepseekV4Backend(DeclaredBackend):
         kv_cache_dtype: Literal["fp8", "bf16"] = "fp8",
         block_alignment: int = FLASHMLA_PAGE_ALIGNMENT,
     ) -> None:
-        if compress_ratio not in COMPRESS_RATIOS:
-            raise ValueError(
-                f"compress_ratio must be one of {list(COMPRESS_RATIOS)}, got {compress_ratio!r}"
+        owner = type(self).__name__
+        if (
+            isinstance(compress_ratio, bool)
+            or not isinstance(compress_ratio, Integral)
+            or int(compress_ratio) not in COMPRESS_RATIOS
+        ):
+            raise ArgumentError(
+                f"{owner}: compress_ratio must be one of {list(COMPRESS_RATIOS)}, got "
+                f"{compress_ratio!r}"
             )
-        if kv_cache_dtype not in ("fp8", "bf16"):
-            raise ValueError(f"kv_cache_dtype must be 'fp8' or 'bf16', got {kv_cache_dtype!r}")
-        if not 0 < qk_rope_head_dim < head_dim:
-            raise ValueError(
-                f"qk_rope_head_dim must be in (0, head_dim={head_dim}), got {qk_rope_head_dim}"
+        compress_ratio = int(compress_ratio)
+        head_dim = width(owner, "head_dim", head_dim, minimum=2)
+        qk_rope_head_dim = width(owner, "qk_rope_head_dim", qk_rope_head_dim)
+        if qk_rope_head_dim >= head_dim:
+            raise ArgumentError(
+                f"{owner}: qk_rope_head_dim must be in (0, head_dim={head_dim}), got "
+                f"{qk_rope_head_dim}"
             )
+        index_head_dim = width(owner, "index_head_dim", index_head_dim)
+        sliding_window = width(owner, "sliding_window", sliding_window, unit="tokens")
+        choice(
+            owner,
+            "kv_cache_dtype",
+            kv_cache_dtype,
+            ("fp8", "bf16"),
+            "kv_cache_dtype must be 'fp8' or 'bf16'",
+        )
+        block_alignment = width(owner, "block_alignment", block_alignment, unit="bytes")
         self.compress_ratio = compress_ratio
         self.head_dim = head_dim
         self.qk_rope_head_dim = qk_rope_head_dim

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from kvforge.attn_backends._args import choice, group_name, width
 from kvforge.attn_backends.base import DeclaredBackend
 from kvforge.specs import CacheGroup, CacheRole
 
@@ -44,9 +45,15 @@ class DSABackend(DeclaredBackend):
         block_size: tokens per block (64).
         kv_cache_dtype: ``"fp8"`` (uint8 storage, packed) or ``"bf16"`` (the main KV only; the
             indexer stays fp8 + scale in uint8).
-        group: the group name (default ``"kv"``).
+        group: the group name (default ``"kv"``; ``None`` means the default).
         block_alignment: bytes every role's device block stride is a multiple of (default 1:
             no padding; 576 for engines that pad FlashMLA pages).
+
+    Raises:
+        ArgumentError: (a ``TypeError`` and a ``ValueError``) an argument of the wrong type
+            or out of range, named with its value: every width and count must be a positive
+            int (not a bool or a float), ``kv_cache_dtype`` ``"fp8"`` or ``"bf16"``, the group
+            a non-empty str. Everything is checked before anything is built.
     """
 
     def __init__(
@@ -56,11 +63,23 @@ class DSABackend(DeclaredBackend):
         index_head_dim: int = 128,
         block_size: int = 64,
         kv_cache_dtype: Literal["fp8", "bf16"] = "fp8",
-        group: str = "kv",
+        group: str | None = "kv",
         block_alignment: int = 1,
     ) -> None:
-        if kv_cache_dtype not in ("fp8", "bf16"):
-            raise ValueError(f"kv_cache_dtype must be 'fp8' or 'bf16', got {kv_cache_dtype!r}")
+        owner = type(self).__name__
+        kv_lora_rank = width(owner, "kv_lora_rank", kv_lora_rank)
+        qk_rope_head_dim = width(owner, "qk_rope_head_dim", qk_rope_head_dim)
+        index_head_dim = width(owner, "index_head_dim", index_head_dim)
+        block_size = width(owner, "block_size", block_size, unit="tokens")
+        choice(
+            owner,
+            "kv_cache_dtype",
+            kv_cache_dtype,
+            ("fp8", "bf16"),
+            "kv_cache_dtype must be 'fp8' or 'bf16'",
+        )
+        group = group_name(owner, group, default="kv")
+        block_alignment = width(owner, "block_alignment", block_alignment, unit="bytes")
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.index_head_dim = index_head_dim

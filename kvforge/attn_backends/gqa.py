@@ -30,8 +30,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from kvforge._checks import ArgumentError
+from kvforge.attn_backends._args import choice, dtype_name, group_name, optional_width, width
 from kvforge.attn_backends.base import DeclaredBackend
-from kvforge.specs import BlockLayout, CacheGroup, CacheRole, GroupKind, canonical_dtype
+from kvforge.specs import BlockLayout, CacheGroup, CacheRole, GroupKind
 
 __all__ = ["GQABackend", "MHABackend"]
 
@@ -52,11 +54,19 @@ class GQABackend(DeclaredBackend):
         dtype: cache dtype when not quantised (e.g. ``"bfloat16"``).
         kv_cache_quant: ``None``, ``"fp8"`` or ``"block_wise_fp8"``.
         sliding_window: tokens kept by a sliding-window layer; ``None`` for full attention.
-        group: the group name (default ``"kv"``, or ``"swa"`` with a sliding window).
+        group: the group name (``None``, the default: ``"kv"``, ``"swa"`` with a sliding
+            window, ``"chunked"`` with a chunk size).
         attention_chunk_size: chunk of a chunked local-attention layer; ``None`` otherwise.
         block_layout: ``"token_major"`` (default) or ``"head_major"`` (see the module).
         scale_dtype: ``"float32"`` (default) or ``"bfloat16"``: dtype of the block-wise fp8
             scales; only with ``kv_cache_quant="block_wise_fp8"``.
+
+    Raises:
+        ArgumentError: (a ``TypeError`` and a ``ValueError``) an argument of the wrong type,
+            out of range or in a combination that does not exist, named with its value: heads,
+            widths, block size, window and chunk must be positive ints (not bools or floats),
+            the dtype one kvforge stores, the group a non-empty str (``None`` picks the
+            default). Everything is checked before anything is built.
 
     Per-token bytes per layer: ``2 * num_kv_heads * head_dim * itemsize``, plus
     ``2 * num_kv_heads * scale_itemsize`` for block-wise scales (4 for float32, 2 for bf16).
@@ -75,22 +85,41 @@ class GQABackend(DeclaredBackend):
         block_layout: BlockLayout = "token_major",
         scale_dtype: ScaleDtype | None = None,
     ) -> None:
-        if kv_cache_quant is not None and kv_cache_quant not in _QUANTS:
-            raise ValueError(
-                f"kv_cache_quant must be None or one of {list(_QUANTS)}, got {kv_cache_quant!r}"
+        owner = type(self).__name__
+        num_kv_heads = width(owner, "num_kv_heads", num_kv_heads, unit="heads")
+        head_dim = width(owner, "head_dim", head_dim)
+        block_size = width(owner, "block_size", block_size, unit="tokens")
+        dtype = dtype_name(owner, "dtype", dtype)
+        if kv_cache_quant is not None:
+            choice(
+                owner,
+                "kv_cache_quant",
+                kv_cache_quant,
+                _QUANTS,
+                f"kv_cache_quant must be None or one of {list(_QUANTS)}",
             )
-        if block_layout not in _LAYOUTS:
-            raise ValueError(f"block_layout must be one of {list(_LAYOUTS)}, got {block_layout!r}")
+        sliding_window = optional_width(owner, "sliding_window", sliding_window, unit="tokens")
+        attention_chunk_size = optional_width(
+            owner, "attention_chunk_size", attention_chunk_size, unit="tokens"
+        )
+        if sliding_window is not None and attention_chunk_size is not None:
+            raise ArgumentError(
+                f"{owner}: give sliding_window or attention_chunk_size, not both (got "
+                f"{sliding_window} and {attention_chunk_size})"
+            )
+        if attention_chunk_size is not None:
+            default_group = "chunked"
+        else:
+            default_group = "kv" if sliding_window is None else "swa"
+        group = group_name(owner, group, default=default_group)
+        choice(owner, "block_layout", block_layout, _LAYOUTS)
         if scale_dtype is not None:
             if kv_cache_quant != "block_wise_fp8":
-                raise ValueError(
-                    f"scale_dtype={scale_dtype!r} needs kv_cache_quant='block_wise_fp8', got "
-                    f"kv_cache_quant={kv_cache_quant!r}"
+                raise ArgumentError(
+                    f"{owner}: scale_dtype={scale_dtype!r} needs kv_cache_quant='block_wise_fp8', "
+                    f"got kv_cache_quant={kv_cache_quant!r}"
                 )
-            if scale_dtype not in _SCALE_DTYPES:
-                raise ValueError(
-                    f"scale_dtype must be one of {list(_SCALE_DTYPES)}, got {scale_dtype!r}"
-                )
+            choice(owner, "scale_dtype", scale_dtype, _SCALE_DTYPES)
         self.block_layout: BlockLayout = block_layout
         self.scale_dtype: str | None = (
             (scale_dtype or "float32") if kv_cache_quant == "block_wise_fp8" else None
@@ -98,27 +127,22 @@ class GQABackend(DeclaredBackend):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
-        self.dtype = canonical_dtype(dtype)
+        self.dtype = dtype
         self.kv_cache_quant = kv_cache_quant
         self.sliding_window = sliding_window
         self.attention_chunk_size = attention_chunk_size
-        if sliding_window is not None and attention_chunk_size is not None:
-            raise ValueError(
-                f"give sliding_window or attention_chunk_size, not both (got {sliding_window} "
-                f"and {attention_chunk_size})"
-            )
         if attention_chunk_size is not None:
             kv_group = CacheGroup(
-                name=group or "chunked",
+                name=group,
                 block_size=block_size,
                 kind=GroupKind.CHUNKED,
                 window=attention_chunk_size,
             )
         elif sliding_window is None:
-            kv_group = CacheGroup(name=group or "kv", block_size=block_size, kind=GroupKind.FULL)
+            kv_group = CacheGroup(name=group, block_size=block_size, kind=GroupKind.FULL)
         else:
             kv_group = CacheGroup(
-                name=group or "swa",
+                name=group,
                 block_size=block_size,
                 kind=GroupKind.SLIDING_WINDOW,
                 window=sliding_window,
@@ -179,6 +203,7 @@ class MHABackend(GQABackend):
         block_layout: BlockLayout = "token_major",
         scale_dtype: ScaleDtype | None = None,
     ) -> None:
+        num_heads = width(type(self).__name__, "num_heads", num_heads, unit="heads")
         super().__init__(
             num_heads,
             head_dim,

@@ -27,16 +27,10 @@ from __future__ import annotations
 
 import math
 
+from kvforge._checks import ArgumentError
+from kvforge.attn_backends._args import dtype_name, width
 from kvforge.attn_backends.base import DeclaredBackend
-from kvforge.specs import (
-    CacheGroup,
-    CacheRole,
-    GroupKind,
-    SwapPurpose,
-    TokenRange,
-    canonical_dtype,
-    strict_int,
-)
+from kvforge.specs import CacheGroup, CacheRole, GroupKind, SwapPurpose, TokenRange
 
 __all__ = ["LINEAR_STATE_GROUP", "LinearAttentionBackend"]
 
@@ -60,9 +54,11 @@ class LinearAttentionBackend(DeclaredBackend):
         num_speculative_tokens: draft tokens per step; each widens the conv window by one.
 
     Raises:
-        ValueError: a size that is not a positive int, ``conv_kernel_size < 2``, a ``tp_size``
-            that does not divide a head count, or an unknown dtype; the message names the
-            argument and its value.
+        ArgumentError: (a ``TypeError`` and a ``ValueError``) a size that is not a positive
+            int (bools and floats included), ``conv_kernel_size < 2``, a negative
+            ``num_speculative_tokens``, a ``tp_size`` that does not divide a head count, or an
+            unknown dtype; the message names the argument and its value. Everything is
+            checked before anything is built.
     """
 
     def __init__(
@@ -78,23 +74,33 @@ class LinearAttentionBackend(DeclaredBackend):
         recurrent_dtype: str = "float32",
         num_speculative_tokens: int = 0,
     ) -> None:
-        self.num_key_heads = strict_int("num_key_heads", num_key_heads, unit="heads")
-        self.num_value_heads = strict_int("num_value_heads", num_value_heads, unit="heads")
-        self.key_head_dim = strict_int("key_head_dim", key_head_dim)
-        self.value_head_dim = strict_int("value_head_dim", value_head_dim)
-        self.conv_kernel_size = strict_int("conv_kernel_size", conv_kernel_size, minimum=2)
-        self.tp_size = strict_int("tp_size", tp_size, unit="ranks")
-        self.num_speculative_tokens = strict_int(
-            "num_speculative_tokens", num_speculative_tokens, minimum=0
+        owner = type(self).__name__
+        num_key_heads = width(owner, "num_key_heads", num_key_heads, unit="heads")
+        num_value_heads = width(owner, "num_value_heads", num_value_heads, unit="heads")
+        key_head_dim = width(owner, "key_head_dim", key_head_dim)
+        value_head_dim = width(owner, "value_head_dim", value_head_dim)
+        conv_kernel_size = width(owner, "conv_kernel_size", conv_kernel_size, minimum=2)
+        tp_size = width(owner, "tp_size", tp_size, unit="ranks")
+        num_speculative_tokens = width(
+            owner, "num_speculative_tokens", num_speculative_tokens, minimum=0
         )
         for name, heads in (("num_key_heads", num_key_heads), ("num_value_heads", num_value_heads)):
             if heads % tp_size:
-                raise ValueError(
-                    f"tp_size={tp_size} does not divide {name}={heads}: tensor parallelism "
-                    "splits the linear-attention heads across ranks"
+                raise ArgumentError(
+                    f"{owner}: tp_size={tp_size} does not divide {name}={heads}: tensor "
+                    "parallelism splits the linear-attention heads across ranks"
                 )
-        self.conv_dtype = canonical_dtype(conv_dtype)
-        self.recurrent_dtype = canonical_dtype(recurrent_dtype)
+        conv_dtype = dtype_name(owner, "conv_dtype", conv_dtype)
+        recurrent_dtype = dtype_name(owner, "recurrent_dtype", recurrent_dtype)
+        self.num_key_heads = num_key_heads
+        self.num_value_heads = num_value_heads
+        self.key_head_dim = key_head_dim
+        self.value_head_dim = value_head_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.tp_size = tp_size
+        self.num_speculative_tokens = num_speculative_tokens
+        self.conv_dtype = conv_dtype
+        self.recurrent_dtype = recurrent_dtype
 
         group = CacheGroup(
             name=LINEAR_STATE_GROUP,
@@ -122,8 +128,7 @@ class LinearAttentionBackend(DeclaredBackend):
     def conv_dim(self) -> int:
         """Channels of the convolution over all ranks: q and k (``key_head_dim`` each) plus v."""
         return (
-            2 * self.num_key_heads * self.key_head_dim
-            + self.num_value_heads * self.value_head_dim
+            2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
         )
 
     @property

@@ -140,7 +140,7 @@ def test_bad_layout_options(kwargs, exc, message):
 def test_bad_quant_names_the_value():
     with pytest.raises(ValueError, match=r"kv_cache_quant must be None or one of .* got 'int4'"):
         GQABackend(8, 128, 16, kv_cache_quant="int4")
-    with pytest.raises(ValueError, match="entry_shape"):
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive number of heads, got 0"):
         GQABackend(0, 128, 16)
     with pytest.raises(ValueError, match="block_size must be a positive"):
         GQABackend(8, 128, 0)
