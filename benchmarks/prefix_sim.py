@@ -887,15 +887,21 @@ def _stream_keys(convs: Sequence[Conversation], unit: int) -> Callable[[int, int
     return key_at
 
 
-def measure_cost(layout: CacheLayout, prompt_len: int = 2048, repeats: int = 200) -> tuple[
-    float, float
-]:
-    """Median microseconds of hashing a ``prompt_len``-token prompt (its keys at every block
-    end of the smallest block) and of ``BlockManager.lookup`` of it on a full hit (hashing
-    included: ``lookup`` hashes the prompt itself).
+def measure_cost(
+    layout: CacheLayout,
+    prompt_len: int = 2048,
+    repeats: int = 200,
+    interleave: Callable[[], None] | None = None,
+) -> tuple[float, float]:
+    """Median microseconds of hashing a ``prompt_len``-token prompt (its keys at every unit
+    end, ``BlockManager.prefix_unit``) and of ``BlockManager.lookup`` of it on a full hit
+    (hashing, the key lookups and the exact check: ``lookup`` hashes the prompt itself).
 
-    The prompt was served and finished by a first request; the hit is every boundary below
-    its last token, checked on every round."""
+    The prompt (seed 1, ids uniform in ``[0, 128000)``) was served and finished by a first
+    request; the hit is every boundary below its last token, checked on every round.
+    ``interleave``, if given, is called once per round (the warm-up round included) after
+    kvforge's timings: the other side of a comparison, so that both see the same machine
+    load round by round (``bench_prefix`` runs vLLM's rounds there)."""
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 128_000, prompt_len, dtype=np.int64)
     num_blocks = {g.name: 2 + 2 * -(-prompt_len // g.block_size) for g in layout.groups}
@@ -923,6 +929,8 @@ def measure_cost(layout: CacheLayout, prompt_len: int = 2048, repeats: int = 200
             lookup_ns.append(t2 - t1)
             if match.num_tokens != expected:
                 raise AssertionError(f"a hit of {match.num_tokens} tokens, expected {expected}")
+            if interleave is not None:
+                interleave()
     finally:
         gc.enable()
     return statistics.median(hash_ns[1:]) / 1000.0, statistics.median(lookup_ns[1:]) / 1000.0

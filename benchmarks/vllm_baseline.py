@@ -27,6 +27,13 @@ Timings are medians over ``repeats`` runs of the whole schedule (after one warm-
 torch thread with the garbage collector off, in microseconds. Nothing here imports kvforge, and
 vLLM is imported lazily: the module loads (and :func:`vllm_available` says False) without it.
 
+Prefix cache (:func:`run_vllm_prefix_cost`): vLLM's default block hashing of a 2,048-token
+prompt and ``KVCacheManager.get_computed_blocks`` on a full hit, on the real KV cache config of
+Llama-3-8B (block 16) or DeepSeek-V4-Flash (block 256; vLLM's own DeepSeek-V4 cache layers give
+the specs, vLLM's grouping gives five groups: two SWA, the compressed MLA one, two compressor
+state ones), built as ``EngineCore`` builds it (:func:`build_prefix_kv_cache_config`). The
+models' HF configs are read from kvforge's bundled JSON files, as data.
+
 Usage::
 
     /work/.venv-vllm/bin/python benchmarks/vllm_baseline.py [--repeats N] [--workloads a,b]
@@ -46,6 +53,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,9 +65,15 @@ else:  # run as a script, or imported with benchmarks/ on sys.path
     from step_workloads import GroupDef, Schedule, Step, StepWorkload, all_workloads, schedule
 
 __all__ = [
+    "PREFIX_BLOCK_SIZES",
+    "PREFIX_MODELS",
     "VLLM_VERSION",
+    "PrefixCacheSetup",
+    "VllmPrefixRounds",
     "build_kv_cache_config",
+    "build_prefix_kv_cache_config",
     "check_port_against_kernel",
+    "prefix_prompt",
     "run_vllm_prefix_cost",
     "run_vllm_step",
     "vllm_available",
@@ -595,121 +609,404 @@ def run_vllm_step(wl: StepWorkload, repeats: int = 15) -> dict[str, float]:
 
 # --- prefix cache ------------------------------------------------------------------------------
 
+#: models whose prefix-cache cost vLLM's side measures (kvforge's bundled config names)
+PREFIX_MODELS = ("llama-3-8b", "deepseek-v4-flash")
+#: default vLLM block size (``--block-size``) per model: Llama's 16; DeepSeek-V4's 256, the only
+#: kernel block size its sparse-MLA and indexer backends support (vLLM's CPU platform forces it)
+PREFIX_BLOCK_SIZES = {"llama-3-8b": 16, "deepseek-v4-flash": 256}
+# The HF configs of the models, as kvforge bundles them: both sides measure the same model. Read
+# as data (this module never imports kvforge).
+_MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "kvforge" / "models" / "configs"
+
+
+@dataclass(frozen=True)
+class PrefixCacheSetup:
+    """vLLM's scheduler-side KV cache configuration of one model, as ``EngineCore`` builds it.
+
+    ``kv_cache_config`` is the scheduler's ``KVCacheConfig`` (``generate_scheduler_kv_cache_config``
+    of the worker config), ``scheduler_block_size`` / ``hash_block_size`` what
+    ``resolve_kv_cache_block_sizes`` gives (the request block hasher hashes every
+    ``hash_block_size`` tokens), ``groups`` one line per KV cache group.
+    """
+
+    model: str
+    vllm_config: Any
+    kv_cache_config: Any
+    scheduler_block_size: int
+    hash_block_size: int
+    groups: tuple[str, ...]
+
+
+def _hf_config(model: str) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**json.loads((_MODEL_CONFIGS / f"{model}.json").read_text()))
+
+
+def _llama_layer_specs(cfg: Any, hf: Any) -> tuple[dict[str, Any], list[Any]]:
+    """Llama-3-8B's per-layer specs: what ``Attention.get_kv_cache_spec`` returns for a decoder
+    layer without a sliding window (``FullAttentionSpec`` at ``cache_config.block_size``, bf16
+    KV, ``auto`` cache dtype), and the CUDA FlashAttention backend (for the layout)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+    try:
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        backends = [FlashAttentionBackend]
+    except ImportError:  # the layout does not change what the manager does
+        backends = []
+    head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    spec = FullAttentionSpec(
+        block_size=cfg.cache_config.block_size,
+        num_kv_heads=hf.num_key_value_heads,
+        head_size=head_size,
+        head_size_v=head_size,
+        dtype=torch.bfloat16,
+        kv_quant_mode=KVQuantMode.NONE,
+    )
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(hf.num_hidden_layers)}
+    return specs, backends
+
+
+def _deepseek_v4_layer_specs(cfg: Any, hf: Any) -> tuple[dict[str, Any], list[Any]]:
+    """DeepSeek-V4's per-layer specs, from vLLM's own DeepSeek-V4 code (CUDA, FlashMLA path).
+
+    Per decoder layer ``i`` (compress ratio ``r`` from ``get_compress_ratios``; the MTP layer is
+    not built without speculative decoding), what ``DeepseekV4FlashMLAAttention`` and its
+    sub-modules register:
+
+    - ``DeepseekV4SWACache`` (every layer): ``SlidingWindowMLASpec``, block 64, window
+      ``sliding_window``, fp8_ds_mla pages;
+    - ``r > 1``: the attention layer's compressed KV, ``MLAAttentionSpec`` at
+      ``cache_config.block_size`` with ``tokens_per_state = r``, and its compressor's
+      ``CompressorStateCache`` (``SlidingWindowMLASpec``: block 4 / window 8 for ``r = 4``,
+      block 8 / window 128 for ``r = 128``);
+    - ``r == 4``: the indexer's ``DeepseekV4IndexerCache`` (``MLAAttentionSpec``,
+      ``tokens_per_state = 4``) and its compressor's ``CompressorStateCache``.
+
+    The cache modules are vLLM's own, built under the config and asked for their spec. The
+    attention layer itself cannot be built without weights and a distributed setup, so its
+    ``get_kv_cache_spec`` runs on a stand-in carrying the four attributes it reads, set as
+    its ``__init__`` sets them (``_resolve_dsv4_kv_cache_dtype`` included). The indexer and
+    compressor widths are their ``__init__``'s: index K ``head + head / 128 * 4`` bytes (fp8),
+    compressor state ``2 * coff * head`` with ``coff = 1 + (r == 4)``.
+    """
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v4.attention import (
+        DeepseekV4IndexerCache,
+        _resolve_dsv4_kv_cache_dtype,
+    )
+    from vllm.models.deepseek_v4.compressor import CompressorStateCache
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention as Attn
+    from vllm.transformers_utils.deepseek_v4_utils import get_compress_ratios
+    from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+    if dsa_indexer_uses_fp4(cfg):
+        raise NotImplementedError("the MXFP4 indexer cache is not modelled here")
+    kv_cache_dtype, kv_torch_dtype = _resolve_dsv4_kv_cache_dtype(
+        Attn.use_fp8_ds_mla_layout, cfg.cache_config.cache_dtype, cfg.cache_config
+    )
+    ratios = get_compress_ratios(hf)[: hf.num_hidden_layers]
+    specs: dict[str, Any] = {}
+    backends: set[Any] = {Attn.backend_cls}
+    with set_current_vllm_config(cfg):
+        for i, ratio in enumerate(ratios):
+            r = max(1, int(ratio))
+            prefix = f"model.layers.{i}.attn"
+            layers: list[Any] = [
+                DeepseekV4SWACache(
+                    head_dim=hf.head_dim,
+                    window_size=hf.sliding_window,
+                    dtype=kv_torch_dtype,
+                    prefix=f"{prefix}.swa_cache",
+                    cache_config=cfg.cache_config,
+                    backend_cls=Attn.swa_backend_cls,
+                )
+            ]
+            if r > 1:
+                stand_in = SimpleNamespace(
+                    compress_ratio=r,
+                    kv_cache_dtype=kv_cache_dtype,
+                    head_dim=hf.head_dim,
+                    kv_cache_torch_dtype=kv_torch_dtype,
+                )
+                specs[prefix] = Attn.get_kv_cache_spec(stand_in, cfg)
+                layers.append(
+                    CompressorStateCache(
+                        state_dim=2 * (1 + (r == 4)) * hf.head_dim,
+                        dtype=torch.float32,
+                        compress_ratio=r,
+                        prefix=f"{prefix}.compressor.state_cache",
+                    )
+                )
+            if r == 4:
+                index_dim = hf.index_head_dim
+                layers.append(
+                    DeepseekV4IndexerCache(
+                        head_dim=index_dim + index_dim // 128 * 4,
+                        dtype=torch.uint8,
+                        prefix=f"{prefix}.indexer.k_cache",
+                        cache_config=cfg.cache_config,
+                        compress_ratio=r,
+                    )
+                )
+                layers.append(
+                    CompressorStateCache(
+                        state_dim=2 * 2 * index_dim,
+                        dtype=torch.float32,
+                        compress_ratio=r,
+                        prefix=f"{prefix}.indexer.compressor.state_cache",
+                    )
+                )
+            for layer in layers:
+                specs[layer.prefix] = layer.get_kv_cache_spec(cfg)
+                backends.add(layer.get_attn_backend())
+    return specs, sorted(backends, key=lambda b: b.__name__)
+
+
+def _describe_group(group: Any) -> str:
+    spec = group.kv_cache_spec
+    inner = list(getattr(spec, "kv_cache_specs", {group.layer_names[0]: spec}).values())
+    kinds = sorted({type(s).__name__ for s in inner})
+    window = {getattr(s, "sliding_window", None) for s in inner} - {None}
+    ratio = sorted({s.tokens_per_state for s in inner if getattr(s, "tokens_per_state", 1) != 1})
+    text = f"{'/'.join(kinds)} block {spec.block_size}"
+    if window:
+        text += f" window {'/'.join(map(str, sorted(window)))}"
+    if ratio:
+        text += f" tokens/state {'/'.join(map(str, ratio))}"
+    return f"{text}, {len(group.layer_names)} layers"
+
+
+def build_prefix_kv_cache_config(
+    model: str, block_size: int | None = None, max_model_len: int = 4096
+) -> PrefixCacheSetup:
+    """vLLM's real scheduler-side KV cache config of ``model`` (one of :data:`PREFIX_MODELS`).
+
+    The path ``EngineCore._initialize_kv_caches`` takes, minus the model weights and memory
+    profiling: a ``VllmConfig`` (prefix caching on, the default ``sha256`` key, the hybrid KV
+    cache manager on, as vLLM enables it on CUDA; this build's platform is "unspecified"
+    and would switch it off), the per-layer specs of the model's layers
+    (:func:`_llama_layer_specs`, :func:`_deepseek_v4_layer_specs`), the layout
+    (``resolve_kv_cache_layout`` over the layers' backends), vLLM's grouping
+    (``get_kv_cache_groups``, what ``DefaultKVCacheConfigBuilder`` runs for a model that does
+    not declare its own grouping; DeepSeek-V4 does not), the builder's
+    ``get_kv_cache_config_from_groups``, ``generate_scheduler_kv_cache_config``, then
+    ``resolve_kv_cache_block_sizes`` and ``resolve_cache_hit_alignment_tokens``. The pool holds
+    every group's blocks of two ``max_model_len`` requests, so nothing is evicted.
+    """
+    if model not in PREFIX_BLOCK_SIZES:
+        raise ValueError(f"model must be one of {PREFIX_MODELS}, got {model!r}")
+    block_size = PREFIX_BLOCK_SIZES[model] if block_size is None else block_size
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if model == "deepseek-v4-flash" and block_size != 256:
+        raise ValueError("DeepSeek-V4's sparse-MLA and indexer kernels support block 256 only")
+    _vllm()  # logging level, PIN_MEMORY
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    cfg = VllmConfig(
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        device_config=DeviceConfig(device="cpu"),
+    )
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    hf = _hf_config(model)
+    if model == "llama-3-8b":
+        specs, backends = _llama_layer_specs(cfg, hf)
+    else:
+        specs, backends = _deepseek_v4_layer_specs(cfg, hf)
+    KVCacheSpecRegistry.check_kv_cache_spec_registry(specs)
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    resolve_kv_cache_layout(cfg, [layouts], specs.values())
+    groups = get_kv_cache_groups(cfg, dict(specs))
+    num_blocks = 1 + 2 * sum(-(-max_model_len // g.kv_cache_spec.block_size) for g in groups)
+    builder = get_kv_cache_config_builder(cfg)
+    worker_config = builder.get_kv_cache_config_from_groups(cfg, groups, num_blocks)
+    worker_config.kv_cache_layout = cfg.cache_config.kv_cache_layout
+    config = generate_scheduler_kv_cache_config([worker_config])
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(config, cfg)
+    config.hash_block_size = hash_block_size
+    config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        config, cfg, scheduler_block_size, hash_block_size
+    )
+    return PrefixCacheSetup(
+        model=model,
+        vllm_config=cfg,
+        kv_cache_config=config,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        groups=tuple(_describe_group(g) for g in groups),
+    )
+
+
+def prefix_prompt(prompt_len: int = 2048) -> list[int]:
+    """The measured prompt: seeded token ids, the same as ``prefix_sim.measure_cost``'s."""
+    return np.random.default_rng(1).integers(0, 128_000, prompt_len).tolist()
+
+
+class VllmPrefixRounds:
+    """vLLM's prefix-cache cost of one prompt, one timed round per call.
+
+    On ``model``'s real KV cache config (:func:`build_prefix_kv_cache_config`; ``block_size``
+    None: :data:`PREFIX_BLOCK_SIZES`), with the prompt of :func:`prefix_prompt`. A round:
+
+    - hashing: the request block hasher ``EngineCore`` builds with prefix caching on
+      (``get_request_block_hasher(hash_block_size, get_hash_fn_by_name(prefix_caching_hash_algo),
+      num_hash_lookahead_tokens)`` after ``init_none_hash``: sha256 of pickled ``(parent hash,
+      block tokens, extra keys)``) turning the prompt into ``prompt_len // hash_block_size``
+      chained hashes, as ``Request`` computes them;
+    - lookup: ``KVCacheManager.get_computed_blocks`` (the hybrid coordinator where there are
+      several groups) for a new request with the same prompt, after a first request was
+      allocated, cached and freed: the hit is every scheduler block below the last prompt
+      token, checked on every round.
+
+    Use it as a context (one torch thread inside) and call it once per round; :meth:`figures`
+    gives the medians. Callers interleave its rounds with another side's (``bench_prefix``
+    runs them between kvforge's), so both see the same machine load.
+    """
+
+    def __init__(self, model: str, prompt_len: int = 2048, block_size: int | None = None) -> None:
+        if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
+            raise ValueError(f"prompt_len must be a positive int, got {prompt_len!r}")
+        v = self._v = _vllm()
+        max_model_len = prompt_len + 256
+        setup = self.setup = build_prefix_kv_cache_config(model, block_size, max_model_len)
+        if prompt_len < setup.scheduler_block_size:
+            raise ValueError(
+                f"prompt_len {prompt_len} is shorter than the block size "
+                f"{setup.scheduler_block_size}"
+            )
+        cfg = setup.vllm_config
+        hash_fn = v.get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+        v.init_none_hash(hash_fn)
+        self.hasher = v.get_request_block_hasher(
+            setup.hash_block_size, hash_fn, cfg.num_hash_lookahead_tokens
+        )
+        tokens = prefix_prompt(prompt_len)
+
+        def new_request(request_id: str) -> Any:
+            return v.Request(
+                request_id=request_id,
+                prompt_token_ids=list(tokens),
+                sampling_params=v.SamplingParams(max_tokens=1),
+                pooling_params=None,
+                block_hasher=self.hasher,
+            )
+
+        self.manager = v.KVCacheManager(
+            setup.kv_cache_config,
+            max_model_len=max_model_len,
+            scheduler_block_size=setup.scheduler_block_size,
+            hash_block_size=setup.hash_block_size,
+            max_in_flight_tokens=cfg.max_in_flight_tokens,
+            enable_caching=True,
+        )
+        first = new_request("first")
+        blocks, hit, _ = self.manager.get_computed_blocks(first)
+        assert hit == 0
+        if (
+            self.manager.allocate_slots(
+                first, prompt_len, num_new_computed_tokens=0, new_computed_blocks=blocks
+            )
+            is None
+        ):
+            raise RuntimeError("vLLM KVCacheManager could not allocate the first prompt")
+        self.manager.free(first)
+        self.request = new_request("second")
+        step = setup.scheduler_block_size
+        self.model = model
+        self.hit_tokens = (prompt_len - 1) // step * step
+        self.num_hashes = prompt_len // setup.hash_block_size
+        self.hash_ns: list[int] = []
+        self.lookup_ns: list[int] = []
+        self._threads: int | None = None
+
+    def __enter__(self) -> VllmPrefixRounds:
+        self._threads = self._v.torch.get_num_threads()
+        self._v.torch.set_num_threads(1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._threads is not None:
+            self._v.torch.set_num_threads(self._threads)
+            self._threads = None
+
+    def __call__(self) -> None:
+        """One round: hash the prompt, then look it up; both timed, the hit checked."""
+        clock = time.perf_counter_ns
+        request = self.request
+        request.block_hashes = []
+        t0 = clock()
+        hashes = self.hasher(request)
+        request.block_hashes = hashes
+        t1 = clock()
+        _, hit, _ = self.manager.get_computed_blocks(request)
+        t2 = clock()
+        self.hash_ns.append(t1 - t0)
+        self.lookup_ns.append(t2 - t1)
+        if len(hashes) != self.num_hashes or hit != self.hit_tokens:
+            raise AssertionError(
+                f"{self.model}: {len(hashes)} hashes and a hit of {hit} tokens; expected "
+                f"{self.num_hashes} and {self.hit_tokens}"
+            )
+
+    def figures(self, warmup: int = 1) -> dict[str, Any]:
+        """Medians (us) over the rounds after the first ``warmup``, and what was measured."""
+        if len(self.hash_ns) <= warmup:
+            raise ValueError(f"{len(self.hash_ns)} rounds, not more than warmup={warmup}")
+        return {
+            "hash_us": statistics.median(self.hash_ns[warmup:]) / 1000.0,
+            "lookup_us": statistics.median(self.lookup_ns[warmup:]) / 1000.0,
+            "rounds": len(self.hash_ns) - warmup,
+            "hit_tokens": self.hit_tokens,
+            "num_hashes": self.num_hashes,
+            "hash_block_size": self.setup.hash_block_size,
+            "scheduler_block_size": self.setup.scheduler_block_size,
+            "groups": list(self.setup.groups),
+            "coordinator": type(self.manager.coordinator).__name__,
+        }
+
 
 def run_vllm_prefix_cost(
-    prompt_len: int = 2048, block_size: int = 16, repeats: int = 200
-) -> dict[str, float]:
-    """Median microseconds of vLLM's prefix-cache hashing and full-hit lookup of one prompt.
-
-    ``hash_us``: the request block hasher vLLM's EngineCore builds by default
-    (``get_request_block_hasher`` over ``get_hash_fn_by_name`` of
-    ``CacheConfig().prefix_caching_hash_algo``, i.e. sha256 of pickled ``(parent hash, block
-    tokens, extra keys)``, after ``init_none_hash``) turning the prompt into ``prompt_len //
-    block_size`` chained block hashes.
-    ``lookup_us``: ``KVCacheManager.get_computed_blocks`` (prefix caching on, one full-attention
-    group) for a new request with the same prompt, after a first request computed and cached
-    it and was freed; the hit is every full block below the last prompt token.
-    """
-    for name, value in (
-        ("prompt_len", prompt_len),
-        ("block_size", block_size),
-        ("repeats", repeats),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if prompt_len < block_size:
-        raise ValueError(f"prompt_len {prompt_len} is shorter than block_size {block_size}")
-    v = _vllm()
-    torch = v.torch
-    algo = v.CacheConfig().prefix_caching_hash_algo
-    hash_fn = v.get_hash_fn_by_name(algo)
-    v.init_none_hash(hash_fn)
-    hasher = v.get_request_block_hasher(block_size, hash_fn, 0)
-    tokens = np.random.default_rng(1).integers(0, 128_000, prompt_len).tolist()
-
-    def new_request(request_id: str) -> Any:
-        return v.Request(
-            request_id=request_id,
-            prompt_token_ids=list(tokens),
-            sampling_params=v.SamplingParams(max_tokens=1),
-            pooling_params=None,
-            block_hasher=hasher,
-        )
-
-    group = GroupDef(
-        name="kv",
-        kind="full",
-        block_size=block_size,
-        window=None,
-        bytes_per_block=block_size * 4096,
-    )
-    max_model_len = prompt_len + block_size
-    num_blocks = 1 + 2 * (-(-max_model_len // block_size))
-    spec = _kv_cache_spec(v, group)
-    config = v.KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            v.KVCacheTensor(
-                size=num_blocks * group.bytes_per_block,
-                layers=["kv.layer0"],
-                layer_stride=num_blocks * group.bytes_per_block,
-                block_stride=group.bytes_per_block,
-            )
-        ],
-        kv_cache_groups=[v.KVCacheGroupSpec(layer_names=["kv.layer0"], kv_cache_spec=spec)],
-    )
-    manager = v.KVCacheManager(
-        config,
-        max_model_len=max_model_len,
-        scheduler_block_size=block_size,
-        hash_block_size=block_size,
-        enable_caching=True,
-    )
-    first = new_request("first")
-    blocks, hit, _ = manager.get_computed_blocks(first)
-    assert hit == 0
-    if (
-        manager.allocate_slots(
-            first, prompt_len, num_new_computed_tokens=0, new_computed_blocks=blocks
-        )
-        is None
-    ):
-        raise RuntimeError("vLLM KVCacheManager could not allocate the first prompt")
-    manager.free(first)
-    second = new_request("second")
-    expected_hit = (prompt_len - 1) // block_size * block_size
-
-    clock = time.perf_counter_ns
-    hash_ns, lookup_ns = [], []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    prompt_len: int = 2048,
+    block_size: int | None = None,
+    repeats: int = 200,
+    model: str = "llama-3-8b",
+) -> dict[str, Any]:
+    """Median microseconds of vLLM's prefix-cache hashing (``hash_us``) and full-hit lookup
+    (``lookup_us``) of one prompt: ``repeats`` rounds of :class:`VllmPrefixRounds` after a
+    warm-up round, with the garbage collector off. Also returned: ``hit_tokens``,
+    ``num_hashes``, ``hash_block_size``, ``scheduler_block_size``, ``groups`` (one line per KV
+    cache group), ``coordinator``."""
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    rounds = VllmPrefixRounds(model, prompt_len, block_size)
     gc.collect()
     gc.disable()
     try:
-        for _ in range(repeats + 1):  # the first round warms up
-            second.block_hashes = []
-            t0 = clock()
-            hashes = hasher(second)
-            t1 = clock()
-            second.block_hashes = hashes
-            hash_ns.append(t1 - t0)
-            t0 = clock()
-            _, hit, _ = manager.get_computed_blocks(second)
-            t1 = clock()
-            lookup_ns.append(t1 - t0)
-            if len(hashes) != prompt_len // block_size or hit != expected_hit:
-                raise AssertionError(
-                    f"{len(hashes)} hashes and a hit of {hit} tokens; expected "
-                    f"{prompt_len // block_size} and {expected_hit}"
-                )
+        with rounds:
+            for _ in range(repeats + 1):  # the first round warms up
+                rounds()
     finally:
         gc.enable()
-        torch.set_num_threads(threads)
-    return {
-        "hash_us": statistics.median(hash_ns[1:]) / 1000.0,
-        "lookup_us": statistics.median(lookup_ns[1:]) / 1000.0,
-        "hit_tokens": float(expected_hit),
-    }
+    return rounds.figures()
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -790,12 +1087,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"  {wl.name}: {time.perf_counter() - t0:.1f} s", style="dim")
     console.print(table)
 
-    prefix = run_vllm_prefix_cost(repeats=args.prefix_repeats)
-    results["prefix"] = prefix
-    console.print(
-        f"prefix cache, 2048-token prompt, block 16: hash {prefix['hash_us']:.1f} us, "
-        f"full-hit lookup {prefix['lookup_us']:.1f} us ({int(prefix['hit_tokens'])} tokens)"
-    )
+    results["prefix"] = {}
+    for model in PREFIX_MODELS:
+        prefix = run_vllm_prefix_cost(repeats=args.prefix_repeats, model=model)
+        results["prefix"][model] = prefix
+        console.print(
+            f"prefix cache, {model}, 2048-token prompt, block "
+            f"{prefix['scheduler_block_size']} (hashed every {prefix['hash_block_size']} "
+            f"tokens): hash {prefix['hash_us']:.1f} us, full-hit lookup "
+            f"{prefix['lookup_us']:.1f} us ({prefix['hit_tokens']} tokens)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -246,17 +246,126 @@ def test_benchmark_script_kvforge_only(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(bench_prefix, "run_prefix_bench", _tiny_bench)
     path = tmp_path / "prefix.json"
-    assert bench_prefix.main(["--no-vllm", "--no-progress", "--repeats", "2", "--json", str(path)]) == 0
+    argv = ["--no-vllm", "--no-progress", "--repeats", "2", "--models", "llama-3-8b"]
+    assert bench_prefix.main([*argv, "--json", str(path)]) == 0
     data = json.loads(path.read_text())
-    assert [(r["model"], r["fraction"]) for r in data] == [
+    assert set(data) == {"environment", "cost", "runs"}
+    runs = data["runs"]
+    assert [(r["model"], r["fraction"]) for r in runs] == [
         ("llama-3-8b", "1"), ("llama-3-8b", "1/4"),
     ]
-    assert all(r["vllm_hash_us"] is None and r["hash_lookup_ratio"] is None for r in data)
-    assert data[0]["hit_rate"] == data[0]["oracle_hit_rate"]
+    assert all(r["vllm_hash_us"] is None and r["hash_lookup_ratio"] is None for r in runs)
+    assert runs[0]["hit_rate"] == runs[0]["oracle_hit_rate"]
+    # the runs carry their model's cost record's figures (they measure none themselves)
+    [cost] = data["cost"]
+    assert all(
+        r["hash_us"] == cost["kvforge_hash_us"] and r["lookup_us"] == cost["kvforge_lookup_us"]
+        for r in runs
+    )
 
 
 def _tiny_bench(wl, models=None, fractions=None, cost_repeats=200, **kw):
-    assert cost_repeats == 2
+    assert cost_repeats == 0 and kw.get("vllm_cost") is None
     return run_prefix_bench(
         TINY, ("llama-3-8b",), {"llama-3-8b": FRACTIONS}, cost_repeats=cost_repeats
     )
+
+
+COST_FIELDS = {
+    "model", "kvforge_lookup_us", "kvforge_hash_us", "vllm_hash_us", "vllm_lookup_us", "ratio",
+}
+
+
+def test_cost_records_kvforge_side(tmp_path, monkeypatch) -> None:
+    """``--cost-only``: one cost record per model, kvforge's figures measured, vLLM's null
+    (no vLLM in this environment, and ``--no-vllm``); no hit-rate run."""
+    import bench_prefix
+
+    def no_runs(*args, **kwargs):
+        raise AssertionError("--cost-only ran the hit-rate simulation")
+
+    monkeypatch.setattr(bench_prefix, "run_prefix_bench", no_runs)
+    path = tmp_path / "cost.json"
+    argv = ["--no-vllm", "--no-progress", "--cost-only", "--repeats", "2"]
+    models = "llama-3-8b,deepseek-v4-flash"
+    assert bench_prefix.main([*argv, "--models", models, "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["runs"] == []
+    assert data["environment"]["vllm"] is None
+    assert len(data["environment"]["load_before"]) == 3
+    cost = data["cost"]
+    assert [c["model"] for c in cost] == ["llama-3-8b", "deepseek-v4-flash"]
+    for c in cost:
+        assert set(c) >= COST_FIELDS
+        assert c["kvforge_hash_us"] > 0 and c["kvforge_lookup_us"] > 0
+        assert c["vllm_hash_us"] is None and c["vllm_lookup_us"] is None
+        assert c["ratio"] is None and c["vllm_groups"] is None
+        assert c["prompt_tokens"] == 2048 and c["repeats"] == 2
+    # the BlockManager's unit and the full hit of 2,047 tokens at each model's boundary
+    assert [(c["kvforge_unit"], c["kvforge_hit_tokens"]) for c in cost] == [
+        (16, 2032), (256, 1792),
+    ]
+
+
+class _FakeRounds:
+    """Stands in for ``vllm_baseline.VllmPrefixRounds``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.inside = False
+
+    def __enter__(self):
+        self.inside = True
+        return self
+
+    def __exit__(self, *exc):
+        self.inside = False
+
+    def __call__(self) -> None:
+        assert self.inside
+        self.calls += 1
+
+    def figures(self) -> dict:
+        return {
+            "hash_us": 100.0, "lookup_us": 20.0, "hit_tokens": 2032, "hash_block_size": 16,
+            "scheduler_block_size": 16, "groups": ["FullAttentionSpec block 16, 32 layers"],
+        }
+
+
+def test_cost_ratio_is_kvforge_lookup_over_vllm_hash_plus_lookup(monkeypatch) -> None:
+    """vLLM's rounds run between kvforge's, one per round; ratio = kvforge lookup / (vLLM hash
+    + vLLM lookup); a model without a vLLM config gets kvforge's figures only."""
+    import bench_prefix
+
+    def fake_measure_cost(layout, prompt_len, repeats, interleave=None):
+        for _ in range(repeats + 1):
+            if interleave is not None:
+                interleave()
+        return 10.0, 30.0
+
+    monkeypatch.setattr(bench_prefix, "measure_cost", fake_measure_cost)
+    made: dict[str, _FakeRounds | None] = {}
+
+    def fake_vllm(model, prompt_len):
+        assert prompt_len == 2048
+        made[model] = None if model == "gpt-oss-20b" else _FakeRounds()
+        return made[model]
+
+    records = bench_prefix.measure_costs(("llama-3-8b", "gpt-oss-20b"), 3, fake_vllm)
+    assert made["llama-3-8b"].calls == 4 and made["gpt-oss-20b"] is None
+    llama, gpt_oss = records
+    assert (llama.kvforge_hash_us, llama.kvforge_lookup_us) == (10.0, 30.0)
+    assert (llama.vllm_hash_us, llama.vllm_lookup_us) == (100.0, 20.0)
+    assert llama.ratio == pytest.approx(30.0 / 120.0)
+    assert llama.vllm_hit_tokens == llama.kvforge_hit_tokens == 2032
+    assert gpt_oss.ratio is None and gpt_oss.vllm_hash_us is None
+    assert (gpt_oss.kvforge_hash_us, gpt_oss.kvforge_lookup_us) == (10.0, 30.0)
+
+
+def test_measure_cost_interleaves_once_per_round() -> None:
+    calls = []
+    hash_us, lookup_us = prefix_sim.measure_cost(
+        build_layout("llama-3-8b"), 256, 3, interleave=lambda: calls.append(1)
+    )
+    assert len(calls) == 4  # the warm-up round included
+    assert hash_us > 0 and lookup_us > 0
