@@ -11,14 +11,26 @@ the prefix cache it holds no lock: the block manager calls it under its own.
 Invariants: a request is in exactly one of running (``tables.row_of``), swapped out
 (``swapped``) or neither; a request with a plan in flight (``busy``) keeps its blocks or pages
 until the plan completes, and no other call may touch it.
+
+Faults mid-bookkeeping. Planning and completing a swap change many things: pools, table rows,
+deltas, the maps of running, swapped and busy requests. Each call first checks everything it
+can, then applies its change through an :class:`_Undo` journal: every step registers how to
+take it back *before* it happens, and an exception of any kind (``KeyboardInterrupt``
+included) between any two statements undoes the steps taken, newest first, and propagates.
+So a plan is either made in full or not at all, and a completion either settles the plan in
+full or leaves it in flight exactly as it was: calling :meth:`SwapBook.complete_swap` again
+(with the same result, or a failed one) settles it. A plan leaves flight as the last step of
+its completion.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from numbers import Integral
+from typing import Any, Literal
 
 import numpy as np
 
@@ -32,6 +44,8 @@ from kvforge.scheduler.tables import RequestTables
 from kvforge.specs import SwapPurpose, TokenRange
 
 __all__ = ["InFlight", "SwapBook", "SwapStats", "Swapped"]
+
+_MISSING = object()
 
 
 @dataclass
@@ -64,6 +78,106 @@ class InFlight:
     rows: dict[str, int]  # swap in: rows adopted for the plan
 
 
+class _Undo:
+    """How to take back the steps of one change, newest first.
+
+    Each helper registers its undo step *before* it changes anything, and every undo step
+    restores a saved value rather than reversing a delta, so undoing a step that never ran
+    (an interrupt struck in between) changes nothing.
+    """
+
+    __slots__ = ("_steps",)
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], None]] = []
+
+    def add(self, step: Callable[[], None]) -> None:
+        self._steps.append(step)
+
+    def put(self, mapping: dict[Any, Any], key: Any, value: Any) -> None:
+        """``mapping[key] = value``."""
+        old = mapping.get(key, _MISSING)
+        self.add(lambda: _restore_item(mapping, key, old))
+        mapping[key] = value
+
+    def pop(self, mapping: dict[Any, Any], key: Any) -> Any:
+        """``mapping.pop(key)``."""
+        value = mapping[key]
+        self.add(lambda: _restore_item(mapping, key, value))
+        del mapping[key]
+        return value
+
+    def take(self, pool: BlockPool, count: int) -> np.ndarray:
+        """``pool.take(count)``: undone by releasing the blocks taken."""
+        taken: list[np.ndarray] = []
+        self.add(lambda: [pool.release(ids) for ids in taken])
+        taken.append(pool.take(count))  # one statement: the ids are never lost
+        return taken[0]
+
+    def guard(self, pool: BlockPool, block_ids: np.ndarray) -> None:
+        """Let the references that ``pool`` drops on ``block_ids`` from now on be undone."""
+        ids = np.unique(np.asarray(block_ids, dtype=np.int64))
+        if len(ids):
+            before = pool.ref_counts[ids].copy()
+            self.add(lambda: _take_back(pool, ids, before))
+
+    def release(self, pool: BlockPool, block_ids: np.ndarray) -> None:
+        """``pool.release(block_ids)``."""
+        self.guard(pool, block_ids)
+        pool.release(block_ids)
+
+    def rollback(self, cause: BaseException) -> None:
+        """Run every undo step, newest first. A step that fails is noted on ``cause`` and the
+        others still run."""
+        while self._steps:
+            step = self._steps.pop()
+            try:
+                step()
+            except BaseException as failure:  # finish undoing, then re-raise the cause
+                cause.add_note(f"kvforge: undoing a swap bookkeeping step failed: {failure!r}")
+
+
+@contextmanager
+def _all_or_nothing() -> Iterator[_Undo]:
+    """Apply a change through an :class:`_Undo`; any exception undoes it and propagates."""
+    undo = _Undo()
+    try:
+        yield undo
+    except BaseException as exc:
+        undo.rollback(exc)
+        raise
+
+
+def _restore_item(mapping: dict[Any, Any], key: Any, value: Any) -> None:
+    if value is _MISSING:
+        mapping.pop(key, None)
+    else:
+        mapping[key] = value
+
+
+def _take_back(pool: BlockPool, ids: np.ndarray, before: np.ndarray) -> None:
+    """Give ``ids`` back the references they held in ``pool`` (ref counts ``before``).
+
+    A block that went back on the free stack is taken off it again (it is on top: the pool
+    hands out the most recently freed blocks first, and nothing else ran in between); a block
+    that stayed used, or became evictable, gets its references back with ``share``.
+    """
+    lost = before - pool.ref_counts[ids]
+    if not lost.any():
+        return
+    now = pool.ref_counts[ids]
+    freed = [b for b in ids[(lost > 0) & (now == 0)].tolist() if not pool.is_retained(b)]
+    if freed:
+        back = pool.take(len(freed))
+        if sorted(back.tolist()) != sorted(freed):
+            pool.release(back)
+            raise RuntimeError(f"cannot take blocks {freed} back: {pool!r} changed meanwhile")
+        lost[np.isin(ids, freed)] -= 1
+    again = np.repeat(ids, np.maximum(lost, 0))
+    if len(again):
+        pool.share(again)
+
+
 class SwapBook:
     """Host pages and swaps of every group.
 
@@ -92,9 +206,7 @@ class SwapBook:
 
     def not_resident(self, request_id: str) -> RequestStateError:
         if request_id in self.swapped:
-            return RequestStateError(
-                f"request {request_id!r} is swapped out; swap it in first"
-            )
+            return RequestStateError(f"request {request_id!r} is swapped out; swap it in first")
         return RequestStateError(
             f"request {request_id!r} has no blocks on the device (never allocated, freed, "
             "or swapped out)"
@@ -106,25 +218,36 @@ class SwapBook:
             raise RequestStateError(f"request {request_id!r} has a swap in flight")
 
     def release_host(self, request_id: str) -> None:
-        """Return the host pages of a swapped-out request that finishes."""
-        swapped = self.swapped.pop(request_id, None)
-        if swapped is not None:
+        """Return the host pages of a swapped-out request that finishes: all of them and the
+        entry, or (on an exception) none."""
+        swapped = self.swapped.get(request_id)
+        if swapped is None:
+            return
+        with _all_or_nothing() as undo:
             for name, pages in swapped.host_pages.items():
-                self._host[name].release(pages)
+                undo.release(self._host[name], pages)
+            undo.pop(self.swapped, request_id)
+
+    def plans_in_flight(self) -> tuple[SwapPlan, ...]:
+        """The plans handed out and not yet completed, oldest first: an engine interrupted
+        between executing a plan and completing it finds it here, and settles it with
+        :meth:`complete_swap`."""
+        return tuple(flight.plan for flight in self._in_flight.values())
 
     def init_host(self, num_pages: Mapping[str, int]) -> None:
         """Create the host page pools (ids only: the memory is on the worker side)."""
         if self._host:
             raise RuntimeError("host pages were already initialised for this BlockManager")
-        pools = {}
+        pools, page_bytes_of = {}, {}
         for g in self.layout.groups:
             page_bytes = self.layout.host_page_bytes(g.name)
             if page_bytes:
                 if g.name not in num_pages:
                     raise ValueError(f"num_pages has no count for group {g.name!r}")
                 pools[g.name] = BlockPool(num_pages[g.name], g.name, kind="host")
-                self._page_bytes[g.name] = page_bytes
-        self._host = pools
+                page_bytes_of[g.name] = page_bytes
+        self._page_bytes = page_bytes_of
+        self._host = pools  # last: until here the book has no host pages
 
     def host_pool(self, group: str) -> BlockPool:
         if group not in self._t.by_name:
@@ -201,27 +324,28 @@ class SwapBook:
             pool = self._host[name]
             if count > pool.num_free:
                 raise OutOfBlocksError("host", name, count, pool.num_free, "swap_out")
-        taken = {name: self._host[name].take(count) for name, count in totals.items()}
-        offsets = dict.fromkeys(totals, 0)
-        moves = []
-        for rid, sel in zip(ids, selections, strict=True):
-            row = self._t.row_of[rid]
-            pages, blocks = {}, {}
-            for name, cols in sel.items():
-                pages[name] = taken[name][offsets[name] : offsets[name] + len(cols)]
-                offsets[name] += len(cols)
-                blocks[name] = self._t.by_name[name].table[row, cols].copy()
-            moves.append(
-                RequestMove(
-                    request_id=rid,
-                    num_tokens=int(self._t.num_tokens[row]),
-                    purpose=purpose,
-                    block_indices=sel,
-                    device_blocks=blocks,
-                    host_pages=pages,
+        with _all_or_nothing() as undo:
+            taken = {name: undo.take(self._host[name], count) for name, count in totals.items()}
+            offsets = dict.fromkeys(totals, 0)
+            moves = []
+            for rid, sel in zip(ids, selections, strict=True):
+                row = self._t.row_of[rid]
+                pages, blocks = {}, {}
+                for name, cols in sel.items():
+                    pages[name] = taken[name][offsets[name] : offsets[name] + len(cols)]
+                    offsets[name] += len(cols)
+                    blocks[name] = self._t.by_name[name].table[row, cols].copy()
+                moves.append(
+                    RequestMove(
+                        request_id=rid,
+                        num_tokens=int(self._t.num_tokens[row]),
+                        purpose=purpose,
+                        block_indices=sel,
+                        device_blocks=blocks,
+                        host_pages=pages,
+                    )
                 )
-            )
-        return self._launch("out", moves, {})
+            return self._launch(undo, "out", moves, {})
 
     def plan_swap_in(self, request_ids: Sequence[str]) -> SwapPlan:
         """Give swapped-out requests fresh rows and device blocks and describe the move.
@@ -269,53 +393,61 @@ class SwapBook:
             if total > pool.num_free:
                 name = self._t.groups[members[0]].spec.name
                 raise OutOfBlocksError("device", name, total, pool.num_free, "swap_in")
-        rows: dict[str, int] = {}
-        moves = []
-        for rid, cols in zip(ids, cols_of, strict=True):
-            entry = self.swapped[rid]
-            row = self._t.free_rows.pop()
-            rows[rid] = row
-            for g in self._t.groups:
-                c = cols[g.spec.name]
-                ids_ = g.pool.take(len(c))
-                g.table[row, c] = ids_
-                g.held_from[row] = int(c[0]) if len(c) and not g.per_request else 0
-                if len(c):
-                    self._t.pending.append(
-                        TableDelta(
-                            group=g.spec.name,
-                            rows=np.full(len(c), row, dtype=np.int32),
-                            cols=c.astype(np.int32),
-                            block_ids=ids_,
+        # the rows free_rows.pop() hands out, in order
+        chosen = self._t.free_rows[len(self._t.free_rows) - len(ids) :][::-1]
+        with _all_or_nothing() as undo:
+            self._save_rows(undo, np.array(chosen, dtype=np.int64))
+            rows: dict[str, int] = {}
+            moves = []
+            for rid, cols in zip(ids, cols_of, strict=True):
+                entry = self.swapped[rid]
+                row = self._t.free_rows.pop()
+                rows[rid] = row
+                for g in self._t.groups:
+                    c = cols[g.spec.name]
+                    ids_ = undo.take(g.pool, len(c))
+                    g.table[row, c] = ids_
+                    g.held_from[row] = int(c[0]) if len(c) and not g.per_request else 0
+                    if len(c):
+                        self._t.pending.append(
+                            TableDelta(
+                                group=g.spec.name,
+                                rows=np.full(len(c), row, dtype=np.int32),
+                                cols=c.astype(np.int32),
+                                block_ids=ids_,
+                            )
                         )
+                self._t.num_tokens[row] = entry.num_tokens
+                for gi, g in enumerate(self._t.groups):  # restored blocks are not registered again
+                    self._t.committed[gi, row] = entry.num_tokens // g.block_size
+                moves.append(
+                    RequestMove(
+                        request_id=rid,
+                        num_tokens=entry.num_tokens,
+                        purpose=entry.purpose,
+                        block_indices=entry.block_indices,
+                        device_blocks={
+                            name: self._t.by_name[name].table[row, idx].copy()
+                            for name, idx in entry.block_indices.items()
+                        },
+                        host_pages=entry.host_pages,
                     )
-            self._t.num_tokens[row] = entry.num_tokens
-            for gi, g in enumerate(self._t.groups):  # restored blocks are not registered again
-                self._t.committed[gi, row] = entry.num_tokens // g.block_size
-            moves.append(
-                RequestMove(
-                    request_id=rid,
-                    num_tokens=entry.num_tokens,
-                    purpose=entry.purpose,
-                    block_indices=entry.block_indices,
-                    device_blocks={
-                        name: self._t.by_name[name].table[row, idx].copy()
-                        for name, idx in entry.block_indices.items()
-                    },
-                    host_pages=entry.host_pages,
                 )
-            )
-        return self._launch("in", moves, rows)
+            return self._launch(undo, "in", moves, rows)
 
     def _launch(
-        self, direction: Literal["out", "in"], moves: list[RequestMove], rows: dict[str, int]
+        self,
+        undo: _Undo,
+        direction: Literal["out", "in"],
+        moves: list[RequestMove],
+        rows: dict[str, int],
     ) -> SwapPlan:
         moved = {name for m in moves for name in m.device_blocks}
         groups = tuple(g.spec.name for g in self._t.groups if g.spec.name in moved)
         plan = SwapPlan(next(self._plan_ids), direction, tuple(moves), groups)
-        self._in_flight[plan.plan_id] = InFlight(plan, rows)
+        undo.put(self._in_flight, plan.plan_id, InFlight(plan, rows))
         for m in moves:
-            self.busy[m.request_id] = plan.plan_id
+            undo.put(self.busy, m.request_id, plan.plan_id)
         return plan
 
     def complete_swap(self, result: SwapResult) -> None:
@@ -326,61 +458,145 @@ class SwapBook:
         reserved is given back: the host pages of a swap out (the requests stay resident),
         the rows and device blocks of a swap in (the requests stay swapped out).
 
+        All or nothing: if an exception (``KeyboardInterrupt`` included) strikes midway,
+        every change is undone and the plan is still in flight, its requests busy, exactly as
+        before the call; calling ``complete_swap`` again settles it.
+
         Raises:
+            TypeError: ``result`` is not a :class:`SwapResult`.
             ValueError: ``result`` names no plan in flight.
         """
         if not isinstance(result, SwapResult):
             raise TypeError(f"result must be a SwapResult, got {type(result).__name__}")
-        flight = self._in_flight.pop(result.plan_id, None)
+        plan_id = result.plan_id
+        known = isinstance(plan_id, Integral) and not isinstance(plan_id, bool)
+        flight = self._in_flight.get(int(plan_id)) if known else None
         if flight is None:
-            raise ValueError(f"swap plan {result.plan_id!r} is not in flight")
+            raise ValueError(f"swap plan {plan_id!r} is not in flight")
+        plan = flight.plan
+        self._check_flight(flight)
+        try:
+            self._settle(flight, result.ok)
+        except BaseException as exc:
+            exc.add_note(
+                f"kvforge: swap plan {plan.plan_id} is still in flight, as it was before "
+                "complete_swap; calling complete_swap again settles it"
+            )
+            raise
+
+    def _settle(self, flight: InFlight, ok: bool) -> None:
+        plan = flight.plan
+        with _all_or_nothing() as undo:
+            if plan.direction == "out" and ok:
+                rows = [self._t.row_of[m.request_id] for m in plan.requests]
+                self._release_rows(undo, np.array(rows, dtype=np.int64))
+                for m in plan.requests:
+                    undo.pop(self._t.row_of, m.request_id)
+                    entry = Swapped(m.num_tokens, m.purpose, m.block_indices, m.host_pages)
+                    undo.put(self.swapped, m.request_id, entry)
+                self._count(undo, plan.requests, "out")
+            elif plan.direction == "out":
+                self._release_pages(undo, plan.requests)
+            elif ok:
+                self._release_pages(undo, plan.requests)
+                for m in plan.requests:
+                    undo.pop(self.swapped, m.request_id)
+                    undo.put(self._t.row_of, m.request_id, flight.rows[m.request_id])
+                self._count(undo, plan.requests, "in")
+            else:
+                rows = [flight.rows[m.request_id] for m in plan.requests]
+                self._release_rows(undo, np.array(rows, dtype=np.int64))
+            # the plan leaves flight last: until here a retry finds it as it was
+            for m in plan.requests:
+                undo.pop(self.busy, m.request_id)
+            undo.pop(self._in_flight, plan.plan_id)
+
+    def _check_flight(self, flight: InFlight) -> None:
+        """Refuse to complete a plan whose requests are not where the plan left them (the
+        book was corrupted): nothing is changed."""
         plan = flight.plan
         for m in plan.requests:
-            del self.busy[m.request_id]
-        if plan.direction == "out":
-            if result.ok:
-                rows = [self._t.row_of.pop(m.request_id) for m in plan.requests]
-                self._t.release_rows(np.array(rows, dtype=np.int64))
-                for m in plan.requests:
-                    self.swapped[m.request_id] = Swapped(
-                        m.num_tokens, m.purpose, m.block_indices, m.host_pages
-                    )
-                    self._count(m, "out")
+            rid = m.request_id
+            where = (self.busy.get(rid), rid in self._t.row_of, rid in self.swapped)
+            if plan.direction == "out":
+                expected = (plan.plan_id, True, False)
             else:
-                for m in plan.requests:
-                    for name, pages in m.host_pages.items():
-                        self._host[name].release(pages)
-            return
-        if result.ok:
-            for m in plan.requests:
-                del self.swapped[m.request_id]
-                for name, pages in m.host_pages.items():
-                    self._host[name].release(pages)
-                self._t.row_of[m.request_id] = flight.rows[m.request_id]
-                self._count(m, "in")
-        else:
-            self._t.release_rows(
-                np.array([flight.rows[m.request_id] for m in plan.requests], dtype=np.int64)
-            )
+                expected = (plan.plan_id, False, True)
+            if where != expected or (plan.direction == "in" and rid not in flight.rows):
+                raise RuntimeError(
+                    f"swap plan {plan.plan_id} cannot complete: request {rid!r} is not where "
+                    f"the plan left it (busy with plan, running, swapped = {where})"
+                )
 
-    def _count(self, move: RequestMove, direction: Literal["out", "in"]) -> None:
+    def _save_rows(self, undo: _Undo, rows: np.ndarray) -> None:
+        """Let every change to table rows ``rows`` be undone: their cells, extents, token
+        counts and commits, the free rows and the pending deltas."""
+        t = self._t
+        saved = [(g, g.table[rows].copy(), g.held_from[rows].copy()) for g in t.groups]
+        tokens, committed = t.num_tokens[rows].copy(), t.committed[:, rows].copy()
+        free_rows, pending = list(t.free_rows), t.pending
+        num_pending = len(pending)
+
+        def restore() -> None:
+            for g, table, held_from in saved:
+                g.table[rows] = table
+                g.held_from[rows] = held_from
+            t.num_tokens[rows] = tokens
+            t.committed[:, rows] = committed
+            t.free_rows[:] = free_rows
+            del pending[num_pending:]
+
+        undo.add(restore)
+
+    def _release_rows(self, undo: _Undo, rows: np.ndarray) -> None:
+        """``tables.release_rows(rows)``, undoable: the rows and every reference their
+        blocks drop."""
+        self._save_rows(undo, rows)
+        for pool, members in self._t.pools:
+            held = np.concatenate([self._t.groups[gi].table[rows].ravel() for gi in members])
+            undo.guard(pool, held[held != NULL_BLOCK])
+        self._t.release_rows(rows)
+
+    def _release_pages(self, undo: _Undo, moves: Sequence[RequestMove]) -> None:
+        """Give back the host pages of ``moves``: one release per group."""
+        per_group: dict[str, list[np.ndarray]] = {}
+        for m in moves:
+            for name, pages in m.host_pages.items():
+                per_group.setdefault(name, []).append(pages)
+        for name, pages in per_group.items():
+            undo.release(self._host[name], np.concatenate(pages))
+
+    def _count(
+        self, undo: _Undo, moves: Sequence[RequestMove], direction: Literal["out", "in"]
+    ) -> None:
         stats = self.stats
+        saved = (stats.swaps_out, stats.swaps_in, stats.bytes_out, stats.bytes_in)
+        blocks_out, blocks_in = dict(stats.blocks_out), dict(stats.blocks_in)
+
+        def restore() -> None:
+            stats.swaps_out, stats.swaps_in, stats.bytes_out, stats.bytes_in = saved
+            stats.blocks_out.clear()
+            stats.blocks_out.update(blocks_out)
+            stats.blocks_in.clear()
+            stats.blocks_in.update(blocks_in)
+
+        undo.add(restore)
         per_group = stats.blocks_out if direction == "out" else stats.blocks_in
-        moved = 0
-        for name, pages in move.host_pages.items():
-            per_group[name] = per_group.get(name, 0) + len(pages)
-            moved += len(pages) * self._page_bytes[name]
-        if direction == "out":
-            stats.swaps_out += 1
-            stats.bytes_out += moved
-        else:
-            stats.swaps_in += 1
-            stats.bytes_in += moved
+        for move in moves:
+            moved = 0
+            for name, pages in move.host_pages.items():
+                per_group[name] = per_group.get(name, 0) + len(pages)
+                moved += len(pages) * self._page_bytes[name]
+            if direction == "out":
+                stats.swaps_out += 1
+                stats.bytes_out += moved
+            else:
+                stats.swaps_in += 1
+                stats.bytes_in += moved
 
     def page_bytes(self, group: str) -> int:
         """Bytes of one host page of ``group`` (its offloaded roles, no padding)."""
         return self._page_bytes.get(group, 0)
-
 
     def _ready_host(self) -> None:
         if not self._host:

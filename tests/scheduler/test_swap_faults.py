@@ -1,0 +1,486 @@
+"""Faults mid-bookkeeping: an exception that strikes while a swap is planned or completed,
+``KeyboardInterrupt`` included, leaves consistent books.
+
+Each test runs one swap (out or in, of two or three requests, on a GQA layout with a sliding
+window and on DeepSeek-V4) once per fault point ``k``: the ``k``-th call of a pool or table
+method raises ``KeyboardInterrupt`` (every ``k`` until the swap runs with no fault), or, for
+the scheduler side alone, the ``k``-th line executed in the swap book and the tables does.
+After each interrupt:
+
+- every request is exactly one of running, swapped out, or in a plan still in flight;
+- the pools hold exactly what the tables and the swapped requests hold: each device block's
+  reference count is the number of table cells naming it (free rows name none), and the used
+  host pages are those of swapped requests and of swap-out plans in flight;
+- an interrupt while planning changed nothing; one while completing left the plan in flight
+  exactly as it was, and completing it again settles it;
+- then the swap finishes, the bytes come back intact (through the facade), and once every
+  request is freed every pool is fully free.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from _helpers import grow
+
+from kvforge import CacheController, GQABackend
+from kvforge.core.layout import CacheLayout
+from kvforge.core.values import PrefixQuery, SwapFailure, SwapResult
+from kvforge.models import from_hf_config
+from kvforge.scheduler import swap_book, tables
+from kvforge.scheduler.block_manager import BlockManager
+from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
+from kvforge.scheduler.tables import RequestTables
+from kvforge.verify import verify_request, write_request
+
+# ------------------------------------------------------------------ the layouts
+
+
+def gqa():
+    return {0: GQABackend(2, 8, 4), 1: GQABackend(2, 8, 4, sliding_window=8)}
+
+
+def deepseek_v4():
+    return from_hf_config("deepseek-v4-tiny")
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    backends: Callable[[], object]
+    lengths: dict[str, int]  # b's 44 GQA tokens are the 11 kv pages of the issue's example
+    blocks: int  # device blocks and host pages per group
+
+
+CASES = {
+    "gqa": Case(gqa, {"a": 13, "b": 44, "c": 7}, 40),
+    "deepseek_v4": Case(deepseek_v4, {"a": 300, "b": 41, "c": 700}, 80),
+}
+#: (direction, the requests swapped before the swap under test, the batch under test)
+SWAPS = [
+    ("out", [], ["a", "b"]),
+    ("out", [], ["c", "a", "b"]),
+    ("in", ["a", "b"], ["b", "a"]),
+    ("in", ["a", "b", "c"], ["a", "c", "b"]),
+]
+SWAP_IDS = [f"{d}-{''.join(batch)}" for d, _, batch in SWAPS]
+
+# ------------------------------------------------------------------ fault injection
+
+
+class Interrupt:
+    """Raise ``KeyboardInterrupt`` at the ``k``-th fault point, once."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.seen, self.fired = k, 0, False
+
+    def point(self) -> None:
+        self.seen += 1
+        if self.seen == self.k:
+            self.fired = True
+            raise KeyboardInterrupt(f"fault point {self.k}")
+
+
+@contextmanager
+def on_call(owner: type, name: str, fault: Interrupt) -> Iterator[None]:
+    """Fault points: the calls of ``owner.name``, before it does anything."""
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        fault.point()
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner, name, wrapper)
+        yield
+
+
+TRACED = {swap_book.__file__, tables.__file__}
+
+
+@contextmanager
+def on_line(fault: Interrupt) -> Iterator[None]:
+    """Fault points: every line the swap book and the tables execute (between any two of
+    their statements). A trace function that raises is unset by Python, so it fires once."""
+
+    def local(frame, event, arg):
+        if event == "line":
+            fault.point()
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename in TRACED else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+CALLS = [
+    ("release", lambda f: on_call(BlockPool, "release", f)),
+    ("take", lambda f: on_call(BlockPool, "take", f)),
+    ("release_rows", lambda f: on_call(RequestTables, "release_rows", f)),
+]
+#: (method, direction) pairs a successful swap never calls: release_rows frees the rows of a
+#: swap out; a swap in only takes device blocks and releases host pages
+UNCALLED = {("release_rows", "in")}
+
+
+def each_fault() -> Iterator[Interrupt]:
+    """Interrupts at points 1, 2, ... until one does not fire (the swap ran through)."""
+    k = 1
+    while True:
+        fault = Interrupt(k)
+        yield fault
+        if not fault.fired:
+            return
+        k += 1
+
+
+# ------------------------------------------------------------------ the state checks
+
+
+def scheduler_state(m: BlockManager) -> dict[str, object]:
+    """Everything a swap may change, comparable with ``==``."""
+    book = m._book  # the swap book's maps: the manager passes none of them through
+    pools = {id(m.pool(g)): m.pool(g) for g in m.groups}
+    return {
+        "tables": {g: m.table(g).tolist() for g in m.groups},
+        "refs": sorted((p.name, p.ref_counts.tolist()) for p in pools.values()),
+        "host": {g: m.host_pool(g).ref_counts.tolist() for g in m.host_groups},
+        "running": {r: m.row_of(r) for r in m.requests},
+        "swapped": {r: book.swapped[r].host_pages for r in m.swapped_requests},
+        "busy": dict(book.busy),
+        "in_flight": [p.plan_id for p in book.plans_in_flight()],
+        "free_rows": m.num_free_rows,
+        "tokens": {r: m.num_tokens(r) for r in [*m.requests, *m.swapped_requests]},
+    }
+
+
+def check_books(m: BlockManager, requests: list[str]) -> dict[str, str]:
+    """Assert the books are consistent; return where each request is."""
+    book = m._book
+    plans = book.plans_in_flight()
+    busy = {mv.request_id: p for p in plans for mv in p.requests}
+    assert busy.keys() == book.busy.keys()
+    where = {}
+    for r in requests:
+        running, swapped = m.is_running(r), m.is_swapped(r)
+        if r in busy:
+            # a swap out in flight keeps the request running, a swap in keeps it swapped
+            assert (running, swapped) == (
+                (True, False) if busy[r].direction == "out" else (False, True)
+            )
+            where[r] = f"in flight {busy[r].direction}"
+        else:
+            assert running != swapped, f"request {r!r}: running={running}, swapped={swapped}"
+            where[r] = "running" if running else "swapped"
+    # device pools: a block's references are the table cells naming it; free rows name none
+    pools: dict[int, tuple[BlockPool, list[str]]] = {}
+    for g in m.groups:
+        pools.setdefault(id(m.pool(g)), (m.pool(g), []))[1].append(g)
+    in_flight_rows = {
+        row
+        for p in plans
+        if p.direction == "in"
+        for row in book._in_flight[p.plan_id].rows.values()
+    }
+    held_rows = sorted({m.row_of(r) for r in m.requests} | in_flight_rows)
+    assert len(held_rows) + m.num_free_rows == m.max_num_seqs
+    for pool, members in pools.values():
+        cells = np.concatenate([m.table(g).ravel() for g in members])
+        cells = cells[cells != NULL_BLOCK]
+        expected = np.bincount(cells, minlength=pool.num_blocks)
+        assert pool.ref_counts.tolist() == expected.tolist(), f"pool {pool.name!r}"
+        free_rows = sorted(set(range(m.max_num_seqs)) - set(held_rows))
+        assert not any(m.table(g)[free_rows].any() for g in members)
+    # host pools: the pages of swapped requests and of swap-out plans in flight, each once
+    pages: dict[str, list[int]] = {g: [] for g in m.host_groups}
+    for r in m.swapped_requests:
+        for g, ids in book.swapped[r].host_pages.items():
+            pages[g] += ids.tolist()
+    for p in plans:
+        if p.direction == "out":
+            for mv in p.requests:
+                for g, ids in mv.host_pages.items():
+                    pages[g] += ids.tolist()
+    for g in m.host_groups:
+        refs = m.host_pool(g).ref_counts
+        assert sorted(pages[g]) == np.flatnonzero(refs).tolist() and refs.max(initial=0) <= 1
+    return where
+
+
+def check_all_free(m: BlockManager) -> None:
+    for g in m.groups:
+        assert m.num_free_blocks(g) == m.num_usable_blocks(g), g
+    for g in m.host_groups:
+        assert m.host_pool(g).num_used == 0, g
+    assert m.num_free_rows == m.max_num_seqs and m._book.plans_in_flight() == ()
+
+
+def settle(m: BlockManager, result: Callable[[int], SwapResult]) -> None:
+    """Complete every plan still in flight: what an engine does after an interrupt."""
+    for plan in m._book.plans_in_flight():
+        m.complete_swap(result(plan.plan_id))
+
+
+# ------------------------------------------------------------------ the scheduler side alone
+
+
+def manager_for(case: Case, swapped: list[str], prefix: bool = False) -> BlockManager:
+    """A fresh copy of the manager with ``case``'s requests grown (built once per case)."""
+    base = _built(case, tuple(swapped), prefix)
+    return copy.deepcopy(base, {id(base._lock): threading.RLock()})
+
+
+@functools.cache
+def _built(case: Case, swapped: tuple[str, ...], prefix: bool) -> BlockManager:
+    layout = CacheLayout(case.backends())
+    blocks = dict.fromkeys((g.name for g in layout.groups), case.blocks)
+    m = BlockManager(layout, blocks, 8, 1024, enable_prefix_caching=prefix)
+    m.init_host({g.name: case.blocks for g in layout.groups if layout.host_page_bytes(g.name)})
+    tokens = {r: [i * 1000 + t for t in range(n)] for i, (r, n) in enumerate(case.lengths.items())}
+    if prefix:  # b starts with a's first 12 tokens: it shares a's cached blocks
+        tokens["b"][:12] = tokens["a"][:12]
+    for r, n in case.lengths.items():
+        done, match = 0, None
+        if prefix:
+            [match] = m.lookup([PrefixQuery(tokens[r])])
+            done = match.num_tokens
+        while done < n:
+            count = min(64, n - done)
+            step = m.schedule(
+                [r],
+                [count],
+                new_token_ids=[tokens[r][done : done + count]] if prefix else None,
+                prefix_matches=[match] if match is not None else None,
+            )
+            assert step.request_ids == (r,), step.refused
+            m.end_step(step)
+            done, match = done + int(step.num_new[0]), None
+    if swapped:
+        m.complete_swap(SwapResult(m.plan_swap_out(list(swapped)).plan_id))
+    return m
+
+
+FAILED = SwapFailure("copy", "", "RuntimeError", "the worker failed")
+
+
+def run_manager_swap(m, direction, batch, ok, inject=None, fault=None, states=None) -> None:
+    """Plan the swap, then complete it, with faults injected in each call (not in the state
+    snapshots taken before each, into ``states``)."""
+    region = (lambda: inject(fault)) if inject is not None else nullcontext
+    if states is not None:
+        states.append(scheduler_state(m))
+    with region():
+        plan = m.plan_swap_out(batch) if direction == "out" else m.plan_swap_in(batch)
+    if states is not None:
+        states.append(scheduler_state(m))
+    with region():
+        m.complete_swap(SwapResult(plan.plan_id, None if ok else FAILED))
+
+
+def sweep_manager(case: Case, swapped, direction, batch, inject, ok=True, prefix=False):
+    requests = list(case.lengths)
+    fired = 0
+    for fault in each_fault():
+        m = manager_for(case, swapped, prefix)
+        states: list = []
+        try:
+            run_manager_swap(m, direction, batch, ok, inject, fault, states)
+        except KeyboardInterrupt:
+            assert fault.fired
+        else:
+            assert not fault.fired
+        where = check_books(m, requests)
+        if fault.fired:
+            fired += 1
+            # struck while planning: nothing changed; while completing: the plan is still in
+            # flight exactly as it was
+            assert scheduler_state(m) == states[-1]
+            if len(states) == 2:
+                assert [where[r] for r in batch] == [f"in flight {direction}"] * len(batch)
+                settle(m, lambda plan_id: SwapResult(plan_id, None if ok else FAILED))
+            else:
+                assert m._book.plans_in_flight() == ()
+                run_manager_swap(m, direction, batch, ok)
+        where = check_books(m, requests)
+        moved = (direction == "out") == ok
+        target = "swapped" if moved else "running"
+        assert all(where[r] == target for r in batch), where
+        assert all(
+            where[r] == ("swapped" if r in swapped else "running")
+            for r in requests
+            if r not in batch
+        )
+        m.finish(requests)
+        check_all_free(m)
+    return fired
+
+
+@pytest.mark.parametrize(("direction", "swapped", "batch"), SWAPS, ids=SWAP_IDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("method", "inject"), CALLS, ids=[c[0] for c in CALLS])
+def test_manager_interrupted_at_every_call(case, direction, swapped, batch, method, inject):
+    fired = sweep_manager(CASES[case], swapped, direction, batch, inject)
+    assert fired >= (0 if (method, direction) in UNCALLED else 1)
+
+
+@pytest.mark.parametrize(("direction", "swapped", "batch"), SWAPS[::2], ids=SWAP_IDS[::2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_manager_interrupted_at_every_line(case, direction, swapped, batch):
+    assert sweep_manager(CASES[case], swapped, direction, batch, on_line) > 50
+
+
+@pytest.mark.parametrize(("direction", "swapped", "batch"), SWAPS[::2], ids=SWAP_IDS[::2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_failed_swaps_interrupted_at_every_line(case, direction, swapped, batch):
+    # a failed result gives back what the plan reserved; that too is all or nothing
+    assert sweep_manager(CASES[case], swapped, direction, batch, on_line, ok=False) > 50
+
+
+@pytest.mark.parametrize(("direction", "swapped", "batch"), SWAPS[:1] + SWAPS[2:3])
+def test_shared_and_cached_blocks_interrupted_at_every_line(direction, swapped, batch):
+    # with prefix caching b shares a's first blocks (two references, released twice in one
+    # call) and released blocks become evictable rather than free: undone by share
+    m = manager_for(CASES["gqa"], swapped, prefix=True)
+    if not swapped:
+        assert m.pool("kv").ref_counts.max() == 2
+    fired = sweep_manager(CASES["gqa"], swapped, direction, batch, on_line, prefix=True)
+    assert fired > 50
+
+
+def test_retrying_with_a_failed_result_settles_too():
+    # an interrupt while completing a swap out: the engine may also report the swap failed
+    m = manager_for(CASES["gqa"], [])
+    plan = m.plan_swap_out(["a", "b"])
+    fault = Interrupt(2)
+    with pytest.raises(KeyboardInterrupt), on_call(BlockPool, "release", fault):
+        m.complete_swap(SwapResult(plan.plan_id))
+    assert check_books(m, ["a", "b", "c"]) == {
+        "a": "in flight out",
+        "b": "in flight out",
+        "c": "running",
+    }
+    m.complete_swap(SwapResult(plan.plan_id, FAILED))
+    assert check_books(m, ["a", "b", "c"]) == dict.fromkeys("abc", "running")
+    with pytest.raises(ValueError, match=f"swap plan {plan.plan_id} is not in flight"):
+        m.complete_swap(SwapResult(plan.plan_id))
+    m.finish(["a", "b", "c"])
+    check_all_free(m)
+
+
+# ------------------------------------------------------------------ through the facade
+
+
+def controller_for(
+    case: Case, swapped: list[str], write: bool = True
+) -> tuple[CacheController, dict[str, int]]:
+    ctl = CacheController(case.backends())
+    ctl.initialize_kv_cache(num_blocks=case.blocks, max_num_seqs=8, max_model_len=1024)
+    ctl.initialize_host_cache(num_pages=case.blocks)
+    written = {}
+    for i, (r, n) in enumerate(case.lengths.items()):
+        grow(ctl, r, n)
+        if write:  # DeepSeek-V4's 512-wide entries take a second per request to write
+            written[r] = write_request(ctl, r, seed=i, positions=range(n))
+    if swapped:
+        ctl.swap_out_many(swapped)
+    return ctl, written
+
+
+def check_bytes(ctl: CacheController, written: dict[str, int]) -> None:
+    for r in ctl.requests + ctl.swapped_requests:
+        if ctl.is_swapped(r):
+            ctl.swap_in(r)
+        if r in written:
+            check = verify_request(ctl, r, seed=list(written).index(r))
+            assert (check.entries, check.mismatched) == (written[r], 0), r
+
+
+@pytest.mark.parametrize(("direction", "swapped", "batch"), SWAPS[::2], ids=SWAP_IDS[::2])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("method", "inject"), CALLS, ids=[c[0] for c in CALLS])
+def test_facade_interrupted_at_every_call(case, direction, swapped, batch, method, inject):
+    requests = list(CASES[case].lengths)
+    fired = 0
+    for fault in each_fault():
+        ctl, written = controller_for(CASES[case], swapped, write=case == "gqa")
+        m = ctl.scheduler
+        before = scheduler_state(m)
+        swap = ctl.swap_out_many if direction == "out" else ctl.swap_in_many
+        try:
+            with inject(fault):
+                swap(batch)
+        except KeyboardInterrupt:
+            fired += 1
+            check_books(m, requests)
+            if m._book.plans_in_flight():
+                # the worker moved the bytes; the scheduler side had not finished: complete it
+                settle(m, SwapResult)
+            else:
+                assert scheduler_state(m) == before
+                swap(batch)
+        where = check_books(m, requests)
+        target = "swapped" if direction == "out" else "running"
+        assert all(where[r] == target for r in batch), where
+        check_bytes(ctl, written)
+        ctl.free_requests(requests)
+        check_all_free(m)
+        ctl.free()
+    assert fired >= (0 if (method, direction) in UNCALLED else 1)
+
+
+def test_the_issue_example_loses_no_request_and_no_page():
+    # a KeyboardInterrupt inside complete_swap during swap_out_many(["a", "b"]) made b vanish
+    # and leaked its 11 host pages
+    ctl, written = controller_for(CASES["gqa"], [])
+    m = ctl.scheduler
+    with (
+        pytest.raises(KeyboardInterrupt) as info,
+        on_call(RequestTables, "release_rows", Interrupt(1)),
+    ):
+        ctl.swap_out_many(["a", "b"])
+    assert "is still in flight, as it was before complete_swap" in info.value.__notes__[0]
+    assert check_books(m, ["a", "b", "c"]) == {
+        "a": "in flight out",
+        "b": "in flight out",
+        "c": "running",
+    }
+    [plan] = m._book.plans_in_flight()
+    assert ctl.host_pool_usage()["kv"] == (4 + 11, 39)  # reserved by the plan, not leaked
+    m.complete_swap(SwapResult(plan.plan_id))
+    assert ctl.swapped_requests == ["a", "b"] and ctl.requests == ["c"]
+    check_bytes(ctl, written)
+    ctl.free_requests(["a", "b", "c"])
+    check_all_free(m)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_freeing_a_swapped_request_interrupted_keeps_or_frees_all_its_pages(case):
+    requests = list(CASES[case].lengths)
+    for fault in each_fault():
+        m = manager_for(CASES[case], ["a", "b"])
+        before = scheduler_state(m)
+        try:
+            with on_call(BlockPool, "release", fault):
+                m.finish(["b"])
+        except KeyboardInterrupt:
+            assert fault.fired
+            assert check_books(m, requests) == {"a": "swapped", "b": "swapped", "c": "running"}
+            assert scheduler_state(m) == before
+            m.finish(["b"])
+        assert check_books(m, ["a", "c"]) == {"a": "swapped", "c": "running"}
+        assert not m.is_swapped("b") and not m.is_running("b")
+        m.finish(["a", "c"])
+        check_all_free(m)
