@@ -69,6 +69,8 @@ class DeltaOrderError(WorkerRefusedError):
         self.expected, self.got, self.group = expected, got, group
         if not isinstance(got, int) or isinstance(got, bool) or got < 0:
             why = "it was never handed out (take deltas from take_table_deltas or a step)"
+        elif got == expected + 1:
+            why = f"a gap: delta {expected} was never mirrored"
         elif got > expected:
             why = f"a gap: deltas {expected}..{got - 1} were never mirrored"
         else:
@@ -92,11 +94,11 @@ class BlockRangeError(WorkerRefusedError):
 
     def __init__(self, action: str, what: str, group: str, value: int, low: int, high: int) -> None:
         self.what, self.group, self.value, self.low, self.high = what, group, value, low, high
-        null = " (0 is the null block)" if what == "block id" and low == 1 else ""
-        null = " (0 is the null page)" if what == "host page" and low == 1 else null
+        null = {"block id": " (0 is the null block)", "host page": " (0 is the null page)"}
+        note = null.get(what, "") if value == 0 and low == 1 else ""
+        where = f" of group {group!r}" if group else ""
         super().__init__(
-            f"{action}: {what} {value} of group {group!r} is outside [{low}, {high}){null}; "
-            "nothing changed"
+            f"{action}: {what} {value}{where} is outside [{low}, {high}){note}; nothing changed"
         )
 
 

@@ -22,7 +22,12 @@ Invariants:
   raw ``uint8 [N, device_block_bytes]`` allocation, built as the default ``create_kv_cache``
   builds a buffer (:func:`~kvforge.attn_backends.base.block_buffer_view`);
 - a failed swap is reported, never raised past the worker boundary, after every copy it
-  queued has finished (``synchronize``), so the scheduler side may hand the blocks out again.
+  queued has finished (``synchronize``), so the scheduler side may hand the blocks out again;
+- nothing it receives is trusted (:mod:`kvforge.worker.guard`): table deltas are mirrored in
+  their sequence only (``TableDelta.seq``), every row, column, block id and host page is
+  range-checked, a swap plan runs at most once, and a copy or swap writes only blocks its
+  request's mirrored row holds and no other row does. A refused value raises a
+  :class:`~kvforge.errors.WorkerRefusedError` before anything is mirrored or moved.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from kvforge.core.values import (
 from kvforge.errors import ControllerClosedError
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
+from kvforge.worker import guard
 from kvforge.worker.host_pool import HostPools, HostViews
 from kvforge.worker.overlap import PoolMember, find_overlap, plane_extent
 from kvforge.worker.transfer import SwapStreams, move_pages, plane_bytes
@@ -141,6 +147,7 @@ class CacheStorage:
         self._host_caches: list[dict[CacheKey, torch.Tensor]] = []
         self._streams: SwapStreams | None = None
         self._copies: list[SwapExecution] = []
+        self._verify = guard.Verifier({}, {}, {})  # bound to the tables by _install
         self._closed = False
         self._lock = threading.RLock()
 
@@ -355,6 +362,11 @@ class CacheStorage:
         self._tables = {
             name: np.zeros((max_num_seqs, width), dtype=np.int32) for name, width in widths.items()
         }
+        mates = {
+            g.name: tuple(m for m in self.layout.pool_of(g.name, share_pools) if m != g.name)
+            for g in self.layout.groups
+        }
+        self._verify = guard.Verifier(self._tables, self._num_blocks, mates)
         if self.platform.is_accelerator:  # pragma: no cover - accelerators only
             self._device_tables = {
                 name: torch.zeros(t.shape, dtype=torch.int32, device=self.device)
@@ -420,43 +432,76 @@ class CacheStorage:
     # ================================================================== block tables, steps
 
     def apply_deltas(self, deltas: Sequence[TableDelta]) -> None:
-        """Mirror table changes made by the scheduler side, in order."""
+        """Mirror table changes made by the scheduler side, in their sequence, all or nothing.
+
+        Raises:
+            DeltaOrderError: delta ``i`` does not have ``seq == next_seq + i``.
+            BlockRangeError: a row, column or block id outside the table or the group's pool
+                (block id ``0`` is allowed: it empties a cell).
+            WorkerRefusedError: a malformed delta or an unknown group.
+        """
         with self._lock:
             self._ready()
-            for delta in deltas:
-                table = self._tables.get(delta.group)
-                if table is None:
-                    raise ValueError(f"table delta for unknown group {delta.group!r}")
-                delta.apply(table)
-                dev = self._device_tables.get(delta.group)
-                if dev is not None:  # pragma: no cover - accelerators only
-                    _apply_on_device(dev, delta)
+            self._verify.deltas(deltas)
+            self._mirror(deltas)
+
+    def _mirror(self, deltas: Sequence[TableDelta]) -> None:
+        for delta in deltas:
+            delta.apply(self._tables[delta.group])
+            dev = self._device_tables.get(delta.group)
+            if dev is not None:  # pragma: no cover - accelerators only
+                _apply_on_device(dev, delta)
+        self._verify.mirrored(deltas)
+
+    @property
+    def next_seq(self) -> int:
+        """The ``TableDelta.seq`` this worker mirrors next (how many deltas it mirrored)."""
+        return self._verify.next_seq
 
     def apply(self, step: StepAllocation) -> StepInputs:
         """Mirror a step's table changes and compute its slot mappings.
 
         Slot mappings are one ``int64`` array per ``(group, compress_ratio)`` over every token
         of the step, in request order: vectorized numpy on CPU (no per-token Python).
+
+        Raises:
+            WorkerRefusedError (and subclasses): as :meth:`apply_deltas`, or a step row
+                outside the tables; nothing is mirrored then.
         """
-        self.apply_deltas(step.table_deltas)
-        index, positions = ops.token_positions(step.num_computed, step.num_new, check=False)
-        rows = step.rows[index]
-        slots: dict[tuple[str, int], Any] = {}
-        for g in self.layout.groups:
-            table = self._tables[g.name]
-            for ratio in self.layout.compress_ratios(g.name):
-                slots[(g.name, ratio)] = ops.slot_mapping(
-                    table, rows, positions, g.block_size, ratio, check=False
-                )
-        tables: dict[str, Any] = self._device_tables or self._tables
-        return StepInputs(index, positions, slots, dict(tables))
+        with self._lock:
+            self._ready()
+            verify = self._verify
+            verify.step(step)
+            self._mirror(step.table_deltas)
+            verify.stepped(step.rows)
+            index, positions = ops.token_positions(step.num_computed, step.num_new, check=False)
+            rows = step.rows[index]
+            slots: dict[tuple[str, int], Any] = {}
+            for g in self.layout.groups:
+                table = self._tables[g.name]
+                for ratio in self.layout.compress_ratios(g.name):
+                    slots[(g.name, ratio)] = ops.slot_mapping(
+                        table, rows, positions, g.block_size, ratio, check=False
+                    )
+            tables: dict[str, Any] = self._device_tables or self._tables
+            return StepInputs(index, positions, slots, dict(tables))
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Copy whole blocks of every (layer, role) of a group, ``src[i]`` to ``dst[i]``: the
         per-request state snapshots of prefix reuse (``StepAllocation.copies_before`` before
-        a step's kernels, ``copies_after`` after them)."""
+        a step's kernels, ``copies_after`` after them) and copies on write; all or nothing.
+
+        Raises:
+            BlockRangeError: a source or destination outside ``[1, num_blocks)`` (the null
+                block and negative ids included), or a row outside the tables.
+            BlockOwnershipError: a destination that a mirrored row other than
+                ``BlockCopy.row`` holds (any row, for ``row == -1``) or a row of another group
+                of its shared pool, or, for ``row >= 0``, one that is not in that row.
+            WorkerRefusedError: a malformed copy or an unknown group.
+        """
         with self._lock:
             caches = self._ready()
+            self._verify.copies(copies)
             for copy in copies:
                 src = torch.from_numpy(np.asarray(copy.src, dtype=np.int64)).to(self.device)
                 dst = torch.from_numpy(np.asarray(copy.dst, dtype=np.int64)).to(self.device)
@@ -468,10 +513,11 @@ class CacheStorage:
         self, row: int, group: str, positions: np.ndarray, compress_ratio: int
     ) -> np.ndarray:
         """Slots of ``positions`` (``int64``) of the request in table ``row``, from the mirror."""
-        table = self.block_table(group)
-        rows = np.full(positions.shape, row, dtype=np.int64)
-        block_size = self.layout.group(group).block_size
-        return ops.slot_mapping(table, rows, positions, block_size, compress_ratio)
+        with self._lock:
+            table = self.block_table(group)
+            rows = np.full(positions.shape, row, dtype=np.int64)
+            block_size = self.layout.group(group).block_size
+            return ops.slot_mapping(table, rows, positions, block_size, compress_ratio)
 
     def block_table(self, group: str) -> np.ndarray:
         """The mirrored table of ``group`` (numpy, host side)."""
@@ -533,6 +579,20 @@ class CacheStorage:
         that raises or a copy that fails is reported in the result (after every queued copy
         finished), never raised. Hand ``execution.result`` to the scheduler side's
         ``complete_swap``; keep ``execution.event`` / ``keep_alive`` until the copies are done.
+
+        The plan is verified first (:func:`kvforge.worker.guard.check_plan`) against the
+        mirror, so mirror ``take_table_deltas()`` after planning and before executing (a swap
+        in's new rows are such deltas). A refused plan raises before any hook or byte, and its
+        id is not spent: give the scheduler side a failed result for it (``complete_swap``)
+        when it is that side's plan, as the facade does.
+
+        Raises:
+            PlanReplayError: the plan's id was executed already (a retry or a replay).
+            BlockRangeError: a device block, block index or host page out of range, or the
+                null block or page.
+            BlockOwnershipError: a move's blocks are not what one mirrored row holds at its
+                indices, or a swap in would write a running or another row's block.
+            WorkerRefusedError: a malformed plan.
         """
         with self._lock:
             return self._execute(plan)
@@ -541,6 +601,9 @@ class CacheStorage:
         self._ready()
         if not isinstance(plan, SwapPlan):
             raise TypeError(f"plan must be a SwapPlan, got {type(plan).__name__}")
+        host = self.host  # raises before initialize_host_cache
+        pages = {g: p.num_pages for g, p in host.groups.items() if g in self._planes}
+        self._verify.plan(plan, pages)
         self._copies = [c for c in self._copies if not _finished(c)]
         stage: Literal["hook", "copy"] = "hook"
         current = ""

@@ -1,0 +1,544 @@
+"""What the worker side checks before it mirrors a table delta or moves a byte.
+
+The worker trusts nothing it receives: a delta, a step, a copy or a swap plan may be replayed
+by an RPC retry, reordered by a transport, come from another scheduler, or be forged. Every
+check here runs before the first change, so a refused call leaves the mirrored tables and the
+caches exactly as they were, and raises a :class:`~kvforge.errors.WorkerRefusedError`
+subclass.
+
+- :func:`check_deltas`: ``TableDelta.seq`` continues the worker's sequence (no gap, repeat or
+  reordering); rows, columns and block ids lie within the table and the group's pool (``0``
+  is allowed in a delta: it clears a cell). Range checks are one reduction per array.
+- :func:`check_step`: a step's rows lie within the tables (a negative row would read another
+  request's table row, and its kernels would write there).
+- :func:`check_copies`: source and destination ids lie in ``[1, num_blocks)``; a destination
+  is held by no mirrored row other than ``BlockCopy.row`` (none at all for ``-1``), by no row
+  of another group of its shared pool, and lies in ``row`` when ``row >= 0``.
+- :func:`check_plan`: the plan id was never executed (:class:`PlanLedger`); device blocks,
+  block indices and host pages are in range; every move's blocks are what one mirrored row
+  holds at the move's indices; a swap in writes only blocks that are in its row and in no
+  other row (shared blocks are read-only).
+
+:class:`Verifier` holds what a worker remembers between calls (the next ``seq``, the plan
+ids executed, the rows steps wrote since they were last emptied) and binds the checks to the
+storage's tables. Costs: a step pays a few attribute reads per delta and one reduction per
+array kind and group (the max of its values viewed unsigned, so a negative id reads as huge);
+ownership costs a pass over a group's table (a boolean lookup per cell), paid only by the
+copies and plans that write blocks, never by a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from kvforge.core.values import BlockCopy, RequestMove, StepAllocation, SwapPlan, TableDelta
+from kvforge.errors import (
+    BlockOwnershipError,
+    BlockRangeError,
+    DeltaOrderError,
+    PlanReplayError,
+    WorkerRefusedError,
+)
+
+__all__ = [
+    "PlanLedger",
+    "Verifier",
+    "check_copies",
+    "check_deltas",
+    "check_plan",
+    "check_step",
+]
+
+_UNSIGNED = {
+    np.dtype(np.int32): np.dtype(np.uint32),
+    np.dtype(np.int64): np.dtype(np.uint64),
+    np.dtype(np.int16): np.dtype(np.uint16),
+    np.dtype(np.int8): np.dtype(np.uint8),
+}
+
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+_I32 = np.dtype(np.int32)
+_U32 = np.dtype(np.uint32)
+_MAX = np.maximum.reduce
+
+
+def _ints(value: object, action: str, what: str) -> np.ndarray:
+    """``value`` as a 1-d integer array (no copy for one); anything else is refused."""
+    if type(value) is np.ndarray and value.dtype is _I32 and value.ndim == 1:
+        return value  # the scheduler side's arrays: no further look
+    arr = np.asarray(value)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise WorkerRefusedError(
+            f"{action}: {what} must be a 1-d integer array, got {arr.dtype} of shape "
+            f"{arr.shape}; nothing changed"
+        )
+    return arr
+
+
+def _below(arr: np.ndarray, high: int) -> bool:
+    """Every value of ``arr`` in ``[0, high)``: one reduction (negatives read as huge)."""
+    if not len(arr):
+        return True
+    if arr.dtype is _I32:
+        return bool(_MAX(arr.view(_U32)) < high)
+    unsigned = _UNSIGNED.get(arr.dtype)
+    if unsigned is not None:
+        return int(_MAX(arr.view(unsigned))) < high
+    return int(arr.min()) >= 0 and int(arr.max()) < high
+
+
+def _range(arr: np.ndarray, low: int, high: int, action: str, what: str, group: str) -> None:
+    """Refuse the first value of ``arr`` outside ``[low, high)``."""
+    if not len(arr):
+        return
+    ok = _below(arr, high) if low == 0 else int(arr.min()) >= low and int(arr.max()) < high
+    if not ok:
+        bad = arr[(arr < low) | (arr >= high)]
+        raise BlockRangeError(action, what, group, int(bad[0]), low, high)
+
+
+# ====================================================================== deltas and steps
+
+
+def check_deltas(
+    deltas: Sequence[TableDelta],
+    next_seq: int,
+    tables: Mapping[str, np.ndarray],
+    num_blocks: Mapping[str, int],
+) -> None:
+    """Refuse the whole batch unless delta ``i`` has ``seq == next_seq + i`` and every row,
+    column and block id lies within its table and pool (block id ``0`` clears a cell).
+
+    A delta costs a few attribute reads; the range checks run once per group and array over
+    the batch (one reduction each), however many deltas it holds."""
+    action = "apply_deltas"
+    cells: dict[str, tuple[list[np.ndarray], ...]] = {}  # group -> clears, rows, cols, ids
+    for i, delta in enumerate(deltas):
+        if type(delta) is not TableDelta:
+            raise WorkerRefusedError(
+                f"{action}: expected TableDelta values, got {type(delta).__name__}; "
+                "nothing was mirrored"
+            )
+        seq, group = delta.seq, delta.group
+        if seq != next_seq + i or type(seq) is not int:
+            raise DeltaOrderError(next_seq + i, seq, group)
+        acc = cells.get(group)
+        if acc is None:
+            if group not in tables:
+                raise WorkerRefusedError(
+                    f"table delta for unknown group {group!r}; nothing was mirrored"
+                )
+            acc = cells[group] = ([], [], [], [])
+        if len(delta.clear_rows):
+            acc[0].append(_ints(delta.clear_rows, action, "clear_rows"))
+        n = len(delta.rows)
+        if n or len(delta.cols) or len(delta.block_ids):
+            rows = _ints(delta.rows, action, "rows")
+            cols = _ints(delta.cols, action, "cols")
+            ids = _ints(delta.block_ids, action, "block_ids")
+            if len(cols) != n or len(ids) != n:
+                raise WorkerRefusedError(
+                    f"{action}: delta of group {group!r} has {n} rows, {len(cols)} cols and "
+                    f"{len(ids)} block ids; nothing was mirrored"
+                )
+            acc[1].append(rows)
+            acc[2].append(cols)
+            acc[3].append(ids)
+    for group, (clears, rows, cols, ids) in cells.items():
+        num_rows, width = tables[group].shape
+        _range(_cat(clears), 0, num_rows, action, "row", group)
+        _range(_cat(rows), 0, num_rows, action, "row", group)
+        _range(_cat(cols), 0, width, action, "column", group)
+        _range(_cat(ids), 0, num_blocks[group], action, "block id", group)
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    """One array of ``arrays`` (int64 when their dtypes differ: a huge unsigned value wraps
+    negative, and is refused as such)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    if not arrays:
+        return _EMPTY
+    if any(a.dtype != arrays[0].dtype for a in arrays):
+        arrays = [a.astype(np.int64) for a in arrays]
+    return np.concatenate(arrays)
+
+
+def check_step(step: StepAllocation, num_rows: int) -> None:
+    """Refuse a step whose rows lie outside the tables (before any delta is mirrored)."""
+    if type(step) is not StepAllocation:
+        raise WorkerRefusedError(
+            f"apply: expected a StepAllocation, got {type(step).__name__}; nothing changed"
+        )
+    rows = step.rows
+    n = len(rows)
+    if len(step.num_computed) != n or len(step.num_new) != n:
+        raise WorkerRefusedError(
+            f"apply: a step of {n} rows has {len(step.num_computed)} num_computed and "
+            f"{len(step.num_new)} num_new; nothing changed"
+        )
+    fast = type(rows) is np.ndarray and rows.dtype is _I32 and rows.ndim == 1
+    if fast and (not n or _MAX(rows.view(_U32)) < num_rows):  # one reduction, the common case
+        return
+    _range(_ints(rows, "apply", "rows"), 0, num_rows, "apply", "row", "")
+
+
+# ====================================================================== copies
+
+
+def check_copies(
+    copies: Sequence[BlockCopy],
+    tables: Mapping[str, np.ndarray],
+    num_blocks: Mapping[str, int],
+    pool_mates: Mapping[str, tuple[str, ...]],
+) -> None:
+    """Refuse the whole batch unless every copy writes only blocks its row may write.
+
+    ``pool_mates[g]``: the other groups of ``g``'s shared pool (their rows hold none of
+    ``g``'s blocks, so a destination must lie in none of them)."""
+    action = "copy_blocks"
+    for copy in copies:
+        if type(copy) is not BlockCopy:
+            raise WorkerRefusedError(
+                f"{action}: expected BlockCopy values, got {type(copy).__name__}; nothing "
+                "was copied"
+            )
+        group, row = copy.group, copy.row
+        table = tables.get(group)
+        if table is None:
+            raise WorkerRefusedError(f"{action}: unknown group {group!r}; nothing was copied")
+        src = _ints(copy.src, action, "src")
+        dst = _ints(copy.dst, action, "dst")
+        if len(src) != len(dst):
+            raise WorkerRefusedError(
+                f"{action}: copy of group {group!r} has {len(src)} sources and {len(dst)} "
+                "destinations; nothing was copied"
+            )
+        if not len(dst):
+            continue
+        nb = num_blocks[group]
+        _range(src, 1, nb, action, "block id", group)
+        _range(dst, 1, nb, action, "block id", group)
+        num_rows = table.shape[0]
+        if type(row) is not int or not -1 <= row < num_rows:
+            raise BlockRangeError(action, "row", group, row, -1, num_rows)  # type: ignore[arg-type]
+        if len(np.unique(dst)) != len(dst):
+            raise WorkerRefusedError(
+                f"{action}: copy of group {group!r} writes a block twice ({dst.tolist()}); "
+                "nothing was copied"
+            )
+        mark = np.zeros(nb, dtype=bool)
+        mark[dst] = True
+        if row >= 0:
+            mine = table[row]
+            missing = ~np.isin(dst, mine)
+            if missing.any():
+                block = int(dst[missing][0])
+                raise BlockOwnershipError(
+                    f"{action}: block {block} of group {group!r} is not in row {row}, which "
+                    "the copy writes for; nothing was copied",
+                    group,
+                    block,
+                    row,
+                    -1,
+                )
+        _refuse_held(mark, table, row, group, action, "the copy")
+        for mate in pool_mates.get(group, ()):
+            _refuse_held(mark, tables[mate], -1, mate, action, "the copy")
+
+
+def _refuse_held(
+    mark: np.ndarray, table: np.ndarray, own: int | np.ndarray, group: str, action: str, what: str
+) -> None:
+    """Refuse when a block marked in ``mark`` lies in a row of ``table`` other than ``own``
+    (``-1``: no row may hold one; an array: the one row each block may lie in, ``+1``)."""
+    hit = mark[table]
+    if isinstance(own, np.ndarray):
+        allowed = (np.arange(table.shape[0], dtype=own.dtype) + 1)[:, None]
+        hit = hit & (own[table] != allowed)
+    elif own >= 0:
+        hit[own] = False
+    if not hit.any():
+        return
+    holder, col = (int(x[0]) for x in np.nonzero(hit))
+    block = int(table[holder, col])
+    row = int(own[block]) - 1 if isinstance(own, np.ndarray) else own
+    raise BlockOwnershipError(
+        f"{action}: block {block} of group {group!r} is held by row {holder} (column {col}), "
+        f"which {what} does not write for: another request's blocks are read-only; "
+        "nothing changed",
+        group,
+        block,
+        row,
+        holder,
+    )
+
+
+# ====================================================================== plans
+
+
+class PlanLedger:
+    """The plan ids a worker executed, so that none runs twice.
+
+    Ids are remembered in a set; past ``keep`` ids the oldest half folds into a floor (every
+    id at or below it counts as executed), so memory stays bounded while plans that arrive
+    out of order within the last ``keep`` are still told apart.
+    """
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.keep = keep
+        self._ids: set[int] = set()
+        self._floor = 0  # plan ids start at 1
+
+    def check(self, plan_id: object) -> None:
+        if type(plan_id) is not int:
+            raise WorkerRefusedError(
+                f"execute: plan_id must be an int, got {plan_id!r}; nothing moved"
+            )
+        if plan_id in self._ids:
+            raise PlanReplayError(plan_id, "was already executed by this worker (a replay)")
+        if plan_id <= self._floor:
+            raise PlanReplayError(
+                plan_id,
+                f"is not above {self._floor}: plan ids start at 1 and every id up to "
+                f"{self._floor} counts as executed (a replay, or older than the last "
+                f"{self.keep} plans)",
+            )
+
+    def record(self, plan_id: int) -> None:
+        self._ids.add(plan_id)
+        if len(self._ids) > 2 * self.keep:
+            oldest = sorted(self._ids)[: self.keep]
+            self._floor = max(self._floor, oldest[-1])
+            self._ids.difference_update(oldest)
+
+    def __contains__(self, plan_id: object) -> bool:
+        return plan_id in self._ids or (type(plan_id) is int and plan_id <= self._floor)
+
+
+def check_plan(
+    plan: SwapPlan,
+    ledger: PlanLedger,
+    tables: Mapping[str, np.ndarray],
+    num_blocks: Mapping[str, int],
+    pool_mates: Mapping[str, tuple[str, ...]],
+    num_pages: Mapping[str, int],
+    stepped: np.ndarray | None = None,
+) -> None:
+    """Refuse a plan unless it is new, in range and owned (see the module docstring).
+
+    ``num_pages``: host pages per offloaded group (the null page 0 included). ``stepped``:
+    ``bool [rows]``, the rows a step wrote since they were last emptied; a swap in writes
+    fresh rows only (its row was emptied, then filled by the plan's own deltas)."""
+    action = "execute"
+    if plan.direction not in ("out", "in"):
+        raise WorkerRefusedError(
+            f"{action}: direction must be 'out' or 'in', got {plan.direction!r}; nothing moved"
+        )
+    ledger.check(plan.plan_id)
+    groups = tuple(plan.groups)
+    if len(set(groups)) != len(groups):
+        raise WorkerRefusedError(f"{action}: plan groups {groups} repeat one; nothing moved")
+    for g in groups:
+        if g not in tables or g not in num_pages:
+            raise WorkerRefusedError(
+                f"{action}: plan moves group {g!r}, which has no offloaded planes or host "
+                "pages here; nothing moved"
+            )
+    per_move: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
+    for move in plan.requests:
+        if type(move) is not RequestMove:
+            raise WorkerRefusedError(
+                f"{action}: expected RequestMove values, got {type(move).__name__}; nothing moved"
+            )
+        keys = set(move.device_blocks)
+        if keys != set(move.host_pages) or keys != set(move.block_indices):
+            raise WorkerRefusedError(
+                f"{action}: request {move.request_id!r} names groups {sorted(keys)} for device "
+                f"blocks, {sorted(move.block_indices)} for indices and "
+                f"{sorted(move.host_pages)} for host pages; nothing moved"
+            )
+        if not keys <= set(groups):
+            raise WorkerRefusedError(
+                f"{action}: request {move.request_id!r} moves groups "
+                f"{sorted(keys - set(groups))} the plan does not list; nothing moved"
+            )
+        arrays = {}
+        for g in keys:
+            blocks = _ints(move.device_blocks[g], action, "device_blocks")
+            cols = _ints(move.block_indices[g], action, "block_indices")
+            pages = _ints(move.host_pages[g], action, "host_pages")
+            if not len(blocks) == len(cols) == len(pages):
+                raise WorkerRefusedError(
+                    f"{action}: request {move.request_id!r} has {len(blocks)} device blocks, "
+                    f"{len(cols)} indices and {len(pages)} host pages in group {g!r}; "
+                    "nothing moved"
+                )
+            _range(blocks, 1, num_blocks[g], action, "block id", g)
+            _range(cols, 0, tables[g].shape[1], action, "column", g)
+            _range(pages, 1, num_pages[g], action, "host page", g)
+            arrays[g] = (blocks, cols)
+        per_move.append(arrays)
+    for g in groups:  # pages (and a swap in's blocks) written at most once per plan
+        pages = [np.asarray(m.host_pages[g]) for m in plan.requests if g in m.host_pages]
+        written = (
+            [pages] if plan.direction == "out" else [pages, [a[g][0] for a in per_move if g in a]]
+        )
+        for arrays, what in zip(written, ("host page", "block"), strict=False):
+            flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+            if len(np.unique(flat)) != len(flat):
+                raise WorkerRefusedError(
+                    f"{action}: the plan writes a {what} of group {g!r} twice; nothing moved"
+                )
+    rows = [
+        _row_of(move, arrays, tables, action)
+        for move, arrays in zip(plan.requests, per_move, strict=True)
+    ]
+    if plan.direction == "in":
+        _check_swap_in(plan, per_move, rows, tables, num_blocks, pool_mates, stepped, action)
+
+
+def _row_of(
+    move: RequestMove,
+    arrays: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    tables: Mapping[str, np.ndarray],
+    action: str,
+) -> int:
+    """The mirrored row that holds every block of ``move`` at the move's indices (the
+    lowest if several share them all), ``-1`` for a move of no block."""
+    candidates: np.ndarray | None = None
+    for g, (blocks, cols) in sorted(arrays.items()):
+        if not len(blocks):
+            continue
+        same = (tables[g][:, cols] == blocks).all(axis=1)
+        candidates = same if candidates is None else candidates & same
+        if not candidates.any():
+            raise BlockOwnershipError(
+                f"{action}: request {move.request_id!r}: no mirrored row holds its blocks "
+                f"{blocks.tolist()[:8]} of group {g!r} at indices {cols.tolist()[:8]} (a plan "
+                "of another scheduler, a forged plan, or deltas not mirrored before the "
+                "plan); nothing moved",
+                g,
+                int(blocks[0]),
+                -1,
+                -1,
+            )
+    return -1 if candidates is None else int(np.flatnonzero(candidates)[0])
+
+
+def _check_swap_in(
+    plan: SwapPlan,
+    per_move: list[dict[str, tuple[np.ndarray, np.ndarray]]],
+    rows: list[int],
+    tables: Mapping[str, np.ndarray],
+    num_blocks: Mapping[str, int],
+    pool_mates: Mapping[str, tuple[str, ...]],
+    stepped: np.ndarray | None,
+    action: str,
+) -> None:
+    """A swap in writes its blocks: each in its request's row and in no other row, and that
+    row is fresh (no step wrote it since it was emptied: it holds no running request)."""
+    used = [r for r in rows if r >= 0]
+    for move, arrays, row in zip(plan.requests, per_move, rows, strict=True):
+        if row >= 0 and stepped is not None and stepped[row]:
+            g = next(k for k in sorted(arrays) if len(arrays[k][0]))
+            block = int(arrays[g][0][0])
+            raise BlockOwnershipError(
+                f"{action}: request {move.request_id!r}: its blocks are those of row {row}, "
+                "which a step wrote since the row was last emptied (a running request's "
+                "row, not one a swap in just filled); nothing moved",
+                g,
+                block,
+                row,
+                row,
+            )
+    if len(set(used)) != len(used):
+        raise WorkerRefusedError(
+            f"{action}: two requests of swap-in plan {plan.plan_id} resolve to one table row "
+            f"({rows}); nothing moved"
+        )
+    for g in plan.groups:
+        owner = np.zeros(num_blocks[g], dtype=np.int32)  # block -> its row + 1
+        for arrays, row in zip(per_move, rows, strict=True):
+            if g in arrays:
+                owner[arrays[g][0]] = row + 1
+        _refuse_held(owner.astype(bool), tables[g], owner, g, action, "the swap in")
+        for mate in pool_mates.get(g, ()):
+            _refuse_held(owner.astype(bool), tables[mate], -1, mate, action, "the swap in")
+
+
+# ====================================================================== the worker's memory
+
+
+class Verifier:
+    """What one worker verified so far, and the checks bound to its tables and pools.
+
+    It remembers the next ``TableDelta.seq``, the plan ids executed (:class:`PlanLedger`)
+    and the rows a step wrote since they were last emptied (a swap in writes only fresh
+    rows). The rows of recent steps are folded in lazily, before a clear, a plan, or every
+    64 steps, so a step pays a list append, not an array write.
+
+    Args:
+        tables: group -> the mirrored table (the storage's own arrays, read live).
+        num_blocks: group -> blocks of its pool.
+        pool_mates: group -> the other groups of its shared pool.
+    """
+
+    def __init__(
+        self,
+        tables: Mapping[str, np.ndarray],
+        num_blocks: Mapping[str, int],
+        pool_mates: Mapping[str, tuple[str, ...]],
+    ) -> None:
+        self.tables, self.num_blocks, self.pool_mates = tables, num_blocks, pool_mates
+        self.num_rows = next(iter(tables.values())).shape[0] if tables else 0
+        self.next_seq = 0
+        self.plans = PlanLedger()
+        self._stepped = np.zeros(self.num_rows, dtype=bool)
+        self._step_rows: list[np.ndarray] = []
+
+    def deltas(self, deltas: Sequence[TableDelta]) -> None:
+        check_deltas(deltas, self.next_seq, self.tables, self.num_blocks)
+
+    def step(self, step: StepAllocation) -> None:
+        check_step(step, self.num_rows)
+        check_deltas(step.table_deltas, self.next_seq, self.tables, self.num_blocks)
+
+    def mirrored(self, deltas: Sequence[TableDelta]) -> None:
+        """Deltas checked by :meth:`deltas` were mirrored: count them, forget emptied rows."""
+        for delta in deltas:
+            if len(delta.clear_rows):
+                self._fold()
+                self._stepped[delta.clear_rows] = False
+        self.next_seq += len(deltas)
+
+    def stepped(self, rows: np.ndarray) -> None:
+        """A step (checked by :meth:`step`) will write ``rows``."""
+        self._step_rows.append(rows)
+        if len(self._step_rows) >= 64:
+            self._fold()
+
+    def copies(self, copies: Sequence[BlockCopy]) -> None:
+        check_copies(copies, self.tables, self.num_blocks, self.pool_mates)
+
+    def plan(self, plan: SwapPlan, num_pages: Mapping[str, int]) -> None:
+        """Check ``plan``, then remember its id: from here on its bytes may move."""
+        self._fold()
+        check_plan(
+            plan,
+            self.plans,
+            self.tables,
+            self.num_blocks,
+            self.pool_mates,
+            num_pages,
+            self._stepped,
+        )
+        self.plans.record(plan.plan_id)
+
+    def _fold(self) -> None:
+        if self._step_rows:
+            self._stepped[np.concatenate(self._step_rows).astype(np.intp)] = True
+            self._step_rows.clear()
