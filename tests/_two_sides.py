@@ -166,6 +166,7 @@ def _scheduler(conn: Any, model: str) -> dict:
     written = call("write", [(manager.row_of(r), n, seeds[r]) for r, n in lengths.items()])
 
     def swap(plan: Any) -> Any:
+        call("deltas", manager.take_table_deltas())  # the worker checks plans against its mirror
         result = call("execute", plan)
         manager.complete_swap(result)
         call("deltas", manager.take_table_deltas())
