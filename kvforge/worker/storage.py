@@ -446,6 +446,8 @@ class CacheStorage:
             self._mirror(deltas)
 
     def _mirror(self, deltas: Sequence[TableDelta]) -> None:
+        if not deltas:
+            return
         for delta in deltas:
             delta.apply(self._tables[delta.group])
             dev = self._device_tables.get(delta.group)
