@@ -287,6 +287,7 @@ class ManagerModel:
             new_token_ids=tokens,
             prefix_matches=list(matches),  # type: ignore[arg-type]
         )
+        self.manager.end_step(alloc)  # a synchronous engine: the step's kernels have run
         for g in self.peak:
             pool = self.manager.pool(g)
             self.peak[g] = max(self.peak[g], pool.num_used + pool.num_evictable)
@@ -906,7 +907,7 @@ def measure_cost(
     tokens = rng.integers(0, 128_000, prompt_len, dtype=np.int64)
     num_blocks = {g.name: 2 + 2 * -(-prompt_len // g.block_size) for g in layout.groups}
     manager = BlockManager(layout, num_blocks, 2, prompt_len + 64, enable_prefix_caching=True)
-    manager.schedule(["first"], [prompt_len], new_token_ids=[tokens])
+    manager.end_step(manager.schedule(["first"], [prompt_len], new_token_ids=[tokens]))
     manager.finish(["first"])
     boundary = manager.boundary
     expected = (prompt_len - 1) // boundary * boundary

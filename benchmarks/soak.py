@@ -501,6 +501,7 @@ class Soak:
                 req = self.model.resident[rid]
                 req.tokens = (req.tokens or []) + toks[rid]
             self.write(rid, befores[rid], befores[rid] + counts[rid])
+        self.ctl.end_step(step)  # the step's kernels (the writes above) ran
 
     def check_refusals(self, refused: Any, befores: dict[str, int], counts: dict[str, int]) -> None:
         """With prefix caching the model does not predict which requests a batch accepts (it
@@ -689,6 +690,7 @@ class Soak:
             [rid], [n], new_token_ids=[prompt[hit : hit + n]], prefix_matches=[match]
         )
         if step.allocation.refused:
+            self.ctl.end_step(step)
             self.check_refusals(step.allocation.refused, {rid: hit}, {rid: n})
             self.count_short(step.allocation.refused)
             self.report.refused += 1
@@ -697,6 +699,7 @@ class Soak:
         self.model.apply_step(rid, n, req.seed)
         req.tokens = prompt[: hit + n]
         self.write(rid, hit, hit + n)
+        self.ctl.end_step(step)
         self.verify(rid)
         self.prompts = [*self.prompts[-31:], prompt]
         if hit:
@@ -709,6 +712,7 @@ class Soak:
             n = min(self.rng.randint(1, 200), len(prompt) - done)
             step = self.ctl.schedule([rid], [n], new_token_ids=[prompt[done : done + n]])
             if step.allocation.refused:
+                self.ctl.end_step(step)
                 self.check_refusals(step.allocation.refused, {rid: done}, {rid: n})
                 self.count_short(step.allocation.refused)
                 self.report.refused += 1
@@ -716,6 +720,7 @@ class Soak:
             self.model.apply_step(rid, n, req.seed)
             req.tokens = prompt[: done + n]
             self.write(rid, done, done + n)
+            self.ctl.end_step(step)
 
     def op_prefix_reset(self) -> None:
         manager = self.ctl.scheduler
@@ -907,6 +912,7 @@ def _bad_stale_match(s: Soak) -> Any:
 
     def call() -> None:
         step = s.ctl.schedule([rid], [1], new_token_ids=[extra], prefix_matches=[match])
+        s.ctl.end_step(step)
         [refusal] = step.allocation.refused
         assert refusal.reason == "stale_prefix" and not step.allocation.request_ids, refusal
         raise StepRefused(refusal.message)

@@ -1,7 +1,7 @@
 """kvforge: attention-backend-centric KV cache allocation, paging and offload.
 
 Import cost is torch + pydantic only, and names are loaded on first use: a scheduler process
-that imports :mod:`kvforge.cache_controller` never loads the worker side, the host cache or
+that imports :mod:`kvforge.scheduler` never loads the worker side, the host cache or
 the kernels. Triton, ``torch_npu`` and ``triton-ascend`` are imported when first used.
 """
 
@@ -41,6 +41,10 @@ _EXPORTS: dict[str, str] = {
     "ControllerClosedError": "kvforge.errors",
     "OutOfBlocksError": "kvforge.errors",
     "RequestStateError": "kvforge.errors",
+    "StepError": "kvforge.errors",
+    "WorkerRefusedError": "kvforge.errors",
+    "ExtraKeys": "kvforge.core.prefix_keys",
+    "MultimodalKey": "kvforge.core.prefix_keys",
     "SwapHandle": "kvforge.worker.transfer",
     "CacheGroup": "kvforge.specs",
     "CacheRole": "kvforge.specs",

@@ -55,7 +55,12 @@ from kvforge.core.values import (
     SwapResult,
     check_request_id,
 )
-from kvforge.errors import ControllerClosedError, OutOfBlocksError, RequestStateError
+from kvforge.errors import (
+    ControllerClosedError,
+    OutOfBlocksError,
+    RequestStateError,
+    StepError,
+)
 from kvforge.kinds import live_start
 from kvforge.platform import Platform
 from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
@@ -183,6 +188,7 @@ class CacheController:
     # ================================================================== the two sides
 
     @property
+    @locked
     def scheduler(self) -> BlockManager:
         """The scheduler side (pools, tables, the prefix cache, the swap book): for anything
         the facade does not pass through, e.g. ``ctl.scheduler.pool("kv").num_evictable``.
@@ -302,29 +308,34 @@ class CacheController:
         return blocks_per_group(self.groups, num_blocks)
 
     @property
+    @locked
     def kv_caches(self) -> list[torch.Tensor]:
         """Every device cache, layer-major, roles in each backend's declared order."""
         self._check_open()
         return self.storage.kv_caches
 
     @property
+    @locked
     def cache_map(self) -> dict[str, torch.Tensor]:
         """Storage name -> device cache."""
         self._check_open()
         return self.storage.cache_map
 
+    @locked
     def get(self, role: str, layer: int) -> torch.Tensor:
         """The device cache of ``(role, layer)``."""
         self._check_open()
         return self.storage.get(role, layer)
 
     @property
+    @locked
     def memory_plan(self) -> MemoryPlan:
         self._ready_manager()
         assert self._plan is not None
         return self._plan
 
     @property
+    @locked
     def device_bytes(self) -> int:
         """Bytes of device cache held (0 before initialisation and after :meth:`free`)."""
         return self.storage.device_bytes
@@ -370,9 +381,26 @@ class CacheController:
 
     @locked
     def end_step(self, step: ScheduledStep) -> None:
-        """Run the copies due after a step's kernels (per-request state snapshots)."""
+        """End a step whose kernels ran: run its ``copies_after`` (per-request state
+        snapshots), then let the scheduler side share the blocks it wrote.
+
+        See :meth:`BlockManager.end_step` for the order an asynchronous engine may use.
+
+        Raises:
+            StepError: the step is unknown, already ended, or stale (nothing runs then).
+        """
+        if not isinstance(step, ScheduledStep):
+            raise StepError(f"end_step takes a ScheduledStep, got {type(step).__name__}")
+        manager = self._ready_manager()
+        if step.allocation.step_id not in manager.open_steps:
+            manager.end_step(step.allocation)  # raises the StepError that says why
         if step.allocation.copies_after:
-            self.storage.copy_blocks(step.allocation.copies_after)
+            try:
+                self.storage.copy_blocks(step.allocation.copies_after)
+            except BaseException:
+                manager.end_step(step.allocation, copies_ran=False)  # no snapshot of it
+                raise
+        manager.end_step(step.allocation)
 
     @locked
     def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
@@ -381,6 +409,7 @@ class CacheController:
         return self._ready_manager().lookup(queries)
 
     @property
+    @locked
     def prefix_stats(self) -> PrefixStats:
         return self._ready_manager().prefix_stats
 
@@ -405,6 +434,8 @@ class CacheController:
                 f"{request_id!r} already holds; tables only grow (use truncate to roll back)"
             )
         step = manager.schedule([request_id], [num_tokens - current])
+        # no token ids: the step registers nothing and holds nothing, so it ends at once
+        manager.end_step(step)
         if step.table_deltas:
             self.storage.apply_deltas(step.table_deltas)
         if step.refused:
@@ -439,27 +470,33 @@ class CacheController:
         self._ready_manager().finish(request_ids)
         self._sync_tables()
 
+    @locked
     def num_tokens(self, request_id: str) -> int:
         """Tokens ``request_id`` holds (on the device or swapped out)."""
         return self._ready_manager().num_tokens(request_id)
 
     @property
+    @locked
     def requests(self) -> list[str]:
         """Ids of requests that hold device blocks, sorted."""
         return self._ready_manager().requests
 
     @property
+    @locked
     def swapped_requests(self) -> list[str]:
         """Ids of requests whose caches are in host memory, sorted."""
         return self._ready_manager().swapped_requests
 
+    @locked
     def is_swapped(self, request_id: str) -> bool:
         return self._ready_manager().is_swapped(request_id)
 
+    @locked
     def block_table(self, request_id: str, group: str) -> list[int]:
         """``request_id``'s block table in ``group`` (null id 0 where it holds no block)."""
         return self._ready_manager().block_table(request_id, group)
 
+    @locked
     def slot_mapping(
         self,
         request_id: str,
@@ -504,13 +541,16 @@ class CacheController:
             slots[pos < first] = -1
         return torch.from_numpy(slots)
 
+    @locked
     def num_free_blocks(self, group: str) -> int:
         return self._ready_manager().num_free_blocks(group)
 
+    @locked
     def num_used_blocks(self, group: str) -> int:
         return self._ready_manager().num_used_blocks(group)
 
     @property
+    @locked
     def stats(self) -> SwapStats:
         if self._manager is None:
             return SwapStats()
@@ -552,15 +592,18 @@ class CacheController:
         return plan
 
     @property
+    @locked
     def host_bytes(self) -> int:
         """Bytes of host pages held (0 before initialisation and after :meth:`free`)."""
         return self.storage.host_bytes
 
     @property
+    @locked
     def host_kv_caches(self) -> dict[tuple[str, int], torch.Tensor]:
         """``(role, layer)`` -> host view made by the backends' ``create_host_kv_cache``."""
         return self.storage.host_kv_caches
 
+    @locked
     def host_pool_usage(self) -> dict[str, tuple[int, int]]:
         """Group -> (used pages, usable pages) of the host pools."""
         manager = self._ready_manager()
@@ -664,6 +707,7 @@ class CacheController:
         self._closed = True
 
     @property
+    @locked
     def closed(self) -> bool:
         return self._closed
 

@@ -100,6 +100,12 @@ class Refusal:
                 f"request {self.request_id!r}: device group {self.group!r} needs {self.needed} "
                 f"free blocks but has {self.available}; nothing was allocated"
             )
+        if self.reason == "stale_prefix" and not self.group:
+            return (
+                f"request {self.request_id!r}: its prefix match is not one this scheduler's "
+                "lookup made as it stands (forged, altered, or another scheduler's); look it "
+                "up again"
+            )
         if self.reason == "stale_prefix":
             return (
                 f"request {self.request_id!r}: its prefix match is stale (a block of group "
@@ -314,6 +320,9 @@ class PrefixMatch:
             per-request group, the snapshot block to restore from.
         keys: group -> the keys of those blocks (to check the match is still valid).
         hasher: the request's key chain at ``L`` (continues hashing its suffix).
+        seal: a MAC, under a secret of the scheduler that made the match, of everything
+            above: a match that was forged, altered, or made by another scheduler is refused
+            (``Refusal.reason == "stale_prefix"``).
     """
 
     num_tokens: int
@@ -321,6 +330,7 @@ class PrefixMatch:
     blocks: dict[str, np.ndarray]
     keys: dict[str, tuple[bytes, ...]]
     hasher: object
+    seal: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,9 +73,7 @@ def check_token_ids(token_ids: Sequence[Sequence[int]], new: np.ndarray) -> None
             raise ValueError(
                 f"new_token_ids[{i}] has {len(ids)} token ids but num_new_tokens[{i}] is {int(n)}"
             )
-        arr = token_array(ids, f"new_token_ids[{i}]")  # checked before anything changes
-        if arr.size and int(arr.min()) < 0:
-            raise ValueError(f"new_token_ids[{i}] holds a negative token id {int(arr.min())}")
+        token_array(ids, f"new_token_ids[{i}]")  # checked before anything changes
 
 
 def check_matches(matches: object, n: int) -> None:
@@ -89,7 +87,25 @@ def check_matches(matches: object, n: int) -> None:
 
 
 def token_array(tokens: object, name: str) -> np.ndarray:
-    arr = np.asarray(tokens)
-    if arr.ndim != 1 or (arr.size and (arr.dtype == bool or arr.dtype.kind not in "iu")):
+    """``tokens`` as ``int64``, refused unless every id is an int in ``[0, 2**32)`` (what the
+    prefix keys encode): checked before any counter or table moves."""
+    try:
+        arr = np.asarray(tokens)
+    except (OverflowError, ValueError, TypeError):
+        raise ValueError(
+            f"{name} must be a 1-d sequence of int token ids, got {tokens!r:.80}"
+        ) from None
+    if arr.ndim != 1 or (arr.size and (arr.dtype == bool or arr.dtype.kind not in "iuO")):
         raise ValueError(f"{name} must be a 1-d sequence of int token ids, got {tokens!r:.80}")
+    if arr.dtype.kind == "O" and any(  # ints beyond int64, or mixed objects
+        isinstance(v, bool) or not isinstance(v, int) for v in arr.tolist()
+    ):
+        raise ValueError(f"{name} must be a 1-d sequence of int token ids, got {tokens!r:.80}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise ValueError(f"{name} holds token id {bad}, outside [0, 2**32)")
     return arr.astype(np.int64, copy=False)
+
+
+TOKEN_LIMIT = 1 << 32
+"""Token ids are encoded as unsigned 32-bit integers in the prefix keys."""

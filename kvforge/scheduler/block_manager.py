@@ -72,7 +72,7 @@ from kvforge.core.values import (
     TableDelta,
     check_request_id,
 )
-from kvforge.errors import OutOfBlocksError, RequestStateError
+from kvforge.errors import OutOfBlocksError, RequestStateError, StepError
 from kvforge.kinds import live_start
 from kvforge.scheduler.args import (
     batch_ids,
@@ -81,9 +81,15 @@ from kvforge.scheduler.args import (
     new_token_counts,
 )
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
-from kvforge.scheduler.prefix_cache import PrefixCache, PrefixStats
+from kvforge.scheduler.growth import (
+    apply_growth,
+    fits_in_order,
+    plan_growth,
+    schedule_one_by_one,
+)
+from kvforge.scheduler.prefix_cache import PrefixCache, PrefixStats, StepWork
 from kvforge.scheduler.swap_book import SwapBook, SwapStats
-from kvforge.scheduler.tables import GroupTable, RequestTables, expand
+from kvforge.scheduler.tables import GroupTable, RequestTables
 from kvforge.specs import SwapPurpose
 
 __all__ = ["BlockManager", "PrefixStats", "SwapStats"]
@@ -168,6 +174,8 @@ class BlockManager:
         )
         self._book = SwapBook(self._t, layout)
         self._lock = threading.RLock()
+        self._issued = 0  # the last step id handed out
+        self._open_steps: dict[int, StepWork] = {}  # scheduled, not ended: oldest first
 
     @property
     def prefix_caching(self) -> bool:
@@ -180,10 +188,12 @@ class BlockManager:
         return self._prefix.unit
 
     @property
+    @locked
     def prefix_stats(self) -> PrefixStats:
         return self._prefix.stats
 
     @property
+    @locked
     def stats(self) -> SwapStats:
         """Counters of the swaps that completed."""
         return self._book.stats
@@ -197,12 +207,14 @@ class BlockManager:
     def pool(self, group: str) -> BlockPool:
         return self._group(group).pool
 
+    @locked
     def table(self, group: str) -> np.ndarray:
         """The persistent table of ``group`` (read-only view ``int32 [max_num_seqs, width]``)."""
         view = self._group(group).table.view()
         view.flags.writeable = False
         return view
 
+    @locked
     def row_of(self, request_id: str) -> int:
         """The table row of a request that holds device blocks."""
         row = self._t.row_of.get(check_request_id(request_id))
@@ -211,22 +223,27 @@ class BlockManager:
         return row
 
     @property
+    @locked
     def requests(self) -> list[str]:
         """Ids of requests that hold device blocks, sorted."""
         return sorted(self._t.row_of)
 
     @property
+    @locked
     def swapped_requests(self) -> list[str]:
         """Ids of requests whose blocks are in host pages, sorted."""
         return sorted(self._book.swapped)
 
+    @locked
     def is_running(self, request_id: str) -> bool:
         """Whether ``request_id`` holds device blocks (a table row)."""
         return check_request_id(request_id) in self._t.row_of
 
+    @locked
     def is_swapped(self, request_id: str) -> bool:
         return check_request_id(request_id) in self._book.swapped
 
+    @locked
     def num_tokens(self, request_id: str) -> int:
         """Tokens ``request_id`` holds (resident or swapped out)."""
         swapped = self._book.swapped.get(check_request_id(request_id))
@@ -234,6 +251,7 @@ class BlockManager:
             return swapped.num_tokens
         return int(self._t.num_tokens[self.row_of(request_id)])
 
+    @locked
     def block_table(self, request_id: str, group: str) -> list[int]:
         """``request_id``'s table in ``group``: ``cdiv(num_tokens, block_size)`` entries
         (``slots_per_request`` for a per-request group), null id 0 where it holds no block."""
@@ -244,9 +262,11 @@ class BlockManager:
         n = int(self._t.num_tokens[row])
         return g.table[row, : -(-n // g.block_size)].tolist()
 
+    @locked
     def num_free_blocks(self, group: str) -> int:
         return self._group(group).pool.num_free
 
+    @locked
     def num_used_blocks(self, group: str) -> int:
         return self._group(group).pool.num_used
 
@@ -254,6 +274,7 @@ class BlockManager:
         return self._group(group).pool.num_usable
 
     @property
+    @locked
     def num_free_rows(self) -> int:
         return len(self._t.free_rows)
 
@@ -326,7 +347,11 @@ class BlockManager:
                         "running; a match applies to a new request only"
                     )
                 rows[i] = row
-        self._prefix.release_pins()
+        # One step may be in flight while the next is scheduled: every older one ends now
+        # (implicitly: its kernels ran before the step in flight was scheduled).
+        for old in list(self._open_steps)[:-1]:
+            self._prefix.finish_step(self._open_steps.pop(old), confirmed=False)
+        work = self._prefix.work = StepWork(request_ids=frozenset(ids))
         refused: list[Refusal] = []
         accept = np.ones(batch, dtype=bool)
         n_fresh = int(fresh.sum())
@@ -365,13 +390,14 @@ class BlockManager:
                 refused.append(
                     Refusal(ids[i], "max_model_len", "", int(after[i]), self.max_model_len)
                 )
-        plans = self._plan_growth(safe_rows, fresh, before, after)
+        plans = plan_growth(self._t, safe_rows, fresh, before, after)
         if accept.all() and all(
-            self._fits_in_order(pool, members, safe_rows, plans) for pool, members in self._t.pools
+            fits_in_order(self._t, pool, members, safe_rows, plans)
+            for pool, members in self._t.pools
         ):
-            self._apply_growth(safe_rows, fresh, before, after, plans, None)
+            apply_growth(self._t, safe_rows, fresh, before, after, plans, None)
         else:
-            accept = self._schedule_one_by_one(
+            accept = schedule_one_by_one(self._t,
                 ids, safe_rows, fresh, before, after, plans, accept, refused
             )
         # rows taken for fresh requests that were refused go back
@@ -403,6 +429,9 @@ class BlockManager:
                 )
         deltas = self._t.take_pending()
         refused.sort(key=lambda r: ids.index(r.request_id))
+        self._issued += 1
+        step_id = self._issued
+        self._open_steps[step_id] = work
         return StepAllocation(
             request_ids=kept_ids,
             rows=safe_rows[kept].astype(np.int32),
@@ -412,155 +441,50 @@ class BlockManager:
             table_deltas=deltas,
             copies_before=tuple(copies_before),
             copies_after=tuple(copies_after),
+            step_id=step_id,
         )
 
-    def _plan_growth(
-        self, rows: np.ndarray, fresh: np.ndarray, before: np.ndarray, after: np.ndarray
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """Per group: (blocks needed, release from, release to, first new column)."""
-        plans = []
-        for g in self._t.groups:
-            if g.per_request:
-                need = np.where(fresh, g.slots, 0).astype(np.int64)
-                zero = np.zeros_like(need)
-                plans.append((need, zero, zero, zero))
-                continue
-            bs = g.block_size
-            old_len = -(-before // bs)
-            need = -(-after // bs) - old_len
-            if g.history:
-                plans.append((need, old_len, old_len, old_len))
-                continue
-            # the first scheduled token (a new request: token 0); a step that schedules
-            # nothing keeps the resting window, the newest token's view (see live_start)
-            start = g.rule.live_starts(g.spec, before, after)
-            lo = g.held_from[rows]  # 0 for a new row, the shared tail's start after a hit
-            hi = np.maximum(lo, np.minimum(start // bs, old_len))
-            plans.append((need, lo, hi, old_len))
-        return plans
+    @locked
+    def end_step(self, step: StepAllocation | int, copies_ran: bool = True) -> None:
+        """End a step whose kernels (and ``copies_after``) ran: the blocks it completed become
+        shareable, and what it held for its copies is released.
 
-    def _fits_in_order(
-        self,
-        pool: BlockPool,
-        members: list[int],
-        rows: np.ndarray,
-        plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
-    ) -> bool:
-        """Whether every request of the batch, served in order, gets its blocks from
-        ``pool`` (drawn on by the groups ``members``): each request's window releases count
-        for itself and the requests after it (the same answer the one-by-one path gives, so
-        the batch path never accepts more)."""
-        free = pool.num_free
-        need = sum(plans[gi][0] for gi in members)
-        if int(need.sum()) <= free:
-            return True
-        credit = np.zeros(len(rows), dtype=np.int64)
-        for gi in members:
-            _, lo, hi, _ = plans[gi]
-            if (hi > lo).any():
-                index, c = expand(np.arange(len(rows)), lo, np.maximum(lo, hi))
-                old = self._t.groups[gi].table[rows[index], c]
-                gives = (old != NULL_BLOCK) & (pool.ref_counts[old] == 1)
-                credit += np.bincount(index[gives], minlength=len(rows))
-        return bool((np.cumsum(need - credit) <= free).all())
+        The protocol, for synchronous and asynchronous engines alike: ``schedule`` (step
+        ``N``), optionally ``schedule`` (step ``N + 1``) while ``N`` runs, then
+        ``end_step(N)``; at most one step is in flight when the next is scheduled. Scheduling
+        step ``N + 2`` ends step ``N`` implicitly (its kernels ran before ``N + 1`` was
+        scheduled), registering its blocks but no snapshot (its copies may not have run).
 
-    def _apply_growth(
-        self,
-        rows: np.ndarray,
-        fresh: np.ndarray,
-        before: np.ndarray,
-        after: np.ndarray,
-        plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
-        sel: np.ndarray | None,
-    ) -> None:
-        """Release, grow and record for the requests ``sel`` (all when ``None``).
+        ``copies_ran=False`` (the worker could not run the step's ``copies_after``) ends it
+        like an implicit end: no snapshot of it is registered.
 
-        Every group releases before any group grows: groups that share a pool were checked
-        against the pool with all their releases counted."""
-        parts: list[tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]] = []
-        for g, (_, lo, hi, _) in zip(self._t.groups, plans, strict=True):
-            if sel is not None:
-                lo, hi = lo[sel], hi[sel]
-                g_rows = rows[sel]
-            else:
-                g_rows = rows
-            parts_r: list[np.ndarray] = []
-            parts_c: list[np.ndarray] = []
-            parts_v: list[np.ndarray] = []
-            parts.append((parts_r, parts_c, parts_v))
-            if g.windowed and (hi > lo).any():
-                r, c = expand(g_rows, lo, hi)
-                old = g.table[r, c]
-                g.pool.release(old[old != NULL_BLOCK])
-                g.table[r, c] = NULL_BLOCK
-                g.held_from[g_rows] = hi
-                parts_r.append(r)
-                parts_c.append(c)
-                parts_v.append(np.zeros(len(r), dtype=np.int32))
-        for g, (need, _, _, first_new), (parts_r, parts_c, parts_v) in zip(
-            self._t.groups, plans, parts, strict=True
-        ):
-            g_rows = rows
-            if sel is not None:
-                need, first_new, g_rows = need[sel], first_new[sel], rows[sel]
-            total = int(need.sum())
-            if total:
-                ids = g.pool.take(total)
-                r, c = expand(g_rows, first_new, first_new + need)
-                g.table[r, c] = ids
-                parts_r.append(r)
-                parts_c.append(c)
-                parts_v.append(ids)
-            if parts_r:
-                self._t.pending.append(
-                    TableDelta(
-                        group=g.spec.name,
-                        rows=np.concatenate(parts_r).astype(np.int32),
-                        cols=np.concatenate(parts_c).astype(np.int32),
-                        block_ids=np.concatenate(parts_v).astype(np.int32),
-                    )
+        Raises:
+            StepError: the step is unknown to this scheduler, already ended (explicitly or
+                implicitly), or not an int / ``StepAllocation``; nothing changes.
+        """
+        step_id = step.step_id if isinstance(step, StepAllocation) else step
+        if isinstance(step_id, bool) or not isinstance(step_id, int):
+            raise StepError(
+                f"end_step takes a StepAllocation or its step_id, got {type(step).__name__}"
+            )
+        work = self._open_steps.pop(step_id, None)
+        if work is None:
+            issued = self._issued
+            if 1 <= step_id <= issued:
+                raise StepError(
+                    f"step {step_id} already ended (explicitly, or when a later step was "
+                    f"scheduled with it still open); steps in flight: {list(self._open_steps)}"
                 )
+            raise StepError(
+                f"step {step_id} is unknown: this scheduler issued steps 1..{issued}"
+            )
+        self._prefix.finish_step(work, confirmed=copies_ran is True)
 
-    def _schedule_one_by_one(
-        self,
-        ids: list[str],
-        rows: np.ndarray,
-        fresh: np.ndarray,
-        before: np.ndarray,
-        after: np.ndarray,
-        plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
-        accept: np.ndarray,
-        refused: list[Refusal],
-    ) -> np.ndarray:
-        """The slow path when the batch as a whole does not fit: requests in order."""
-        for i in range(len(ids)):
-            if not accept[i]:
-                continue
-            short: Refusal | None = None
-            for pool, members in self._t.pools:
-                credit = need = 0
-                for gi in members:
-                    g, (g_need, lo, hi, _) = self._t.groups[gi], plans[gi]
-                    need += int(g_need[i])
-                    if hi[i] > lo[i]:
-                        old = g.table[rows[i], lo[i] : hi[i]]
-                        old = old[old != NULL_BLOCK]
-                        credit += int((pool.ref_counts[old] == 1).sum())
-                available = pool.num_free + credit
-                if need > available:
-                    # a shared pool is named by its first group that asked for blocks
-                    name = next(
-                        self._t.groups[gi].spec.name for gi in members if plans[gi][0][i]
-                    )
-                    short = Refusal(ids[i], "out_of_blocks", name, need, available)
-                    break
-            if short is not None:
-                accept[i] = False
-                refused.append(short)
-                continue
-            self._apply_growth(rows, fresh, before, after, plans, np.array([i]))
-        return accept
-
+    @property
+    @locked
+    def open_steps(self) -> list[int]:
+        """Ids of the steps scheduled and not yet ended, oldest first."""
+        return list(self._open_steps)
 
     # ================================================================== prefix cache
 
@@ -605,6 +529,7 @@ class BlockManager:
         return self._book.host_pool(group)
 
     @property
+    @locked
     def host_groups(self) -> list[str]:
         return self._book.host_groups
 
@@ -634,6 +559,7 @@ class BlockManager:
 
     complete_swap.__doc__ = SwapBook.complete_swap.__doc__
 
+    @locked
     def page_bytes(self, group: str) -> int:
         """Bytes of one host page of ``group`` (its offloaded roles, no padding)."""
         return self._book.page_bytes(group)

@@ -19,6 +19,10 @@ Invariants (tested in ``tests/scheduler/test_prefix_cache.py`` and the prefix pr
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
+import os
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -32,7 +36,7 @@ from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.tables import GroupTable, RequestTables
 from kvforge.scheduler.unit_records import UnitRecordStore
 
-__all__ = ["PrefixCache", "PrefixStats"]
+__all__ = ["PrefixCache", "PrefixStats", "StepWork"]
 
 
 @dataclass
@@ -74,6 +78,29 @@ class _Entry(NamedTuple):
     proof: tuple[bytes, bytes, bytes] | None  # a tail key's (parent, payload, root preimage)
 
 
+class _Registration(NamedTuple):
+    """A block a step completed, to register once the step has ended."""
+
+    index: int  # its group's index
+    group: GroupTable
+    key: bytes
+    block: int
+    end: int
+    ref: bytes | None
+    proof: tuple[bytes, bytes, bytes] | None
+    snapshot: bool  # written by the step's copies_after, not by its kernels
+
+
+@dataclass
+class StepWork:
+    """What one scheduled step holds until it ends: the blocks its copies read or write and
+    the blocks it completed (``pins``, one reference each), and what it will register."""
+
+    pins: list[tuple[GroupTable, np.ndarray]] = field(default_factory=list)
+    registrations: list[_Registration] = field(default_factory=list)
+    request_ids: frozenset[str] = frozenset()
+
+
 class PrefixCache:
     """Cached prefixes of every group.
 
@@ -95,6 +122,7 @@ class PrefixCache:
         self._t = tables
         self.key_algorithm = key_algorithm
         self._collided = False  # the current lookup met a key that names other content
+        self._secret = os.urandom(32)  # seals the matches this cache makes
         self.enabled = enabled
         self.boundary = boundary
         self.snapshot_interval = snapshot_interval
@@ -109,7 +137,7 @@ class PrefixCache:
         #: is a unit end. Window and state blocks that end inside a unit get tail keys off the
         #: chain (``PrefixHasher.tail_key``), hashed only for the few blocks a tail needs.
         self.unit = unit_of([*history, boundary], snapshot_interval if snapshots else None)
-        self._pins: list[tuple[GroupTable, np.ndarray]] = []  # snapshot blocks held a step
+        self.work = StepWork()  # what the step being scheduled holds and will register
         self._cached: dict[str, dict[object, int]] = {g.spec.name: {} for g in tables.groups}
         # per pool: block -> (key, end token, group index) of every registered block
         # per pool: block -> (key, end token, group index, the record it holds or None, the
@@ -167,7 +195,7 @@ class PrefixCache:
         step = self.boundary
         top = ((n - 1) // step) * step if n else 0
         if not self.enabled or top == 0:
-            return PrefixMatch(0, {}, {}, {}, hasher)
+            return self._sealed(0, {}, {}, {}, hasher)
         unit = self.unit
         keys = hasher.extend(tokens[:top], at=np.arange(unit, top + 1, unit))
         self._collided = False
@@ -208,7 +236,7 @@ class PrefixCache:
                     length -= step
         stats.collisions += self._collided  # one per lookup whose keys named other content
         if length == 0:
-            return PrefixMatch(0, {}, {}, {}, self._hasher(query))
+            return self._sealed(0, {}, {}, {}, self._hasher(query))
         first: dict[str, int] = {}
         blocks: dict[str, np.ndarray] = {}
         used: dict[str, tuple[bytes, ...]] = {}
@@ -228,7 +256,7 @@ class PrefixCache:
             covered = length if not g.windowed else len(found) * g.block_size
             stats.hit_tokens_by_group[name] = stats.hit_tokens_by_group.get(name, 0) + covered
         stats.hit_tokens += length
-        return PrefixMatch(length, first, blocks, used, hasher.at_prefix(length))
+        return self._sealed(length, first, blocks, used, hasher.at_prefix(length))
 
     def _hasher(self, query: PrefixQuery) -> PrefixHasher:
         return PrefixHasher(
@@ -270,17 +298,54 @@ class PrefixCache:
                             return False
         return True
 
+    def _seal(
+        self,
+        num_tokens: int,
+        first: dict[str, int],
+        blocks: dict[str, np.ndarray],
+        keys: dict[str, tuple[bytes, ...]],
+        hasher: object,
+    ) -> bytes:
+        """A MAC, under this cache's secret, of everything a match claims: its length, its
+        columns, blocks and keys per group, and the key chain it continues."""
+        if not isinstance(hasher, PrefixHasher):
+            return b""
+        mac = hashlib.blake2b(key=self._secret, digest_size=16)
+        mac.update(struct.pack("<qqq", num_tokens, hasher.num_tokens, hasher.unit))
+        mac.update(hasher.key + hasher.root)
+        for name in sorted(set(first) | set(blocks) | set(keys)):
+            ids = np.asarray(blocks.get(name, ()), dtype=np.int64)
+            mac.update(name.encode() + struct.pack("<qq", first.get(name, -1), len(ids)))
+            mac.update(ids.tobytes() + b"".join(keys.get(name, ())))
+        return mac.digest()
+
+    def _sealed(
+        self,
+        num_tokens: int,
+        first: dict[str, int],
+        blocks: dict[str, np.ndarray],
+        keys: dict[str, tuple[bytes, ...]],
+        hasher: PrefixHasher,
+    ) -> PrefixMatch:
+        seal = self._seal(num_tokens, first, blocks, keys, hasher)
+        return PrefixMatch(num_tokens, first, blocks, keys, hasher, seal)
+
     def adopt(self, request_id: str, row: int, match: PrefixMatch | None) -> str | None:
         """Share a match's blocks into ``row``; the name of a group whose blocks were evicted
-        since the lookup (nothing changed then), else ``None``."""
+        since the lookup, or ``""`` for a match this cache did not make as it stands (forged,
+        altered, or another controller's): nothing changed then. ``None`` on success."""
+        if match is not None:
+            m = match
+            seal = self._seal(m.num_tokens, m.first_col, m.blocks, m.keys, m.hasher)
+            if not self.enabled or not hmac.compare_digest(m.seal, seal):
+                return ""
         hasher = (
             match.hasher
             if match is not None
             else PrefixHasher(unit=self.unit, algorithm=self.key_algorithm)
         )
         if self.enabled:
-            if not isinstance(hasher, PrefixHasher) or hasher.unit != self.unit:
-                raise TypeError(f"prefix match of {request_id!r} carries no PrefixHasher")
+            assert isinstance(hasher, PrefixHasher)
             self._hashers[request_id] = hasher.at_prefix(hasher.num_tokens)
         if match is None or not match.num_tokens:
             return None
@@ -303,7 +368,7 @@ class PrefixCache:
             blocks = match.blocks[g.spec.name]
             g.pool.share(blocks.tolist())
             if g.per_request:
-                self._pins.append((g, blocks))  # the restore copy reads it during the step
+                self.work.pins.append((g, blocks))  # the restore copy reads it in the step
                 continue
             c0 = match.first_col[g.spec.name]
             g.table[row, c0 : c0 + len(blocks)] = blocks
@@ -316,7 +381,10 @@ class PrefixCache:
         for gi, g in enumerate(self._t.groups):
             blocks = match.blocks[g.spec.name]
             if g.per_request:
-                self._pins = [(pg, pb) for pg, pb in self._pins if pb is not blocks]
+                # drop this adoption's pin only: one match may serve several requests
+                pins = self.work.pins
+                k = next(k for k, (_, pb) in enumerate(pins) if pb is blocks)
+                del pins[k]
             else:
                 c0 = match.first_col[g.spec.name]
                 g.table[row, c0 : c0 + len(blocks)] = NULL_BLOCK
@@ -418,7 +486,7 @@ class PrefixCache:
             self._hashers.pop(request_id, None)  # the chain names other content: stop
         elif held.cursor is not None:
             self._cursors[request_id] = held.cursor
-        stats, events = self.stats, self._events
+        work = self.work
         registered = [
             (gi, g, block, end, ref)
             for (gi, g, block, end), ref in zip(chosen, held.keys, strict=False)
@@ -428,21 +496,49 @@ class PrefixCache:
         for gi, g, block, end, ref in registered:
             if ref is None:
                 continue
-            key = key_of[end]
-            self._store(gi, g, key, block, end, ref or None, proofs.get(end))
-            events.append(PrefixEvent("stored", g.spec.name, key, end))
-            stats.stored_blocks[g.spec.name] = stats.stored_blocks.get(g.spec.name, 0) + 1
+            # shareable when the step that writes it ends: held by the step until then
+            g.pool.share([block])
+            work.pins.append((g, np.array([block], dtype=np.int32)))
+            work.registrations.append(
+                _Registration(gi, g, key_of[end], block, end, ref or None, proofs.get(end), False)
+            )
         copies: list[BlockCopy] = []
         for (gi, g), ref in zip(snapshots, held.keys[len(chosen) :], strict=True):
             if ref is None:
                 continue
+            src = g.table[row, : g.slots].copy()
             dst = g.pool.take(g.slots)
-            self._store(gi, g, ref, int(dst[0]), after, ref, None)
-            self._pins.append((g, dst))  # written by the copy after the step's kernels
-            copies.append(BlockCopy(g.spec.name, g.table[row, : g.slots].copy(), dst))
-            events.append(PrefixEvent("stored", g.spec.name, ref, after))
-            stats.stored_blocks[g.spec.name] = stats.stored_blocks.get(g.spec.name, 0) + 1
+            g.pool.share(src)  # the copy reads the request's state after the step's kernels
+            work.pins += [(g, dst), (g, src)]
+            work.registrations.append(
+                _Registration(gi, g, ref, int(dst[0]), after, ref, None, True)
+            )
+            copies.append(BlockCopy(g.spec.name, src, dst))
         return copies
+
+    def finish_step(self, work: StepWork, confirmed: bool) -> None:
+        """A step ended: register the blocks it wrote, then drop what it held.
+
+        ``confirmed`` says the step's ``copies_after`` ran (an explicit ``end_step``); a step
+        ended implicitly, by the scheduling of a later one, registers no snapshot, since its
+        copy may never have run."""
+        stats, events = self.stats, self._events
+        for r in work.registrations:
+            owner = self._owner[id(r.group.pool)]
+            if (r.snapshot and not confirmed) or r.key in self._cached[r.group.spec.name] or (
+                r.block in owner
+            ):
+                if r.ref is not None:
+                    self.records.release(r.ref)
+                continue
+            self._store(r.index, r.group, r.key, r.block, r.end, r.ref, r.proof)
+            events.append(PrefixEvent("stored", r.group.spec.name, r.key, r.end))
+            name = r.group.spec.name
+            stats.stored_blocks[name] = stats.stored_blocks.get(name, 0) + 1
+        for g, blocks in work.pins:
+            g.pool.release(blocks)
+        work.registrations.clear()
+        work.pins.clear()
 
     def _in_some_tail(self, g: GroupTable, col: int) -> bool:
         """Whether block ``col`` of window group ``g`` lies in the tail some boundary needs.
@@ -454,11 +550,6 @@ class PrefixCache:
         end = (col + 1) * g.block_size
         first = -(-end // self.boundary) * self.boundary
         return self._window_start(g, first) // g.block_size <= col
-
-    def release_pins(self) -> None:
-        pins, self._pins = self._pins, []
-        for g, blocks in pins:
-            g.pool.release(np.asarray(blocks, dtype=np.int32))
 
     def _store(
         self,
@@ -539,7 +630,6 @@ class PrefixCache:
     def reset(self) -> int:
         """Forget every cached prefix: evictable blocks go back to the free stacks and blocks
         in use lose their keys. Returns the number of blocks evicted."""
-        self.release_pins()
         evicted = 0
         if not self.enabled:
             return 0

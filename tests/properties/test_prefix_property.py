@@ -457,11 +457,8 @@ class Run:
         for rid in alloc.request_ids:
             self.write_state(rid)
         self.ctl.end_step(step)
+        # everything the step held for its copies went back when it ended
         self.pins = {g: Counter() for g in self.per_request}
-        for copy in alloc.copies_before:
-            self.pins[copy.group].update(copy.src.tolist())
-        for copy in alloc.copies_after:
-            self.pins[copy.group].update(copy.dst.tolist())
 
     def check_adoption(self, rid: str, match: PrefixMatch, alloc: Any) -> None:
         if not match.num_tokens:

@@ -204,6 +204,7 @@ def test_prefix_bad_calls_are_refused_and_change_nothing(name: str) -> None:
     run.model.apply_step("a", 300, 0)
     run.model.resident["a"].tokens = prompt
     run.write("a", 0, 300)
+    run.ctl.end_step(step)
     run.prompts.append(prompt)
     assert step.allocation.request_ids == ("a",)
     built = dict(soak.BAD_CALLS)[name](run)

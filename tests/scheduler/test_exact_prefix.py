@@ -37,7 +37,7 @@ def serve(m: BlockManager, rid: str, tokens: list[int], extra=None, mm=()) -> No
     rest = tokens[match.num_tokens :]
     step = m.schedule([rid], [len(rest)], new_token_ids=[rest], prefix_matches=[match])
     assert step.request_ids == (rid,)
-    m.schedule([rid], [0])  # the writing step ended: its blocks are shareable
+    m.end_step(step)  # the writing step ended: its blocks are shareable
     m.finish([rid])
 
 

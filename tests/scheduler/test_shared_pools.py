@@ -381,7 +381,9 @@ def test_eviction_in_a_shared_pool_spans_both_groups() -> None:
     )
     toks = list(range(1000, 1064))
     for i in range(0, 64, 16):
-        assert not m.schedule(["a"], [16], new_token_ids=[toks[i : i + 16]]).refused
+        step = m.schedule(["a"], [16], new_token_ids=[toks[i : i + 16]])
+        assert not step.refused
+        m.end_step(step)
     stored = m.take_events()
     assert [(e.kind, e.group, e.num_tokens) for e in stored] == [
         (kind, g, n) for n in (16, 32, 48, 64) for kind, g in (("stored", "swa"), ("stored", "kv"))
@@ -390,7 +392,9 @@ def test_eviction_in_a_shared_pool_spans_both_groups() -> None:
     # 12 usable blocks, all free: 4 kv and 4 swa of them cached, evictable
     assert (m.num_free_blocks("kv"), m.pool("kv").num_evictable) == (12, 8)
     for i in range(0, 96, 16):  # other tokens: b needs the cached blocks of both groups
-        assert not m.schedule(["b"], [16], new_token_ids=[list(range(i, i + 16))]).refused
+        step = m.schedule(["b"], [16], new_token_ids=[list(range(i, i + 16))])
+        assert not step.refused
+        m.end_step(step)
     removed = [(e.group, e.num_tokens) for e in m.take_events() if e.kind == "removed"]
     # least recently released first, across the groups: swa's first block slid out of the
     # window while a ran, then a's finish gave back swa's blocks and then kv's, deepest first

@@ -1,0 +1,165 @@
+"""Growth of a step, over the tables: what each request needs per group, whether a batch fits
+its pools in order, and applying it (release behind windows, then take new blocks).
+
+Functions of :class:`~.tables.RequestTables`, called by ``BlockManager.schedule`` under its
+lock. Every group releases before any group grows: groups that share a pool were checked
+against the pool with all their releases counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvforge.core.values import Refusal, TableDelta
+from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
+from kvforge.scheduler.tables import RequestTables, expand
+
+__all__ = ["apply_growth", "fits_in_order", "plan_growth", "schedule_one_by_one"]
+
+
+def plan_growth(
+    t: RequestTables, rows: np.ndarray, fresh: np.ndarray, before: np.ndarray, after: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per group: (blocks needed, release from, release to, first new column)."""
+    plans = []
+    for g in t.groups:
+        if g.per_request:
+            need = np.where(fresh, g.slots, 0).astype(np.int64)
+            zero = np.zeros_like(need)
+            plans.append((need, zero, zero, zero))
+            continue
+        bs = g.block_size
+        old_len = -(-before // bs)
+        need = -(-after // bs) - old_len
+        if g.history:
+            plans.append((need, old_len, old_len, old_len))
+            continue
+        # the first scheduled token (a new request: token 0); a step that schedules
+        # nothing keeps the resting window, the newest token's view (see live_start)
+        start = g.rule.live_starts(g.spec, before, after)
+        lo = g.held_from[rows]  # 0 for a new row, the shared tail's start after a hit
+        hi = np.maximum(lo, np.minimum(start // bs, old_len))
+        plans.append((need, lo, hi, old_len))
+    return plans
+
+def fits_in_order(
+    t: RequestTables,
+    pool: BlockPool,
+    members: list[int],
+    rows: np.ndarray,
+    plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+) -> bool:
+    """Whether every request of the batch, served in order, gets its blocks from
+    ``pool`` (drawn on by the groups ``members``): each request's window releases count
+    for itself and the requests after it (the same answer the one-by-one path gives, so
+    the batch path never accepts more)."""
+    free = pool.num_free
+    need = sum(plans[gi][0] for gi in members)
+    if int(need.sum()) <= free:
+        return True
+    credit = np.zeros(len(rows), dtype=np.int64)
+    for gi in members:
+        _, lo, hi, _ = plans[gi]
+        if (hi > lo).any():
+            index, c = expand(np.arange(len(rows)), lo, np.maximum(lo, hi))
+            old = t.groups[gi].table[rows[index], c]
+            gives = (old != NULL_BLOCK) & (pool.ref_counts[old] == 1)
+            credit += np.bincount(index[gives], minlength=len(rows))
+    return bool((np.cumsum(need - credit) <= free).all())
+
+def apply_growth(
+    t: RequestTables,
+    rows: np.ndarray,
+    fresh: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    sel: np.ndarray | None,
+) -> None:
+    """Release, grow and record for the requests ``sel`` (all when ``None``).
+
+    Every group releases before any group grows: groups that share a pool were checked
+    against the pool with all their releases counted."""
+    parts: list[tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]] = []
+    for g, (_, lo, hi, _) in zip(t.groups, plans, strict=True):
+        if sel is not None:
+            lo, hi = lo[sel], hi[sel]
+            g_rows = rows[sel]
+        else:
+            g_rows = rows
+        parts_r: list[np.ndarray] = []
+        parts_c: list[np.ndarray] = []
+        parts_v: list[np.ndarray] = []
+        parts.append((parts_r, parts_c, parts_v))
+        if g.windowed and (hi > lo).any():
+            r, c = expand(g_rows, lo, hi)
+            old = g.table[r, c]
+            g.pool.release(old[old != NULL_BLOCK])
+            g.table[r, c] = NULL_BLOCK
+            g.held_from[g_rows] = hi
+            parts_r.append(r)
+            parts_c.append(c)
+            parts_v.append(np.zeros(len(r), dtype=np.int32))
+    for g, (need, _, _, first_new), (parts_r, parts_c, parts_v) in zip(
+        t.groups, plans, parts, strict=True
+    ):
+        g_rows = rows
+        if sel is not None:
+            need, first_new, g_rows = need[sel], first_new[sel], rows[sel]
+        total = int(need.sum())
+        if total:
+            ids = g.pool.take(total)
+            r, c = expand(g_rows, first_new, first_new + need)
+            g.table[r, c] = ids
+            parts_r.append(r)
+            parts_c.append(c)
+            parts_v.append(ids)
+        if parts_r:
+            t.pending.append(
+                TableDelta(
+                    group=g.spec.name,
+                    rows=np.concatenate(parts_r).astype(np.int32),
+                    cols=np.concatenate(parts_c).astype(np.int32),
+                    block_ids=np.concatenate(parts_v).astype(np.int32),
+                )
+            )
+
+def schedule_one_by_one(
+    t: RequestTables,
+    ids: list[str],
+    rows: np.ndarray,
+    fresh: np.ndarray,
+    before: np.ndarray,
+    after: np.ndarray,
+    plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    accept: np.ndarray,
+    refused: list[Refusal],
+) -> np.ndarray:
+    """The slow path when the batch as a whole does not fit: requests in order."""
+    for i in range(len(ids)):
+        if not accept[i]:
+            continue
+        short: Refusal | None = None
+        for pool, members in t.pools:
+            credit = need = 0
+            for gi in members:
+                g, (g_need, lo, hi, _) = t.groups[gi], plans[gi]
+                need += int(g_need[i])
+                if hi[i] > lo[i]:
+                    old = g.table[rows[i], lo[i] : hi[i]]
+                    old = old[old != NULL_BLOCK]
+                    credit += int((pool.ref_counts[old] == 1).sum())
+            available = pool.num_free + credit
+            if need > available:
+                # a shared pool is named by its first group that asked for blocks
+                name = next(
+                    t.groups[gi].spec.name for gi in members if plans[gi][0][i]
+                )
+                short = Refusal(ids[i], "out_of_blocks", name, need, available)
+                break
+        if short is not None:
+            accept[i] = False
+            refused.append(short)
+            continue
+        apply_growth(t, rows, fresh, before, after, plans, np.array([i]))
+    return accept
