@@ -197,7 +197,7 @@ class PrefixCache:
         if not self.enabled or top == 0:
             return self._sealed(0, {}, {}, {}, hasher)
         unit = self.unit
-        keys = hasher.extend(tokens[:top], at=np.arange(unit, top + 1, unit))
+        keys = hasher.extend(tokens[:top])  # the key at every unit end up to top
         self._collided = False
 
         tails: dict[int, tuple[bytes, bytes, bytes]] = {}
@@ -214,9 +214,11 @@ class PrefixCache:
         for g in self._t.groups:
             if g.history:
                 i = 0
-                bs = g.block_size
+                r = g.block_size // unit  # history blocks end on unit ends
                 cached = self._cached[g.spec.name]
-                while (i + 1) * bs <= upper and key_at((i + 1) * bs) in cached:
+                for key in keys[r - 1 : upper // unit : r]:
+                    if key not in cached:
+                        break
                     i += 1
                 upper = min(upper, i * g.block_size)
         length = (upper // step) * step
@@ -247,12 +249,17 @@ class PrefixCache:
                 first[name] = 0
             else:
                 c0 = self._window_start(g, length) // g.block_size
-                found = tuple(
-                    key_at((c + 1) * g.block_size) for c in range(c0, length // g.block_size)
-                )
+                if g.block_size % unit == 0:
+                    r = g.block_size // unit
+                    found = tuple(keys[(c0 + 1) * r - 1 : length // unit : r])
+                else:
+                    found = tuple(
+                        key_at((c + 1) * g.block_size) for c in range(c0, length // g.block_size)
+                    )
                 first[name] = c0
             used[name] = found
-            blocks[name] = np.array([self._cached[g.spec.name][k] for k in found], dtype=np.int32)
+            cached = self._cached[name]
+            blocks[name] = np.array([cached[k] for k in found], dtype=np.int32)
             covered = length if not g.windowed else len(found) * g.block_size
             stats.hit_tokens_by_group[name] = stats.hit_tokens_by_group.get(name, 0) + covered
         stats.hit_tokens += length
