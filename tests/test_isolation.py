@@ -21,6 +21,7 @@ from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.core.layout import CacheLayout
 from kvforge.errors import StepError
 from kvforge.scheduler import BlockManager
+from kvforge.scheduler.block_manager import MAX_OPEN_STEPS
 
 
 def manager(**kw) -> BlockManager:
@@ -57,14 +58,20 @@ def test_an_asynchronous_engine_may_schedule_one_step_ahead():
     assert m.lookup([PrefixQuery([*a, 1])])[0].num_tokens == 32  # step 2 is not done
     m.end_step(s2)
     assert m.lookup([PrefixQuery([*a, 1])])[0].num_tokens == 64
-    # a third schedule with steps 3 and 4 open ends step 3 implicitly (its kernels ran before
-    # step 4 was scheduled): a late end_step of it is refused as stale
-    s3 = m.schedule(["a"], [1], new_token_ids=[[7]])
-    s4 = m.schedule(["a"], [1], new_token_ids=[[8]])
-    m.schedule(["a"], [1], new_token_ids=[[9]])
-    with pytest.raises(StepError, match=f"step {s3.step_id} already ended"):
-        m.end_step(s3)
-    m.end_step(s4)
+    # steps end in any order (threads); past MAX_OPEN_STEPS the oldest open step is dropped:
+    # it registers nothing, gives back what it held, and its late end_step is refused
+    b = prompt(16 * (MAX_OPEN_STEPS + 1), seed=1)
+    steps = [
+        m.schedule([f"b{i}"], [16], new_token_ids=[b[16 * i : 16 * i + 16]])
+        for i in range(MAX_OPEN_STEPS + 1)
+    ]
+    with pytest.raises(StepError, match=f"step {steps[0].step_id} already ended"):
+        m.end_step(steps[0])
+    for s in reversed(steps[1:]):
+        m.end_step(s)
+    assert m.open_steps == []
+    assert m.lookup([PrefixQuery([*b[:16], 1])])[0].num_tokens == 0  # b0 was dropped
+    assert m.lookup([PrefixQuery([*b[16:32], 1])])[0].num_tokens == 16
 
 
 @pytest.mark.parametrize(

@@ -92,7 +92,10 @@ from kvforge.scheduler.swap_book import SwapBook, SwapStats
 from kvforge.scheduler.tables import GroupTable, RequestTables
 from kvforge.specs import SwapPurpose
 
-__all__ = ["BlockManager", "PrefixStats", "SwapStats"]
+__all__ = ["MAX_OPEN_STEPS", "BlockManager", "PrefixStats", "SwapStats"]
+
+MAX_OPEN_STEPS = 16
+"""Steps scheduled and not yet ended that a scheduler keeps (engines have one or two)."""
 
 class BlockManager:
     """Pools, tables and swap bookkeeping of every group; no device memory.
@@ -347,10 +350,13 @@ class BlockManager:
                         "running; a match applies to a new request only"
                     )
                 rows[i] = row
-        # One step may be in flight while the next is scheduled: every older one ends now
-        # (implicitly: its kernels ran before the step in flight was scheduled).
-        for old in list(self._open_steps)[:-1]:
-            self._prefix.finish_step(self._open_steps.pop(old), confirmed=False)
+        # Steps left open past MAX_OPEN_STEPS are dropped, oldest first: they share nothing
+        # (their end_step is refused) and what they held goes back, so a caller that never
+        # ends its steps cannot pin blocks without bound.
+        while len(self._open_steps) >= MAX_OPEN_STEPS:
+            oldest = next(iter(self._open_steps))
+            work = self._open_steps.pop(oldest)
+            self._prefix.finish_step(work, kernels_ran=False, copies_ran=False)
         work = self._prefix.work = StepWork(request_ids=frozenset(ids))
         refused: list[Refusal] = []
         accept = np.ones(batch, dtype=bool)
@@ -449,11 +455,12 @@ class BlockManager:
         """End a step whose kernels (and ``copies_after``) ran: the blocks it completed become
         shareable, and what it held for its copies is released.
 
-        The protocol, for synchronous and asynchronous engines alike: ``schedule`` (step
-        ``N``), optionally ``schedule`` (step ``N + 1``) while ``N`` runs, then
-        ``end_step(N)``; at most one step is in flight when the next is scheduled. Scheduling
-        step ``N + 2`` ends step ``N`` implicitly (its kernels ran before ``N + 1`` was
-        scheduled), registering its blocks but no snapshot (its copies may not have run).
+        The protocol, for synchronous and asynchronous engines and for threads alike: each
+        ``schedule`` returns a step; ``end_step`` of it, once its kernels ran, in any order
+        relative to other steps (``schedule(N)``, ``schedule(N + 1)``, ``end_step(N)``,
+        ``end_step(N + 1)`` is an asynchronous engine's order). At most ``MAX_OPEN_STEPS``
+        steps are open: scheduling one more drops the oldest unended step, which then
+        registers nothing, releases what it held, and refuses its late ``end_step``.
 
         ``copies_ran=False`` (the worker could not run the step's ``copies_after``) ends it
         like an implicit end: no snapshot of it is registered.
@@ -472,13 +479,14 @@ class BlockManager:
             issued = self._issued
             if 1 <= step_id <= issued:
                 raise StepError(
-                    f"step {step_id} already ended (explicitly, or when a later step was "
-                    f"scheduled with it still open); steps in flight: {list(self._open_steps)}"
+                    f"step {step_id} already ended (or was dropped unended when "
+                    f"{MAX_OPEN_STEPS} later steps were open); steps in flight: "
+                    f"{list(self._open_steps)}"
                 )
             raise StepError(
                 f"step {step_id} is unknown: this scheduler issued steps 1..{issued}"
             )
-        self._prefix.finish_step(work, confirmed=copies_ran is True)
+        self._prefix.finish_step(work, kernels_ran=True, copies_ran=copies_ran is True)
 
     @property
     @locked

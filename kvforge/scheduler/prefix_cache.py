@@ -523,18 +523,17 @@ class PrefixCache:
             copies.append(BlockCopy(g.spec.name, src, dst))
         return copies
 
-    def finish_step(self, work: StepWork, confirmed: bool) -> None:
-        """A step ended: register the blocks it wrote, then drop what it held.
+    def finish_step(self, work: StepWork, kernels_ran: bool, copies_ran: bool) -> None:
+        """A step ended: register what it wrote, then drop what it held.
 
-        ``confirmed`` says the step's ``copies_after`` ran (an explicit ``end_step``); a step
-        ended implicitly, by the scheduling of a later one, registers no snapshot, since its
-        copy may never have run."""
+        ``kernels_ran`` and ``copies_ran`` say what is known to have written the step's blocks
+        (an explicit ``end_step``): blocks are registered only after the kernels, snapshots
+        only after the copies. A step dropped unended registers nothing."""
         stats, events = self.stats, self._events
         for r in work.registrations:
             owner = self._owner[id(r.group.pool)]
-            if (r.snapshot and not confirmed) or r.key in self._cached[r.group.spec.name] or (
-                r.block in owner
-            ):
+            written = copies_ran if r.snapshot else kernels_ran
+            if not written or r.key in self._cached[r.group.spec.name] or r.block in owner:
                 if r.ref is not None:
                     self.records.release(r.ref)
                 continue
