@@ -29,15 +29,34 @@ class ArgumentError(TypeError, ValueError):
     """A bad argument: the wrong type, or a value out of range."""
 
 
-def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None) -> int:
+def check_int(
+    name: str,
+    value: object,
+    minimum: int = 0,
+    maximum: int | None = None,
+    *,
+    type_message: str | None = None,
+    range_message: str | None = None,
+) -> int:
     """``value`` as a Python int if it is an integer (numpy integers included, ``bool``
-    never) within ``[minimum, maximum]``; else :class:`ArgumentError` naming ``name``."""
+    never) within ``[minimum, maximum]``; else :class:`ArgumentError` naming ``name``.
+
+    ``type_message`` / ``range_message`` word the refusal where a module keeps its own
+    established wording; they are formatted with ``name``, ``value`` (its repr),
+    ``type`` (its type's name) and ``minimum``."""
+    fields = {"name": name, "minimum": minimum}
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise ArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+        template = type_message or "{name} must be an int >= {minimum}, got {value}"
+        raise ArgumentError(
+            template.format(value=repr(value), type=type(value).__name__, **fields)
+        )
     number = int(value)
     if number < minimum or (maximum is not None and number > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ArgumentError(f"{name} must be an int {bound}, got {value!r}")
+        template = range_message or "{name} must be an int " + bound + ", got {value}"
+        raise ArgumentError(
+            template.format(value=repr(value), type=type(value).__name__, **fields)
+        )
     return number
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvforge._checks import locked
+from kvforge._checks import check_int, locked
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.core.layout import CacheLayout, check_share_pools
 from kvforge.core.memory_plan import (
@@ -89,9 +89,7 @@ def _one_sizing(count: object, memory_budget: object, name: str = "num_blocks") 
 
 
 def _count(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    return value
+    return check_int(name, value, -(1 << 63), type_message="{name} must be an int, got {value}")
 
 
 class CacheController:

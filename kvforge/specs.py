@@ -38,6 +38,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvforge._checks import check_int
 from kvforge.kinds import GroupFamily, KindRule, rule_of
 
 __all__ = [
@@ -138,12 +139,14 @@ def strict_int(field: str, value: Any, minimum: int = 1, unit: str = "") -> int:
     ``bool`` is refused although it subclasses ``int`` (``compress_ratio=True`` is a mistake,
     not a ratio of 1), and so are floats and numeric strings, even ``2.0`` and ``"2"``.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{field} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        what = f"a positive number of {unit}" if unit and minimum == 1 else f">= {minimum}"
-        raise ValueError(f"{field} must be {what}, got {value}")
-    return value
+    what = f"a positive number of {unit}" if unit and minimum == 1 else f">= {minimum}"
+    return check_int(
+        field,
+        value,
+        minimum,
+        type_message="{name} must be an int, got {value} ({type})",
+        range_message="{name} must be " + what + ", got {value}",
+    )
 
 
 DType = Annotated[str, BeforeValidator(canonical_dtype)]

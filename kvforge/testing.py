@@ -46,6 +46,7 @@ from typing import TypeVar
 
 import torch
 
+from kvforge._checks import check_int
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.controller import CacheController
 from kvforge.core.memory_plan import blocks_per_group
@@ -184,12 +185,12 @@ def _purposes(purposes: object) -> tuple[SwapPurpose, ...]:
     return tuple(result)
 
 
+_AT_LEAST = "{name} must be >= {minimum}, got {value}"
+
+
 def _positive(name: str, value: object, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    wording = {"type_message": "{name} must be an int, got {value}"}
+    return check_int(name, value, minimum, **wording, range_message=_AT_LEAST)
 
 
 def _default_tokens(groups: Mapping[str, CacheGroup]) -> int:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
+from kvforge._checks import check_int
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.core.layout import CacheLayout
 from kvforge.kinds import rule_of
@@ -216,9 +217,8 @@ def _size(nbytes: int) -> str:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    message = "{name} must be a positive int, got {value}"
+    return check_int(name, value, 1, type_message=message, range_message=message)
 
 
 def _budget(value: object) -> int:

@@ -35,6 +35,8 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 import torch
 
+from kvforge._checks import check_int
+
 __all__ = [
     "SLOT_IMPLS",
     "TokenPositions",
@@ -86,11 +88,13 @@ _INT64 = (np.dtype(np.int64), torch.int64)
 
 
 def _check_int_arg(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} is {type(value).__name__}; expected an int >= 1")
-    if value < 1:
-        raise ValueError(f"{name} = {value}; expected an int >= 1")
-    return int(value)
+    return check_int(
+        name,
+        value,
+        1,
+        type_message="{name} is {type}; expected an int >= 1",
+        range_message="{name} = {value}; expected an int >= 1",
+    )
 
 
 def _check_sizes(block_size: object, compress_ratio: object) -> tuple[int, int]:

@@ -72,6 +72,7 @@ class BlockPool:
         self.name = name
         self.kind = kind
         self._ref = np.zeros(num_blocks, dtype=np.int32)
+        self._scratch = np.zeros(num_blocks, dtype=np.int32)  # release's repeat check
         # The free stack: the top is at index _num_free - 1, so a fresh pool pops 1, 2, 3, ...
         self._stack = np.arange(num_blocks - 1, NULL_BLOCK, -1, dtype=np.int32)
         self._num_free = num_blocks - 1
@@ -179,7 +180,11 @@ class BlockPool:
                 zero = zero[np.sort(first)]
         else:  # every used block has one holder: the ids are distinct
             held = self._ref[block_ids]
-            repeated = len(block_ids) > 1 and len(np.unique(block_ids)) < len(block_ids)
+            # a repeated id: the later of two writes to one cell wins, so some position does
+            # not read back its own index (O(n), no sort)
+            order = np.arange(len(block_ids), dtype=np.int32)
+            self._scratch[block_ids] = order
+            repeated = bool((self._scratch[block_ids] != order).any())
             if (held < 1).any() or repeated:
                 uniq, counts = np.unique(block_ids, return_counts=True)
                 bad = counts > self._ref[uniq]

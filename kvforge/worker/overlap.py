@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge._checks import check_int
+
 __all__ = ["PlaneExtent", "PoolMember", "find_overlap", "plane_extent"]
 
 
@@ -58,10 +60,13 @@ class PoolMember:
 
 
 def _check_int(owner: str, field: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{owner}: {field} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{owner}: {field} must be >= {minimum}, got {value}")
+    check_int(
+        f"{owner}: {field}",
+        value,
+        minimum,
+        type_message="{name} must be an int, got {value}",
+        range_message="{name} must be >= {minimum}, got {value}",
+    )
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from kvforge import ops
+from kvforge._checks import check_int
 from kvforge.attn_backends.base import (
     AttentionBackend,
     SwapContext,
@@ -731,11 +732,13 @@ class CacheStorage:
 
 
 def _count(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
+    return check_int(
+        name,
+        value,
+        0,
+        type_message="{name} must be an int, got {value}",
+        range_message="{name} must be >= 0, got {value}",
+    )
 
 
 def _check_keys(
