@@ -446,12 +446,14 @@ def _check_at(at: object, before: int, after: int, unit: int) -> np.ndarray:
 
 
 def unit_of(block_sizes: Sequence[int], snapshot_interval: int | None = None) -> int:
-    """The unit ``g`` of the key chain: the gcd of every group's block size and the snapshot
+    """The unit ``g`` of the key chain: the gcd of the given block sizes and the snapshot
     interval.
 
-    Each block end and each snapshot boundary must have a key, and a key exists only at a unit
-    boundary, so ``g`` must divide all of them; the gcd is the largest such ``g``, hence the
-    fewest digests (block sizes 16 and 64 with snapshots every 256 tokens: ``g = 16``).
+    Every size given must end on a unit, so ``g`` must divide all of them; the gcd is the
+    largest such ``g``, hence the fewest digests (block sizes 16 and 64 with snapshots every
+    256 tokens: ``g = 16``). The prefix cache passes the history groups' block sizes and the
+    boundary only: window and state blocks that end inside a unit get tail keys
+    (:meth:`PrefixHasher.tail_key`), so a 4-token state block does not shrink the unit.
 
     >>> unit_of([64, 256, 4, 8]), unit_of([16, 64], snapshot_interval=256), unit_of([256])
     (4, 16, 256)

@@ -340,13 +340,14 @@ class PrefixEvent:
     Attributes:
         kind: ``"stored"`` (a block became reusable) or ``"removed"`` (it was evicted).
         group: the group of the block.
-        key: the block's prefix key (an int; stable across processes).
+        key: the block's prefix key (32 bytes; the same in every process and engine that
+            follows ``docs/prefix_keys.md``).
         num_tokens: the prefix length the key covers.
     """
 
     kind: Literal["stored", "removed"]
     group: str
-    key: int
+    key: bytes
     num_tokens: int
 
 

@@ -357,7 +357,7 @@ class BlockManager:
             oldest = next(iter(self._open_steps))
             work = self._open_steps.pop(oldest)
             self._prefix.finish_step(work, kernels_ran=False, copies_ran=False)
-        work = self._prefix.work = StepWork(request_ids=frozenset(ids))
+        work = self._prefix.work = StepWork()
         refused: list[Refusal] = []
         accept = np.ones(batch, dtype=bool)
         n_fresh = int(fresh.sum())
@@ -589,9 +589,12 @@ class BlockManager:
             if rid not in self._t.row_of and rid not in self._book.swapped:
                 raise self._book.not_resident(rid)
         resident = [rid for rid in ids if rid in self._t.row_of]
-        for rid in ids:
-            self._prefix.end_chain(rid)
-            self._book.release_host(rid)
+        if self._prefix.tracks_requests:  # per-request work only when there is any
+            for rid in ids:
+                self._prefix.end_chain(rid)
+        if self._book.swapped:
+            for rid in ids:
+                self._book.release_host(rid)
         if resident:
             self._t.release_rows(np.array([self._t.row_of.pop(r) for r in resident]))
 

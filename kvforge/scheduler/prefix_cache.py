@@ -98,7 +98,6 @@ class StepWork:
 
     pins: list[tuple[GroupTable, np.ndarray]] = field(default_factory=list)
     registrations: list[_Registration] = field(default_factory=list)
-    request_ids: frozenset[str] = frozenset()
 
 
 class PrefixCache:
@@ -603,6 +602,11 @@ class PrefixCache:
     @property
     def has_chains(self) -> bool:
         return bool(self._hashers)
+
+    @property
+    def tracks_requests(self) -> bool:
+        """Whether some request has a key chain or holds records."""
+        return bool(self._hashers or self._cursors)
 
     def _evicted(self, pool: BlockPool, victims: np.ndarray) -> None:
         ev = self.stats.evictions
