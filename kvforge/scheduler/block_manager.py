@@ -427,7 +427,7 @@ class BlockManager:
             kept = accept
         self._t.num_tokens[safe_rows[kept]] = after[kept]
         copies_after: list[BlockCopy] = []
-        if self._prefix.has_chains:
+        if self._prefix.tracks_requests:
             for i in np.flatnonzero(accept):
                 tokens = None if new_token_ids is None else new_token_ids[i]
                 copies_after += self._prefix.commit(

@@ -567,13 +567,13 @@ class PrefixCache:
         proof: tuple[bytes, bytes, bytes] | None,
     ) -> None:
         """Register ``block`` as the cached copy of ``key``: both directions of the index
-        change here and in :meth:`_drop` / :meth:`_evicted` only. ``ref`` is the unit record
+        change here and in :meth:`forget_block` / :meth:`_evicted` only. ``ref`` is the unit record
         the block holds a reference on (released when it goes)."""
         self._cached[g.spec.name][key] = block
         self._owner[id(g.pool)][block] = _Entry(key, end, gi, ref, proof)
         g.pool.retain(block)
 
-    def _drop(self, g: GroupTable, block: int) -> None:
+    def forget_block(self, g: GroupTable, block: int) -> None:
         """Forget the key of ``block`` (it will be written again): the block stays with its
         holders and goes back to the free stack when they release it."""
         entry = self._owner[id(g.pool)].pop(block, None)
@@ -587,10 +587,6 @@ class PrefixCache:
             self.records.release(entry.ref)
         self._events.append(PrefixEvent("removed", group.spec.name, entry.key, entry.end))
 
-    def forget_block(self, g: GroupTable, block: int) -> None:
-        """:meth:`_drop` for the block manager (truncation rewrites a registered block)."""
-        self._drop(g, block)
-
     def end_chain(self, request_id: str) -> None:
         """Stop registering the blocks of ``request_id`` (finished, refused, or truncated)
         and let go of the records its chain held."""
@@ -598,10 +594,6 @@ class PrefixCache:
         cursor = self._cursors.pop(request_id, None)
         if cursor is not None:
             self.records.release(cursor)
-
-    @property
-    def has_chains(self) -> bool:
-        return bool(self._hashers)
 
     @property
     def tracks_requests(self) -> bool:
@@ -648,5 +640,5 @@ class PrefixCache:
         for pool, _ in self._t.pools:
             for block in list(self._owner[id(pool)]):
                 g = self._t.groups[self._owner[id(pool)][block].group]
-                self._drop(g, block)
+                self.forget_block(g, block)
         return evicted

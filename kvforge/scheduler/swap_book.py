@@ -212,11 +212,6 @@ class SwapBook:
             "or swapped out)"
         )
 
-    def check_idle(self, request_id: str) -> None:
-        """Refuse a request whose swap is in flight."""
-        if request_id in self.busy:
-            raise RequestStateError(f"request {request_id!r} has a swap in flight")
-
     def release_host(self, request_id: str) -> None:
         """Return the host pages of a swapped-out request that finishes: all of them and the
         entry, or (on an exception) none."""
