@@ -216,6 +216,7 @@ def _scheduler(conn: Any) -> dict:
     attempt("step 1 again (a repeat)", "apply", s1, "DeltaOrderError")
     attempt("step 1's deltas again", "deltas", s1.table_deltas, "DeltaOrderError")
     call("apply", s2)
+    end(s1)
     end(s2)
     for r in ("a", "b"):
         lengths[r] += 2 * CHUNK
@@ -277,8 +278,8 @@ def _scheduler(conn: Any) -> dict:
 
     # --- foreign plans: another scheduler's ids and blocks
     other = manager()
-    other.schedule(["filler"], [200])  # its blocks differ from this worker's
-    other.schedule(["x"], [96])
+    other.end_step(other.schedule(["filler"], [200]))  # its blocks differ from this worker's
+    other.end_step(other.schedule(["x"], [96]))
     plan = other.plan_swap_out(["x"])
     attempt("another scheduler's plan 1 (id reused)", "execute", plan, "PlanReplayError")
     while plan.plan_id <= p_in.plan_id:  # advance its ids past this worker's

@@ -160,6 +160,7 @@ def _scheduler(conn: Any, model: str) -> dict:
         counts = [min(128, lengths[r] - done[r]) for r in ids]
         step = manager.schedule(ids, counts)
         assert not step.refused
+        manager.end_step(step)
         call("apply", step)
         for r, c in zip(ids, counts, strict=True):
             done[r] += c

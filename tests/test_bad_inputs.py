@@ -50,8 +50,8 @@ def _make() -> Env:
     ctl.initialize_kv_cache(num_blocks=NUM_BLOCKS, max_num_seqs=4, max_model_len=256)
     ctl.initialize_host_cache(num_pages=16)
     for _ in range(5):
-        ctl.schedule(["a"], [20])
-    ctl.schedule(["b", "s"], [40, 30])
+        ctl.end_step(ctl.schedule(["a"], [20]))
+    ctl.end_step(ctl.schedule(["b", "s"], [40, 30]))
     for seed, rid in enumerate(("a", "b", "s")):
         write_request(ctl, rid, seed, range(ctl.num_tokens(rid)))
     ctl.swap_out("s")

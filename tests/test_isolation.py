@@ -19,7 +19,7 @@ import pytest
 from kvforge import CacheController, GQABackend, PrefixQuery
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.core.layout import CacheLayout
-from kvforge.errors import StepError
+from kvforge.errors import RequestStateError, StepError
 from kvforge.scheduler import BlockManager
 from kvforge.scheduler.block_manager import MAX_OPEN_STEPS
 
@@ -105,6 +105,67 @@ def test_the_facade_refuses_a_stale_step_before_any_copy_runs():
         ctl.end_step(step)
     with pytest.raises(StepError, match="takes a ScheduledStep"):
         ctl.end_step(step.allocation)
+
+
+IN_OPEN_STEP = "is in step {step}, which has not ended; end_step({step}) before it is"
+
+
+def _open_step_controller():
+    ctl = CacheController({0: GQABackend(1, 8, 16)}, enable_prefix_caching=True)
+    ctl.initialize_kv_cache(num_blocks=32, max_num_seqs=4, max_model_len=256)
+    ctl.initialize_host_cache(num_pages=32)
+    ctl.end_step(ctl.schedule(["a", "b"], [40, 40], new_token_ids=[prompt(40), prompt(40, 1)]))
+    step = ctl.schedule(["a"], [8], new_token_ids=[prompt(8, 2)])  # a's kernels in flight
+    return ctl, step
+
+
+def _state(ctl):
+    m = ctl.scheduler
+    return (
+        m.requests,
+        m.swapped_requests,
+        {r: ctl.num_tokens(r) for r in m.requests},
+        {g: (ctl.num_used_blocks(g), m.table(g).tobytes()) for g in ctl.groups},
+        m.open_steps,
+        ctl.host_pool_usage(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c: c.swap_out("a"), "swapped out"),
+        (lambda c: c.swap_out_many(["b", "a"]), "swapped out"),
+        (lambda c: c.scheduler.plan_swap_out(["a"]), "swapped out"),
+        (lambda c: c.truncate("a", 41), "truncated"),
+        (lambda c: c.scheduler.truncate("a", 20), "truncated"),
+    ],
+)
+def test_a_request_in_an_open_step_is_not_swapped_out_or_truncated(call, message):
+    """Its step's kernels may still be writing its blocks: a swap out would store bytes not
+    yet written and a truncation would hand back blocks still being written."""
+    ctl, step = _open_step_controller()
+    before = _state(ctl)
+    with pytest.raises(RequestStateError) as info:
+        call(ctl)
+    sid = step.allocation.step_id
+    assert str(info.value) == f"request 'a' {IN_OPEN_STEP.format(step=sid)} {message}"
+    assert _state(ctl) == before
+    ctl.end_step(step)  # once the step ended, the same call goes through
+    call(ctl)
+
+
+def test_a_request_outside_the_open_step_and_a_free_are_not_refused():
+    ctl, step = _open_step_controller()
+    ctl.swap_out("b")  # not in the open step
+    ctl.swap_in("b")
+    ctl.free_request("a")  # an abort: what the step held stays held until it ends
+    assert ctl.scheduler.open_steps == [step.allocation.step_id]
+    ctl.end_step(step)
+    assert ctl.scheduler.open_steps == []
+    ctl.free_request("b")
+    ctl.scheduler.reset_prefix_cache()
+    assert ctl.num_used_blocks("kv") == 0
 
 
 # ------------------------------------------------------------------ pins live until the step ends

@@ -437,6 +437,7 @@ class BlockManager:
         refused.sort(key=lambda r: ids.index(r.request_id))
         self._issued += 1
         step_id = self._issued
+        work.request_ids = kept_ids
         self._open_steps[step_id] = work
         return StepAllocation(
             request_ids=kept_ids,
@@ -487,6 +488,18 @@ class BlockManager:
                 f"step {step_id} is unknown: this scheduler issued steps 1..{issued}"
             )
         self._prefix.finish_step(work, kernels_ran=True, copies_ran=copies_ran is True)
+
+    def _refuse_in_open_step(self, request_id: object, verb: str) -> None:
+        # A step's kernels may still be writing its request's blocks: a swap out would copy
+        # bytes not yet written, a truncation would hand back blocks still being written.
+        # (Freeing is an abort and stays allowed: what the step held stays held until it
+        # ends.) Scans at most MAX_OPEN_STEPS batches, so schedule pays nothing for it.
+        for step_id, work in self._open_steps.items():
+            if request_id in work.request_ids:
+                raise RequestStateError(
+                    f"request {request_id!r} is in step {step_id}, which has not ended; "
+                    f"end_step({step_id}) before it is {verb}"
+                )
 
     @property
     @locked
@@ -551,6 +564,9 @@ class BlockManager:
     def plan_swap_out(
         self, request_ids: Sequence[str], purpose: SwapPurpose | str = "preempt"
     ) -> SwapPlan:
+        if self._open_steps and not isinstance(request_ids, str):
+            for rid in request_ids:
+                self._refuse_in_open_step(rid, "swapped out")
         return self._book.plan_swap_out(request_ids, purpose)
 
     plan_swap_out.__doc__ = SwapBook.plan_swap_out.__doc__
@@ -609,10 +625,13 @@ class BlockManager:
         Raises:
             ValueError: ``num_tokens`` not an int in ``[1, current]``, or below a released
                 window block (nothing changed).
+            RequestStateError: an unknown request, one with a swap in flight, or one in a
+                step that has not ended (nothing changed).
         """
         row = self.row_of(request_id)
         if request_id in self._book.busy:
             raise RequestStateError(f"request {request_id!r} has a swap in flight")
+        self._refuse_in_open_step(request_id, "truncated")
         current = int(self._t.num_tokens[row])
         if (
             not isinstance(num_tokens, int | np.integer)

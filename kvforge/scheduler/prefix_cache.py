@@ -98,6 +98,8 @@ class StepWork:
 
     pins: list[tuple[GroupTable, np.ndarray]] = field(default_factory=list)
     registrations: list[_Registration] = field(default_factory=list)
+    #: the requests the step grew: until it ends, they are not swapped out or truncated
+    request_ids: tuple[str, ...] = ()
 
 
 class PrefixCache:

@@ -298,7 +298,8 @@ class SwapBook:
 
         Raises:
             OutOfBlocksError: the host pools lack pages for the whole batch (nothing changed).
-            RequestStateError: an unknown request, a swapped one, or one already in a swap.
+            RequestStateError: an unknown request, a swapped one, one already in a swap, or
+                (checked by the block manager) one in a step that has not ended.
             ValueError: a repeated id or an unknown purpose.
         """
         purpose = swap_purpose(purpose)

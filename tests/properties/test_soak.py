@@ -116,6 +116,7 @@ def test_model_counts_one_free_figure_for_a_shared_pool() -> None:
     def step(ids: list[str], new: list[int]) -> list[str]:
         accepted = model.step(ids, new)
         got = manager.schedule(ids, new)
+        manager.end_step(got)
         assert list(got.request_ids) == accepted, (got, accepted)
         for rid, n in zip(ids, new, strict=True):
             if rid in accepted:
@@ -224,7 +225,7 @@ def test_float_token_ids_are_refused_before_any_change() -> None:
 def test_soak_detects_a_lost_byte() -> None:
     """The verification is live: scribbling over one written entry fails the next verify."""
     run = soak.Soak(5)
-    run.ctl.schedule(["x"], [40])
+    run.ctl.end_step(run.ctl.schedule(["x"], [40]))
     run.model.apply_step("x", 40, 11)
     run.write("x", 0, 40)
     run.verify("x")
@@ -244,8 +245,9 @@ def _swa_request(n: int) -> CacheController:
     ctl.initialize_kv_cache(num_blocks=40, max_num_seqs=4, max_model_len=256)
     ctl.initialize_host_cache(num_pages=40)
     for p in range(n):
-        ctl.schedule(["a"], [1])
+        step = ctl.schedule(["a"], [1])
         write_request(ctl, "a", 3, [p])
+        ctl.end_step(step)
     return ctl
 
 
@@ -262,7 +264,7 @@ def test_zero_token_step_keeps_resting_window() -> None:
     assert (
         ctl.block_table("a", "swa")[19:] != [0, 0, 0] and 0 not in ctl.block_table("a", "swa")[19:]
     )
-    ctl.schedule(["a"], [0])  # nothing scheduled: nothing the request reads may go
+    ctl.end_step(ctl.schedule(["a"], [0]))  # nothing scheduled: nothing the request reads may go
     assert 0 not in ctl.block_table("a", "swa")[19:]
     _swap_round_trip(ctl)
     assert verify_request(ctl, "a", 3).mismatched == 0

@@ -240,6 +240,7 @@ def _do_step(ctl: CacheController, model: RefModel, ids: list[str], new: list[in
             [counts[r] for r in expected],
         )
         np.testing.assert_array_equal(np.asarray(slots), want, err_msg=f"{group} r={ratio}")
+    ctl.end_step(step)  # the step's kernels ran: the engine's order before a swap or truncate
 
 
 def _truncate(ctl: CacheController, model: RefModel, rid: str, to: int) -> None:

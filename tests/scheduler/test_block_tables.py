@@ -173,11 +173,18 @@ def test_random_growth_and_frees_never_leak(steps):
             del lengths[name]
             continue
         target = lengths.get(name, 0) + extra
+        before = {g: ctl.num_free_blocks(g) for g in ctl.groups}
+        if target > ctl.scheduler.max_model_len:
+            # past the table's width: refused by name, and nothing moves
+            with pytest.raises(ValueError, match=f"{target} tokens exceed max_model_len="):
+                ctl.allocate(name, target)
+            assert {g: ctl.num_free_blocks(g) for g in ctl.groups} == before
+            continue
         try:
             ctl.allocate(name, target)
             lengths[name] = target
         except OutOfBlocksError:
-            pass
+            assert {g: ctl.num_free_blocks(g) for g in ctl.groups} == before
         for g in ctl.groups:
             held = [b for r in lengths for b in ctl.block_table(r, g) if b != NULL_BLOCK]
             assert len(held) == len(set(held)), "a block is in two tables"

@@ -54,16 +54,19 @@ def test_truncate_and_regrow_round_trip():
     while done < 600:
         step = ctl.schedule(["r"], [100])
         write_step(ctl, step, {"r": seeds})
+        ctl.end_step(step)
         done += 100
     for _ in range(5):
         draft = ctl.schedule(["r"], [4])  # the target model verifies 4 draft tokens
         write_step(ctl, draft, {"r": seeds})
+        ctl.end_step(draft)
         ctl.truncate("r", ctl.num_tokens("r") - 2)  # 2 of them are rejected
     assert ctl.num_tokens("r") == 610
     assert verify_request(ctl, "r", seeds).mismatched == 0
     # the rejected positions are written again by the next steps with the accepted tokens
     step = ctl.schedule(["r"], [3])
     write_step(ctl, step, {"r": seeds})
+    ctl.end_step(step)
     ctl.swap_out("r")
     for cache in ctl.kv_caches:
         cache.view(torch.uint8).fill_(0x5A)
