@@ -4,6 +4,10 @@
 (``@triton.jit`` checks it at decoration time), so it is set here, at conftest import, before any
 test module imports a kernel module. It lets the Triton kernels run on CPU tensors (interpreter).
 An explicit ``TRITON_INTERPRET`` in the environment wins.
+
+Hypothesis draws fresh examples on every run, so a developer's runs keep exploring. CI sets
+``KVFORGE_HYPOTHESIS_PROFILE=ci``: the same examples for the same code (``derandomize``), so
+a red CI is reproducible by anyone from the commit alone, and a green one is not luck.
 """
 
 import os
@@ -12,6 +16,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import sys
 from pathlib import Path
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("KVFORGE_HYPOTHESIS_PROFILE", "explore"))
 
 # Tests live in one folder per package (core/, scheduler/, ...); their shared helpers
 # (``_helpers``, ``_two_sides``) sit here, and the research harnesses they check sit in the
