@@ -123,9 +123,14 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _cache_dtype(text: str) -> str:
+def _cache_dtype(text: str) -> str | None:
     """``text`` when it names one of :data:`CACHE_DTYPES` (aliases such as ``bf16`` and
-    ``fp8`` included). It is returned as given, so later messages quote what the user typed."""
+    ``fp8`` included). It is returned as given, so later messages quote what the user typed.
+    ``auto`` is the default, returned as ``None`` (not given): a config model is served as the
+    engines serve it (float32 configs in bfloat16), a ``--backend`` gets its builder's default.
+    """
+    if text == "auto":
+        return None
     try:
         name = canonical_dtype(text)
     except ValueError:
@@ -133,7 +138,7 @@ def _cache_dtype(text: str) -> str:
     if name not in CACHE_DTYPES:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a cache dtype; use one of {', '.join(CACHE_DTYPES)} "
-            "(or an alias: fp32, fp16, bf16, fp8)"
+            "(or an alias: fp32, fp16, bf16, fp8), or auto"
         )
     return text
 
@@ -167,7 +172,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         type=_cache_dtype,
         default=None,
-        help=f"cache dtype: {', '.join(CACHE_DTYPES)} (default bfloat16)",
+        help=f"model / cache dtype: {', '.join(CACHE_DTYPES)} or auto (default auto: with "
+        "--model / --config the config's torch_dtype as engines serve it, float32 downcast to "
+        "bfloat16 as vLLM does; with --backend the backend's default)",
     )
     src.add_argument("--kv-cache-quant", choices=["fp8", "block_wise_fp8"], default=None)
     src.add_argument("--kv-lora-rank", type=_positive, default=None)

@@ -98,7 +98,8 @@ class ModelOptions(BaseModel):
 
     Attributes:
         block_size: tokens per block; ``None``: the family's default.
-        dtype: model / cache dtype (canonical name); ``None``: from the config.
+        dtype: model / cache dtype (canonical name); ``None``: ``"auto"``, as the engines
+            serve the config's dtype (:func:`~kvforge.models.reading.model_dtype`).
         kv_cache_dtype: cache storage (family-specific names); ``None``: the family's default.
         tp_size: tensor-parallel ranks.
         num_speculative_tokens: draft tokens per step; MTP layers get caches only when > 0.

@@ -63,7 +63,7 @@ def build_mla(
     if config.get("index_head_dim") is not None:
         return build_dsa(config, model_type, options)
     f = parse_fields(MLAFields, config, model_type)
-    dtype = model_dtype(config, options.dtype)
+    dtype = model_dtype(config, options.dtype, model_type)
     kv = options.kv_cache_dtype
     if kv is None or kv == "auto":
         pass

@@ -136,7 +136,7 @@ def _gqa_shape(
         )
     kv_per_rank = max(1, kv_heads // tp)
 
-    dtype = model_dtype(dtype_config, opts.dtype)
+    dtype = model_dtype(dtype_config, opts.dtype, model_type)
     quant: KVCacheQuant | None = None
     kv = opts.kv_cache_dtype
     if kv is None or kv == "auto":
@@ -479,7 +479,7 @@ def build_qwen3_next(
         f.linear_value_head_dim,
         f.linear_conv_kernel_dim,
         tp_size=tp,
-        conv_dtype=model_dtype(config, options.dtype),
+        conv_dtype=model_dtype(config, options.dtype, model_type),
         recurrent_dtype="float32",
         num_speculative_tokens=options.num_speculative_tokens if len(mtp) else 0,
     )

@@ -56,9 +56,15 @@ Rules a reader can check against the code:
   ``>= max_window_layers`` (Hugging Face's rule); Llama never slides. A sliding layer gets a
   :class:`GQABackend` with ``sliding_window=W`` (group ``swa``), a full layer the plain one
   (group ``kv``).
-- **Dtypes.** ``dtype`` defaults to the config's ``torch_dtype`` (or ``dtype``) when it is
-  ``float16``, ``bfloat16`` or ``float32``, else ``"bfloat16"``; it is the cache dtype of GQA
-  and MLA unless ``kv_cache_dtype`` says otherwise. ``kv_cache_dtype`` for GQA: ``None`` /
+- **Dtypes.** ``dtype="auto"`` (the default; ``None`` means the same) serves the model as the
+  engines do (vLLM's ``_resolve_auto_dtype`` in ``vllm/config/model.py``, "Downcast for
+  float32 models"): a ``float16`` or ``bfloat16`` ``torch_dtype`` (or ``dtype``) is kept, a
+  ``float32``, missing or unknown one becomes ``"bfloat16"`` (Gemma-2-9B's published config
+  says float32), and Gemma-2 / Gemma-3 / GLM-4, which vLLM never runs in float16, get
+  ``"bfloat16"`` for a ``float16`` config too. An explicit ``dtype`` (``"float16"``,
+  ``"bfloat16"``, ``"float32"`` or an alias) wins: ``dtype="float32"`` plans float32 on
+  purpose. The model dtype is the cache dtype of GQA and MLA unless ``kv_cache_dtype`` says
+  otherwise. ``kv_cache_dtype`` for GQA: ``None`` /
   ``"auto"`` (model dtype), a float dtype, ``"fp8"`` or ``"block_wise_fp8"``; for MLA: ``None``
   / ``"auto"``, a float dtype or ``"fp8"`` (576 fp8 values per token); for DSA and V4:
   ``"fp8"`` (default) or ``"bf16"``, and ``dtype`` does not apply (it is an error to set it).
@@ -83,6 +89,7 @@ from pydantic import ValidationError
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.models.base import MAX_LAYERS, ModelBackends, ModelOptions, short_repr
 from kvforge.models.reading import (
+    AUTO_DTYPE,
     MODEL_DTYPES,
     bundled_models,
     load_model_config,
@@ -160,6 +167,10 @@ def _options(**kwargs: Any) -> ModelOptions:
         raise ValueError(
             f"{field}={short_repr(err.get('input'))} is invalid: {err['msg']}"
         ) from None
+    if opts.dtype == AUTO_DTYPE:
+        # "auto" is the default: builders see None, so DSA / V4 (whose dtype is fixed) do
+        # not refuse it and plugins written before "auto" keep working
+        return opts.model_copy(update={"dtype": None})
     if opts.dtype is not None:
         try:
             name = canonical_dtype(opts.dtype)
@@ -167,7 +178,8 @@ def _options(**kwargs: Any) -> ModelOptions:
             name = ""
         if name not in MODEL_DTYPES:
             raise ValueError(
-                f"dtype={opts.dtype!r} is not a model dtype; use one of {list(MODEL_DTYPES)}"
+                f"dtype={opts.dtype!r} is not a model dtype; use one of {list(MODEL_DTYPES)} "
+                f"or {AUTO_DTYPE!r} (the default: as the engines serve the config's dtype)"
             )
         opts = opts.model_copy(update={"dtype": name})
     return opts
@@ -177,7 +189,7 @@ def from_hf_config(
     config: ConfigSource,
     *,
     block_size: int | None = None,
-    dtype: str | None = None,
+    dtype: str | None = AUTO_DTYPE,
     kv_cache_dtype: str | None = None,
     tp_size: int = 1,
     num_speculative_tokens: int = 0,
@@ -189,8 +201,11 @@ def from_hf_config(
             holding it), or the name of a bundled config (see :func:`bundled_models`).
         block_size: tokens per block; default 16 for GQA, 64 for MLA / DSA. Not allowed for
             DeepSeek-V4, whose groups fix their block sizes.
-        dtype: model / cache dtype for GQA and MLA; default from the config's ``torch_dtype``
-            when it is a float dtype, else ``"bfloat16"``. Not allowed for DSA and V4.
+        dtype: model / cache dtype for GQA and MLA. ``"auto"`` (default; ``None`` too): as
+            the engines serve the config's ``torch_dtype``, float32 downcast to
+            ``"bfloat16"`` (vLLM's ``_resolve_auto_dtype``; see the module docstring). A
+            dtype (``"float32"`` included) is used as given. Only ``"auto"`` is allowed for
+            DSA and V4.
         kv_cache_dtype: cache storage (see the module docstring); default: the model dtype for
             GQA / MLA, ``"fp8"`` for DSA / V4.
         tp_size: tensor-parallel ranks; GQA caches hold ``max(1, kv_heads // tp_size)`` heads.

@@ -6,8 +6,12 @@ under :mod:`kvforge.models.configs`), :func:`text_config` finds the language mod
 inside a multimodal wrapper, and the dtype rules turn a config's ``torch_dtype`` and the
 ``dtype`` / ``kv_cache_dtype`` options into cache dtypes:
 
-- the model dtype is ``dtype`` when given, else the config's ``torch_dtype`` (or ``dtype``)
-  when it is one of :data:`MODEL_DTYPES`, else ``"bfloat16"``;
+- the model dtype is ``dtype`` when given (an explicit ``"float32"`` stays float32), else
+  (``"auto"``, the default) the engines' rule, vLLM's ``_resolve_auto_dtype`` in
+  ``vllm/config/model.py``: the config's ``torch_dtype`` (or ``dtype``) when it is a 16-bit
+  dtype, with a float32, absent or unknown one downcast to ``"bfloat16"``, and ``"float16"``
+  also served as ``"bfloat16"`` for the model types that refuse float16
+  (:data:`FLOAT16_UNSUPPORTED`: Gemma-2, Gemma-3, GLM-4);
 - a float ``kv_cache_dtype`` must be one of :data:`MODEL_DTYPES`; ``"fp8"`` spellings are
   :data:`FP8_NAMES`;
 - latent caches (DSA, DeepSeek-V4) store ``"fp8"`` (default) or ``"bf16"``.
@@ -26,7 +30,9 @@ from kvforge.models.base import short_repr
 from kvforge.specs import canonical_dtype
 
 __all__ = [
+    "AUTO_DTYPE",
     "BF16_NAMES",
+    "FLOAT16_UNSUPPORTED",
     "FP8_NAMES",
     "LATENT_DTYPE",
     "MODEL_DTYPES",
@@ -44,6 +50,13 @@ _BUNDLE_PACKAGE = "kvforge.models.configs"
 
 MODEL_DTYPES = ("float16", "bfloat16", "float32")
 """Dtypes a model (and a float cache) may have."""
+AUTO_DTYPE = "auto"
+"""The ``dtype`` option that means "as the engines choose" (the default): see
+:func:`model_dtype`."""
+FLOAT16_UNSUPPORTED = frozenset({"gemma2", "gemma3", "gemma3_text", "glm4"})
+"""Model types vLLM does not run in float16 (``_FLOAT16_NOT_SUPPORTED_MODELS`` in
+``vllm/config/model.py``, "Numerical instability"): ``"auto"`` serves them in bfloat16 even
+when their config says float16."""
 FP8_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn")
 """Spellings of ``kv_cache_dtype`` that mean an fp8 (e4m3) cache."""
 BF16_NAMES = ("bf16", "bfloat16")
@@ -122,11 +135,37 @@ def load_model_config(name_or_path: str | os.PathLike) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- dtypes
 
 
-def model_dtype(config: Mapping[str, Any], dtype: str | None) -> str:
-    """The model dtype: ``dtype`` (the option, already checked by ``from_hf_config``), else
-    the config's ``torch_dtype`` / ``dtype`` when it is a model dtype, else ``"bfloat16"``."""
-    if dtype is not None:
+def model_dtype(config: Mapping[str, Any], dtype: str | None, model_type: str = "") -> str:
+    """The model dtype, as the engines serve the model.
+
+    ``dtype`` (the option, already checked by ``from_hf_config``) wins when it names a dtype:
+    an explicit ``"float32"`` stays float32. ``None`` or ``"auto"`` follows vLLM's
+    ``_resolve_auto_dtype`` (``vllm/config/model.py``) on a platform with bfloat16 (its
+    ``Platform.supported_dtypes`` lists bfloat16 first; CUDA from compute capability 8.0,
+    x86 and aarch64 CPUs):
+
+    - the config's ``torch_dtype`` / ``dtype`` (read as vLLM's ``get_torch_dtype`` does: a
+      missing one counts as float32) is kept when it is ``float16`` or ``bfloat16``;
+    - "Downcast for float32 models": float32 becomes the platform's first supported dtype,
+      ``"bfloat16"``; so does a missing or unknown one;
+    - ``float16`` becomes ``"bfloat16"`` for :data:`FLOAT16_UNSUPPORTED` (Gemma-2, Gemma-3,
+      GLM-4), which vLLM filters out of the supported dtypes of those model types.
+
+    vLLM prefers float16 for pooling models only; kvforge plans generative ones.
+    """
+    if dtype is not None and dtype != AUTO_DTYPE:
         return dtype
+    name = _config_dtype(config)
+    if name == "float16" and model_type not in FLOAT16_UNSUPPORTED:
+        return name
+    if name == "bfloat16":
+        return name
+    return "bfloat16"  # "Downcast for float32 models" (and for a missing or unknown dtype)
+
+
+def _config_dtype(config: Mapping[str, Any]) -> str:
+    """The config's ``torch_dtype`` (or ``dtype``, newer transformers) when it is one of
+    :data:`MODEL_DTYPES`, else ``"float32"`` (vLLM's ``get_torch_dtype`` default)."""
     for key in ("torch_dtype", "dtype"):
         value = config.get(key)
         if isinstance(value, str):
@@ -136,7 +175,7 @@ def model_dtype(config: Mapping[str, Any], dtype: str | None) -> str:
                 continue
             if name in MODEL_DTYPES:
                 return name
-    return "bfloat16"
+    return "float32"
 
 
 def latent_cache_dtype(kv_cache_dtype: str | None, model_type: str) -> Literal["fp8", "bf16"]:
