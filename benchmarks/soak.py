@@ -31,12 +31,30 @@ pool, one free list, in the same bytes. The model then counts one free figure pe
 step's needs and window releases of all the pool's groups together, and a swap in's blocks
 likewise. Both modes combine (``--prefix --share-pools``).
 
+With ``--async-steps`` the soak keeps one step in flight, as an asynchronous engine does: a
+step's tokens are written when it is scheduled (its kernels are running) and it ends right
+after the next step is scheduled (``schedule(N + 1)``, then ``end_step(N)``). A truncation or
+swap out of a request in the open step is first tried at random and must be refused with the
+scheduler's ``RequestStateError`` ("... is in step N, which has not ended") and change
+nothing; then the open step ends and the call goes on. Freeing a request in the open step is
+an abort and is allowed. With prefix caching the open step holds one reference to each block
+it completed until it ends (registration waits for ``end_step``): the check allows exactly
+those references and no others, and a lookup must never match a block of the open step. It
+combines with ``--prefix`` and ``--share-pools``; the report counts the steps ended one step
+late and the refusals checked.
+
     python benchmarks/soak.py --ops 200000 --seed 7
     python benchmarks/soak.py --ops 20000 --seed 1 --prefix
     python benchmarks/soak.py --ops 20000 --seed 3 --share-pools
+    python benchmarks/soak.py --ops 20000 --seed 4 --async-steps --prefix --share-pools
 
 Invariant checked throughout: the model and the controller agree after every operation, and
 every byte written for a live token reads back unchanged.
+
+This file is long (over 1,000 lines) on purpose: the model, the checks that compare it with
+the controller, every operation row and every bad call live side by side, so that one reading
+shows what each operation changes in the model next to what the controller must then show.
+Splitting them would put a rule and the check of it in different files.
 """
 
 from __future__ import annotations
@@ -55,6 +73,7 @@ import numpy as np
 import torch
 
 from kvforge import CacheController, DeepseekV4Backend, GQABackend
+from kvforge.controller import ScheduledStep
 from kvforge.core.values import PrefixMatch, PrefixQuery
 from kvforge.errors import OutOfBlocksError, RequestStateError
 from kvforge.specs import CacheGroup, GroupKind
@@ -284,6 +303,19 @@ class SoakReport:
     reused_tokens: int = 0  # the tokens those prefixes covered
     short_of: Counter = field(default_factory=Counter)  # step refusals per group named short
     seconds: float = 0.0
+    # --async-steps: steps ended after the next one was scheduled; steps ended before it
+    # because a truncation or swap out of one of their requests, or the end of the run, waited
+    # for them; calls tried on a request of the open step and refused (per verb); requests
+    # freed while their step was open (aborts)
+    steps_ended_late: int = 0
+    steps_ended_early: int = 0
+    in_flight_refused: Counter = field(default_factory=Counter)
+    freed_in_flight: int = 0
+    # the end state, read before the controller is freed: open steps, and per group the
+    # device blocks and host pages in use (all empty or 0 after a clean run)
+    final_open_steps: list[int] = field(default_factory=list)
+    final_used_blocks: dict[str, int] = field(default_factory=dict)
+    final_host_pages: dict[str, int] = field(default_factory=dict)
 
 
 class StepRefused(Exception):
@@ -294,10 +326,18 @@ class StepRefused(Exception):
 class Soak:
     """One soak run: a controller, its model, a seeded generator and the tallies."""
 
-    def __init__(self, seed: int, prefix: bool = False, share_pools: bool = False) -> None:
+    def __init__(
+        self, seed: int, prefix: bool = False, share_pools: bool = False, async_steps: bool = False
+    ) -> None:
         self.rng = random.Random(seed)
         self.prefix = prefix
         self.share_pools = share_pools
+        self.async_steps = async_steps
+        self.open_step: ScheduledStep | None = None  # --async-steps: the step in flight
+        self.open_ids: frozenset[str] = frozenset()  # the requests it grew
+        #: per group, the blocks the open step completed (prefix caching holds one reference
+        #: to each until the step ends)
+        self.pinnable: dict[str, set[int]] = {}
         self.host_pages = SHARED_HOST_PAGES if share_pools else HOST_PAGES
         self.ctl = make_controller(prefix, share_pools)
         self.model = Model(
@@ -334,6 +374,8 @@ class Soak:
                 self.check_pool(members)
         for g, (used, _) in ctl.host_pool_usage().items():
             assert used == model.host_pages(g), (g, used, model.host_pages(g))
+        open_ids = [] if self.open_step is None else [self.open_step.allocation.step_id]
+        assert manager.open_steps == open_ids, (manager.open_steps, open_ids)
 
     def check_pool(self, members: tuple[str, ...]) -> None:
         """Without prefix caching: the pool's used count is the model's for all its groups;
@@ -354,7 +396,12 @@ class Soak:
         """With prefix caching: each request holds exactly its model extent; a block held by
         several requests sits at one index of one group's tables, of requests whose tokens
         agree through its end; the pool's used count is the distinct blocks its groups hold,
-        each with one reference per holder, and no block is held by two groups of it."""
+        each with one reference per holder, and no block is held by two groups of it.
+
+        With a step in flight (``--async-steps``) a block it completed has one reference
+        more, the step's, until the step ends; it may even have no holder left (its request
+        was freed, or a window released it in the same step). Every other block has exactly
+        one reference per holder."""
         ctl, pool = self.ctl, self.ctl.scheduler.pool(members[0])
         holders: dict[int, list[tuple[str, str, int]]] = {}
         for group in members:
@@ -365,9 +412,20 @@ class Soak:
                 assert cols == list(range(held.lo, held.hi)), (rid, group, cols, held)
                 for c in cols:
                     holders.setdefault(table[c], []).append((group, rid, c))
-        assert pool.num_used == len(holders), (members, pool.num_used, len(holders))
+        refs = pool.ref_counts
+        live = [b for b in np.flatnonzero(refs).tolist() if b]
+        assert pool.num_used == len(live), (members, pool.num_used, len(live))
+        assert set(holders) <= set(live), (members, sorted(set(holders) - set(live)))
+        pinnable = set().union(*(self.pinnable.get(g, ()) for g in members))
+        for block in live:
+            extra = int(refs[block]) - len(holders.get(block, ()))
+            assert extra == 0 or (extra == 1 and block in pinnable), (
+                members,
+                block,
+                holders.get(block),
+                extra,
+            )
         for block, owners in holders.items():
-            assert pool.ref_count(block) == len(owners), (members, block, owners)
             if len(owners) > 1:
                 places = {(g, c) for g, _, c in owners}
                 assert len(places) == 1, (block, owners)
@@ -473,6 +531,68 @@ class Soak:
             data = entry_bytes_for(seed, e, p, e.role.entry_bytes)
             write_entries(caches[e.index], e, torch.from_numpy(slots[keep]), data)
 
+    # ------------------------------------------------------------------ steps in flight
+
+    def advance(self, step: ScheduledStep, spans: dict[str, tuple[int, int]]) -> None:
+        """A step was scheduled and its tokens written (``spans``: each accepted request's
+        tokens before and after it). Synchronous: end it now. ``--async-steps``: it becomes
+        the step in flight, and the one before it ends now, one step late."""
+        if not self.async_steps:
+            self.ctl.end_step(step)
+            return
+        pinnable: dict[str, set[int]] = {}
+        if self.prefix:
+            # the blocks this step completed: prefix caching holds each until it ends
+            manager = self.ctl.scheduler
+            for g, spec in self.model.groups.items():
+                table, size = manager.table(g), spec.block_size
+                done = pinnable[g] = set()
+                for rid, (before, after) in spans.items():
+                    row = table[manager.row_of(rid), before // size : after // size]
+                    done.update(row[row != 0].tolist())
+        if self.open_step is not None:
+            self.ctl.end_step(self.open_step)
+            self.report.steps_ended_late += 1
+        self.open_step = step
+        self.open_ids = frozenset(step.allocation.request_ids)
+        self.pinnable = pinnable
+
+    def end_open_step(self) -> None:
+        """End the step in flight before its time (a truncation or swap out of one of its
+        requests waits for it, as does the end of the run)."""
+        if self.open_step is None:
+            return
+        self.ctl.end_step(self.open_step)
+        self.report.steps_ended_early += 1
+        self.open_step, self.open_ids, self.pinnable = None, frozenset(), {}
+
+    def in_flight_message(self, rid: str, verb: str) -> str:
+        """The refusal of a truncation or swap out of ``rid``, a request of the open step."""
+        assert self.open_step is not None
+        n = self.open_step.allocation.step_id
+        return (
+            f"request {rid!r} is in step {n}, which has not ended; end_step({n}) before it is "
+            f"{verb}"
+        )
+
+    def wait_for_open_step(self, rids: list[str], verb: str, call: Callable[[], Any]) -> None:
+        """Before ``call`` (a truncation or swap out of ``rids``): if one of them is in the
+        step in flight, most times try it first (it must be refused, naming the first such
+        request, and change nothing), then end the step."""
+        waiting = [r for r in rids if r in self.open_ids]
+        if not waiting:
+            return
+        if self.rng.random() < 0.7:
+            message = self.in_flight_message(waiting[0], verb)
+            self.expect_refused(call, RequestStateError, message)
+            self.report.in_flight_refused[verb] += 1
+        self.end_open_step()
+
+    def settled(self) -> dict[str, ModelRequest]:
+        """Resident requests not in the step in flight (every resident one when synchronous):
+        those a truncation or swap out may name without waiting for it."""
+        return {r: q for r, q in self.model.resident.items() if r not in self.open_ids}
+
     # ------------------------------------------------------------------ operations
 
     def op_schedule(self) -> None:
@@ -501,7 +621,8 @@ class Soak:
                 req = self.model.resident[rid]
                 req.tokens = (req.tokens or []) + toks[rid]
             self.write(rid, befores[rid], befores[rid] + counts[rid])
-        self.ctl.end_step(step)  # the step's kernels (the writes above) ran
+        # the step's kernels (the writes above) ran, or with --async-steps are running
+        self.advance(step, {r: (befores[r], befores[r] + counts[r]) for r in expected})
 
     def check_refusals(self, refused: Any, befores: dict[str, int], counts: dict[str, int]) -> None:
         """With prefix caching the model does not predict which requests a batch accepts (it
@@ -581,6 +702,7 @@ class Soak:
         to = self.rng.randint(max(1, req.num_tokens - 24), req.num_tokens)
         if self.prefix and self.rewrites_complete_block(req.num_tokens, to):
             return
+        self.wait_for_open_step([rid], "truncated", lambda: self.ctl.truncate(rid, to))
         if any(
             spec.kind is not GroupKind.FULL and self.model.rest_lo(spec, to) < req.held[g].lo
             for g, spec in self.model.groups.items()
@@ -607,6 +729,7 @@ class Soak:
             )
             for g, s in self.model.groups.items()
         }
+        self.wait_for_open_step(rids, "swapped out", lambda: self.ctl.swap_out_many(rids))
         if any(need[g] + self.model.host_pages(g) > self.host_pages - 1 for g in need):
             self.expect_refused(lambda: self.ctl.swap_out_many(rids), OutOfBlocksError, "host")
             self.report.refused += 1
@@ -639,6 +762,9 @@ class Soak:
         rids = self.pick(every, self.rng.randint(1, 2))
         if not rids:
             return
+        # an abort: allowed while the request's step is in flight (what the step holds
+        # stays held until it ends)
+        self.report.freed_in_flight += len(self.open_ids.intersection(rids))
         self.ctl.free_requests(rids)
         for rid in rids:
             self.model.resident.pop(rid, None)
@@ -678,19 +804,24 @@ class Soak:
         request (the reused blocks hold what its own prefix writes)."""
         if len(self.model.resident) == MAX_SEQS:  # an engine admits when a request finished
             done = self.pick(self.model.resident, 1)
+            self.report.freed_in_flight += len(self.open_ids.intersection(done))
             self.ctl.free_requests(done)
             self.prompts = [*self.prompts[-31:], self.model.resident.pop(done[0]).tokens or []]
         prompt = self.new_prompt()
         [match] = self.ctl.lookup([PrefixQuery(prompt)])
         hit = match.num_tokens
         assert hit % self.ctl.scheduler.boundary == 0 and hit <= max(0, len(prompt) - 1)
+        for g, blocks in match.blocks.items():
+            # what the step in flight completed is shared only once it ends
+            early = self.pinnable.get(g, set()).intersection(blocks.tolist())
+            assert not early, f"a lookup matched {g} blocks {sorted(early)} of an open step"
         rid = self.new_id()
         n = min(self.rng.randint(1, 200), len(prompt) - hit)
         step = self.ctl.schedule(
             [rid], [n], new_token_ids=[prompt[hit : hit + n]], prefix_matches=[match]
         )
         if step.allocation.refused:
-            self.ctl.end_step(step)
+            self.advance(step, {})
             self.check_refusals(step.allocation.refused, {rid: hit}, {rid: n})
             self.count_short(step.allocation.refused)
             self.report.refused += 1
@@ -699,7 +830,7 @@ class Soak:
         self.model.apply_step(rid, n, req.seed)
         req.tokens = prompt[: hit + n]
         self.write(rid, hit, hit + n)
-        self.ctl.end_step(step)
+        self.advance(step, {rid: (hit, hit + n)})
         self.verify(rid)
         self.prompts = [*self.prompts[-31:], prompt]
         if hit:
@@ -712,7 +843,7 @@ class Soak:
             n = min(self.rng.randint(1, 200), len(prompt) - done)
             step = self.ctl.schedule([rid], [n], new_token_ids=[prompt[done : done + n]])
             if step.allocation.refused:
-                self.ctl.end_step(step)
+                self.advance(step, {})
                 self.check_refusals(step.allocation.refused, {rid: done}, {rid: n})
                 self.count_short(step.allocation.refused)
                 self.report.refused += 1
@@ -720,7 +851,7 @@ class Soak:
             self.model.apply_step(rid, n, req.seed)
             req.tokens = prompt[: done + n]
             self.write(rid, done, done + n)
-            self.ctl.end_step(step)
+            self.advance(step, {rid: (done, done + n)})
 
     def op_prefix_reset(self) -> None:
         manager = self.ctl.scheduler
@@ -744,7 +875,9 @@ class Soak:
     # ------------------------------------------------------------------ the run
 
     def finish(self) -> None:
-        """Verify every resident request, bring back what fits and verify it, free all."""
+        """Verify every resident request, bring back what fits and verify it, free all (with
+        a step in flight, its requests are freed before it ends: aborts), end the step in
+        flight; then nothing is open, held or cached."""
         for rid in sorted(self.model.resident):
             self.verify(rid)
         for rid in sorted(self.model.swapped):
@@ -761,13 +894,19 @@ class Soak:
         self.ctl.free_requests(sorted(self.model.resident) + sorted(self.model.swapped))
         self.model.resident.clear()
         self.model.swapped.clear()
+        self.end_open_step()
         if self.prefix:
             self.op_prefix_reset()
         self.check()
+        report, ctl = self.report, self.ctl
+        report.final_open_steps = ctl.scheduler.open_steps
+        report.final_used_blocks = {g: ctl.num_used_blocks(g) for g in ctl.groups}
+        report.final_host_pages = {g: used for g, (used, _) in ctl.host_pool_usage().items()}
+        assert report.final_open_steps == []
         for g in self.model.groups:
-            assert self.ctl.num_free_blocks(g) == self.model.num_blocks[g] - 1
-            assert self.ctl.scheduler.pool(g).num_evictable == 0
-        self.ctl.free()
+            assert ctl.num_free_blocks(g) == self.model.num_blocks[g] - 1
+            assert ctl.scheduler.pool(g).num_evictable == 0
+        ctl.free()
 
 
 def _any_id(s: Soak, pool: dict[str, ModelRequest]) -> str | None:
@@ -826,7 +965,7 @@ def _bad_unknown_truncate(s: Soak) -> Any:
 
 
 def _bad_truncate_bool(s: Soak) -> Any:
-    rid = _any_id(s, s.model.resident)
+    rid = _any_id(s, s.settled())  # (a request in the step in flight is refused for that)
     if rid is None:
         return None
     return (lambda: s.ctl.truncate(rid, True), ValueError, "got True")
@@ -836,7 +975,7 @@ def _bad_swap_out_swapped(s: Soak) -> Any:
     rid = _any_id(s, s.model.swapped)
     if rid is None:
         return None
-    ids = [*s.pick(s.model.resident, 1), rid]
+    ids = [*s.pick(s.settled(), 1), rid]
     return (lambda: s.ctl.swap_out_many(ids), RequestStateError, "already swapped out")
 
 
@@ -849,7 +988,7 @@ def _bad_swap_in_resident(s: Soak) -> Any:
 
 
 def _bad_swap_purpose(s: Soak) -> Any:
-    ids = s.pick(s.model.resident, 1) or ["x"]
+    ids = s.pick(s.settled(), 1) or ["x"]
     return (lambda: s.ctl.swap_out_many(ids, "evict"), ValueError, "purpose must be one of")
 
 
@@ -1009,11 +1148,12 @@ def run_soak(
     progress: Callable[[int], None] | None = None,
     prefix: bool = False,
     share_pools: bool = False,
+    async_steps: bool = False,
 ) -> SoakReport:
     """Run ``num_ops`` random operations with ``seed`` (``prefix``: with prefix caching and
     its rows; ``share_pools``: with a full GQA layer sharing the sliding-window GQA layer's
-    pool); raise AssertionError on a mismatch."""
-    soak = Soak(seed, prefix, share_pools)
+    pool; ``async_steps``: one step always in flight); raise AssertionError on a mismatch."""
+    soak = Soak(seed, prefix, share_pools, async_steps)
     rows = [o for o in OPERATIONS if prefix or o[0] not in PREFIX_ONLY]
     names = [o[0] for o in rows]
     funcs = {o[0]: o[2] for o in rows}
@@ -1029,12 +1169,16 @@ def run_soak(
         soak.report.ops[name] += 1
         if progress is not None:
             progress(i + 1)
-    soak.finish()
+    try:
+        soak.finish()
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}, the final accounting: {err}") from err
     soak.report.seconds = time.perf_counter() - start
     return soak.report
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; a bad value exits with status 2 and a message naming the flag."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=int, default=20_000, help="operations to run")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -1046,9 +1190,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a full GQA layer that shares one block pool with the sliding-window GQA layer",
     )
+    parser.add_argument(
+        "--async-steps",
+        action="store_true",
+        help="one step always in flight: schedule(N + 1), then end_step(N)",
+    )
     args = parser.parse_args(argv)
     if args.ops < 1:
         parser.error(f"--ops must be >= 1, got {args.ops}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # the soak's tensors are small: one intra-op thread is several times faster than two on
+    # a busy 2-core machine
+    torch.set_num_threads(1)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
     from rich.table import Table
@@ -1068,6 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda n: bar.update(task, completed=n),
             prefix=args.prefix,
             share_pools=args.share_pools,
+            async_steps=args.async_steps,
         )
     table = Table(title=f"soak: {args.ops} operations, seed {args.seed}")
     table.add_column("operation")
@@ -1085,6 +1243,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.prefix:
         console.print(f"prefix hits: {report.prefix_hits}; reused tokens: {report.reused_tokens}")
+    if args.async_steps:
+        refused = ", ".join(f"{v} {n}" for v, n in sorted(report.in_flight_refused.items()))
+        console.print(
+            f"steps ended one step late: {report.steps_ended_late}; ended early (a truncation, "
+            f"swap out or the end waited): {report.steps_ended_early}; refused in flight: "
+            f"{refused or 'none'}; freed in flight: {report.freed_in_flight}"
+        )
     short = ", ".join(f"{g} {n}" for g, n in sorted(report.short_of.items()))
     console.print(f"step refusals per group short of blocks: {short or 'none'}")
     return 0

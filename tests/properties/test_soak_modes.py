@@ -1,0 +1,160 @@
+"""The soak's further modes at CI size: ``--async-steps`` (one step always in flight, an
+asynchronous engine's order).
+
+Async mode: ``schedule(N + 1)`` comes before ``end_step(N)``; a truncation or swap out of a
+request in the open step must be refused with the scheduler's exact ``RequestStateError`` and
+change nothing; every check of the synchronous soak still holds after every operation, also
+with prefix caching (the open step's references to the blocks it completed are the only ones
+the model allows beyond its own) and shared pools. A failure names the seed, so it replays
+with ``python benchmarks/soak.py --ops N --seed S --async-steps``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import soak
+import torch
+
+from kvforge.errors import RequestStateError
+from kvforge.verify import read_entries, write_entries
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The soak's tensors are small: one intra-op thread keeps these runs several times
+    faster on a busy 2-core machine (the CLI does the same)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+ASYNC_MODES = [
+    ("plain", {}),
+    ("prefix", {"prefix": True}),
+    ("prefix_shared_pools", {"prefix": True, "share_pools": True}),
+]
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+@pytest.mark.parametrize(("mode", "flags"), ASYNC_MODES, ids=[m[0] for m in ASYNC_MODES])
+def test_async_soak(mode: str, flags: dict, seed: int) -> None:
+    report = soak.run_soak(200, seed, async_steps=True, **flags)
+    assert sum(report.ops[name] for name, _, _ in soak.OPERATIONS) == 200
+    # one step was in flight: most steps ended after the next one was scheduled
+    assert report.steps_ended_late > 0
+    # truncations and swap outs of a request in the open step were tried and refused
+    assert sum(report.in_flight_refused.values()) > 0, report.in_flight_refused
+    assert report.entries_verified > 0 and report.bytes_verified > 0
+    assert sum(report.bad_calls.values()) > 0
+    if flags.get("prefix"):
+        assert report.ops["prefix_admit"] > 0
+    # the end: nothing open, no device block and no host page in use
+    assert report.final_open_steps == []
+    assert report.final_used_blocks and not any(report.final_used_blocks.values())
+    assert report.final_host_pages and not any(report.final_host_pages.values())
+
+
+def test_async_soak_refuses_both_verbs_and_frees_in_flight() -> None:
+    reports = [soak.run_soak(200, s, async_steps=True) for s in (3, 11)]
+    refused = sum((r.in_flight_refused for r in reports), start=Counter())
+    assert refused["truncated"] > 0 and refused["swapped out"] > 0, refused
+    assert sum(r.freed_in_flight for r in reports) > 0
+    assert sum(r.steps_ended_early for r in reports) > 0
+
+
+def _one_request_in_flight(prefix: bool = False) -> soak.Soak:
+    """An async soak with request ``x`` in its open step (300 tokens with prefix caching,
+    past the 256-token boundary, so the step completes blocks it registers; 200 without,
+    what the small pools hold in one step), its bytes written."""
+    run = soak.Soak(5, prefix=prefix, async_steps=True)
+    n = 300 if prefix else 200
+    tokens = list(range(n)) if prefix else None
+    step = run.ctl.schedule(["x"], [n], new_token_ids=None if tokens is None else [tokens])
+    assert step.allocation.request_ids == ("x",)
+    run.model.apply_step("x", n, 11)
+    run.model.resident["x"].tokens = tokens
+    run.write("x", 0, n)
+    run.advance(step, {"x": (0, n)})
+    assert run.ctl.scheduler.open_steps == [step.allocation.step_id]
+    run.check()
+    return run
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["plain", "prefix"])
+def test_truncate_and_swap_out_in_flight_are_refused_exactly(prefix: bool) -> None:
+    run = _one_request_in_flight(prefix)
+    n = run.open_step.allocation.step_id
+    last = run.ctl.num_tokens("x")
+    for verb, call in [
+        ("truncated", lambda: run.ctl.truncate("x", last - 1)),
+        ("swapped out", lambda: run.ctl.swap_out_many(["x"])),
+    ]:
+        message = (
+            f"request 'x' is in step {n}, which has not ended; end_step({n}) before it is {verb}"
+        )
+        assert run.in_flight_message("x", verb) == message
+        run.expect_refused(call, RequestStateError, message)
+    run.check()
+    run.verify("x")
+    run.end_open_step()
+    run.ctl.truncate("x", last - 1)  # once the step ended, both go through
+    run.ctl.swap_out_many(["x"])
+
+
+def test_a_request_freed_in_flight_leaves_its_step_to_end() -> None:
+    run = _one_request_in_flight(prefix=True)
+    run.ctl.free_requests(["x"])
+    run.model.resident.pop("x")
+    run.check()  # the open step's references to the blocks it completed are allowed
+    pinned = sum(run.ctl.num_used_blocks(g) for g in run.ctl.groups)
+    assert pinned > 0  # held by the step until it ends
+    run.end_open_step()
+    run.check()
+    assert sum(run.ctl.num_used_blocks(g) for g in run.ctl.groups) == 0
+
+
+def test_async_soak_detects_a_lost_byte() -> None:
+    """The verification is live in async mode: one byte flipped in an entry the open step
+    wrote fails the next verify."""
+    run = _one_request_in_flight()
+    run.verify("x")
+    slot = int(run.ctl.slot_mapping("x", "gqa_swa", [199])[0])
+    entry = run.ctl.layout.entry("key", 3)
+    cache = run.ctl.kv_caches[entry.index]
+    slots = torch.tensor([slot])
+    write_entries(cache, entry, slots, read_entries(cache, entry, slots) ^ 1)
+    with pytest.raises(AssertionError, match="entries differ"):
+        run.verify("x")
+
+
+BAD_FLAGS = [
+    ("ops_zero", ["--async-steps", "--ops", "0"], "--ops must be >= 1, got 0"),
+    ("ops_word", ["--ops", "many"], "argument --ops: invalid int value: 'many'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"), [c[1:] for c in BAD_FLAGS], ids=[c[0] for c in BAD_FLAGS]
+)
+def test_bad_flags_exit_2_naming_the_flag(argv, fragment, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        soak.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["--ops", "30", "--seed", "2", "--async-steps"], ["steps ended one step late"]),
+    ],
+    ids=["async_steps"],
+)
+def test_cli_runs_the_modes(argv, fragments, capsys) -> None:
+    assert soak.main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(f in out for f in fragments), out
