@@ -43,10 +43,15 @@ those references and no others, and a lookup must never match a block of the ope
 combines with ``--prefix`` and ``--share-pools``; the report counts the steps ended one step
 late and the refusals checked.
 
+With ``--threads N`` (2 to 8) the operations run in N threads on one controller instead
+(:mod:`soak_threads`): the hybrid controller with prefix caching, sized for N threads, each
+thread owning its own requests and checking every byte of them after every operation.
+
     python benchmarks/soak.py --ops 200000 --seed 7
     python benchmarks/soak.py --ops 20000 --seed 1 --prefix
     python benchmarks/soak.py --ops 20000 --seed 3 --share-pools
     python benchmarks/soak.py --ops 20000 --seed 4 --async-steps --prefix --share-pools
+    python benchmarks/soak.py --ops 20000 --seed 5 --threads 2
 
 Invariant checked throughout: the model and the controller agree after every operation, and
 every byte written for a live token reads back unchanged.
@@ -54,7 +59,8 @@ every byte written for a live token reads back unchanged.
 This file is long (over 1,000 lines) on purpose: the model, the checks that compare it with
 the controller, every operation row and every bad call live side by side, so that one reading
 shows what each operation changes in the model next to what the controller must then show.
-Splitting them would put a rule and the check of it in different files.
+Splitting them would put a rule and the check of it in different files. The threaded mode,
+which shares none of the model, lives in ``soak_threads.py``.
 """
 
 from __future__ import annotations
@@ -113,23 +119,31 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def num_blocks_for(prefix: bool = False, share_pools: bool = False) -> dict[str, int]:
+def num_blocks_for(
+    prefix: bool = False, share_pools: bool = False, scale: int = 1
+) -> dict[str, int]:
     """Device blocks per group of the soak's controller (a shared pool's count for each of
-    its groups)."""
+    its groups); ``scale`` multiplies the usable blocks (the threaded mode's N threads)."""
     counts = dict(PREFIX_NUM_BLOCKS if prefix else NUM_BLOCKS)
     if share_pools:
         pool = PREFIX_SHARED_POOL_BLOCKS if prefix else SHARED_POOL_BLOCKS
         for members in SHARED_POOLS:
             counts.update(dict.fromkeys(members, pool))
-    return counts
+    return {g: (n - 1) * scale + 1 for g, n in counts.items()}
 
 
-def make_controller(prefix: bool = False, share_pools: bool = False) -> CacheController:
+def make_controller(
+    prefix: bool = False,
+    share_pools: bool = False,
+    max_num_seqs: int = MAX_SEQS,
+    scale: int = 1,
+) -> CacheController:
     """DeepSeek-V4 layers of ratios 0, 4 and 128 (small heads) and a GQA sliding-window layer:
     full, sliding-window and state groups, compress ratios 1, 4 and 128; ``prefix`` turns
     prefix caching on. ``share_pools`` adds a full GQA layer of the sliding-window layer's
     shapes (1 kv head of dim 8, 16-token blocks: 512 B pages in both groups) and shares one
-    pool between the two groups."""
+    pool between the two groups. ``max_num_seqs`` and ``scale`` (usable device blocks and host
+    pages multiplied) size it for the threaded mode; the model assumes the defaults."""
     backends: dict[int, Any] = {
         i: DeepseekV4Backend(r, head_dim=64, qk_rope_head_dim=16, index_head_dim=16)
         for i, r in enumerate((0, 4, 128))
@@ -139,11 +153,12 @@ def make_controller(prefix: bool = False, share_pools: bool = False) -> CacheCon
         backends[4] = GQABackend(1, 8, block_size=16, group="gqa_full")
     ctl = CacheController(backends, enable_prefix_caching=prefix, share_pools=share_pools)
     ctl.initialize_kv_cache(
-        num_blocks=num_blocks_for(prefix, share_pools),
-        max_num_seqs=MAX_SEQS,
+        num_blocks=num_blocks_for(prefix, share_pools, scale),
+        max_num_seqs=max_num_seqs,
         max_model_len=MAX_MODEL_LEN,
     )
-    ctl.initialize_host_cache(num_pages=SHARED_HOST_PAGES if share_pools else HOST_PAGES)
+    host = SHARED_HOST_PAGES if share_pools else HOST_PAGES
+    ctl.initialize_host_cache(num_pages=(host - 1) * scale + 1)
     return ctl
 
 
@@ -1179,6 +1194,8 @@ def run_soak(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; a bad value exits with status 2 and a message naming the flag."""
+    from soak_threads import MAX_THREADS, threads_arg
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=int, default=20_000, help="operations to run")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
@@ -1195,17 +1212,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="one step always in flight: schedule(N + 1), then end_step(N)",
     )
+    parser.add_argument(
+        "--threads",
+        type=threads_arg,
+        default=None,
+        metavar="N",
+        help=f"run N threads (2 to {MAX_THREADS}) on one controller, each owning its own "
+        "requests; prefix caching is always on (--ops counts all threads' operations)",
+    )
     args = parser.parse_args(argv)
     if args.ops < 1:
         parser.error(f"--ops must be >= 1, got {args.ops}")
+    if args.threads is not None and args.async_steps:
+        parser.error(
+            f"--async-steps does not combine with --threads {args.threads}: the threads end "
+            "their steps one step late themselves"
+        )
+    if args.threads is not None and args.ops < args.threads:
+        parser.error(f"--ops must be >= --threads ({args.threads}), got {args.ops}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # the soak's tensors are small: one intra-op thread is several times faster than two on
-    # a busy 2-core machine
+    # a busy 2-core machine (and leaves the other core to the threaded mode's threads)
     torch.set_num_threads(1)
+    if args.threads is not None:
+        from soak_threads import main_threads
+
+        return main_threads(args)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
     from rich.table import Table

@@ -1,12 +1,14 @@
-"""The soak's further modes at CI size: ``--async-steps`` (one step always in flight, an
-asynchronous engine's order).
+"""The soak's two further modes at CI size: ``--async-steps`` (one step always in flight, an
+asynchronous engine's order) and ``--threads N`` (N threads on one controller).
 
 Async mode: ``schedule(N + 1)`` comes before ``end_step(N)``; a truncation or swap out of a
 request in the open step must be refused with the scheduler's exact ``RequestStateError`` and
 change nothing; every check of the synchronous soak still holds after every operation, also
 with prefix caching (the open step's references to the blocks it completed are the only ones
-the model allows beyond its own) and shared pools. A failure names the seed, so it replays
-with ``python benchmarks/soak.py --ops N --seed S --async-steps``.
+the model allows beyond its own) and shared pools. Threaded mode: each thread verifies every
+byte of its own requests after every operation. A failure names the seed (and the thread),
+so it replays with ``python benchmarks/soak.py --ops N --seed S --async-steps`` or
+``--threads 2``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import Counter
 
 import pytest
 import soak
+import soak_threads
 import torch
 
 from kvforge.errors import RequestStateError
@@ -130,7 +133,61 @@ def test_async_soak_detects_a_lost_byte() -> None:
         run.verify("x")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_threads(seed: int) -> None:
+    report = soak_threads.run_threads(240, seed, 2)
+    assert report.ops == 240 and [t.ops.total() for t in report.threads] == [120, 120]
+    assert report.total("mismatches") == 0
+    assert report.total("entries_verified") > 0 and report.total("bytes_verified") > 0
+    assert report.total("prefix_hits") > 0  # prompts share heads across threads
+    assert report.total("steps_ended_late") > 0
+    assert report.total("in_flight_refused") > 0
+    assert report.final_open_steps == []
+    assert report.final_used_blocks and not any(report.final_used_blocks.values())
+    assert report.final_host_pages and not any(report.final_host_pages.values())
+
+
+def test_a_thread_detects_a_lost_byte() -> None:
+    ctl = soak_threads.make_threads_controller(2)
+    worker = soak_threads.Worker(ctl, 0, 3, 0)
+    for _ in range(5):
+        worker.op_admit()
+        if worker.tokens:
+            break
+    worker.check()
+    [rid] = worker.tokens
+    entry = ctl.layout.entry("key", 3)
+    slot = int(ctl.slot_mapping(rid, "gqa_swa", [len(worker.tokens[rid]) - 1])[0])
+    cache = ctl.kv_caches[entry.index]
+    slots = torch.tensor([slot])
+    write_entries(cache, entry, slots, read_entries(cache, entry, slots) ^ 1)
+    with pytest.raises(AssertionError, match="entries differ"):
+        worker.check()
+    assert worker.report.mismatches == 1
+
+
+def test_a_failing_thread_stops_the_run_and_is_named(monkeypatch) -> None:
+    check = soak_threads.Worker.check
+
+    def failing(self) -> None:
+        check(self)
+        if self.index == 1 and self.report.ops.total() == 5:
+            raise AssertionError("planted")
+
+    monkeypatch.setattr(soak_threads.Worker, "check", failing)
+    with pytest.raises(AssertionError, match=r"thread 1, operation 5 \(\w+\): planted"):
+        soak_threads.run_threads(4_000, 0, 2)
+
+
 BAD_FLAGS = [
+    ("threads_one", ["--threads", "1"], "argument --threads: must be an int from 2 to 8"),
+    ("threads_zero", ["--threads", "0"], "got '0'"),
+    ("threads_negative", ["--threads", "-2"], "argument --threads: must be an int"),
+    ("threads_word", ["--threads", "x"], "argument --threads: must be an int from 2 to 8, got 'x'"),
+    ("threads_float", ["--threads", "2.5"], "got '2.5'"),
+    ("threads_too_many", ["--threads", "9"], "got '9' (each thread keeps up to two steps"),
+    ("threads_async", ["--threads", "2", "--async-steps"], "--async-steps does not combine"),
+    ("threads_few_ops", ["--threads", "4", "--ops", "3"], "--ops must be >= --threads (4), got 3"),
     ("ops_zero", ["--async-steps", "--ops", "0"], "--ops must be >= 1, got 0"),
     ("ops_word", ["--ops", "many"], "argument --ops: invalid int value: 'many'"),
 ]
@@ -151,8 +208,9 @@ def test_bad_flags_exit_2_naming_the_flag(argv, fragment, capsys) -> None:
     ("argv", "fragments"),
     [
         (["--ops", "30", "--seed", "2", "--async-steps"], ["steps ended one step late"]),
+        (["--ops", "20", "--seed", "2", "--threads", "2"], ["thread 1", "mismatches: 0"]),
     ],
-    ids=["async_steps"],
+    ids=["async_steps", "threads"],
 )
 def test_cli_runs_the_modes(argv, fragments, capsys) -> None:
     assert soak.main(argv) == 0
