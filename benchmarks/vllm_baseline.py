@@ -67,16 +67,28 @@ else:  # run as a script, or imported with benchmarks/ on sys.path
 __all__ = [
     "PREFIX_BLOCK_SIZES",
     "PREFIX_MODELS",
+    "RETENTION_DEFAULT",
+    "RETENTION_DENSE",
     "VLLM_VERSION",
+    "VS_BLOCK_SIZES",
+    "VS_MODELS",
     "PrefixCacheSetup",
+    "VllmCacheSetup",
     "VllmPrefixRounds",
     "build_kv_cache_config",
     "build_prefix_kv_cache_config",
+    "build_vllm_cache_setup",
+    "build_vllm_engine_config",
+    "build_vllm_kv_cache_manager",
+    "build_vllm_scheduler",
     "check_port_against_kernel",
     "prefix_prompt",
     "run_vllm_prefix_cost",
     "run_vllm_step",
     "vllm_available",
+    "vllm_block_hasher",
+    "vllm_layer_specs",
+    "vllm_model_dir",
 ]
 
 VLLM_VERSION = "0.33.0"
@@ -1007,6 +1019,320 @@ def run_vllm_prefix_cost(
     finally:
         gc.enable()
     return rounds.figures()
+
+
+
+# --- the vs-vLLM benchmarks: vLLM's engine as it starts, at a byte budget -----------------------
+#
+# ``prefix_vs_vllm.py`` and ``capacity_vs_vllm.py`` drive vLLM's real ``KVCacheManager`` and
+# ``Scheduler`` (v1) offline. The functions below build what ``EngineCore.__init__`` builds,
+# minus the model: a ``VllmConfig`` from the model's own ``config.json`` (kvforge's bundled
+# copy, read by vLLM's ``ModelConfig``), the per-layer ``KVCacheSpec`` objects vLLM's attention
+# layers would return, vLLM's grouping and sizing (``get_global_kv_cache_groups``,
+# ``get_kv_cache_configs`` with the byte budget as the profiled memory), the block sizes and
+# the hasher, then the scheduler or its manager. Nothing is allocated.
+
+#: kvforge bundled config names of the models the vs-vLLM benchmarks drive
+VS_MODELS = (
+    "llama-3-8b",
+    "gpt-oss-20b",
+    "gemma-2-9b",
+    "mistral-7b-v0.1",
+    "deepseek-v4-tiny",
+    "deepseek-v4-flash",
+)
+#: ``--block-size`` per model: 16 for the GQA models (vLLM's CUDA default), 256 for
+#: DeepSeek-V4 (its sparse-MLA and indexer kernels support no other)
+VS_BLOCK_SIZES = {m: 256 if m.startswith("deepseek-v4") else 16 for m in VS_MODELS}
+#: ``CacheConfig.prefix_cache_retention_interval``: vLLM 0.33's default (0: sliding-window
+#: blocks are kept only at replay boundaries, the end of each prompt and shared-prefix
+#: junctions) and dense retention (``None``: every completed block is kept)
+RETENTION_DEFAULT = 0
+RETENTION_DENSE = None
+
+
+def vllm_model_dir(model: str) -> str:
+    """A directory holding ``model``'s bundled ``config.json``, for vLLM's ``ModelConfig``
+    (which reads a model directory; the weights are never needed)."""
+    import tempfile
+
+    if model not in VS_MODELS:
+        raise ValueError(f"model must be one of {VS_MODELS}, got {model!r}")
+    directory = Path(tempfile.gettempdir()) / f"kvforge-vllm-configs-{os.getuid()}" / model
+    directory.mkdir(parents=True, exist_ok=True)
+    text = (_MODEL_CONFIGS / f"{model}.json").read_text()
+    target = directory / "config.json"
+    if not target.exists() or target.read_text() != text:
+        target.write_text(text)
+    return str(directory)
+
+
+def build_vllm_engine_config(
+    model: str,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    enable_prefix_caching: bool = True,
+    retention_interval: int | None = RETENTION_DEFAULT,
+    async_scheduling: bool = False,
+) -> Any:
+    """The ``VllmConfig`` an engine for ``model`` starts with, built as ``EngineArgs`` builds it.
+
+    ``ModelConfig`` reads the bundled ``config.json`` (dtype ``auto``: bf16 for every model
+    here, vLLM downcasting Gemma-2's float32), ``CacheConfig`` gets the block size of
+    :data:`VS_BLOCK_SIZES`, the model-level sliding window only for a model whose layers all
+    slide (``EngineArgs.create_engine_config``'s rule), prefix caching and the retention
+    interval; ``SchedulerConfig`` chunked prefill, ``max_num_seqs``, ``max_num_batched_tokens``
+    and ``async_scheduling`` (vLLM's default on CUDA is True; ``False`` is the synchronous
+    ``Scheduler``). The hybrid KV cache manager is switched on as on CUDA (this build's
+    platform is "unspecified" and would switch it off).
+    """
+    _vllm()  # logging level, PIN_MEMORY
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = ModelConfig(
+        model=vllm_model_dir(model),
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        dtype="auto",
+    )
+    layer_types = getattr(model_config.hf_text_config, "layer_types", None)
+    sliding_window = None
+    if layer_types is None or all(t == "sliding_attention" for t in layer_types):
+        sliding_window = model_config.get_sliding_window()
+    cache_config = CacheConfig(
+        block_size=VS_BLOCK_SIZES[model],
+        sliding_window=sliding_window,
+        enable_prefix_caching=enable_prefix_caching,
+        prefix_cache_retention_interval=retention_interval,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
+    )
+    cfg = VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        device_config=DeviceConfig(device="cpu"),
+    )
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return cfg
+
+
+def _gqa_layer_specs(cfg: Any, model: str) -> tuple[dict[str, Any], list[Any]]:
+    """Per-layer specs of a GQA model (Llama-3, gpt-oss, Gemma-2, Mistral), as vLLM's
+    ``Attention.get_kv_cache_spec`` returns them, with the CUDA FlashAttention backend.
+
+    A layer's window is the model code's: gpt-oss slides on even layers
+    (``models/gpt_oss.py``), Gemma-2 where ``layer_types`` says ``sliding_attention``
+    (``models/gemma2.py``), Llama / Mistral where ``layer_types`` says so, else the model-level
+    ``cache_config.sliding_window`` (``per_layer_sliding_window=None``). A full layer gets a
+    ``FullAttentionSpec`` at ``cache_config.block_size``; a sliding one a ``SlidingWindowSpec``
+    whose block is ``_largest_kernel_block_within`` the primary page (the block size itself
+    for these backends). KV in the model dtype (bf16), no quantization.
+    """
+    import torch
+    from vllm.model_executor.layers.attention.attention import _largest_kernel_block_within
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, SlidingWindowSpec
+
+    hf = cfg.model_config.hf_text_config
+    head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    block_size = cfg.cache_config.block_size
+    dtype = cfg.model_config.dtype
+    if dtype != torch.bfloat16:
+        raise ValueError(f"{model}: vLLM resolved dtype {dtype}, the benchmarks compare bf16")
+    layer_types = getattr(hf, "layer_types", None)
+    common = {
+        "num_kv_heads": hf.num_key_value_heads,
+        "head_size": head,
+        "head_size_v": head,
+        "dtype": dtype,
+        "kv_quant_mode": KVQuantMode.NONE,
+    }
+    specs: dict[str, Any] = {}
+    for i in range(hf.num_hidden_layers):
+        if model.startswith("gpt-oss"):
+            window = hf.sliding_window if i % 2 == 0 else None
+        elif layer_types:
+            window = hf.sliding_window if layer_types[i] == "sliding_attention" else None
+        else:
+            window = None
+        if window is None:
+            window = cfg.cache_config.sliding_window
+        if window is None:
+            spec = FullAttentionSpec(block_size=block_size, **common)
+        else:
+            one = SlidingWindowSpec(block_size=1, sliding_window=window, **common)
+            per_token = one.real_page_size_bytes
+            sw_block = _largest_kernel_block_within(
+                FlashAttentionBackend, per_token, per_token * block_size, block_size, one
+            )
+            spec = SlidingWindowSpec(
+                block_size=sw_block, sliding_window=window, page_size_padded=None, **common
+            )
+        specs[f"model.layers.{i}.self_attn.attn"] = spec
+    return specs, [FlashAttentionBackend]
+
+
+def vllm_layer_specs(cfg: Any, model: str) -> tuple[dict[str, Any], list[Any]]:
+    """``model``'s per-layer KV cache specs and attention backends under ``cfg``: vLLM's
+    DeepSeek-V4 cache modules (:func:`_deepseek_v4_layer_specs`), or
+    :func:`_gqa_layer_specs`."""
+    if model.startswith("deepseek-v4"):
+        return _deepseek_v4_layer_specs(cfg, _hf_config(model))
+    return _gqa_layer_specs(cfg, model)
+
+
+@dataclass(frozen=True)
+class VllmCacheSetup:
+    """vLLM's KV cache of one model at one byte budget, as ``EngineCore`` sets it up.
+
+    ``memory_bytes`` is what vLLM allocates: its one backing allocation,
+    ``num_blocks * bytes_per_block`` (every ``KVCacheTensor`` aliases it; ``bytes_per_block``
+    is one block of every layer's page, padded as vLLM pads it). Block 0 of it is the null
+    block. ``kv_cache_config`` is the scheduler's config.
+    """
+
+    model: str
+    vllm_config: Any
+    kv_cache_config: Any
+    num_blocks: int
+    bytes_per_block: int
+    memory_bytes: int
+    scheduler_block_size: int
+    hash_block_size: int
+    groups: tuple[str, ...]
+
+
+def build_vllm_cache_setup(model: str, available_memory: int, **config: Any) -> VllmCacheSetup:
+    """``EngineCore._initialize_kv_caches`` for ``model`` with ``available_memory`` bytes as the
+    profiled KV cache memory.
+
+    ``config`` goes to :func:`build_vllm_engine_config`. In order: the layer specs
+    (:func:`vllm_layer_specs`), ``resolve_kv_cache_layout`` over the backends,
+    ``get_global_kv_cache_groups``, ``get_kv_cache_configs`` (its memory check included: a
+    budget that cannot hold one ``max_model_len`` request raises vLLM's ``ValueError``),
+    ``generate_scheduler_kv_cache_config``, ``cache_config.num_gpu_blocks``,
+    ``resolve_kv_cache_block_sizes`` and ``resolve_cache_hit_alignment_tokens``. The blocks are
+    ``available_memory // bytes_per_block``; the rest of the budget is unused.
+    """
+    _vllm()
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+    )
+
+    cfg = build_vllm_engine_config(model, **config)
+    specs, backends = vllm_layer_specs(cfg, model)
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    resolve_kv_cache_layout(cfg, [layouts], specs.values())
+    groups = get_global_kv_cache_groups(cfg, [specs])
+    [worker] = get_kv_cache_configs(cfg, [specs], [int(available_memory)], groups)
+    worker.kv_cache_layout = cfg.cache_config.kv_cache_layout
+    config_ = generate_scheduler_kv_cache_config([worker])
+    cfg.cache_config.num_gpu_blocks = config_.num_blocks
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(config_, cfg)
+    config_.hash_block_size = hash_block_size
+    config_.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        config_, cfg, scheduler_block_size, hash_block_size
+    )
+    sizes = {t.size for t in worker.kv_cache_tensors}
+    if len(sizes) != 1:
+        raise AssertionError(f"{model}: vLLM gave {len(sizes)} backing sizes, expected one")
+    memory = sizes.pop()
+    if memory % worker.num_blocks:
+        raise AssertionError(f"{model}: backing of {memory} B is not whole blocks")
+    return VllmCacheSetup(
+        model=model,
+        vllm_config=cfg,
+        kv_cache_config=config_,
+        num_blocks=worker.num_blocks,
+        bytes_per_block=memory // worker.num_blocks,
+        memory_bytes=memory,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        groups=tuple(_describe_group(g) for g in config_.kv_cache_groups),
+    )
+
+
+def vllm_block_hasher(setup: VllmCacheSetup) -> Any:
+    """The request block hasher ``EngineCore.__init__`` builds (None without prefix caching):
+    ``get_request_block_hasher(hash_block_size, sha256, num_hash_lookahead_tokens)`` after
+    ``init_none_hash``."""
+    cfg = setup.vllm_config
+    if not cfg.cache_config.enable_prefix_caching:
+        return None
+    v = _vllm()
+    hash_fn = v.get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+    v.init_none_hash(hash_fn)
+    return v.get_request_block_hasher(
+        setup.hash_block_size, hash_fn, cfg.num_hash_lookahead_tokens
+    )
+
+
+def build_vllm_scheduler(setup: VllmCacheSetup) -> Any:
+    """vLLM's scheduler as ``EngineCore.__init__`` builds it: the class
+    ``SchedulerConfig.get_scheduler_cls`` names (``Scheduler``, or ``AsyncScheduler`` with
+    async scheduling), a ``StructuredOutputManager``, the scheduler KV cache config and the
+    resolved block sizes."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cfg = setup.vllm_config
+    cls = cfg.scheduler_config.get_scheduler_cls()
+    return cls(
+        vllm_config=cfg,
+        kv_cache_config=setup.kv_cache_config,
+        structured_output_manager=StructuredOutputManager(cfg),
+        include_finished_set=False,
+        log_stats=False,
+        block_size=setup.scheduler_block_size,
+        hash_block_size=setup.hash_block_size,
+    )
+
+
+def build_vllm_kv_cache_manager(setup: VllmCacheSetup) -> Any:
+    """The ``KVCacheManager`` ``Scheduler.__init__`` builds for ``setup`` (no speculative
+    decoding, no connector, the scheduler config's watermark)."""
+    v = _vllm()
+    cfg = setup.vllm_config
+    return v.KVCacheManager(
+        kv_cache_config=setup.kv_cache_config,
+        max_model_len=cfg.model_config.max_model_len,
+        max_in_flight_tokens=cfg.max_in_flight_tokens,
+        enable_caching=cfg.cache_config.enable_prefix_caching,
+        use_eagle=False,
+        num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
+        num_prefill_lookahead=cfg.num_prefill_lookahead_tokens,
+        log_stats=False,
+        enable_kv_cache_events=False,
+        dcp_world_size=cfg.parallel_config.decode_context_parallel_size,
+        pcp_world_size=1,
+        scheduler_block_size=setup.scheduler_block_size,
+        hash_block_size=setup.hash_block_size,
+        watermark=cfg.scheduler_config.watermark,
+        enable_mamba_shared_prefix_checkpoint=(
+            cfg.cache_config.enable_mamba_shared_prefix_checkpoint
+        ),
+    )
 
 
 # --- command line ------------------------------------------------------------------------------
