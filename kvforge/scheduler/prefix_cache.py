@@ -9,10 +9,16 @@ under its lock, and owns the tables it reads and writes (:class:`~.tables.Reques
 
 Invariants (tested in ``tests/scheduler/test_prefix_cache.py`` and the prefix property test):
 
-- a block is in ``_owner`` of its pool exactly when some group's ``_cached`` maps a key to it,
-  and exactly then its pool retains it (evictable at ref 0);
+- a block is in ``_owner`` of its pool exactly when some group's ``_cached`` maps a key to it
+  (it is served), in ``_spare_owner`` exactly when it waits in ``_spares`` as another copy
+  of a served key, never in both; exactly then its pool retains it (evictable at ref 0);
 - a block is registered at most once, and only after the step that completed it ran
   (:meth:`commit` is called with the step's tokens);
+- the newest copy wins: a recomputed block takes over its key from an evictable cached copy
+  (which goes back to the free stack); while the cached copy is in use, the new one waits
+  as a spare and takes the key over when the cached copy goes (evicted or rewritten), so a
+  key lives as long as its most recently used copy, as LRU means it to
+  (``tests/scheduler/test_newest_copy.py``);
 - a match shares only blocks that are still registered under the keys it was looked up with.
 """
 
@@ -146,6 +152,12 @@ class PrefixCache:
         self._owner: dict[int, dict[int, _Entry]] = {
             id(pool): {} for pool, _ in tables.pools
         }
+        # copies of a served key waiting to take it over: per pool, block -> its entry, and
+        # per group, key -> the waiting blocks, oldest first
+        self._spare_owner: dict[int, dict[int, _Entry]] = {
+            id(pool): {} for pool, _ in tables.pools
+        }
+        self._spares: dict[str, dict[bytes, list[int]]] = {g.spec.name: {} for g in tables.groups}
         if enabled:
             for pool, _ in tables.pools:
                 pool.on_evict = functools.partial(self._evicted, pool)
@@ -460,10 +472,10 @@ class PrefixCache:
             for c in range(done, full):
                 block = int(g.table[row, c])
                 end = (c + 1) * g.block_size
-                if block == NULL_BLOCK or key_of[end] in self._cached[g.spec.name]:
-                    continue
-                if block in owner:
-                    continue
+                if block == NULL_BLOCK or block in owner:
+                    continue  # a shared block is registered already
+                # a key cached in another block is registered too: the newest copy wins
+                # (finish_step)
                 if g.windowed and not self._in_some_tail(g, c):
                     continue  # no match can ever read it: keep the pool for blocks that can
                 if end % unit and end // unit == 0:
@@ -534,10 +546,25 @@ class PrefixCache:
         for r in work.registrations:
             owner = self._owner[id(r.group.pool)]
             written = copies_ran if r.snapshot else kernels_ran
-            if not written or r.key in self._cached[r.group.spec.name] or r.block in owner:
+            old = self._cached[r.group.spec.name].get(r.key)
+            if not written or r.block in owner or (old is not None and r.snapshot):
                 if r.ref is not None:
                     self.records.release(r.ref)
                 continue
+            if old is not None:
+                if r.group.pool.ref_count(old) > 0:
+                    # the cached copy is in use: this one waits, and takes the key over
+                    # when that copy goes
+                    self._spare_owner[id(r.group.pool)][r.block] = _Entry(
+                        r.key, r.end, r.index, r.ref, r.proof
+                    )
+                    self._spares[r.group.spec.name].setdefault(r.key, []).append(r.block)
+                    r.group.pool.retain(r.block)
+                    continue
+                # the cached copy is evictable: the recomputed one takes its key and place in
+                # LRU order, the old one goes back to the free stack (copies still waiting
+                # stay behind the new one)
+                self.forget_block(r.group, old, promote=False)
             self._store(r.index, r.group, r.key, r.block, r.end, r.ref, r.proof)
             events.append(PrefixEvent("stored", r.group.spec.name, r.key, r.end))
             name = r.group.spec.name
@@ -575,9 +602,13 @@ class PrefixCache:
         self._owner[id(g.pool)][block] = _Entry(key, end, gi, ref, proof)
         g.pool.retain(block)
 
-    def forget_block(self, g: GroupTable, block: int) -> None:
+    def forget_block(self, g: GroupTable, block: int, promote: bool = True) -> None:
         """Forget the key of ``block`` (it will be written again): the block stays with its
-        holders and goes back to the free stack when they release it."""
+        holders and goes back to the free stack when they release it. A waiting copy of the
+        key, if any, takes it over (unless ``promote`` is false: a newer copy will)."""
+        if self._drop_spare(g.pool, block):
+            g.pool.forget(block)
+            return
         entry = self._owner[id(g.pool)].pop(block, None)
         if entry is None:
             return
@@ -588,6 +619,35 @@ class PrefixCache:
         if entry.ref is not None:
             self.records.release(entry.ref)
         self._events.append(PrefixEvent("removed", group.spec.name, entry.key, entry.end))
+        if promote:
+            self._promote(group, entry.key)
+
+    def _drop_spare(self, pool: BlockPool, block: int) -> bool:
+        """Drop ``block`` if it is a waiting copy (no event: it was never announced)."""
+        entry = self._spare_owner[id(pool)].pop(block, None)
+        if entry is None:
+            return False
+        name = self._t.groups[entry.group].spec.name
+        waiting = self._spares[name][entry.key]
+        waiting.remove(block)
+        if not waiting:
+            del self._spares[name][entry.key]
+        if entry.ref is not None:
+            self.records.release(entry.ref)
+        return True
+
+    def _promote(self, g: GroupTable, key: bytes) -> None:
+        """The served copy of ``key`` went: its newest waiting copy takes the key over."""
+        waiting = self._spares[g.spec.name].get(key)
+        if not waiting:
+            return
+        block = waiting.pop()
+        if not waiting:
+            del self._spares[g.spec.name][key]
+        entry = self._spare_owner[id(g.pool)].pop(block)
+        self._cached[g.spec.name][key] = block
+        self._owner[id(g.pool)][block] = entry
+        self._events.append(PrefixEvent("stored", g.spec.name, key, entry.end))
 
     def end_chain(self, request_id: str) -> None:
         """Stop registering the blocks of ``request_id`` (finished, refused, or truncated)
@@ -605,17 +665,21 @@ class PrefixCache:
     def _evicted(self, pool: BlockPool, victims: np.ndarray) -> None:
         ev = self.stats.evictions
         owner = self._owner[id(pool)]
-        for b in victims.tolist():
+        # waiting copies first, so that none of them is promoted; they were never announced,
+        # so they are not counted as evictions (a key was not lost)
+        served = [b for b in victims.tolist() if not self._drop_spare(pool, b)]
+        for b in served:
             entry = owner.pop(b)
             g = self._t.groups[entry.group]
+            family = g.spec.family.value
+            ev[family] = ev.get(family, 0) + 1
             cached = self._cached[g.spec.name]
             if cached.get(entry.key) == b:
                 del cached[entry.key]
             if entry.ref is not None:
                 self.records.release(entry.ref)
             self._events.append(PrefixEvent("removed", g.spec.name, entry.key, entry.end))
-            family = g.spec.family.value
-            ev[family] = ev.get(family, 0) + 1
+            self._promote(g, entry.key)
 
     def block_of(self, group: str, key: object) -> int | None:
         """The cached block of ``key`` in ``group``, or ``None``."""
@@ -637,6 +701,10 @@ class PrefixCache:
         evicted = 0
         if not self.enabled:
             return 0
+        for pool, members in self._t.pools:  # waiting copies first, so that none is promoted
+            for block in list(self._spare_owner[id(pool)]):
+                evicted += pool.ref_count(block) == 0  # back to the free stack, as evicted
+                self.forget_block(self._t.groups[members[0]], block)
         for pool, _ in self._t.pools:
             evicted += len(pool.evict(pool.num_evictable))
         for pool, _ in self._t.pools:

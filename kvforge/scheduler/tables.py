@@ -15,7 +15,6 @@ over 64-token blocks after a step that took the request in row 0 to 300 tokens::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,28 +124,31 @@ class RequestTables:
     def take_pending(self) -> tuple[TableDelta, ...]:
         """Hand out the pending deltas, numbered in order (``TableDelta.seq``): a worker that
         mirrors them refuses a gap, a repeat or a reordering."""
-        start = self.next_seq
-        deltas = tuple(
-            dataclasses.replace(d, seq=start + i) for i, d in enumerate(self.pending)
-        )
-        self.next_seq = start + len(deltas)
+        deltas = tuple(self.pending)
+        seq = self.next_seq
+        for d in deltas:
+            # numbered in place: a pending delta is this object's alone until handed out
+            # (frozen for everyone after), and a copy per delta costs as much as the step
+            object.__setattr__(d, "seq", seq)
+            seq += 1
+        self.next_seq = seq
         self.pending = []
         return deltas
 
     def release_rows(self, rows: np.ndarray) -> None:
-        """Free every block of ``rows``, clear them, and put the rows back. Only the columns a
-        row can hold are read (``held_from .. cdiv(num_tokens, B)``), so freeing costs the
-        blocks held, not the table's width."""
+        """Free every block of ``rows``, clear them, and put the rows back. Only the columns
+        the longest of the rows can hold are read (``cdiv(num_tokens, B)``), so freeing costs
+        the blocks held, not the table's width. Cells outside what a row holds are null (a
+        window's released blocks were cleared), so the non-null cells, row by row, are
+        exactly its blocks in chain order."""
         tokens = self.num_tokens[rows]
+        longest = int(tokens.max()) if len(tokens) else 0
         for g in self.groups:
-            if g.per_request:
-                start, end = np.zeros_like(tokens), np.full_like(tokens, g.slots)
-            else:
-                start, end = g.held_from[rows], -(-tokens // g.block_size)
-            r, c = expand(rows, start, np.maximum(start, end))
-            held = g.table[r, c]
-            g.pool.release(held[held != NULL_BLOCK])  # (release evicts the deepest first)
-            g.table[r, c] = NULL_BLOCK
+            width = g.slots if g.per_request else -(-longest // g.block_size)
+            cells = g.table[rows, :width]
+            held = cells[cells != NULL_BLOCK]
+            g.pool.release(held)  # (release evicts the deepest first)
+            g.table[rows, :width] = NULL_BLOCK
             g.held_from[rows] = 0
             self.pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
         self.num_tokens[rows] = 0

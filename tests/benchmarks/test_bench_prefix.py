@@ -211,9 +211,11 @@ def test_shared_pool_blocks_pools_usable_blocks_of_a_shared_set() -> None:
     ],
 )
 def test_lru_matches_block_manager_on_one_pool(model: str, families: set[str]) -> None:
-    """Where every group draws on one pool, the plain LRU is BlockManager's policy exactly:
-    the same hit per turn at the same memory, evictions per family included (matches are
-    shared before the step's growth)."""
+    """Where every group draws on one pool, BlockManager does at least what a plain LRU over
+    all groups does at the same memory, turn by turn, with no more evictions per family. With
+    one group (Llama) they are the same policy exactly. With a window group (gpt-oss) the
+    newest copy of a key wins: window blocks a request recomputes take over keys the LRU
+    lets go, and later turns hit them (``tests/scheduler/test_newest_copy.py``)."""
     layout = build_layout(model)
     convs = make_conversations(TINY)
     oracle = ManagerModel(
@@ -234,9 +236,13 @@ def test_lru_matches_block_manager_on_one_pool(model: str, families: set[str]) -
     lru_model = LruModel(layout, usable * int(layout.bytes_per_block("kv")), key_at)
     lru = simulate(TINY, convs, lru_model)
     assert {f for f, n in manager.evictions.items() if n > 0} == families
-    assert run.hits == lru.hits
     assert run.prompts == lru.prompts
-    assert lru_model.evictions == manager.evictions
+    assert all(k >= v for k, v in zip(run.hits, lru.hits, strict=True))
+    assert all(manager.evictions[f] <= lru_model.evictions[f] for f in families)
+    if families == {"history"}:
+        assert run.hits == lru.hits and manager.evictions == lru_model.evictions
+    else:
+        assert sum(run.hits) > sum(lru.hits)
     assert run.hit_tokens < sum(run.prompts)
 
 

@@ -632,7 +632,7 @@ def test_random_prompt_trees(name: str, ops: list[tuple[str, int]]) -> None:
 def test_a_fixed_run_reuses_and_evicts(name: str) -> None:
     """A long fixed run does the work the properties are about: hits, evictions, swaps."""
     rng = random.Random(7)
-    ops = [(rng.choice(WEIGHTED), rng.randrange(2**32)) for _ in range(60)]
+    ops = [(rng.choice(WEIGHTED), rng.randrange(2**32)) for _ in range(100)]
     run = run_ops(name, ops)
     stats = run.manager.prefix_stats
     assert run.matches > 0 and stats.hit_tokens >= run.hit_tokens > 0
