@@ -54,7 +54,7 @@ Usage::
 
     PYTHONPATH=/work/main /work/.venv-vllm/bin/python benchmarks/prefix_vs_vllm.py
         [--models a,b] [--seed 0] [--quick] [--json PATH] [--no-vllm] [--no-progress]
-        [--kvforge-option NAME=VALUE ...]
+        [--no-scheduler-check] [--kvforge-option NAME=VALUE ...]
 
 Without vLLM (the project's ``.venv``) the script says so and exits 2, unless ``--no-vllm``:
 then only kvforge runs, at sizes relative to an estimate of the working set from kvforge's
@@ -112,6 +112,7 @@ __all__ = [
     "parse_kvforge_options",
     "prefix_workload",
     "run_conversations",
+    "run_conversations_on_scheduler",
     "run_prefix_vs_vllm",
     "short_reason",
 ]
@@ -749,6 +750,106 @@ def run_conversations(
     return result
 
 
+def run_conversations_on_scheduler(
+    wl: PrefixWorkload,
+    convs: Sequence[Conversation],
+    setup: Any,
+    name: str = "vLLM Scheduler",
+    tick: Callable[[], None] | None = None,
+) -> SideResult:
+    """The same conversations through vLLM's real ``Scheduler`` (the check of
+    :class:`VllmManagerSide`): requests are added as turns arrive (``Scheduler.add_request``,
+    with ``EngineCore``'s block hasher), each step is ``schedule()`` then
+    ``update_from_output`` of a fake output sampling the conversation's next token for every
+    request that is not a partial prefill; a turn's hit is ``NewRequestData.num_computed_tokens``
+    when it is first scheduled. ``setup`` must carry ``long_prefill_token_threshold =
+    wl.chunk_size`` (the loop's chunk cap). Steps and arrivals are counted as
+    :func:`run_conversations` counts them, so both runs see the same request stream."""
+    import vllm_baseline as vb
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    cfg = setup.vllm_config
+    if cfg.scheduler_config.long_prefill_token_threshold != wl.chunk_size:
+        raise ValueError("the setup's long_prefill_token_threshold must be wl.chunk_size")
+    sched = vb.build_vllm_scheduler(setup)
+    hasher = vb.vllm_block_hasher(setup)
+    result = SideResult(side=name)
+    pending: list[tuple[int, int, int]] = []
+    next_conv = min(wl.concurrency, len(convs))
+    for c in range(next_conv):
+        pending.append((convs[c].think[0], c, 0))
+    live: dict[str, tuple[Any, int, int]] = {}  # rid -> (request, conversation, turn)
+    hits: dict[str, int] = {}
+    preemptions = 0
+    step = 0
+    t0 = time.perf_counter()
+    while pending or live:
+        pending.sort()
+        while pending and pending[0][0] <= step:
+            _, c, k = pending.pop(0)
+            conv = convs[c]
+            rid = f"c{c}t{k}"
+            req = Request(
+                request_id=rid,
+                prompt_token_ids=conv.tokens[: conv.prompt_lens[k]].tolist(),
+                sampling_params=SamplingParams(max_tokens=conv.output_lens[k], ignore_eos=True),
+                pooling_params=None,
+                block_hasher=hasher,
+            )
+            live[rid] = (req, c, k)
+            sched.add_request(req)
+        if not live:
+            step = pending[0][0]
+            continue
+        out = sched.schedule()
+        for new in out.scheduled_new_reqs:
+            hits.setdefault(new.req_id, new.num_computed_tokens)
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req, c, _ = live[rid]
+            if req.is_prefill_chunk:
+                sampled.append([])
+            else:
+                sampled.append([int(convs[c].tokens[req.num_tokens])])
+        result.max_running = max(result.max_running, len(sched.running))
+        sched.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                sampled_token_ids=sampled,
+            ),
+        )
+        for rid in ids:
+            req, c, k = live[rid]
+            if not req.is_finished():
+                continue
+            del live[rid]
+            conv = convs[c]
+            result.turns += 1
+            result.prompt_tokens += conv.prompt_lens[k]
+            result.hit_tokens += hits[rid]
+            preemptions += req.num_preemptions
+            if k + 1 < len(conv.prompt_lens):
+                pending.append((step + 1 + conv.think[k + 1], c, k + 1))
+            elif next_conv < len(convs):
+                pending.append((step + 1 + convs[next_conv].think[0], next_conv, 0))
+                next_conv += 1
+        step += 1
+        result.steps += 1
+        if tick is not None and step % 256 == 0:
+            tick()
+    result.seconds = time.perf_counter() - t0
+    result.preemptions = preemptions
+    expected = sum(len(c.prompt_lens) for c in convs)
+    if result.turns != expected:
+        raise AssertionError(f"{name}: {result.turns} turns finished of {expected}")
+    return result
+
+
 def _distinct_blocks(convs: Sequence[Conversation], block_size: int) -> int:
     """Distinct full blocks of ``block_size`` tokens over every conversation's stream (a block
     is its whole prefix: conversations share the system prompt's)."""
@@ -803,6 +904,8 @@ class PrefixRow:
     ratio_dense: float | None = None  # kvforge / vLLM dense
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> SideResult
     errors: dict[str, str] = field(default_factory=dict)  # side -> why it did not run
+    #: vLLM side -> whether vLLM's real Scheduler served the same hits, steps, preemptions
+    scheduler_check: dict[str, bool] = field(default_factory=dict)
 
 
 def _size_label(f: Fraction) -> str:
@@ -830,9 +933,13 @@ def run_prefix_vs_vllm(
     with_vllm: bool = True,
     kvforge_options: Mapping[str, Any] | None = None,
     progress: Any = None,
+    check_scheduler: bool = True,
 ) -> list[PrefixRow]:
     """Every model at every size; see the module docstring. ``progress``: an object with
-    ``start(label, total)``, ``advance()`` and ``tick()`` (or None)."""
+    ``start(label, total)``, ``advance()`` and ``tick()`` (or None). ``check_scheduler``: run
+    every vLLM case again through vLLM's real ``Scheduler``
+    (:func:`run_conversations_on_scheduler`) and record whether the manager run gave the
+    same hits, steps, preemptions and peak rows (``PrefixRow.scheduler_check``)."""
     convs = make_conversations(wl)
     rows: list[PrefixRow] = []
     engine_args = {
@@ -840,6 +947,7 @@ def run_prefix_vs_vllm(
         "max_num_seqs": wl.max_num_seqs,
         "max_num_batched_tokens": wl.max_num_batched_tokens,
     }
+    vllm_args = dict(engine_args, long_prefill_token_threshold=wl.chunk_size)
     tick = progress.tick if progress is not None else None
     for model in models:
         if progress is not None:
@@ -849,7 +957,7 @@ def run_prefix_vs_vllm(
 
             # a pool of every block of every turn in every group, plus the null block
             probe = vb.build_vllm_cache_setup(
-                model, 1 << 40, retention_interval=RETENTION_DENSE, **engine_args
+                model, 1 << 40, retention_interval=RETENTION_DENSE, **vllm_args
             )
             sizes_ = [g.kv_cache_spec.block_size for g in probe.kv_cache_config.kv_cache_groups]
             every_block = 1 + sum(
@@ -862,7 +970,7 @@ def run_prefix_vs_vllm(
                 model,
                 every_block * probe.bytes_per_block,
                 retention_interval=RETENTION_DENSE,
-                **engine_args,
+                **vllm_args,
             )
             side = VllmManagerSide(setup, "vLLM dense, every block")
             measured = run_conversations(wl, convs, side, tick)
@@ -888,7 +996,7 @@ def run_prefix_vs_vllm(
                 ):
                     try:
                         setup = vb.build_vllm_cache_setup(
-                            model, memory, retention_interval=retention, **engine_args
+                            model, memory, retention_interval=retention, **vllm_args
                         )
                     except ValueError as exc:
                         row.errors[key] = str(exc)
@@ -902,7 +1010,17 @@ def run_prefix_vs_vllm(
                     row.vllm_block_size = setup.scheduler_block_size
                     row.vllm_hash_block_size = setup.hash_block_size
                     side = VllmManagerSide(setup, key)
-                    _record(row, key, run_conversations(wl, convs, side, tick))
+                    res = run_conversations(wl, convs, side, tick)
+                    _record(row, key, res)
+                    if check_scheduler:
+                        again = vb.build_vllm_cache_setup(
+                            model, memory, retention_interval=retention, **vllm_args
+                        )
+                        real = run_conversations_on_scheduler(wl, convs, again, key, tick)
+                        row.runs[f"{key}_scheduler"] = asdict(real) | {"hit_rate": real.hit_rate}
+                        row.scheduler_check[key] = (
+                            real.hit_tokens, real.steps, real.preemptions, real.max_running
+                        ) == (res.hit_tokens, res.steps, res.preemptions, res.max_running)
                     if progress is not None:
                         progress.advance()
                 if f == UNBOUNDED and measured is not None:
@@ -977,6 +1095,14 @@ def print_rows(rows: Sequence[PrefixRow], out: Any, title: str) -> None:
             pre,
         )
     out.print(table)
+    checks = [(r, k, ok) for r in rows for k, ok in r.scheduler_check.items()]
+    if checks:
+        bad = [f"{r.model} {r.size} {k}" for r, k, ok in checks if not ok]
+        out.print(
+            f"  vLLM's real Scheduler, run on the same conversations, served the same hits, "
+            f"steps and preemptions as the manager runs in {len(checks) - len(bad)} of "
+            f"{len(checks)} cases" + (f"; NOT in {', '.join(bad)}" if bad else "")
+        )
     for r in rows:
         for side, why in r.errors.items():
             out.print(f"  {r.model} {r.size}: {side} did not run: {short_reason(why)}")
@@ -1036,7 +1162,30 @@ def environment(with_vllm: bool) -> dict[str, Any]:
         import vllm
 
         env["vllm"] = vllm.__version__
+    env.update(_checkout())
     return env
+
+
+def _checkout() -> dict[str, Any]:
+    """The commit kvforge ran from and its files that differ from it (other work in the
+    checkout changes kvforge's defaults: the figures are those of this tree)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=30, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    changed = git("status", "--porcelain", "--", "kvforge")
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "kvforge_changed_files": [line.split(maxsplit=1)[-1] for line in changed.splitlines()],
+    }
 
 
 def _workload_dict(wl: PrefixWorkload) -> dict[str, Any]:
@@ -1051,6 +1200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows here")
     parser.add_argument("--no-vllm", action="store_true", help="kvforge only")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--no-scheduler-check", action="store_true",
+        help="skip re-running every vLLM case through vLLM's real Scheduler",
+    )
     parser.add_argument(
         "--kvforge-option", action="append", default=[], metavar="NAME=VALUE",
         help="an option for kvforge's plan_memory / BlockManager (repeatable)",
@@ -1089,7 +1242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = _progress_bar(not args.no_progress, out)
     progress = next(gen)
     try:
-        rows = run_prefix_vs_vllm(wl, models, DEFAULT_SIZES, with_vllm, options, progress)
+        rows = run_prefix_vs_vllm(
+            wl, models, DEFAULT_SIZES, with_vllm, options, progress,
+            check_scheduler=not args.no_scheduler_check,
+        )
     finally:
         gen.close()
     env["seconds"] = round(time.perf_counter() - t0, 1)

@@ -1076,6 +1076,7 @@ def build_vllm_engine_config(
     enable_prefix_caching: bool = True,
     retention_interval: int | None = RETENTION_DEFAULT,
     async_scheduling: bool = False,
+    long_prefill_token_threshold: int = 0,
 ) -> Any:
     """The ``VllmConfig`` an engine for ``model`` starts with, built as ``EngineArgs`` builds it.
 
@@ -1085,8 +1086,9 @@ def build_vllm_engine_config(
     slide (``EngineArgs.create_engine_config``'s rule), prefix caching and the retention
     interval; ``SchedulerConfig`` chunked prefill, ``max_num_seqs``, ``max_num_batched_tokens``
     and ``async_scheduling`` (vLLM's default on CUDA is True; ``False`` is the synchronous
-    ``Scheduler``). The hybrid KV cache manager is switched on as on CUDA (this build's
-    platform is "unspecified" and would switch it off).
+    ``Scheduler``), and ``long_prefill_token_threshold`` (the per-request chunk cap when
+    several requests are eligible; vLLM's default 0 is none). The hybrid KV cache manager is
+    switched on as on CUDA (this build's platform is "unspecified" and would switch it off).
     """
     _vllm()  # logging level, PIN_MEMORY
     from vllm.config import (
@@ -1120,6 +1122,7 @@ def build_vllm_engine_config(
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
         async_scheduling=async_scheduling,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     cfg = VllmConfig(
         model_config=model_config,

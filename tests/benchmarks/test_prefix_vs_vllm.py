@@ -287,7 +287,7 @@ def test_main_without_vllm_says_so_and_exits_2(monkeypatch, capsys) -> None:
 def test_main_no_vllm_writes_json(tmp_path, monkeypatch) -> None:
     calls = {}
 
-    def tiny(wl, models, sizes, with_vllm, options, progress):
+    def tiny(wl, models, sizes, with_vllm, options, progress, **kw):
         calls.update(models=models, with_vllm=with_vllm, options=options, wl=wl)
         return run_prefix_vs_vllm(wl, models, (Fraction(4),), with_vllm, options, progress)
 
@@ -323,6 +323,8 @@ def test_vllm_and_kvforge_agree_on_llama() -> None:
     rows = run_prefix_vs_vllm(QUICK, ("llama-3-8b",), (Fraction(1, 2), Fraction(4)))
     for r in rows:
         assert r.vllm_default_hit_tokens == r.vllm_dense_hit_tokens == r.kvforge_hit_tokens
+        # the manager runs are what vLLM's real Scheduler serves on the same conversations
+        assert r.scheduler_check == {"vllm_default": True, "vllm_dense": True}
         assert r.memory_bytes == r.vllm_num_blocks * r.vllm_bytes_per_block
         assert r.kvforge_pool_bytes <= r.memory_bytes
     assert rows[-1].runs["vllm_dense_every_block"]["hit_tokens"] == rows[-1].vllm_dense_hit_tokens
@@ -340,3 +342,28 @@ def test_vllm_sizes_hybrid_models_with_one_pool() -> None:
     # group's layers and the full group's alias the same bytes, one group per block at a time
     assert setup.bytes_per_block == 21 * 2 * 16 * 8 * 256 * 2
     assert setup.memory_bytes == setup.num_blocks * setup.bytes_per_block <= 1 << 30
+
+
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "mistral-7b-v0.1", "deepseek-v4-tiny"])
+def test_manager_runs_are_what_vllms_scheduler_serves(model: str) -> None:
+    """On hybrid and all-window models, with both retentions and under pressure, driving vLLM's
+    ``KVCacheManager`` as the loop does gives what vLLM's real ``Scheduler`` gives."""
+    pytest.importorskip("vllm")
+    import vllm_baseline as vb
+
+    convs = make_conversations(QUICK)
+    args = dict(ENGINE, long_prefill_token_threshold=QUICK.chunk_size)
+    for retention in (vb.RETENTION_DEFAULT, vb.RETENTION_DENSE):
+        for memory in (140 << 20, 1 << 30):
+            try:
+                setup = vb.build_vllm_cache_setup(
+                    model, memory, retention_interval=retention, **args
+                )
+            except ValueError:  # vLLM refuses a budget below one max_model_len request
+                continue
+            mine = run_conversations(QUICK, convs, pv.VllmManagerSide(setup))
+            setup = vb.build_vllm_cache_setup(model, memory, retention_interval=retention, **args)
+            real = pv.run_conversations_on_scheduler(QUICK, convs, setup)
+            assert (mine.hit_tokens, mine.steps, mine.preemptions, mine.max_running) == (
+                real.hit_tokens, real.steps, real.preemptions, real.max_running
+            )
