@@ -80,6 +80,40 @@ class ScheduledStep:
     inputs: StepInputs
 
 
+class _LastSteps:
+    """Per table row, the latest step that scheduled the request in that row: which tokens
+    that step's kernels wrote, so the per-request :meth:`CacheController.slot_mapping` gives
+    the step's slots as :meth:`CacheController.schedule` did (window blocks a step writes stay
+    held until the request's next step). One array write per step: no per-request Python on
+    the step path."""
+
+    __slots__ = ("manager", "steps")
+
+    def __init__(self, manager: BlockManager) -> None:
+        self.manager = manager
+        self.steps = np.full(manager.max_num_seqs, None, dtype=object)
+
+    def note(self, step: StepAllocation) -> None:
+        if not step.request_ids:
+            return
+        record = np.empty((), dtype=object)  # one object, not a sequence to broadcast
+        record[()] = (step.request_ids, step.num_computed, step.num_new)  # not the deltas
+        self.steps[step.rows] = record
+
+    def first_written(self, row: int, request_id: str, num_tokens: int) -> int:
+        """The first token the latest step of ``request_id`` (in ``row``) wrote, when that
+        step took it to ``num_tokens`` tokens (nothing moved it since); else ``num_tokens``."""
+        record = self.steps[row]
+        if record is None or request_id not in record[0]:
+            return num_tokens  # no step yet, or the step of a request that held the row before
+        request_ids, num_computed, num_new = record
+        i = request_ids.index(request_id)
+        first = int(num_computed[i])
+        if first + int(num_new[i]) != num_tokens:
+            return num_tokens  # truncated since
+        return first
+
+
 def _one_sizing(count: object, memory_budget: object, name: str = "num_blocks") -> None:
     if (count is None) == (memory_budget is None):
         raise ValueError(
@@ -132,6 +166,7 @@ class CacheController:
         self.storage = CacheStorage(self.layout, device, rank, device_id, name_template)
         self._manager: BlockManager | None = None
         self._plan: MemoryPlan | None = None
+        self._last_steps: _LastSteps | None = None
         self._closed = False
         self._lock = threading.RLock()
 
@@ -372,6 +407,7 @@ class CacheController:
         allocation = self._ready_manager().schedule(
             request_ids, num_new_tokens, new_token_ids, prefix_matches
         )
+        self._note_step(allocation)
         inputs = self.storage.apply(allocation)
         if allocation.copies_before:
             self.storage.copy_blocks(allocation.copies_before)
@@ -411,13 +447,25 @@ class CacheController:
     def prefix_stats(self) -> PrefixStats:
         return self._ready_manager().prefix_stats
 
+    def _note_step(self, step: StepAllocation) -> None:
+        """Remember which tokens ``step`` wrote for each of its requests (for
+        :meth:`slot_mapping`)."""
+        manager = self._ready_manager()
+        if self._last_steps is None or self._last_steps.manager is not manager:
+            self._last_steps = _LastSteps(manager)
+        self._last_steps.note(step)
+
     @locked
     def allocate(self, request_id: str, num_tokens: int) -> None:
         """Grow ``request_id``'s block tables in every group to cover ``num_tokens`` tokens.
 
         All-or-nothing: if any group lacks blocks, :class:`OutOfBlocksError` names it (blocks
-        needed and free) and no pool changes. This is one step of one request: window blocks
-        that slid out during an earlier step go back to their pool now.
+        needed and free) and no pool changes. This is one step of one request, the tokens
+        from :meth:`num_tokens` up to ``num_tokens``: window blocks that slid out during an
+        earlier step go back to their pool now, and the blocks this step writes stay held
+        until the request's next step, as in :meth:`schedule`. :meth:`slot_mapping` of the
+        step's positions gives the slots its kernels write (every one of a 512-token chunk
+        through a 128-token window).
         """
         manager = self._ready_manager()
         check_request_id(request_id)
@@ -432,6 +480,7 @@ class CacheController:
                 f"{request_id!r} already holds; tables only grow (use truncate to roll back)"
             )
         step = manager.schedule([request_id], [num_tokens - current])
+        self._note_step(step)
         # no token ids: the step registers nothing and holds nothing, so it ends at once
         manager.end_step(step)
         if step.table_deltas:
@@ -506,9 +555,17 @@ class CacheController:
 
         Position ``p`` of a role with compress ratio ``r`` writes an entry only when a
         compressed token completes (``p % r == r - 1``), entry ``p // r``, which lives in
-        block ``table[(p // r) // (block_size // r)]``; a position outside the group's live
-        window between steps (see :func:`live_start`) maps to ``-1``. Engines use
-        :meth:`schedule`, which computes the slots of a whole step at once.
+        block ``table[(p // r) // (block_size // r)]``.
+
+        One step has one answer: the positions the request's latest step wrote (from the
+        tokens it held before that :meth:`allocate` or :meth:`schedule` to
+        :meth:`num_tokens`) map to the very slots ``schedule`` gave that step in
+        ``inputs.slot_mappings``, window groups included: a 512-token chunk through a
+        128-token window writes all 512 tokens, and their blocks stay held until the
+        request's next step. Any other position outside the group's live window at rest
+        (the last ``window`` tokens, see :func:`live_start`) maps to ``-1``, as does one
+        whose block the request no longer holds. Engines use :meth:`schedule`, which
+        computes the slots of a whole step at once.
 
         Raises:
             ValueError: an unknown group, a ratio that does not divide the block size, or a
@@ -534,8 +591,12 @@ class CacheController:
             )
         self._sync_tables()
         slots = self.storage.slot_mapping(row, group, pos, ratio)
-        first = live_start(spec, n)
-        if first:  # between steps only the window is readable, even where a block is held
+        first = live_start(spec, n)  # between steps only the window is readable ...
+        last = self._last_steps
+        if first and last is not None and last.manager is manager:
+            # ... but the tokens the latest step wrote keep their slots, as schedule gave them
+            first = min(first, last.first_written(row, request_id, n))
+        if first:
             slots[pos < first] = -1
         return torch.from_numpy(slots)
 
