@@ -19,9 +19,10 @@ at once or one step late (the thread's next step is scheduled first, an asynchro
 order). A truncation or swap out of a request in the thread's step in flight is sometimes
 tried first and must be refused with the scheduler's ``RequestStateError``; then the step
 ends. Freeing such a request is an abort and is allowed. Refusals that other threads' use of
-the pools explains are tolerated (a step's out-of-blocks or row refusals, ``OutOfBlocksError``
-of a swap or of a truncation's copy on write, the truncation ``ValueError`` for a released
-window block).
+the pools explains are tolerated (a step's out-of-blocks or row refusals, a ``stale_prefix``
+refusal of a match whose blocks another thread's step evicted between the lookup and the
+step, ``OutOfBlocksError`` of a swap or of a truncation's copy on write, the truncation
+``ValueError`` for a released window block).
 
 After every operation the thread verifies every byte of every resident request it owns
 (:func:`kvforge.verify.verify_request` with :func:`kvforge.verify.token_seeds` of its
@@ -205,9 +206,13 @@ class Worker:
             self.report.in_flight_refused += 1
         self.end_open_step()
 
-    def tolerate(self, refused: tuple) -> None:
+    def tolerate(self, refused: tuple, matched: bool = False) -> None:
+        """Step refusals other threads explain: no blocks or rows left, or (``matched``: a
+        new request scheduled with a lookup's match) a match gone stale because another
+        thread's step evicted or rewrote a matched block between the lookup and the step."""
+        reasons = ("out_of_blocks", "max_num_seqs", "stale_prefix")[: 3 if matched else 2]
         for r in refused:
-            assert r.reason in ("out_of_blocks", "max_num_seqs"), r
+            assert r.reason in reasons, r
             if r.reason == "out_of_blocks":
                 assert r.needed > r.available, r
             self.report.tolerated[f"step {r.reason}"] += 1
@@ -233,7 +238,7 @@ class Worker:
             [rid], [n], new_token_ids=[prompt[hit : hit + n]], prefix_matches=[match]
         )
         if step.allocation.refused:
-            self.tolerate(step.allocation.refused)
+            self.tolerate(step.allocation.refused, matched=True)
             self.advance(step)
             return
         self.prompts[rid] = prompt

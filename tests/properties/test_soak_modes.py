@@ -166,6 +166,31 @@ def test_a_thread_detects_a_lost_byte() -> None:
     assert worker.report.mismatches == 1
 
 
+def test_a_match_gone_stale_between_lookup_and_step_is_tolerated(monkeypatch) -> None:
+    """Another thread may evict a matched block between a thread's lookup and its step (the
+    two are separate calls): the step refuses the match as stale, which the thread takes as
+    an answer (an engine looks the prompt up again)."""
+    ctl = soak_threads.make_threads_controller(2)
+    head = soak_threads.HEADS[0][:300]
+    step = ctl.schedule(["other"], [300], new_token_ids=[head])
+    ctl.end_step(step)
+    ctl.free_request("other")  # its blocks stay cached
+    worker = soak_threads.Worker(ctl, 1, 0, 0)
+    lookup = ctl.lookup
+
+    def lookup_then_evict(queries):
+        matches = lookup(queries)
+        assert matches[0].num_tokens == 256
+        ctl.scheduler.reset_prefix_cache()  # what another thread's step may cause
+        return matches
+
+    monkeypatch.setattr(ctl, "lookup", lookup_then_evict)
+    monkeypatch.setattr(worker, "new_prompt", lambda: [*head[:256], 1, 2, 3])
+    worker.op_admit()
+    assert worker.report.tolerated == Counter({"step stale_prefix": 1})
+    assert not worker.tokens and worker.report.prefix_hits == 0
+
+
 def test_a_failing_thread_stops_the_run_and_is_named(monkeypatch) -> None:
     check = soak_threads.Worker.check
 
