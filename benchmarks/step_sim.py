@@ -250,9 +250,16 @@ class _Driver:
     """One scheduler side and one worker side over the same layout and block counts."""
 
     def __init__(self, wl: WorkloadLike, layout: CacheLayout, num_blocks: dict[str, int]):
-        self.manager = BlockManager(layout, num_blocks, wl.num_requests, wl.max_model_len)
+        # per-group pools, sized per group as vLLM's baseline is: the step's bookkeeping is
+        # compared, and the figures stay comparable with the runs before pools were shared
+        self.manager = BlockManager(
+            layout, num_blocks, wl.num_requests, wl.max_model_len, share_pools=False
+        )
         self.storage = CacheStorage(layout, "cpu")
-        self.storage.adopt(_empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len)
+        self.storage.adopt(
+            _empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len,
+            share_pools=False,
+        )
         self.ids = [f"req-{i}" for i in range(wl.num_requests)]
 
 
@@ -433,7 +440,7 @@ def run_facade_decode(wl: WorkloadLike, sched: ScheduleLike, repeats: int = 5) -
     runs: list[float] = []
     try:
         for _ in range(repeats + 1):  # the first run warms up
-            controller = CacheController(backends)
+            controller = CacheController(backends, share_pools=False)  # as _Driver
             controller.adopt_kv_cache(
                 _empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len
             )

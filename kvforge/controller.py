@@ -157,7 +157,7 @@ class CacheController:
         device_id: int | None = None,
         name_template: str = DEFAULT_NAME_TEMPLATE,
         enable_prefix_caching: bool = False,
-        share_pools: bool = False,
+        share_pools: bool = True,
     ) -> None:
         check_share_pools(share_pools)
         self.layout = CacheLayout(backends)

@@ -23,6 +23,7 @@ import torch
 from kvforge.controller import CacheController
 from kvforge.core.layout import CacheBuffer
 from kvforge.core.prefix_keys import ExtraKeys, PrefixHasher
+from kvforge.kinds import live_start
 
 __all__ = [
     "EntryCheck",
@@ -118,7 +119,9 @@ def _live_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pos = torch.as_tensor(list(positions), dtype=torch.int64)
     slots = ctl.slot_mapping(request_id, entry.group.name, pos, entry.role.compress_ratio)
-    keep = slots >= 0
+    # what is live between steps, which is what a swap keeps: the latest step's tokens behind
+    # a window have slots until the request's next step releases their blocks
+    keep = (slots >= 0) & (pos >= live_start(entry.group, ctl.num_tokens(request_id)))
     return pos[keep], slots[keep]
 
 

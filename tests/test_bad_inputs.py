@@ -81,8 +81,10 @@ def test_fixture_state_by_hand() -> None:
     s = snapshot(env)
     assert s["requests"] == ["a", "b"] and s["swapped"] == ["s"]
     assert s["tokens"] == {"a": 100, "b": 40, "s": 30}
-    # kv: a 7 blocks (cdiv(100, 16)), b 3; swa: a holds blocks 3..6 (released 0..2), b 3
-    assert s["pools"] == {"kv": (10, 13), "gqa_swa": (7, 16)}
+    # kv: a 7 blocks (cdiv(100, 16)), b 3; swa: a holds blocks 3..6 (released 0..2), b 3;
+    # kv and gqa_swa pair up byte for byte, so they draw on one pool (share_pools, the
+    # default): 17 of its 23 usable blocks are used
+    assert s["pools"] == {"kv": (17, 6), "gqa_swa": (17, 6)}
     assert env.ctl.block_table("a", "gqa_swa")[:3] == [0, 0, 0]
 
 

@@ -272,12 +272,19 @@ class CacheLayout:
 
         gpt-oss-20b: 12 full and 12 sliding-window layers with the same K/V shapes, so
         ``(("swa", "kv"),)``; DeepSeek-V4-Flash: every group's pages differ, so each group is
-        a set of its own.
+        a set of its own. A group served by a backend that overrides ``create_kv_cache``
+        lays out its own memory, which the storage cannot place in shared bytes, so it is a
+        set of its own too (``share_pools``, on by default, shares where it can).
         """
+        own_memory = set()
+        for backend, layers in self._backend_layers:
+            method = getattr(type(backend), "create_kv_cache", None)
+            if method is not AttentionBackend.create_kv_cache:
+                own_memory.update(e.group.name for e in self.buffers_of_layers(layers))
         by_shape: dict[tuple[int, ...], list[str]] = {}
         sets: list[list[str]] = []
         for g in self.groups:
-            if g.rule.per_request:
+            if g.rule.per_request or g.name in own_memory:
                 sets.append([g.name])
                 continue
             shape = tuple(sorted(e.device_block_bytes for e in self.buffers_of(g.name)))

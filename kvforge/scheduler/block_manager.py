@@ -133,7 +133,7 @@ class BlockManager:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = False,
         snapshot_interval: int | None = None,
-        share_pools: bool = False,
+        share_pools: bool = True,
         key_algorithm: Algorithm = "sha256",
     ) -> None:
         self.layout = layout

@@ -149,13 +149,13 @@ class PrefixCache:
         # per pool: block -> (key, end token, group index) of every registered block
         # per pool: block -> (key, end token, group index, the record it holds or None, the
         # tail proof (parent, payload, root preimage) of a key that ends inside a unit)
-        self._owner: dict[int, dict[int, _Entry]] = {
-            id(pool): {} for pool, _ in tables.pools
+        self._owner: dict[BlockPool, dict[int, _Entry]] = {
+            pool: {} for pool, _ in tables.pools
         }
         # copies of a served key waiting to take it over: per pool, block -> its entry, and
         # per group, key -> the waiting blocks, oldest first
-        self._spare_owner: dict[int, dict[int, _Entry]] = {
-            id(pool): {} for pool, _ in tables.pools
+        self._spare_owner: dict[BlockPool, dict[int, _Entry]] = {
+            pool: {} for pool, _ in tables.pools
         }
         self._spares: dict[str, dict[bytes, list[int]]] = {g.spec.name: {} for g in tables.groups}
         if enabled:
@@ -304,7 +304,7 @@ class PrefixCache:
                     return False
             elif g.windowed:
                 c0 = self._window_start(g, length) // g.block_size
-                owner = self._owner[id(g.pool)]
+                owner = self._owner[g.pool]
                 for c in range(c0, length // g.block_size):
                     end = (c + 1) * g.block_size
                     block = cached.get(key_at(end))
@@ -468,7 +468,7 @@ class PrefixCache:
             if g.per_request:
                 continue
             done, full = int(self._t.committed[gi, row]), after // g.block_size
-            owner = self._owner[id(g.pool)]
+            owner = self._owner[g.pool]
             for c in range(done, full):
                 block = int(g.table[row, c])
                 end = (c + 1) * g.block_size
@@ -544,7 +544,7 @@ class PrefixCache:
         only after the copies. A step dropped unended registers nothing."""
         stats, events = self.stats, self._events
         for r in work.registrations:
-            owner = self._owner[id(r.group.pool)]
+            owner = self._owner[r.group.pool]
             written = copies_ran if r.snapshot else kernels_ran
             old = self._cached[r.group.spec.name].get(r.key)
             if not written or r.block in owner or (old is not None and r.snapshot):
@@ -555,7 +555,7 @@ class PrefixCache:
                 if r.group.pool.ref_count(old) > 0:
                     # the cached copy is in use: this one waits, and takes the key over
                     # when that copy goes
-                    self._spare_owner[id(r.group.pool)][r.block] = _Entry(
+                    self._spare_owner[r.group.pool][r.block] = _Entry(
                         r.key, r.end, r.index, r.ref, r.proof
                     )
                     self._spares[r.group.spec.name].setdefault(r.key, []).append(r.block)
@@ -599,7 +599,7 @@ class PrefixCache:
         change here and in :meth:`forget_block` / :meth:`_evicted` only. ``ref`` is the unit record
         the block holds a reference on (released when it goes)."""
         self._cached[g.spec.name][key] = block
-        self._owner[id(g.pool)][block] = _Entry(key, end, gi, ref, proof)
+        self._owner[g.pool][block] = _Entry(key, end, gi, ref, proof)
         g.pool.retain(block)
 
     def forget_block(self, g: GroupTable, block: int, promote: bool = True) -> None:
@@ -609,7 +609,7 @@ class PrefixCache:
         if self._drop_spare(g.pool, block):
             g.pool.forget(block)
             return
-        entry = self._owner[id(g.pool)].pop(block, None)
+        entry = self._owner[g.pool].pop(block, None)
         if entry is None:
             return
         group = self._t.groups[entry.group]
@@ -624,7 +624,7 @@ class PrefixCache:
 
     def _drop_spare(self, pool: BlockPool, block: int) -> bool:
         """Drop ``block`` if it is a waiting copy (no event: it was never announced)."""
-        entry = self._spare_owner[id(pool)].pop(block, None)
+        entry = self._spare_owner[pool].pop(block, None)
         if entry is None:
             return False
         name = self._t.groups[entry.group].spec.name
@@ -644,9 +644,9 @@ class PrefixCache:
         block = waiting.pop()
         if not waiting:
             del self._spares[g.spec.name][key]
-        entry = self._spare_owner[id(g.pool)].pop(block)
+        entry = self._spare_owner[g.pool].pop(block)
         self._cached[g.spec.name][key] = block
-        self._owner[id(g.pool)][block] = entry
+        self._owner[g.pool][block] = entry
         self._events.append(PrefixEvent("stored", g.spec.name, key, entry.end))
 
     def end_chain(self, request_id: str) -> None:
@@ -664,7 +664,7 @@ class PrefixCache:
 
     def _evicted(self, pool: BlockPool, victims: np.ndarray) -> None:
         ev = self.stats.evictions
-        owner = self._owner[id(pool)]
+        owner = self._owner[pool]
         # waiting copies first, so that none of them is promoted; they were never announced,
         # so they are not counted as evictions (a key was not lost)
         served = [b for b in victims.tolist() if not self._drop_spare(pool, b)]
@@ -688,7 +688,7 @@ class PrefixCache:
     def registered(self, pool: BlockPool) -> dict[int, tuple[object, int, str]]:
         """Every block of ``pool`` the cache knows: block -> (key, end token, group)."""
         names = [g.spec.name for g in self._t.groups]
-        return {b: (e.key, e.end, names[e.group]) for b, e in self._owner[id(pool)].items()}
+        return {b: (e.key, e.end, names[e.group]) for b, e in self._owner[pool].items()}
 
     def take_events(self) -> list[PrefixEvent]:
         """Blocks stored in and removed from the prefix cache since the last call."""
@@ -702,13 +702,13 @@ class PrefixCache:
         if not self.enabled:
             return 0
         for pool, members in self._t.pools:  # waiting copies first, so that none is promoted
-            for block in list(self._spare_owner[id(pool)]):
+            for block in list(self._spare_owner[pool]):
                 evicted += pool.ref_count(block) == 0  # back to the free stack, as evicted
                 self.forget_block(self._t.groups[members[0]], block)
         for pool, _ in self._t.pools:
             evicted += len(pool.evict(pool.num_evictable))
         for pool, _ in self._t.pools:
-            for block in list(self._owner[id(pool)]):
-                g = self._t.groups[self._owner[id(pool)][block].group]
+            for block in list(self._owner[pool]):
+                g = self._t.groups[self._owner[pool][block].group]
                 self.forget_block(g, block)
         return evicted

@@ -167,7 +167,7 @@ class CacheStorage:
         num_blocks: Mapping[str, int],
         max_num_seqs: int,
         max_model_len: int,
-        share_pools: bool = False,
+        share_pools: bool = True,
     ) -> None:
         """Allocate every device cache through the backends' ``create_kv_cache``.
 
@@ -224,26 +224,13 @@ class CacheStorage:
         return [m for m in self.layout.pools(share_pools, blocks, refusal) if len(m) > 1]
 
     def _default_builders(self, pooled: set[str]) -> set[int]:
-        """Ids of the backends serving a buffer of a shared group; each must keep the default
-        ``create_kv_cache``, since only a layout the storage knows can be shared."""
+        """Ids of the backends serving a buffer of a shared group (the storage builds their
+        buffers itself). They keep the default ``create_kv_cache``: a group served by one
+        that lays out its own memory is never in a shared set (``CacheLayout.pool_sets``)."""
         builds: set[int] = set()
         for backend, layers in self.layout.backend_layers():
-            groups = [
-                g.name
-                for g in self.layout.groups
-                if g.name in pooled
-                and any(e.group.name == g.name for e in self.layout.buffers_of_layers(layers))
-            ]
-            if not groups:
-                continue
-            method = getattr(backend.create_kv_cache, "__func__", None)
-            if method is not AttentionBackend.create_kv_cache:
-                raise ValueError(
-                    f"create: {backend!r} (layers {list(layers)}) overrides create_kv_cache: it "
-                    f"lays out its own memory, which cannot be shared, but serves groups "
-                    f"{groups} of a shared pool (share_pools=True); use share_pools=False"
-                )
-            builds.add(id(backend))
+            if any(e.group.name in pooled for e in self.layout.buffers_of_layers(layers)):
+                builds.add(id(backend))
         return builds
 
     def _create_shared(
@@ -271,7 +258,7 @@ class CacheStorage:
         caches: Mapping[CacheKey, torch.Tensor],
         max_num_seqs: int,
         max_model_len: int,
-        share_pools: bool = False,
+        share_pools: bool = True,
     ) -> dict[str, int]:
         """Use device tensors an engine already allocated, one per ``(role, layer)``.
 
@@ -324,7 +311,7 @@ class CacheStorage:
         max_num_seqs: int,
         max_model_len: int,
         action: str,
-        share_pools: bool = False,
+        share_pools: bool = True,
     ) -> None:
         caches = [created[e.key] for e in self.layout.buffers]
         for e, t in zip(self.layout.buffers, caches, strict=True):

@@ -119,9 +119,9 @@ def test_every_step_checks_and_figures_are_complete(model: str, chunk_size: int 
 def _first_steps(wl, steps: int):
     layout = CacheLayout(build_backends(wl))
     blocks = step_num_blocks(wl, layout)
-    manager = BlockManager(layout, blocks, wl.num_requests, wl.max_model_len)
+    manager = BlockManager(layout, blocks, wl.num_requests, wl.max_model_len, share_pools=False)
     storage = CacheStorage(layout)
-    storage.create(blocks, wl.num_requests, wl.max_model_len)
+    storage.create(blocks, wl.num_requests, wl.max_model_len, share_pools=False)
     ids = [f"req-{i}" for i in range(wl.num_requests)]
     out = []
     for step in SW.schedule(wl).steps[:steps]:

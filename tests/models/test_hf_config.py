@@ -268,7 +268,7 @@ def test_gqa_options():
     ("torch_dtype", "expected"),
     [
         ("float16", "float16"),
-        ("float32", "float32"),
+        ("float32", "bfloat16"),  # served in 16-bit, as vLLM's _resolve_auto_dtype does
         ("bfloat16", "bfloat16"),
         ("auto", "bfloat16"),
         ("int8", "bfloat16"),

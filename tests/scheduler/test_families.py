@@ -107,8 +107,9 @@ def test_qwen3_next_every_fourth_layer_is_full():
 
 # (model, {group: (layers, bytes per token per layer)}, max_position_embeddings)
 BYTES = [
-    # float32 as published: 2 * 8 heads * 256 * 4 B = 16,384 B; 21 sliding + 21 full layers
-    ("gemma-2-9b", {"swa": (21, 16_384), "kv": (21, 16_384)}, 8192),
+    # published as float32, served in bfloat16 (dtype="auto", as vLLM's _resolve_auto_dtype):
+    # 2 * 8 heads * 256 * 2 B = 8,192 B; 21 sliding + 21 full layers
+    ("gemma-2-9b", {"swa": (21, 8_192), "kv": (21, 8_192)}, 8192),
     # bf16: 2 * 8 * 256 * 2 = 8,192 B; 40 local + 8 global
     ("gemma-3-12b", {"swa": (40, 8_192), "kv": (8, 8_192)}, 131_072),
     # 2 * 8 * 64 * 2 = 2,048 B; 12 + 12

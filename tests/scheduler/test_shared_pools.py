@@ -81,7 +81,7 @@ def test_create_places_position_k_of_every_member_in_one_allocation() -> None:
 
 def test_without_share_pools_every_buffer_has_its_own_bytes() -> None:
     storage = CacheStorage(layout())
-    storage.create({"swa": 10, "kv": 10}, max_num_seqs=4, max_model_len=256)
+    storage.create({"swa": 10, "kv": 10}, max_num_seqs=4, max_model_len=256, share_pools=False)
     assert storage.share_pools is False
     assert len({storage.get(*k).data_ptr() for k in SWA_KEYS + KV_KEYS}) == 8
     assert storage.device_bytes == 2 * 10 * PAGE == 40_960
@@ -462,7 +462,7 @@ STORAGE: list[tuple[str, Callable[[CacheStorage], Any], type[Exception], str]] =
     ),
     (
         "adopt_aliasing_without_share_pools",
-        lambda s: s.adopt(_aliased(0), 4, 256),
+        lambda s: s.adopt(_aliased(0), 4, 256, share_pools=False),
         ValueError,
         # which of the four aliased pairs is named first depends on the addresses
         "share bytes (block 0 of the first and block 0 of the second)",
@@ -505,20 +505,16 @@ def test_storage_refuses_and_stays_empty(call, exc, fragment) -> None:
     assert storage.ready and storage.device_bytes == 10 * PAGE
 
 
-def test_an_overridden_create_kv_cache_cannot_share() -> None:
+def test_a_group_whose_backend_lays_out_its_own_memory_keeps_its_own_pool() -> None:
+    """``share_pools`` (the default) shares where the storage lays out the bytes: a group
+    served by a backend that overrides ``create_kv_cache`` is a pool of its own."""
     lay = CacheLayout(backends(_OwnLayout))
+    assert lay.pool_sets == (("swa",), ("kv",))
     storage = CacheStorage(lay)
-    with pytest.raises(ValueError) as info:
-        storage.create(EQUAL, 4, 256, share_pools=True)
-    assert str(info.value).startswith("create: _OwnLayout(")
-    assert str(info.value).endswith(
-        "(layers [1, 3]) overrides create_kv_cache: it lays out its own "
-        "memory, which cannot be shared, but serves groups ['kv'] of a shared pool "
-        "(share_pools=True); use share_pools=False"
-    )
-    assert not storage.ready
-    storage.create(EQUAL, 4, 256)  # without sharing it is asked as usual
+    storage.create(EQUAL, 4, 256, share_pools=True)  # the backend is asked as usual
     assert storage.device_bytes == 2 * 10 * PAGE
+    manager = BlockManager(lay, EQUAL, 4, 256)
+    assert manager.pool("swa") is not manager.pool("kv")
 
 
 FACADE: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
