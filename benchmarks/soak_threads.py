@@ -486,6 +486,9 @@ def main_threads(args: argparse.Namespace) -> int:
         values = [get(t) for t in report.threads]
         table.add_row(label, *map(str, values), str(sum(values)))  # type: ignore[arg-type]
     console.print(table)
+    tolerated = sum((t.tolerated for t in report.threads), start=Counter())
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(tolerated.items()))
+    console.print(f"refusals tolerated: {kinds or 'none'}")
     console.print(
         f"mismatches: {report.total('mismatches')}; time: {report.seconds:.1f} s; end state: "
         "every request freed, no step open, no block or host page in use"
