@@ -137,18 +137,20 @@ class RequestTables:
 
     def release_rows(self, rows: np.ndarray) -> None:
         """Free every block of ``rows``, clear them, and put the rows back. Only the columns
-        the longest of the rows can hold are read (``cdiv(num_tokens, B)``), so freeing costs
-        the blocks held, not the table's width. Cells outside what a row holds are null (a
+        the rows can hold are read (from the earliest ``held_from`` to the longest row's
+        ``cdiv(num_tokens, B)``), so freeing costs the blocks held, not the table's width. Cells outside what a row holds are null (a
         window's released blocks were cleared), so the non-null cells, row by row, are
         exactly its blocks in chain order."""
         tokens = self.num_tokens[rows]
         longest = int(tokens.max()) if len(tokens) else 0
         for g in self.groups:
+            # a window group holds only its tail: start at the earliest block a row holds
+            first = int(g.held_from[rows].min()) if g.windowed and len(rows) else 0
             width = g.slots if g.per_request else -(-longest // g.block_size)
-            cells = g.table[rows, :width]
+            cells = g.table[rows, first:width]
             held = cells[cells != NULL_BLOCK]
             g.pool.release(held)  # (release evicts the deepest first)
-            g.table[rows, :width] = NULL_BLOCK
+            g.table[rows, first:width] = NULL_BLOCK
             g.held_from[rows] = 0
             self.pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
         self.num_tokens[rows] = 0
