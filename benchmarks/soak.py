@@ -78,7 +78,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvforge import CacheController, DeepseekV4Backend, GQABackend
 from kvforge.controller import ScheduledStep
 from kvforge.core.values import PrefixMatch, PrefixQuery
 from kvforge.errors import OutOfBlocksError, RequestStateError
@@ -96,70 +95,21 @@ __all__ = [
     "run_soak",
 ]
 
-MAX_SEQS = 6
-MAX_MODEL_LEN = 768
-NUM_BLOCKS = {"swa": 20, "compressed": 9, "c4_state": 60, "c128_state": 90, "gqa_swa": 30}
-#: with prefix caching: room for cached chains and the window tails a match needs
-PREFIX_NUM_BLOCKS = {"swa": 30, "compressed": 12, "c4_state": 100, "c128_state": 100, "gqa_swa": 40}
-#: with ``share_pools``: ``gqa_swa`` and ``gqa_full`` draw on one pool of these blocks (each
-#: member names the pool's count). Small on purpose: 39 usable blocks of 16 tokens, so the two
-#: groups' growth competes for it and it is the pool a step most often runs short of
-SHARED_POOL_BLOCKS = 40
-PREFIX_SHARED_POOL_BLOCKS = 100
-#: the groups that share a pool with ``share_pools``, as the soak declares its layers (the
-#: controller's ``layout.pool_sets`` must agree); every other group is a pool of its own
-SHARED_POOLS = (("gqa_swa", "gqa_full"),)
-HOST_PAGES = 40
-#: host pages per group with ``share_pools`` (a swapped ``gqa_full`` request keeps up to 48)
-SHARED_HOST_PAGES = 80
-VOCAB = 500  # token ids of the prefix soak
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def num_blocks_for(
-    prefix: bool = False, share_pools: bool = False, scale: int = 1
-) -> dict[str, int]:
-    """Device blocks per group of the soak's controller (a shared pool's count for each of
-    its groups); ``scale`` multiplies the usable blocks (the threaded mode's N threads)."""
-    counts = dict(PREFIX_NUM_BLOCKS if prefix else NUM_BLOCKS)
-    if share_pools:
-        pool = PREFIX_SHARED_POOL_BLOCKS if prefix else SHARED_POOL_BLOCKS
-        for members in SHARED_POOLS:
-            counts.update(dict.fromkeys(members, pool))
-    return {g: (n - 1) * scale + 1 for g, n in counts.items()}
-
-
-def make_controller(
-    prefix: bool = False,
-    share_pools: bool = False,
-    max_num_seqs: int = MAX_SEQS,
-    scale: int = 1,
-) -> CacheController:
-    """DeepSeek-V4 layers of ratios 0, 4 and 128 (small heads) and a GQA sliding-window layer:
-    full, sliding-window and state groups, compress ratios 1, 4 and 128; ``prefix`` turns
-    prefix caching on. ``share_pools`` adds a full GQA layer of the sliding-window layer's
-    shapes (1 kv head of dim 8, 16-token blocks: 512 B pages in both groups) and shares one
-    pool between the two groups. ``max_num_seqs`` and ``scale`` (usable device blocks and host
-    pages multiplied) size it for the threaded mode; the model assumes the defaults."""
-    backends: dict[int, Any] = {
-        i: DeepseekV4Backend(r, head_dim=64, qk_rope_head_dim=16, index_head_dim=16)
-        for i, r in enumerate((0, 4, 128))
-    }
-    backends[3] = GQABackend(1, 8, block_size=16, sliding_window=40, group="gqa_swa")
-    if share_pools:
-        backends[4] = GQABackend(1, 8, block_size=16, group="gqa_full")
-    ctl = CacheController(backends, enable_prefix_caching=prefix, share_pools=share_pools)
-    ctl.initialize_kv_cache(
-        num_blocks=num_blocks_for(prefix, share_pools, scale),
-        max_num_seqs=max_num_seqs,
-        max_model_len=MAX_MODEL_LEN,
-    )
-    host = SHARED_HOST_PAGES if share_pools else HOST_PAGES
-    ctl.initialize_host_cache(num_pages=(host - 1) * scale + 1)
-    return ctl
+from soak_setup import (  # noqa: F401  (re-exported: soak.make_controller, soak.VOCAB, ...)
+    HOST_PAGES,
+    MAX_MODEL_LEN,
+    MAX_SEQS,
+    NUM_BLOCKS,
+    PREFIX_NUM_BLOCKS,
+    PREFIX_SHARED_POOL_BLOCKS,
+    SHARED_HOST_PAGES,
+    SHARED_POOL_BLOCKS,
+    SHARED_POOLS,
+    VOCAB,
+    _cdiv,
+    make_controller,
+    num_blocks_for,
+)
 
 
 @dataclass

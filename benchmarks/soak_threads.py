@@ -1,8 +1,8 @@
 """The soak's threaded mode (``python benchmarks/soak.py --threads N``): N threads on one
 controller, each owning its own requests, none ever reading or overwriting another's KV.
 
-The controller is the soak's hybrid one (:func:`soak.make_controller`: DeepSeek-V4 layers of
-compress ratios 1, 4 and 128 and a GQA sliding-window layer, prefix caching on; with
+The controller is the soak's hybrid one (:func:`soak_setup.make_controller`: DeepSeek-V4
+layers of compress ratios 1, 4 and 128 and a GQA sliding-window layer, prefix caching on; with
 ``--share-pools`` a full GQA layer that shares the sliding-window layer's pool), with table
 rows and blocks for N threads. Each thread runs random operations on requests whose ids
 carry its index (``t1-7``):
@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import soak
+import soak_setup
 import torch
 
 from kvforge import CacheController, OutOfBlocksError, PrefixQuery
@@ -74,9 +74,11 @@ MAX_THREADS = MAX_OPEN_STEPS // 2
 PER_THREAD = 2
 #: a few long heads every thread's prompts start with (cut near multiples of the soak
 #: controller's 256-token match boundary), so threads hit blocks other threads completed
-HEADS = [np.random.default_rng(1000 + h).integers(0, soak.VOCAB, 560).tolist() for h in range(3)]
+HEADS = [
+    np.random.default_rng(1000 + h).integers(0, soak_setup.VOCAB, 560).tolist() for h in range(3)
+]
 #: requests stop decoding here (max_model_len is 768)
-MAX_TOKENS = soak.MAX_MODEL_LEN - 8
+MAX_TOKENS = soak_setup.MAX_MODEL_LEN - 8
 #: each thread's operations (``Worker.op_<name>``) and their weights
 OPERATIONS = {"admit": 3, "step": 8, "swap": 2, "truncate": 2, "free": 2}
 
@@ -97,7 +99,7 @@ def threads_arg(text: str) -> int:
 
 def make_threads_controller(threads: int, share_pools: bool = False) -> CacheController:
     """The soak's hybrid controller with prefix caching, rows and blocks for ``threads``."""
-    return soak.make_controller(
+    return soak_setup.make_controller(
         prefix=True,
         share_pools=share_pools,
         max_num_seqs=PER_THREAD * threads,
@@ -223,7 +225,7 @@ class Worker:
         rng = self.rng
         head = rng.choice(HEADS)
         cut = rng.choice([256, 256, 512, 512, rng.randint(1, len(head))]) + rng.choice([-1, 0, 1])
-        suffix = [rng.randrange(soak.VOCAB) for _ in range(rng.randint(1, 120))]
+        suffix = [rng.randrange(soak_setup.VOCAB) for _ in range(rng.randint(1, 120))]
         return head[: max(1, cut)] + suffix
 
     def op_admit(self) -> None:
@@ -261,7 +263,7 @@ class Worker:
                 new[rid] = prompt[done : done + self.rng.randint(1, 200)]
             elif done < MAX_TOKENS:  # a few decode tokens (or none)
                 k = min(self.rng.choice([0, 1, 1, 2, 4]), MAX_TOKENS - done)
-                new[rid] = [self.rng.randrange(soak.VOCAB) for _ in range(k)]
+                new[rid] = [self.rng.randrange(soak_setup.VOCAB) for _ in range(k)]
             else:
                 new[rid] = []
         step = self.ctl.schedule(

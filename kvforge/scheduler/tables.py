@@ -138,9 +138,9 @@ class RequestTables:
     def release_rows(self, rows: np.ndarray) -> None:
         """Free every block of ``rows``, clear them, and put the rows back. Only the columns
         the rows can hold are read (from the earliest ``held_from`` to the longest row's
-        ``cdiv(num_tokens, B)``), so freeing costs the blocks held, not the table's width. Cells outside what a row holds are null (a
-        window's released blocks were cleared), so the non-null cells, row by row, are
-        exactly its blocks in chain order."""
+        ``cdiv(num_tokens, B)``), so freeing costs the blocks held, not the table's width.
+        Cells outside what a row holds are null (a window's released blocks were cleared), so
+        the non-null cells, row by row, are exactly its blocks in chain order."""
         tokens = self.num_tokens[rows]
         longest = int(tokens.max()) if len(tokens) else 0
         for g in self.groups:
