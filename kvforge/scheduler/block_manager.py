@@ -564,10 +564,10 @@ class BlockManager:
     def plan_swap_out(
         self, request_ids: Sequence[str], purpose: SwapPurpose | str = "preempt"
     ) -> SwapPlan:
-        if self._open_steps and not isinstance(request_ids, str):
-            for rid in request_ids:
-                self._refuse_in_open_step(rid, "swapped out")
-        return self._book.plan_swap_out(request_ids, purpose)
+        ids = batch_ids(request_ids)  # a malformed batch is refused as such, first
+        for rid in ids if self._open_steps else ():
+            self._refuse_in_open_step(rid, "swapped out")
+        return self._book.plan_swap_out(ids, purpose)
 
     plan_swap_out.__doc__ = SwapBook.plan_swap_out.__doc__
 
