@@ -64,6 +64,11 @@ from kvforge.errors import (
 from kvforge.kinds import live_start
 from kvforge.platform import Platform
 from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
+from kvforge.scheduler.prefix_cache import (
+    DEFAULT_PREFIX_RETENTION,
+    Retention,
+    check_prefix_retention,
+)
 from kvforge.specs import SwapPurpose
 from kvforge.worker.storage import CacheStorage, StepInputs, SwapExecution
 from kvforge.worker.transfer import SwapHandle
@@ -142,6 +147,9 @@ class CacheController:
             (:attr:`CacheLayout.pool_sets`, e.g. gpt-oss's ``swa`` and ``kv``) draw on one
             block pool whose bytes are paid once (see :class:`BlockManager` and
             :meth:`CacheStorage.create`).
+        prefix_retention: which completed sliding-window and state blocks stay reusable,
+            ``"dense"`` or ``"checkpoints"``, and ``prefix_retention_interval`` (see
+            :class:`BlockManager`).
 
     Raises:
         ValueError / TypeError: bad mapping, inconsistent declarations, two backends that
@@ -158,8 +166,13 @@ class CacheController:
         name_template: str = DEFAULT_NAME_TEMPLATE,
         enable_prefix_caching: bool = False,
         share_pools: bool = True,
+        prefix_retention: Retention = DEFAULT_PREFIX_RETENTION,
+        prefix_retention_interval: int | None = None,
     ) -> None:
         check_share_pools(share_pools)
+        check_prefix_retention(prefix_retention, prefix_retention_interval)
+        self.prefix_retention = prefix_retention
+        self.prefix_retention_interval = prefix_retention_interval
         self.layout = CacheLayout(backends)
         self.enable_prefix_caching = enable_prefix_caching
         self.share_pools = share_pools
@@ -286,6 +299,8 @@ class CacheController:
             max_model_len,
             self.enable_prefix_caching,
             share_pools=self.share_pools,
+            prefix_retention=self.prefix_retention,
+            prefix_retention_interval=self.prefix_retention_interval,
         )
         self.storage.create(
             blocks, manager.max_num_seqs, manager.max_model_len, share_pools=self.share_pools
@@ -329,6 +344,8 @@ class CacheController:
             max_model_len,
             self.enable_prefix_caching,
             share_pools=self.share_pools,
+            prefix_retention=self.prefix_retention,
+            prefix_retention_interval=self.prefix_retention_interval,
         )
         blocks = self.storage.adopt(
             caches, manager.max_num_seqs, manager.max_model_len, share_pools=self.share_pools

@@ -321,8 +321,14 @@ class PrefixMatch:
         keys: group -> the keys of those blocks (to check the match is still valid).
         hasher: the request's key chain at ``L`` (continues hashing its suffix).
         seal: a MAC, under a secret of the scheduler that made the match, of everything
-            above: a match that was forged, altered, or made by another scheduler is refused
-            (``Refusal.reason == "stale_prefix"``).
+            above and below: a match that was forged, altered, or made by another scheduler
+            is refused (``Refusal.reason == "stale_prefix"``).
+        num_prompt_tokens: the length of the prompt looked up: where it ends tells
+            ``prefix_retention="checkpoints"`` which window and state blocks the request keeps
+            reusable (its replay boundary).
+        junction: a boundary beyond ``num_tokens`` up to which the full-attention chain is
+            cached but some window or state tail is not (where this prompt left a cached one),
+            or 0: under ``prefix_retention="checkpoints"`` the request keeps the tail there.
     """
 
     num_tokens: int
@@ -331,6 +337,8 @@ class PrefixMatch:
     keys: dict[str, tuple[bytes, ...]]
     hasher: object
     seal: bytes = b""
+    num_prompt_tokens: int = 0
+    junction: int = 0
 
 
 @dataclass(frozen=True, slots=True)

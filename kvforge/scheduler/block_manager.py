@@ -87,7 +87,14 @@ from kvforge.scheduler.growth import (
     plan_growth,
     schedule_one_by_one,
 )
-from kvforge.scheduler.prefix_cache import PrefixCache, PrefixStats, StepWork
+from kvforge.scheduler.prefix_cache import (
+    DEFAULT_PREFIX_RETENTION,
+    PrefixCache,
+    PrefixStats,
+    Retention,
+    StepWork,
+    check_prefix_retention,
+)
 from kvforge.scheduler.swap_book import SwapBook, SwapStats
 from kvforge.scheduler.tables import GroupTable, RequestTables
 from kvforge.specs import SwapPurpose
@@ -119,10 +126,18 @@ class BlockManager:
         key_algorithm: the digest of the prefix keys: ``"sha256"`` (default), ``"blake2b"``,
             or a callable ``bytes -> bytes`` (tests inject weak ones to force collisions,
             which the exact check turns into counted misses; see ``docs/prefix_keys.md``).
+        prefix_retention: which completed sliding-window and state blocks stay reusable:
+            ``"dense"`` (every one a boundary's tail needs) or ``"checkpoints"`` (only the
+            tails where a later prompt can end: each prompt's replay boundary and the
+            junctions lookups find, as vLLM 0.33 keeps them by default); see
+            :func:`~kvforge.scheduler.prefix_cache.check_prefix_retention`.
+        prefix_retention_interval: with ``"checkpoints"``, also keep the tail at every
+            multiple of this many tokens (a multiple of :attr:`boundary`); ``None``: none.
 
     Raises:
         ValueError: a bad count, ``num_blocks`` that does not name every group, or (with
-            ``share_pools``) different counts for the groups of one pool.
+            ``share_pools``) different counts for the groups of one pool; a bad
+            ``prefix_retention`` or ``prefix_retention_interval``.
     """
 
     def __init__(
@@ -135,7 +150,10 @@ class BlockManager:
         snapshot_interval: int | None = None,
         share_pools: bool = True,
         key_algorithm: Algorithm = "sha256",
+        prefix_retention: Retention = DEFAULT_PREFIX_RETENTION,
+        prefix_retention_interval: int | None = None,
     ) -> None:
+        check_prefix_retention(prefix_retention, prefix_retention_interval)
         self.layout = layout
         self.share_pools = check_share_pools(share_pools)
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, minimum=1)
@@ -173,7 +191,8 @@ class BlockManager:
         self.snapshot_interval = snapshot_interval
         self._t = RequestTables(groups, self.max_num_seqs)
         self._prefix = PrefixCache(
-            self._t, bool(enable_prefix_caching), self.boundary, snapshot_interval, key_algorithm
+            self._t, bool(enable_prefix_caching), self.boundary, snapshot_interval, key_algorithm,
+            prefix_retention, prefix_retention_interval,
         )
         self._book = SwapBook(self._t, layout)
         self._lock = threading.RLock()

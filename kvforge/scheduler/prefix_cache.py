@@ -31,10 +31,12 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from numbers import Integral
+from typing import Literal, NamedTuple
 
 import numpy as np
 
+from kvforge._checks import ArgumentError
 from kvforge.core.prefix_keys import Algorithm, PrefixHasher, unit_of
 from kvforge.core.values import BlockCopy, PrefixEvent, PrefixMatch, PrefixQuery, TableDelta
 from kvforge.scheduler.args import token_array
@@ -42,7 +44,69 @@ from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.tables import GroupTable, RequestTables
 from kvforge.scheduler.unit_records import UnitRecordStore
 
-__all__ = ["PrefixCache", "PrefixStats", "StepWork"]
+__all__ = [
+    "DEFAULT_PREFIX_RETENTION",
+    "PREFIX_RETENTIONS",
+    "PrefixCache",
+    "PrefixStats",
+    "Retention",
+    "StepWork",
+    "check_prefix_retention",
+]
+
+Retention = Literal["dense", "checkpoints"]
+#: the retention policies of window and state blocks (see :func:`check_prefix_retention`)
+PREFIX_RETENTIONS: tuple[str, ...] = ("dense", "checkpoints")
+#: chosen by measurement against vLLM 0.33 (``docs/vs_vllm.md``, "Retention")
+DEFAULT_PREFIX_RETENTION: Retention = "dense"
+
+
+def check_prefix_retention(
+    prefix_retention: object, prefix_retention_interval: object = None, boundary: int = 1
+) -> tuple[Retention, int | None]:
+    """``(prefix_retention, prefix_retention_interval)`` themselves, refused unless the policy
+    is ``"dense"`` or ``"checkpoints"`` and the interval is ``None`` or (with
+    ``"checkpoints"``) a positive multiple of ``boundary``, the LCM of the groups' block
+    sizes, where every prefix hit ends.
+
+    - ``"dense"``: every completed window / state block that the tail of some boundary needs
+      is kept reusable (a hit may end on any boundary the full-attention chain reaches);
+    - ``"checkpoints"`` (vLLM 0.33's default, ``prefix_cache_retention_interval=0``): only the
+      blocks of the tails at the boundaries where a later prompt can end: the request's
+      replay boundary (its prompt's last token, rounded down to ``boundary``, where a resend
+      of the prompt or a longer one hits), the junction its lookup found (where the
+      full-attention chain of a cached prompt it shares a prefix with ends), and, with an
+      interval ``I``, every multiple of ``I`` (vLLM's positive interval). A request scheduled
+      without a match has no known prompt end: it keeps its blocks densely.
+
+    Full-attention (history) groups and per-request snapshots are not affected.
+
+    Raises:
+        ArgumentError (a ``TypeError`` and a ``ValueError``): a bad value, named.
+    """
+    if not isinstance(prefix_retention, str) or prefix_retention not in PREFIX_RETENTIONS:
+        raise ArgumentError(
+            f"prefix_retention must be 'dense' or 'checkpoints', got {prefix_retention!r}"
+        )
+    interval = prefix_retention_interval
+    if interval is None:
+        return prefix_retention, None  # type: ignore[return-value]
+    if prefix_retention != "checkpoints":
+        raise ArgumentError(
+            f"prefix_retention_interval applies to prefix_retention='checkpoints', got "
+            f"{interval!r} with prefix_retention={prefix_retention!r}"
+        )
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, Integral)
+        or interval < 1
+        or interval % boundary
+    ):
+        raise ArgumentError(
+            f"prefix_retention_interval must be None or a positive multiple of {boundary} (the "
+            f"LCM of the groups' block sizes), got {interval!r}"
+        )
+    return prefix_retention, int(interval)  # type: ignore[return-value]
 
 
 @dataclass
@@ -116,6 +180,11 @@ class PrefixCache:
         enabled: keep completed blocks reusable (off: lookups always miss).
         boundary: the LCM of the token-indexed groups' block sizes: matches end on it.
         snapshot_interval: tokens between snapshots of per-request state.
+        key_algorithm: the digest of the prefix keys.
+        retention: which completed window / state blocks become reusable: ``"dense"`` or
+            ``"checkpoints"`` (see :func:`check_prefix_retention`).
+        retention_interval: with ``"checkpoints"``, also every multiple of this many tokens
+            (a multiple of ``boundary``), or ``None``.
     """
 
     def __init__(
@@ -125,7 +194,15 @@ class PrefixCache:
         boundary: int,
         snapshot_interval: int,
         key_algorithm: Algorithm = "sha256",
+        retention: Retention = DEFAULT_PREFIX_RETENTION,
+        retention_interval: int | None = None,
     ) -> None:
+        self.retention, self.retention_interval = check_prefix_retention(
+            retention, retention_interval, boundary
+        )
+        # under "checkpoints": request -> the boundaries whose tails it keeps (replay boundary,
+        # junction); a request without an entry (scheduled without a match) keeps them densely
+        self._keep: dict[str, tuple[int, ...]] = {}
         self._t = tables
         self.key_algorithm = key_algorithm
         self._collided = False  # the current lookup met a key that names other content
@@ -139,6 +216,7 @@ class PrefixCache:
         self._cursors: dict[str, bytes] = {}  # request -> its held chain's last record
         self.records = UnitRecordStore()  # the token ids behind every cached key
         history = [g.block_size for g in tables.groups if g.history]
+        self._has_history = bool(history)
         snapshots = any(g.per_request for g in tables.groups)
         #: tokens per hashed unit of the chain: every history block end, boundary and snapshot
         #: is a unit end. Window and state blocks that end inside a unit get tail keys off the
@@ -208,7 +286,7 @@ class PrefixCache:
         step = self.boundary
         top = ((n - 1) // step) * step if n else 0
         if not self.enabled or top == 0:
-            return self._sealed(0, {}, {}, {}, hasher)
+            return self._sealed(0, {}, {}, {}, hasher, n)
         unit = self.unit
         keys = hasher.extend(tokens[:top])  # the key at every unit end up to top
         self._collided = False
@@ -235,6 +313,7 @@ class PrefixCache:
                     i += 1
                 upper = min(upper, i * g.block_size)
         length = (upper // step) * step
+        chain = length if self._has_history else 0  # the full-attention chain's reach
         while length > 0:
             if self._tails_present(length, key_at, tails, hasher):
                 break
@@ -250,8 +329,10 @@ class PrefixCache:
                 while length > 0 and not self._tails_present(length, key_at, tails, hasher):
                     length -= step
         stats.collisions += self._collided  # one per lookup whose keys named other content
+        # where the chain reaches past the tails: a prompt sharing this prefix diverged there
+        junction = chain if chain > length else 0
         if length == 0:
-            return self._sealed(0, {}, {}, {}, self._hasher(query))
+            return self._sealed(0, {}, {}, {}, self._hasher(query), n, junction)
         first: dict[str, int] = {}
         blocks: dict[str, np.ndarray] = {}
         used: dict[str, tuple[bytes, ...]] = {}
@@ -276,7 +357,7 @@ class PrefixCache:
             covered = length if not g.windowed else len(found) * g.block_size
             stats.hit_tokens_by_group[name] = stats.hit_tokens_by_group.get(name, 0) + covered
         stats.hit_tokens += length
-        return self._sealed(length, first, blocks, used, hasher.at_prefix(length))
+        return self._sealed(length, first, blocks, used, hasher.at_prefix(length), n, junction)
 
     def _hasher(self, query: PrefixQuery) -> PrefixHasher:
         return PrefixHasher(
@@ -325,13 +406,22 @@ class PrefixCache:
         blocks: dict[str, np.ndarray],
         keys: dict[str, tuple[bytes, ...]],
         hasher: object,
+        num_prompt_tokens: object = 0,
+        junction: object = 0,
     ) -> bytes:
         """A MAC, under this cache's secret, of everything a match claims: its length, its
-        columns, blocks and keys per group, and the key chain it continues."""
+        columns, blocks and keys per group, the key chain it continues, and the prompt length
+        and junction it reports."""
         if not isinstance(hasher, PrefixHasher):
+            return b""
+        if not all(
+            isinstance(v, Integral) and not isinstance(v, bool) and 0 <= v < 1 << 62
+            for v in (num_prompt_tokens, junction)
+        ):
             return b""
         mac = hashlib.blake2b(key=self._secret, digest_size=16)
         mac.update(struct.pack("<qqq", num_tokens, hasher.num_tokens, hasher.unit))
+        mac.update(struct.pack("<qq", int(num_prompt_tokens), int(junction)))  # type: ignore[call-overload]
         mac.update(hasher.key + hasher.root)
         for name in sorted(set(first) | set(blocks) | set(keys)):
             ids = np.asarray(blocks.get(name, ()), dtype=np.int64)
@@ -346,9 +436,13 @@ class PrefixCache:
         blocks: dict[str, np.ndarray],
         keys: dict[str, tuple[bytes, ...]],
         hasher: PrefixHasher,
+        num_prompt_tokens: int = 0,
+        junction: int = 0,
     ) -> PrefixMatch:
-        seal = self._seal(num_tokens, first, blocks, keys, hasher)
-        return PrefixMatch(num_tokens, first, blocks, keys, hasher, seal)
+        seal = self._seal(num_tokens, first, blocks, keys, hasher, num_prompt_tokens, junction)
+        return PrefixMatch(
+            num_tokens, first, blocks, keys, hasher, seal, num_prompt_tokens, junction
+        )
 
     def adopt(self, request_id: str, row: int, match: PrefixMatch | None) -> str | None:
         """Share a match's blocks into ``row``; the name of a group whose blocks were evicted
@@ -356,7 +450,10 @@ class PrefixCache:
         altered, or another controller's): nothing changed then. ``None`` on success."""
         if match is not None:
             m = match
-            seal = self._seal(m.num_tokens, m.first_col, m.blocks, m.keys, m.hasher)
+            seal = self._seal(
+                m.num_tokens, m.first_col, m.blocks, m.keys, m.hasher, m.num_prompt_tokens,
+                m.junction,
+            )
             if not self.enabled or not hmac.compare_digest(m.seal, seal):
                 return ""
         hasher = (
@@ -367,6 +464,8 @@ class PrefixCache:
         if self.enabled:
             assert isinstance(hasher, PrefixHasher)
             self._hashers[request_id] = hasher.at_prefix(hasher.num_tokens)
+            if match is not None and self.retention == "checkpoints":
+                self._keep[request_id] = self._checkpoints(match)
         if match is None or not match.num_tokens:
             return None
         for g in self._t.groups:
@@ -443,26 +542,11 @@ class PrefixCache:
             self.end_chain(request_id)  # the chain is broken: stop registering
             return []
         toks = token_array(tokens, "new_token_ids")[: after - before]
-        wanted: set[int] = set()
-        for gi, g in enumerate(self._t.groups):
-            if not g.per_request:
-                done = int(self._t.committed[gi, row])
-                wanted.update((c + 1) * g.block_size for c in range(done, after // g.block_size))
-        snapshot = bool(self.snapshot_groups) and after % self.snapshot_interval == 0
-        if snapshot:
-            wanted.add(after)
         unit = self.unit
-        at = np.array(sorted(e for e in wanted if e % unit == 0), dtype=np.int64)
-        keys = hasher.extend(toks, at=at)
-        key_of = dict(zip(at.tolist(), keys, strict=True))
-        proofs: dict[int, tuple[bytes, bytes, bytes]] = {}
-        for end in wanted:
-            if end % unit:  # a window block ending inside a unit: its tail key and proof
-                key, parent, payload = hasher.tail_key(end)
-                key_of[end] = key
-                proofs[end] = (parent, payload, hasher.root_preimage if end < unit else b"")
-        # the blocks to register and the snapshot, decided before the records are held
-        chosen: list[tuple[int, GroupTable, int, int]] = []  # (group index, group, block, end)
+        # the blocks to register, decided before any key is hashed (a block no match can
+        # read needs none): (group index, group, block, end)
+        keep = self._keep.get(request_id) if self.retention == "checkpoints" else None
+        chosen: list[tuple[int, GroupTable, int, int]] = []
         tail_chosen: list[tuple[int, GroupTable, int, int]] = []  # tails off the root
         for gi, g in enumerate(self._t.groups):
             if g.per_request:
@@ -476,7 +560,7 @@ class PrefixCache:
                     continue  # a shared block is registered already
                 # a key cached in another block is registered too: the newest copy wins
                 # (finish_step)
-                if g.windowed and not self._in_some_tail(g, c):
+                if g.windowed and not self._in_some_tail(g, c, keep):
                     continue  # no match can ever read it: keep the pool for blocks that can
                 if end % unit and end // unit == 0:
                     # a tail off the root: its proof carries the extra keys, no record needed
@@ -484,6 +568,19 @@ class PrefixCache:
                     continue
                 chosen.append((gi, g, block, end))
             self._t.committed[gi, row] = full
+        wanted = {end for _, _, _, end in chosen} | {end for _, _, _, end in tail_chosen}
+        snapshot = bool(self.snapshot_groups) and after % self.snapshot_interval == 0
+        if snapshot:
+            wanted.add(after)
+        at = np.array(sorted(e for e in wanted if e % unit == 0), dtype=np.int64)
+        keys = hasher.extend(toks, at=at)
+        key_of = dict(zip(at.tolist(), keys, strict=True))
+        proofs: dict[int, tuple[bytes, bytes, bytes]] = {}
+        for end in wanted:
+            if end % unit:  # a window block ending inside a unit: its tail key and proof
+                key, parent, payload = hasher.tail_key(end)
+                key_of[end] = key
+                proofs[end] = (parent, payload, hasher.root_preimage if end < unit else b"")
         snapshots = []
         if snapshot:
             key = key_of[after]
@@ -574,16 +671,41 @@ class PrefixCache:
         work.registrations.clear()
         work.pins.clear()
 
-    def _in_some_tail(self, g: GroupTable, col: int) -> bool:
-        """Whether block ``col`` of window group ``g`` lies in the tail some boundary needs.
+    def _in_some_tail(
+        self, g: GroupTable, col: int, keep: tuple[int, ...] | None = None
+    ) -> bool:
+        """Whether block ``col`` of window group ``g`` lies in the tail some retained boundary
+        needs: under ``"dense"`` retention (or ``keep`` None) every boundary, under
+        ``"checkpoints"`` the boundaries in ``keep`` and the multiples of the retention
+        interval.
 
-        Tails move forward with ``L``, so the first boundary at or after the block's end
-        decides: a 4-token ``c4_state`` block (window 8, boundary 256) is in a tail only if it
-        is one of the two blocks before a multiple of 256 (2 of every 64 blocks).
+        Tails move forward with ``L``, so among evenly spaced boundaries the first at or after
+        the block's end decides: a 4-token ``c4_state`` block (window 8, boundary 256) is in a
+        tail only if it is one of the two blocks before a multiple of 256 (2 of every 64
+        blocks).
         """
         end = (col + 1) * g.block_size
-        first = -(-end // self.boundary) * self.boundary
+        if keep is None:
+            every: int | None = self.boundary
+        else:
+            for b in keep:
+                if b >= end and self._window_start(g, b) // g.block_size <= col:
+                    return True
+            every = self.retention_interval
+        if every is None:
+            return False
+        first = -(-end // every) * every
         return self._window_start(g, first) // g.block_size <= col
+
+    def _checkpoints(self, match: PrefixMatch) -> tuple[int, ...]:
+        """The boundaries a request admitted with ``match`` keeps window / state tails at,
+        under ``"checkpoints"``: its replay boundary (its prompt's last token rounded down to
+        :attr:`boundary`: where a resend of the prompt, or any longer prompt extending it,
+        hits) and the junction its lookup found (0s dropped)."""
+        step = self.boundary
+        replay = (match.num_prompt_tokens - 1) // step * step if match.num_prompt_tokens else 0
+        junction = match.junction // step * step
+        return tuple(sorted({b for b in (replay, junction) if b > 0}))
 
     def _store(
         self,
@@ -653,6 +775,7 @@ class PrefixCache:
         """Stop registering the blocks of ``request_id`` (finished, refused, or truncated)
         and let go of the records its chain held."""
         self._hashers.pop(request_id, None)
+        self._keep.pop(request_id, None)
         cursor = self._cursors.pop(request_id, None)
         if cursor is not None:
             self.records.release(cursor)
@@ -660,7 +783,7 @@ class PrefixCache:
     @property
     def tracks_requests(self) -> bool:
         """Whether some request has a key chain or holds records."""
-        return bool(self._hashers or self._cursors)
+        return bool(self._hashers or self._cursors or self._keep)
 
     def _evicted(self, pool: BlockPool, victims: np.ndarray) -> None:
         ev = self.stats.evictions
