@@ -209,6 +209,7 @@ def kvforge_manager(
     Returns the manager and a record: the plan's ``describe()`` lines, its bytes, the pools.
     """
     from kvforge import BlockManager, CacheController, CacheLayout, plan_memory
+    from kvforge.core.flow import plan_with_arena
     from kvforge.core.memory_plan import shared_pool_blocks
 
     options = dict(options or {})
@@ -234,6 +235,8 @@ def kvforge_manager(
     plan = plan_memory(
         layout, memory_budget, max_num_seqs, max_model_len, max_num_batched_tokens, **plan_opts
     )
+    if share:  # groups whose pages differ draw on one slab arena, as the controller plans
+        plan = plan_with_arena(plan, layout)
     blocks = dict(plan.num_blocks)
     for g in layout.groups:
         blocks.setdefault(g.name, 2)
@@ -246,14 +249,20 @@ def kvforge_manager(
         max_model_len,
         enable_prefix_caching,
         share_pools=share,
+        arena=plan.arena,
         **manager_opts,
     )
     pools: dict[str, int] = {}
+    in_arena = set(plan.arena.groups) if plan.arena is not None else set()
     for members in layout.pools(share, blocks):
-        pools["+".join(members)] = blocks[members[0]]
+        if members[0] not in in_arena:
+            pools["+".join(members)] = blocks[members[0]]
     pool_bytes = sum(
         n * int(layout.bytes_per_block(name.split("+")[0])) for name, n in pools.items()
     )
+    if plan.arena is not None:
+        pools["arena " + "+".join(plan.arena.groups)] = plan.arena.num_slabs
+        pool_bytes += plan.arena.total_bytes
     record = {
         "plan": list(plan.describe()),
         "plan_bytes": int(plan.total_bytes),

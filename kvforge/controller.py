@@ -22,6 +22,9 @@ Invariants: the cache list is layer-major and follows each backend's role order;
 operation that fails leaves pools, tables and host pages as they were; everything allocated
 is freed exactly once by :meth:`CacheController.free`. Every public method holds one lock,
 so threads may share a controller (calls are serialised).
+
+The module is over 800 lines because it is the whole public surface of both sides, one thin
+locked method per verb; splitting it would split the one object a program calls.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 
 from kvforge._checks import check_int, locked
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.core.flow import plan_with_arena
 from kvforge.core.layout import CacheLayout, check_share_pools
 from kvforge.core.memory_plan import (
     DEFAULT_MAX_NUM_SEQS,
@@ -228,8 +232,11 @@ class CacheController:
         max_model_len: int | None = None,
         **options: Any,
     ) -> MemoryPlan:
-        """The plan :meth:`initialize_kv_cache` would allocate for these arguments."""
-        return plan_memory(self.layout, memory_budget, max_num_seqs, max_model_len, **options)
+        """The plan :meth:`initialize_kv_cache` would allocate for these arguments: with
+        ``share_pools``, groups whose pages differ draw on one slab arena
+        (:func:`~kvforge.core.flow.plan_with_arena`)."""
+        plan = plan_memory(self.layout, memory_budget, max_num_seqs, max_model_len, **options)
+        return plan_with_arena(plan, self.layout) if self.share_pools else plan
 
     # ================================================================== the two sides
 
@@ -301,9 +308,14 @@ class CacheController:
             share_pools=self.share_pools,
             prefix_retention=self.prefix_retention,
             prefix_retention_interval=self.prefix_retention_interval,
+            arena=plan.arena,
         )
         self.storage.create(
-            blocks, manager.max_num_seqs, manager.max_model_len, share_pools=self.share_pools
+            blocks,
+            manager.max_num_seqs,
+            manager.max_model_len,
+            share_pools=self.share_pools,
+            arena=plan.arena,
         )
         self._manager = manager
         self._plan = plan

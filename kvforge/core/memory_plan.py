@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvforge._checks import check_int
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.core.arena import ArenaGeometry
 from kvforge.core.layout import CacheLayout
 from kvforge.kinds import rule_of
 from kvforge.platform import (
@@ -133,6 +134,8 @@ class MemoryPlan(BaseModel):
     """Human sentences about what the plan cannot do (fewer sequences than asked, ...)."""
     host: bool = False
     """A plan of host pages (offloaded roles only, no padding) rather than device blocks."""
+    arena: ArenaGeometry | None = None
+    """Groups whose bytes flow through one slab arena (``kvforge.core.flow``), or None."""
 
     @property
     def num_blocks(self) -> dict[str, int]:
@@ -202,6 +205,17 @@ class MemoryPlan(BaseModel):
         if spare and not any(rule_of(g.kind).history for g in self.groups):
             lines.append(
                 f"Leaves {spare:,} B of the budget unallocated: no full-history group needs them"
+            )
+        if self.arena is not None:
+            a = self.arena
+            lines.append(
+                f"Groups {', '.join(a.groups)} share one arena of {a.num_slabs:,} slabs x "
+                f"{a.slab_bytes:,} B: a slab moves to the group that needs it when none of "
+                "its blocks is in use, so their bytes flow with the load"
+            )
+            lines.append(
+                "  device padding per block: "
+                + ", ".join(f"{g} {p:.2%}" for g, p in a.padding.items())
             )
         lines.extend(f"Warning: {w}" for w in self.warnings)
         return lines

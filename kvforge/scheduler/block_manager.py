@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kvforge._checks import check_int, locked
+from kvforge.core.arena import ArenaGeometry
 from kvforge.core.layout import (
     CacheLayout,
     check_share_pools,
@@ -74,6 +75,7 @@ from kvforge.core.values import (
 )
 from kvforge.errors import OutOfBlocksError, RequestStateError, StepError
 from kvforge.kinds import live_start
+from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.args import (
     batch_ids,
     check_matches,
@@ -152,6 +154,7 @@ class BlockManager:
         key_algorithm: Algorithm = "sha256",
         prefix_retention: Retention = DEFAULT_PREFIX_RETENTION,
         prefix_retention_interval: int | None = None,
+        arena: ArenaGeometry | None = None,
     ) -> None:
         check_prefix_retention(prefix_retention, prefix_retention_interval)
         self.layout = layout
@@ -162,7 +165,14 @@ class BlockManager:
         if missing:
             raise ValueError(f"num_blocks has no count for groups {missing} (groups: {names})")
         pools: dict[str, BlockPool] = {}
+        if arena is not None:
+            self.arena: SlabArena | None = _check_arena(layout, arena, num_blocks, share_pools)
+            pools.update({p.name: p for p in self.arena.pools})
+        else:
+            self.arena = None
         for members in layout.pools(share_pools, num_blocks):
+            if members[0] in pools:
+                continue
             pool = BlockPool(num_blocks[members[0]], "+".join(members))
             pools.update(dict.fromkeys(members, pool))
         self.max_model_len = resolve_max_model_len(layout, num_blocks, max_model_len)
@@ -418,7 +428,7 @@ class BlockManager:
         plans = plan_growth(self._t, safe_rows, fresh, before, after)
         if accept.all() and all(
             fits_in_order(self._t, pool, members, safe_rows, plans)
-            for pool, members in self._t.pools
+            for pool, members in self._t.capacity
         ):
             apply_growth(self._t, safe_rows, fresh, before, after, plans, None)
         else:
@@ -682,14 +692,24 @@ class BlockManager:
             if block != NULL_BLOCK:
                 partial.append((g, col, block))
         wanted: dict[int, int] = {}  # pool -> fresh blocks the copies on write take
+        in_arena: dict[SlabArena, dict[ArenaBlockPool, int]] = {}
         for g, _, block in partial:
             if g.pool.ref_counts[block] > 1:
+                if isinstance(g.pool, ArenaBlockPool):  # checked with its arena below
+                    in_arena.setdefault(g.pool.arena, {})[g.pool] = 1
+                    continue
                 wanted[id(g.pool)] = wanted.get(id(g.pool), 0) + 1
                 if wanted[id(g.pool)] > g.pool.num_free:
                     raise OutOfBlocksError(
                         "device", g.spec.name, wanted[id(g.pool)], g.pool.num_free,
                         "truncate (copy on write)",
                     )
+        for arena, needs in in_arena.items():
+            missing = arena.shortfall(needs)
+            if missing is not None:
+                raise OutOfBlocksError("device", *missing, "truncate (copy on write)")
+        for arena, needs in in_arena.items():
+            arena.prepare(needs)
         for g, col, block in partial:
             if g.pool.ref_counts[block] > 1:
                 [fresh] = g.pool.take(1).tolist()
@@ -765,3 +785,25 @@ class BlockManager:
             f"BlockManager({len(self._t.row_of)} running, {len(self._book.swapped)} swapped, "
             f"groups={self.groups})"
         )
+
+
+def _check_arena(
+    layout: CacheLayout, arena: object, num_blocks: Mapping[str, int], share_pools: bool
+) -> SlabArena:
+    """The scheduler side of ``arena``, refused unless it fits this layout and counts."""
+    if not isinstance(arena, ArenaGeometry):
+        raise TypeError(f"arena must be an ArenaGeometry or None, got {type(arena).__name__}")
+    if not share_pools:
+        raise ValueError("arena needs share_pools=True: its groups share one allocation")
+    names = {g.name for g in layout.groups}
+    for i, g in enumerate(arena.groups):
+        if g not in names:
+            raise ValueError(f"arena group {g!r} is not a group of the layout {sorted(names)}")
+        want = arena.num_slabs * arena.blocks_per_slab[i]
+        if num_blocks[g] != want:
+            raise ValueError(
+                f"num_blocks gives {num_blocks[g]:,} to arena group {g!r}; its arena gives "
+                f"it {want:,} (num_slabs {arena.num_slabs} x {arena.blocks_per_slab[i]} per "
+                "slab)"
+            )
+    return SlabArena(arena)

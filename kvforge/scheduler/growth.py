@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvforge.core.values import Refusal, TableDelta
+from kvforge.scheduler.arena import SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.tables import RequestTables, expand
 
@@ -44,7 +45,7 @@ def plan_growth(
 
 def fits_in_order(
     t: RequestTables,
-    pool: BlockPool,
+    pool: BlockPool | SlabArena,
     members: list[int],
     rows: np.ndarray,
     plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
@@ -53,19 +54,38 @@ def fits_in_order(
     ``pool`` (drawn on by the groups ``members``): each request's window releases count
     for itself and the requests after it (the same answer the one-by-one path gives, so
     the batch path never accepts more)."""
+    if isinstance(pool, SlabArena):
+        cumulative = {}
+        for gi in members:
+            g = t.groups[gi]
+            left = plans[gi][0] - _credits(t, gi, rows, plans)
+            cumulative[g.pool] = np.cumsum(left)
+        return pool.fits_in_order(cumulative)
     free = pool.num_free
     need = sum(plans[gi][0] for gi in members)
     if int(need.sum()) <= free:
         return True
-    credit = np.zeros(len(rows), dtype=np.int64)
-    for gi in members:
-        _, lo, hi, _ = plans[gi]
-        if (hi > lo).any():
-            index, c = expand(np.arange(len(rows)), lo, np.maximum(lo, hi))
-            old = t.groups[gi].table[rows[index], c]
-            gives = (old != NULL_BLOCK) & (pool.ref_counts[old] == 1)
-            credit += np.bincount(index[gives], minlength=len(rows))
+    credit = sum(_credits(t, gi, rows, plans) for gi in members)
     return bool((np.cumsum(need - credit) <= free).all())
+
+
+def _credits(
+    t: RequestTables,
+    gi: int,
+    rows: np.ndarray,
+    plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+) -> np.ndarray:
+    """Per request, the blocks of group ``gi`` its window releases give back to the pool."""
+    credit = np.zeros(len(rows), dtype=np.int64)
+    _, lo, hi, _ = plans[gi]
+    if (hi > lo).any():
+        g = t.groups[gi]
+        index, c = expand(np.arange(len(rows)), lo, np.maximum(lo, hi))
+        old = g.table[rows[index], c]
+        gives = (old != NULL_BLOCK) & (g.pool.ref_counts[old] == 1)
+        credit += np.bincount(index[gives], minlength=len(rows))
+    return credit
+
 
 def apply_growth(
     t: RequestTables,
@@ -100,6 +120,7 @@ def apply_growth(
             parts_r.append(r)
             parts_c.append(c)
             parts_v.append(np.zeros(len(r), dtype=np.int32))
+    _prepare_arenas(t, plans, sel)
     for g, (need, _, _, first_new), (parts_r, parts_c, parts_v) in zip(
         t.groups, plans, parts, strict=True
     ):
@@ -124,6 +145,23 @@ def apply_growth(
                 )
             )
 
+def _prepare_arenas(
+    t: RequestTables,
+    plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    sel: np.ndarray | None,
+) -> None:
+    """Move slabs to the arena groups this growth takes from, all groups at once (taking
+    one group at a time could hand one group the slabs another was counted on)."""
+    for pool, members in t.capacity:
+        if not isinstance(pool, SlabArena):
+            continue
+        needs = {}
+        for gi in members:
+            need = plans[gi][0] if sel is None else plans[gi][0][sel]
+            needs[t.groups[gi].pool] = int(need.sum())
+        pool.prepare(needs)
+
+
 def schedule_one_by_one(
     t: RequestTables,
     ids: list[str],
@@ -140,7 +178,22 @@ def schedule_one_by_one(
         if not accept[i]:
             continue
         short: Refusal | None = None
-        for pool, members in t.pools:
+        for pool, members in t.capacity:
+            if isinstance(pool, SlabArena):
+                needs = {}
+                for gi in members:
+                    g, (g_need, lo, hi, _) = t.groups[gi], plans[gi]
+                    credit = 0
+                    if hi[i] > lo[i]:
+                        old = g.table[rows[i], lo[i] : hi[i]]
+                        old = old[old != NULL_BLOCK]
+                        credit = int((g.pool.ref_counts[old] == 1).sum())
+                    needs[g.pool] = int(g_need[i]) - credit
+                missing = pool.shortfall(needs)
+                if missing is not None:
+                    short = Refusal(ids[i], "out_of_blocks", *missing)
+                    break
+                continue
             credit = need = 0
             for gi in members:
                 g, (g_need, lo, hi, _) = t.groups[gi], plans[gi]

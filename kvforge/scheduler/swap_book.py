@@ -38,6 +38,7 @@ from kvforge.core.layout import CacheLayout
 from kvforge.core.values import RequestMove, SwapPlan, SwapResult, TableDelta
 from kvforge.errors import OutOfBlocksError, RequestStateError
 from kvforge.kinds import live_start
+from kvforge.scheduler.arena import SlabArena
 from kvforge.scheduler.args import batch_ids, swap_purpose
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.tables import RequestTables
@@ -384,11 +385,24 @@ class SwapBook:
                 cols[g.spec.name] = live
                 totals[g.spec.name] += len(live)
             cols_of.append(cols)
-        for pool, members in self._t.pools:
+        arenas = []
+        for pool, members in self._t.capacity:
+            if isinstance(pool, SlabArena):
+                needs = {
+                    self._t.groups[gi].pool: totals[self._t.groups[gi].spec.name]
+                    for gi in members
+                }
+                missing = pool.shortfall(needs)
+                if missing is not None:
+                    raise OutOfBlocksError("device", *missing, "swap_in")
+                arenas.append((pool, needs))
+                continue
             total = sum(totals[self._t.groups[gi].spec.name] for gi in members)
             if total > pool.num_free:
                 name = self._t.groups[members[0]].spec.name
                 raise OutOfBlocksError("device", name, total, pool.num_free, "swap_in")
+        for arena, needs in arenas:  # slabs for every group at once, then the takes
+            arena.prepare(needs)
         # the rows free_rows.pop() hands out, in order
         chosen = self._t.free_rows[len(self._t.free_rows) - len(ids) :][::-1]
         with _all_or_nothing() as undo:

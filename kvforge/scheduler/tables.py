@@ -21,6 +21,7 @@ import numpy as np
 
 from kvforge.core.values import BlockCopy, TableDelta
 from kvforge.kinds import GroupFamily, KindRule
+from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.specs import CacheGroup
 
@@ -83,6 +84,8 @@ class RequestTables:
         groups: one :class:`GroupTable` per group, in the layout's order.
         by_name: group name -> its table.
         pools: distinct pools, each with the indices of the groups that draw on it.
+        capacity: what capacity checks count against: ``pools``, except that the member
+            pools of one slab arena are one entry, the arena.
         num_tokens: ``int64 [max_num_seqs]``: tokens each row holds.
         committed: ``int64 [groups, max_num_seqs]``: blocks of each row the prefix cache has
             seen completed (it registers each block once).
@@ -96,12 +99,19 @@ class RequestTables:
         self.groups = groups
         self.by_name = {g.spec.name: g for g in groups}
         self.pools: list[tuple[BlockPool, list[int]]] = []
+        # what capacity checks count against: the pools, with a slab arena's member pools
+        # as one entry (its groups' needs are checked together)
+        self.capacity: list[tuple[BlockPool | SlabArena, list[int]]] = []
         for gi, g in enumerate(groups):
-            known = next((m for p, m in self.pools if p is g.pool), None)
-            if known is None:
-                self.pools.append((g.pool, [gi]))
-            else:
-                known.append(gi)
+            for entries, pool in (
+                (self.pools, g.pool),
+                (self.capacity, g.pool.arena if isinstance(g.pool, ArenaBlockPool) else g.pool),
+            ):
+                known = next((m for p, m in entries if p is pool), None)
+                if known is None:
+                    entries.append((pool, [gi]))
+                else:
+                    known.append(gi)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.committed = np.zeros((len(groups), max_num_seqs), dtype=np.int64)
         self.row_of: dict[str, int] = {}

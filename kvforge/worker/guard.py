@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from kvforge.core.arena import ArenaGeometry
 from kvforge.core.values import BlockCopy, RequestMove, StepAllocation, SwapPlan, TableDelta
 from kvforge.errors import (
     BlockOwnershipError,
@@ -492,8 +493,10 @@ class Verifier:
         tables: Mapping[str, np.ndarray],
         num_blocks: Mapping[str, int],
         pool_mates: Mapping[str, tuple[str, ...]],
+        arena: ArenaGeometry | None = None,
     ) -> None:
         self.tables, self.num_blocks, self.pool_mates = tables, num_blocks, pool_mates
+        self.arena = arena
         self.num_rows = next(iter(tables.values())).shape[0] if tables else 0
         self.next_seq = 0
         self.plans = PlanLedger()
@@ -523,6 +526,36 @@ class Verifier:
 
     def copies(self, copies: Sequence[BlockCopy]) -> None:
         check_copies(copies, self.tables, self.num_blocks, self.pool_mates)
+        for copy in copies:
+            self._arena_writes(copy.group, np.asarray(copy.dst), "copy_blocks", "the copy")
+
+    def _arena_writes(self, group: str, blocks: np.ndarray, action: str, what: str) -> None:
+        """Refuse a write to blocks of arena group ``group`` whose slab holds a block another
+        arena group's row holds: the slab is that group's, its bytes another request's."""
+        arena = self.arena
+        if arena is None or group not in arena.groups or not len(blocks):
+            return
+        k = arena.blocks_per_slab[arena.groups.index(group)]
+        slabs = np.zeros(arena.num_slabs, dtype=bool)
+        slabs[blocks.astype(np.int64) // k] = True
+        for other, k_other in zip(arena.groups, arena.blocks_per_slab, strict=True):
+            if other == group:
+                continue
+            table = self.tables[other]
+            hit = slabs[table // k_other] & (table != 0)
+            if hit.any():
+                holder, col = (int(x[0]) for x in np.nonzero(hit))
+                block = int(table[holder, col])
+                raise BlockOwnershipError(
+                    f"{action}: a block {what} writes in group {group!r} lies in slab "
+                    f"{block // k_other} of the arena, which holds block {block} of group "
+                    f"{other!r} in row {holder} (column {col}): another request's bytes; "
+                    "nothing changed",
+                    other,
+                    block,
+                    -1,
+                    holder,
+                )
 
     def plan(self, plan: SwapPlan, num_pages: Mapping[str, int]) -> None:
         """Check ``plan``, then remember its id: from here on its bytes may move."""
@@ -536,6 +569,10 @@ class Verifier:
             num_pages,
             self._stepped,
         )
+        if plan.direction == "in":
+            for move in plan.requests:
+                for g, blocks in move.device_blocks.items():
+                    self._arena_writes(g, np.asarray(blocks), "execute", "the swap in")
         self.plans.record(plan.plan_id)
 
     def _fold(self) -> None:

@@ -48,6 +48,7 @@ from kvforge.attn_backends.base import (
     block_buffer_view,
     new_block_buffer,
 )
+from kvforge.core.arena import ArenaGeometry
 from kvforge.core.layout import CacheLayout, check_share_pools, table_widths
 from kvforge.core.memory_plan import check_allocatable
 from kvforge.core.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
@@ -63,6 +64,7 @@ from kvforge.errors import ControllerClosedError
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
 from kvforge.worker import guard
+from kvforge.worker.arena_views import arena_views, check_arena
 from kvforge.worker.host_pool import HostPools, HostViews
 from kvforge.worker.overlap import PoolMember, find_overlap, plane_extent
 from kvforge.worker.transfer import SwapStreams, move_pages, plane_bytes
@@ -143,6 +145,7 @@ class CacheStorage:
         self._tables: dict[str, np.ndarray] = {}
         self._device_tables: dict[str, torch.Tensor] = {}
         self.share_pools = False
+        self.arena: ArenaGeometry | None = None
         """Whether the installed caches may share a pool's bytes (set by create / adopt)."""
         self._host: HostPools | None = None
         self._host_caches: list[dict[CacheKey, torch.Tensor]] = []
@@ -168,6 +171,7 @@ class CacheStorage:
         max_num_seqs: int,
         max_model_len: int,
         share_pools: bool = True,
+        arena: ArenaGeometry | None = None,
     ) -> None:
         """Allocate every device cache through the backends' ``create_kv_cache``.
 
@@ -177,6 +181,11 @@ class CacheStorage:
         ``N`` blocks, so a pool costs ``N * bytes_per_block`` once. The backends serving
         those groups' layers must keep the default ``create_kv_cache`` (the storage builds
         their buffers itself, exactly as it would); other backends are asked as usual.
+
+        With ``arena`` (:func:`~kvforge.core.arena.plan_arena`), its groups' buffers are views
+        of one raw allocation of ``arena.total_bytes``: group ``g`` packs its buffers page
+        first (``arena.buffer_offsets``) and block ``b`` starts ``b * block_stride[g]`` bytes
+        in, so every tensor keeps its pointer, shape and strides while slabs change hands.
 
         Every tensor is checked (keys, shape, dtype, device, plane layout, no shared bytes)
         before any is kept, so a refused call leaves the storage empty.
@@ -192,7 +201,8 @@ class CacheStorage:
             check_share_pools(share_pools)
             blocks = dict(num_blocks)
             shared = self._shared_sets(share_pools, blocks, "create: num_blocks gives {} to")
-            pooled = {g for members in shared for g in members}
+            in_arena = set(check_arena(arena, share_pools, blocks))
+            pooled = {g for members in shared for g in members} | in_arena
             builds = self._default_builders(pooled)
             nbytes = sum(
                 blocks[g.name] * self.layout.bytes_per_block(g.name)
@@ -201,8 +211,13 @@ class CacheStorage:
             )
             # a shared set's members have equal counts and pair up byte for byte: paid once
             nbytes += sum(blocks[m[0]] * self.layout.bytes_per_block(m[0]) for m in shared)
+            nbytes += arena.total_bytes if arena is not None else 0
             check_allocatable(nbytes, self.device, "device caches")
             created: dict[CacheKey, torch.Tensor] = self._create_shared(shared, blocks)
+            raw = None
+            if arena is not None:
+                raw = torch.zeros(arena.total_bytes, dtype=torch.uint8, device=self.device)
+                created.update(arena_views(self.layout, arena, raw))
             for backend, layers in self.layout.backend_layers():
                 if id(backend) in builds:
                     for e in self.layout.buffers_of_layers(layers):
@@ -214,7 +229,9 @@ class CacheStorage:
                 caches = backend.create_kv_cache(layers, dict(blocks), self.device)
                 _check_keys(backend, layers, caches)
                 created.update(caches)
-            self._install(created, blocks, max_num_seqs, max_model_len, "create", share_pools)
+            self._install(
+                created, blocks, max_num_seqs, max_model_len, "create", share_pools, arena, raw
+            )
 
     def _shared_sets(
         self, share_pools: bool, blocks: Mapping[str, int], refusal: str
@@ -312,6 +329,8 @@ class CacheStorage:
         max_model_len: int,
         action: str,
         share_pools: bool = True,
+        arena: ArenaGeometry | None = None,
+        arena_raw: torch.Tensor | None = None,
     ) -> None:
         caches = [created[e.key] for e in self.layout.buffers]
         for e, t in zip(self.layout.buffers, caches, strict=True):
@@ -327,7 +346,17 @@ class CacheStorage:
                 raise ValueError(
                     f"{who} ({e.role.name!r}, {e.layer}) on {t.device}, expected {self.device}"
                 )
-        clash = _overlap(self.names, caches, self._pool_members(share_pools))
+        names, planes, members = self.names, caches, self._pool_members(share_pools)
+        if arena is not None and arena_raw is not None:
+            # the arena's buffers overlap by design (slabs change hands, never blocks in use);
+            # as one plane, nothing else may touch their bytes
+            inside = {e.index for g in arena.groups for e in self.layout.buffers_of(g)}
+            keep = [i for i in range(len(caches)) if i not in inside]
+            names = [names[i] for i in keep] + ["arena"]
+            planes = [caches[i] for i in keep] + [arena_raw.view(1, -1)]
+            if members is not None:
+                members = [members[i] for i in keep] + [None]
+        clash = _overlap(names, planes, members)
         if clash is not None:
             a, b, i, j = clash
             raise ValueError(
@@ -345,6 +374,7 @@ class CacheStorage:
         # validated: now keep everything
         self._caches = caches
         self.share_pools = share_pools
+        self.arena = arena
         self._planes = planes
         self._num_blocks = dict(num_blocks)
         self._tables = {
@@ -354,7 +384,7 @@ class CacheStorage:
             g.name: tuple(m for m in self.layout.pool_of(g.name, share_pools) if m != g.name)
             for g in self.layout.groups
         }
-        self._verify = guard.Verifier(self._tables, self._num_blocks, mates)
+        self._verify = guard.Verifier(self._tables, self._num_blocks, mates, arena)
         if self.platform.is_accelerator:  # pragma: no cover - accelerators only
             self._device_tables = {
                 name: torch.zeros(t.shape, dtype=torch.int32, device=self.device)
@@ -398,7 +428,13 @@ class CacheStorage:
         pool places in the same bytes count once."""
         total = 0
         seen: set[tuple[int, int, int]] = set()
-        for t in self._caches or []:
+        inside: set[int] = set()
+        if self.arena is not None:  # its groups' buffers are one allocation
+            total += self.arena.total_bytes
+            inside = {e.index for g in self.arena.groups for e in self.layout.buffers_of(g)}
+        for i, t in enumerate(self._caches or []):
+            if i in inside:
+                continue
             block = plane_bytes(t)
             extent = (block.data_ptr(), block.shape[0], block.stride(0))
             if extent in seen:  # only coinciding planes of one shared pool (see _install)
@@ -777,3 +813,4 @@ def _apply_on_device(table: torch.Tensor, delta: TableDelta) -> None:  # pragma:
         cols = torch.from_numpy(delta.cols).to(table.device, non_blocking=True).long()
         vals = torch.from_numpy(delta.block_ids).to(table.device, non_blocking=True)
         table[rows, cols] = vals
+

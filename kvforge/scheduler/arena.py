@@ -1,0 +1,373 @@
+"""Slabs that move between groups: the scheduler side of a slab arena.
+
+Each member group keeps a :class:`ArenaBlockPool` (its own ids, ref counts, free stack and
+evictable set) whose ids span the whole arena, but only the ids of the slabs it *owns* are
+ever on its free stack. :class:`SlabArena` owns which group holds which slab; before blocks
+are taken it moves slabs to the groups that run short (:meth:`SlabArena.prepare`), from the
+free slabs first, then from other groups' slabs that hold no block in use (their cached
+blocks are evicted, the prefix cache hears of it as of any eviction).
+
+Invariants (``tests/scheduler/test_arena.py``):
+
+- a slab is free or owned by exactly one group; slab 0 (the null blocks) by none, ever;
+- a group's free stack holds exactly the ids of its owned slabs that are neither in use nor
+  evictable; ``live[s]`` / ``cached[s]`` count the others, per slab;
+- a slab changes hands only when no block of it is in use, so no block a request holds is
+  ever addressed by another group;
+- capacity checks (:meth:`SlabArena.fits`, :meth:`SlabArena.fits_in_order`) and
+  :meth:`SlabArena.prepare` count alike: whatever a check accepts, ``prepare`` then the
+  takes deliver; what it refuses changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from kvforge.core.arena import ArenaGeometry
+from kvforge.errors import OutOfBlocksError
+from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
+
+__all__ = ["ArenaBlockPool", "SlabArena"]
+
+FREE = -1
+RESERVED = -2
+
+
+class ArenaBlockPool(BlockPool):
+    """The block pool of one member group of a :class:`SlabArena`.
+
+    ``num_free`` counts what a take can get: the group's free and evictable blocks, plus
+    every slab the arena could hand it (free slabs and other groups' slabs with no block in
+    use) at ``blocks_per_slab`` blocks each.
+    """
+
+    def __init__(self, arena: SlabArena, index: int, name: str) -> None:
+        k = arena.geometry.blocks_per_slab[index]
+        super().__init__(arena.geometry.num_slabs * k, name)
+        self._num_free = 0  # no slab is owned yet
+        self.arena = arena
+        self.index = index
+        self.blocks_per_slab = k
+        n = arena.geometry.num_slabs
+        self.live = np.zeros(n, dtype=np.int64)  # blocks in use, per slab
+        self.cached = np.zeros(n, dtype=np.int64)  # evictable blocks, per slab
+        self.released_at = np.zeros(self.num_blocks, dtype=np.int64)
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def own_free(self) -> int:
+        """Free and evictable blocks in the slabs this group owns."""
+        return self._num_free + len(self._evictable)
+
+    @property
+    def num_free(self) -> int:
+        return self.own_free + self.blocks_per_slab * self.arena.spare_slabs(exclude=self)
+
+    @property
+    def num_used(self) -> int:
+        return int(self.live.sum())
+
+    @property
+    def num_owned_slabs(self) -> int:
+        return int((self.arena.owner == self.index).sum())
+
+    # ------------------------------------------------------------------ verbs
+
+    def take(self, count: int) -> np.ndarray:
+        if not isinstance(count, int | np.integer) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        count = int(count)
+        if count > self.own_free:  # a joint prepare (a step's growth) already ran otherwise
+            self.arena.prepare({self: count})
+        if count > self._num_free:
+            self.evict(count - self._num_free)
+        top, k = self._num_free, self.blocks_per_slab
+        stack = self._stack[:top]
+        if 0 < count < top:
+            # the busiest slabs first: blocks in use gather in few slabs, so the others
+            # drain to cached blocks only and can move to a group that needs them
+            slabs = stack // k
+            score = self.live[slabs] * (k + 1) + self.cached[slabs]
+            pick = np.argpartition(-score, count - 1)[:count]
+            keep = np.ones(top, dtype=bool)
+            keep[pick] = False
+            ids = stack[pick]
+            rest = stack[keep]
+            self._stack[: len(rest)] = rest
+        else:
+            ids = stack[top - count :][::-1].copy()
+        self._num_free = top - count
+        self._ref[ids] = 1
+        np.add.at(self.live, ids // k, 1)
+        return ids
+
+    def share(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        ids = self._check_ids(np.asarray(block_ids), "share")
+        revived = np.unique(ids[self._ref[ids] == 0])
+        super().share(ids)
+        if len(revived):
+            slabs = revived // self.blocks_per_slab
+            np.add.at(self.live, slabs, 1)
+            np.subtract.at(self.cached, slabs, 1)
+
+    def release(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        ids = self._check_ids(np.asarray(block_ids), "release")
+        super().release(ids)
+        if not len(ids):
+            return
+        gone = np.unique(ids)
+        gone = gone[self._ref[gone] == 0]
+        if len(gone):
+            np.subtract.at(self.live, gone // self.blocks_per_slab, 1)
+            kept = gone[self._retained[gone]]
+            if len(kept):
+                np.add.at(self.cached, kept // self.blocks_per_slab, 1)
+                self.arena.clock += 1
+                self.released_at[kept] = self.arena.clock
+
+    def forget(self, block_id: int) -> None:
+        was_evictable = block_id in self._evictable
+        super().forget(block_id)
+        if was_evictable:
+            self.cached[block_id // self.blocks_per_slab] -= 1
+
+    def evict(
+        self, count: int | None = None, block_ids: Sequence[int] | None = None
+    ) -> np.ndarray:
+        victims = super().evict(count, block_ids)
+        if len(victims):
+            np.subtract.at(self.cached, victims // self.blocks_per_slab, 1)
+        return victims
+
+    # ------------------------------------------------------------------ slabs
+
+    def _slab_ids(self, slabs: np.ndarray) -> np.ndarray:
+        k = self.blocks_per_slab
+        return (slabs[:, None] * k + np.arange(k)[None, :]).ravel().astype(np.int32)
+
+    def _grant(self, slabs: np.ndarray) -> None:
+        """Put the ids of ``slabs`` (just given to this group) on the free stack."""
+        ids = self._slab_ids(slabs)[::-1]
+        top = self._num_free
+        self._stack[top : top + len(ids)] = ids
+        self._num_free = top + len(ids)
+
+    def _give_up(self, slabs: np.ndarray) -> None:
+        """Evict what ``slabs`` cache and take their ids off the free stack (no block of
+        them is in use)."""
+        ids = self._slab_ids(slabs)
+        cached = ids[self._retained[ids] & (self._ref[ids] == 0)]
+        if len(cached):
+            self.evict(block_ids=cached)
+        stack = self._stack[: self._num_free]
+        keep = stack[~np.isin(stack // self.blocks_per_slab, slabs)]
+        self._stack[: len(keep)] = keep
+        self._num_free = len(keep)
+
+    def oldest_release(self) -> int | None:
+        """When the least recently released evictable block was released (None: none)."""
+        for b in self._evictable:
+            return int(self.released_at[b])
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"ArenaBlockPool({self.name!r}: {self.num_used} used, {self.num_owned_slabs} "
+            f"slabs of {self.blocks_per_slab})"
+        )
+
+
+class SlabArena:
+    """Which group owns which slab, and the moves that let a group grow.
+
+    Args:
+        geometry: the arena's geometry (from :func:`kvforge.core.arena.plan_arena`).
+    """
+
+    def __init__(self, geometry: ArenaGeometry) -> None:
+        self.geometry = geometry
+        self.owner = np.full(geometry.num_slabs, FREE, dtype=np.int64)
+        self.owner[0] = RESERVED
+        self.clock = 0  # release order across every member (ages of cached blocks)
+        self.moves = 0  # slabs that changed hands between groups
+        self.pools = [ArenaBlockPool(self, i, g) for i, g in enumerate(geometry.groups)]
+        self.name = "+".join(geometry.groups)
+
+    def pool(self, group: str) -> ArenaBlockPool:
+        return self.pools[self.geometry.index(group)]
+
+    # ------------------------------------------------------------------ counting
+
+    def free_slabs(self) -> np.ndarray:
+        return np.flatnonzero(self.owner == FREE)
+
+    def idle_slabs(self, pool: ArenaBlockPool) -> np.ndarray:
+        """Slabs ``pool`` owns with no block in use (free or cached blocks only)."""
+        return np.flatnonzero((self.owner == pool.index) & (pool.live == 0))
+
+    def spare_slabs(self, exclude: ArenaBlockPool | None = None) -> int:
+        """Slabs a group could be handed now: free ones and other groups' idle ones."""
+        spare = int((self.owner == FREE).sum())
+        for p in self.pools:
+            if p is not exclude:
+                spare += len(self.idle_slabs(p))
+        return spare
+
+    def _budget(
+        self, needs: Mapping[ArenaBlockPool, int]
+    ) -> tuple[dict[ArenaBlockPool, int], dict[ArenaBlockPool, int], int]:
+        """(slabs each short group must get, slabs each group can give, free slabs)."""
+        must: dict[ArenaBlockPool, int] = {}
+        give: dict[ArenaBlockPool, int] = {}
+        for p in self.pools:
+            need = int(needs.get(p, 0))
+            short = need - p.own_free
+            if short > 0:
+                must[p] = -(-short // p.blocks_per_slab)
+                give[p] = 0
+            else:
+                give[p] = min(len(self.idle_slabs(p)), -short // p.blocks_per_slab)
+        return must, give, int((self.owner == FREE).sum())
+
+    def fits(self, needs: Mapping[ArenaBlockPool, int]) -> bool:
+        """Whether every pool can take ``needs[pool]`` blocks at once."""
+        must, give, free = self._budget(needs)
+        return sum(must.values()) <= free + sum(give.values())
+
+    def shortfall(self, needs: Mapping[ArenaBlockPool, int]) -> tuple[str, int, int] | None:
+        """None when ``needs`` fit, else (a short group, its need, what it could get)."""
+        if self.fits(needs):
+            return None
+        must, give, free = self._budget(needs)
+        p = next(iter(must))
+        others = free + sum(give.values())
+        return p.name, int(needs[p]), p.own_free + others * p.blocks_per_slab
+
+    def fits_in_order(self, needs: Mapping[ArenaBlockPool, np.ndarray]) -> bool:
+        """Whether, for every prefix of a batch, the pools can take the cumulative
+        ``needs[pool][i]`` blocks (window releases already subtracted)."""
+        n = len(next(iter(needs.values())))
+        total = np.zeros(n, dtype=np.int64)
+        free = int((self.owner == FREE).sum())
+        for p in self.pools:
+            c = needs.get(p)
+            idle = len(self.idle_slabs(p))
+            if c is None:
+                total -= idle
+                continue
+            short = c - p.own_free
+            k = p.blocks_per_slab
+            total += np.where(short > 0, -(-short // k), -np.minimum(idle, -short // k))
+        return bool((total <= free).all())
+
+    # ------------------------------------------------------------------ moving slabs
+
+    def prepare(self, needs: Mapping[ArenaBlockPool, int]) -> None:
+        """Give each pool slabs enough to take ``needs[pool]`` blocks from its own free
+        and evictable blocks; the takes follow.
+
+        A short group gets free slabs first, then other groups' idle slabs (those without
+        cached blocks first, then the least recently used). A group that has enough only
+        by evicting its own cached blocks also gets slabs when that costs no newer cached
+        block than its own least recently released one.
+
+        Raises:
+            OutOfBlocksError: the needs do not fit (nothing changed).
+        """
+        must, give, free = self._budget(needs)
+        if sum(must.values()) > free + sum(give.values()):
+            name, need, have = self.shortfall(needs) or ("", 0, 0)
+            raise OutOfBlocksError("device", name, need, have, "take")
+        free_slabs = list(self.free_slabs()[::-1])
+        for p, count in must.items():
+            self._move(p, count, free_slabs, give, lru_limit=None)
+        for p in self.pools:  # optional: slabs instead of evicting own newer blocks
+            need = int(needs.get(p, 0))
+            short = need - p._num_free
+            if short <= 0 or p in must:
+                continue
+            own_oldest = p.oldest_release()
+            count = -(-short // p.blocks_per_slab)
+            self._move(p, count, free_slabs, give, lru_limit=own_oldest, optional=True)
+
+    def _move(
+        self,
+        p: ArenaBlockPool,
+        count: int,
+        free_slabs: list[int],
+        give: dict[ArenaBlockPool, int],
+        lru_limit: int | None,
+        optional: bool = False,
+    ) -> None:
+        got: list[int] = []
+        while free_slabs and len(got) < count:
+            got.append(free_slabs.pop())
+        if len(got) < count:
+            for slab, donor in self._donor_slabs(p, give, count - len(got), lru_limit):
+                donor._give_up(np.array([slab]))
+                give[donor] -= 1
+                self.moves += 1
+                got.append(slab)
+        if not got:
+            return
+        slabs = np.array(got, dtype=np.int64)
+        assert optional or len(got) == count
+        self.owner[slabs] = p.index
+        p._grant(slabs)
+
+    def _donor_slabs(
+        self,
+        p: ArenaBlockPool,
+        give: dict[ArenaBlockPool, int],
+        count: int,
+        lru_limit: int | None,
+    ) -> list[tuple[int, ArenaBlockPool]]:
+        """Up to ``count`` idle slabs of other groups within what each can give: empty
+        ones first, then by the age of their newest cached block (older first); with
+        ``lru_limit``, only slabs whose newest cached block is older than it."""
+        candidates: list[tuple[int, int, ArenaBlockPool]] = []
+        for d in self.pools:
+            if d is p or give.get(d, 0) <= 0:
+                continue
+            idle = self.idle_slabs(d)
+            if not len(idle):
+                continue
+            k = d.blocks_per_slab
+            ids = (idle[:, None] * k + np.arange(k)[None, :]).astype(np.int64)
+            evictable = d._retained[ids] & (d._ref[ids] == 0)
+            newest = np.where(evictable, d.released_at[ids], 0).max(axis=1)
+            order = np.argsort(newest, kind="stable")[: give[d]]
+            candidates.extend((int(newest[i]), int(idle[i]), d) for i in order)
+        candidates.sort(key=lambda c: c[0])
+        chosen: list[tuple[int, ArenaBlockPool]] = []
+        taken: dict[ArenaBlockPool, int] = {}
+        for newest, slab, d in candidates:
+            if len(chosen) == count:
+                break
+            if lru_limit is not None and newest > 0 and newest >= lru_limit:
+                break
+            if taken.get(d, 0) >= give[d]:
+                continue
+            taken[d] = taken.get(d, 0) + 1
+            chosen.append((slab, d))
+        return chosen
+
+    def check(self) -> None:
+        """Assert the invariants (tests and the soak call it)."""
+        for p in self.pools:
+            owned = self.owner == p.index
+            assert not p.live[~owned].any() and not p.cached[~owned].any(), p
+            stack = p._stack[: p._num_free]
+            assert (self.owner[stack // p.blocks_per_slab] == p.index).all(), p
+            counts = np.bincount(stack // p.blocks_per_slab, minlength=len(self.owner))
+            expect = np.where(owned, p.blocks_per_slab - p.live - p.cached, 0)
+            assert (counts == expect).all(), p
+            assert int(p.cached.sum()) == len(p._evictable), p
+            assert NULL_BLOCK not in set(stack.tolist()), p
+
+    def __repr__(self) -> str:
+        owned = {p.name: p.num_owned_slabs for p in self.pools}
+        return f"SlabArena({self.geometry.num_slabs} slabs, owned {owned})"

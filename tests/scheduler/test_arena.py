@@ -1,0 +1,193 @@
+"""The slab arena on the scheduler side: slabs move to the group that needs them, never a slab
+with a block in use, and every capacity check counts as the moves then deliver.
+
+The layout is DeepSeek-V4-tiny (four groups whose pages differ: 224,640 / 95,616 / 82,944 /
+65,664 B). ``arena.check()`` asserts the module's invariants after every operation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvforge.core.arena import ArenaGeometry, arena_groups, plan_arena
+from kvforge.core.layout import CacheLayout
+from kvforge.core.values import PrefixQuery
+from kvforge.errors import OutOfBlocksError
+from kvforge.models import from_hf_config
+from kvforge.scheduler import BlockManager
+from kvforge.scheduler.arena import FREE, RESERVED, SlabArena
+
+V4 = CacheLayout(from_hf_config("deepseek-v4-tiny"))
+
+
+def manager(budget: int = 160 << 20, prefix: bool = True, seqs: int = 8) -> BlockManager:
+    geometry = plan_arena(V4, budget)
+    assert geometry is not None
+    blocks = {g: geometry.num_blocks(g) for g in geometry.groups}
+    return BlockManager(
+        V4, blocks, seqs, 8192, enable_prefix_caching=prefix, arena=geometry
+    )
+
+
+def owned_by_holder(m: BlockManager) -> None:
+    """Every block a request holds lies in a slab its group owns."""
+    arena = m.arena
+    assert arena is not None
+    for p in arena.pools:
+        held = m.table(p.name)
+        held = held[held != 0]
+        assert (arena.owner[held // p.blocks_per_slab] == p.index).all(), p.name
+
+
+def test_v4_groups_form_one_arena_and_others_do_not() -> None:
+    assert arena_groups(V4) == ("swa", "compressed", "c4_state", "c128_state")
+    assert arena_groups(CacheLayout(from_hf_config("gpt-oss-20b"))) == ()  # one shared pool
+    assert arena_groups(CacheLayout(from_hf_config("llama-3-8b"))) == ()
+    assert plan_arena(V4, 8 << 20) is None  # too few slabs to trade
+
+
+def test_a_fresh_arena_owns_nothing_and_offers_every_slab() -> None:
+    m = manager()
+    arena = m.arena
+    assert arena is not None
+    assert arena.owner[0] == RESERVED and (arena.owner[1:] == FREE).all()
+    for p in arena.pools:
+        assert p.own_free == 0
+        assert p.num_free == (arena.geometry.num_slabs - 1) * p.blocks_per_slab
+        assert m.num_free_blocks(p.name) == p.num_free
+    arena.check()
+
+
+def test_slabs_flow_from_one_group_to_another() -> None:
+    m = manager(prefix=False)
+    arena = m.arena
+    assert arena is not None
+    swa, full = arena.pool("swa"), arena.pool("compressed")
+    usable = arena.geometry.num_slabs - 1
+    taken = swa.take(usable * swa.blocks_per_slab)  # swa takes every slab
+    assert swa.num_owned_slabs == usable and full.num_free == 0
+    arena.check()
+    with pytest.raises(OutOfBlocksError, match="'compressed' needs 1 free blocks but has 0"):
+        full.take(1)
+    arena.check()
+    swa.release(taken[: swa.blocks_per_slab])  # one slab's blocks, wherever they lie
+    arena.check()
+    idle = len(arena.idle_slabs(swa))
+    assert full.num_free == idle * full.blocks_per_slab
+    if idle:
+        got = full.take(full.blocks_per_slab)
+        assert full.num_owned_slabs == 1 and arena.moves == 1
+        assert (arena.owner[got // full.blocks_per_slab] == full.index).all()
+        arena.check()
+
+
+def test_a_refused_joint_need_changes_nothing() -> None:
+    m = manager(prefix=False)
+    arena = m.arena
+    assert arena is not None
+    before = arena.owner.copy()
+    usable = arena.geometry.num_slabs - 1
+    needs = {p: usable * p.blocks_per_slab for p in arena.pools[:2]}
+    assert not arena.fits(needs)
+    name, need, have = arena.shortfall(needs)
+    assert (name, need) == ("swa", usable * arena.pools[0].blocks_per_slab)
+    assert have == usable * arena.pools[0].blocks_per_slab
+    with pytest.raises(OutOfBlocksError, match="nothing was allocated"):
+        arena.prepare(needs)
+    assert (arena.owner == before).all()
+    arena.check()
+
+
+def test_cached_blocks_of_an_idle_slab_are_evicted_when_it_moves() -> None:
+    m = manager(budget=64 << 20, prefix=True)
+    arena = m.arena
+    assert arena is not None
+    tokens = list(range(1, 1 + 512))
+    [match] = m.lookup([PrefixQuery(tokens)])
+    step = m.schedule(["a"], [len(tokens)], [tokens], [match])
+    m.end_step(step)
+    m.finish(["a"])
+    cached = {p.name: p.num_evictable for p in arena.pools}
+    assert all(cached.values())
+    # swa takes everything: the other groups' idle slabs move, their cached blocks go
+    swa = arena.pool("swa")
+    swa.take(swa.num_free)
+    assert arena.spare_slabs(exclude=swa) == 0
+    for p in arena.pools[1:]:
+        assert p.num_evictable == 0 and p.num_owned_slabs == 0
+    assert sum(m.prefix_stats.evictions.values()) > 0  # the prefix cache heard of each
+    [again] = m.lookup([PrefixQuery(tokens)])
+    assert again.num_tokens == 0
+    arena.check()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["new", "grow", "finish"]), st.integers(0, 7),
+                  st.integers(1, 600)),
+        min_size=1,
+        max_size=40,
+    ),
+    budget=st.sampled_from([48 << 20, 96 << 20, 200 << 20]),
+)
+def test_random_steps_keep_the_arena_invariants(ops, budget) -> None:
+    m = manager(budget=budget, prefix=True)
+    arena = m.arena
+    assert arena is not None
+    prompts = {i: [1 + (i % 3)] * 200 + list(range(i * 1000, i * 1000 + 400)) for i in range(8)}
+    live: set[str] = set()
+    for op, i, n in ops:
+        rid = f"r{i}"
+        if op == "new" and rid not in live:
+            tokens = prompts[i][: 64 + n % 500]
+            [match] = m.lookup([PrefixQuery(tokens)])
+            step = m.schedule([rid], [len(tokens)], [tokens], [match])
+            if rid in step.request_ids:
+                live.add(rid)
+            m.end_step(step)
+        elif op == "grow" and rid in live:
+            step = m.schedule([rid], [1 + n % 64], [[7] * (1 + n % 64)])
+            m.end_step(step)
+        elif op == "finish" and rid in live:
+            m.finish([rid])
+            live.discard(rid)
+        arena.check()
+        owned_by_holder(m)
+    m.finish(sorted(live))
+    arena.check()
+    assert all(p.num_used == 0 for p in arena.pools)
+
+
+BAD_ARENAS = [
+    ("not a geometry", TypeError, "arena must be an ArenaGeometry or None, got str"),
+]
+
+
+@pytest.mark.parametrize(("arena", "error", "message"), BAD_ARENAS)
+def test_bad_arena_refused(arena, error, message) -> None:
+    with pytest.raises(error, match=message):
+        BlockManager(V4, {g.name: 9 for g in V4.groups}, 4, 8192, arena=arena)
+
+
+def test_arena_counts_must_match_and_pools_must_be_shared() -> None:
+    geometry = plan_arena(V4, 160 << 20)
+    assert isinstance(geometry, ArenaGeometry)
+    blocks = {g: geometry.num_blocks(g) for g in geometry.groups}
+    with pytest.raises(ValueError, match="arena needs share_pools=True"):
+        BlockManager(V4, blocks, 4, 8192, share_pools=False, arena=geometry)
+    wrong = dict(blocks, swa=blocks["swa"] - 1)
+    with pytest.raises(ValueError, match=r"num_blocks gives .* to arena group 'swa'; its arena"):
+        BlockManager(V4, wrong, 4, 8192, arena=geometry)
+
+
+def test_slab_arena_repr_and_pool_lookup() -> None:
+    arena = SlabArena(plan_arena(V4, 160 << 20))
+    assert arena.pool("c4_state").name == "c4_state"
+    assert "slabs" in repr(arena) and "slabs of" in repr(arena.pool("swa"))
+    with pytest.raises(ValueError, match="group 'kv' is not in the arena"):
+        arena.pool("kv")
+    assert np.all(arena.owner[1:] == FREE)
