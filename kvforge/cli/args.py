@@ -333,6 +333,12 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
         help="device memory budget, e.g. 60GiB (default 8GiB)",
     )
     plan.add_argument("--host-memory", type=_size, default=None, help="host budget, e.g. 32GiB")
+    plan.add_argument(
+        "--own-pools",
+        action="store_true",
+        help="a pool per group, as CacheController(share_pools=False) allocates (default: "
+        "groups whose pages differ draw on one slab arena)",
+    )
     plan.add_argument("--max-model-len", type=_positive, default=None)
     plan.add_argument("--max-num-seqs", type=_positive, default=None)
     plan.add_argument(

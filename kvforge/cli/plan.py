@@ -45,6 +45,7 @@ def _layer_ranges(layers: Sequence[int]) -> str:
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``kvforge plan`` prints, as plain data."""
+    from kvforge.core.flow import plan_with_arena
     from kvforge.core.layout import CacheLayout
     from kvforge.core.memory_plan import (
         cache_bytes_per_sequence,
@@ -80,6 +81,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                 "max_position_embeddings to default --max-model-len to)"
             )
         plan = plan_memory(layout, args.device_memory, args.max_num_seqs, max_model_len)
+        # what CacheController(share_pools=True), the default, allocates: groups whose pages
+        # differ draw on one slab arena
+        if not args.own_pools:
+            plan = plan_with_arena(plan, layout)
         blocks = plan.num_blocks
         budget = args.device_memory
     namer = StorageNamer(rank=args.rank)
@@ -107,8 +112,12 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         )
         row["layers"].append(e.layer)
         row["total_bytes"] += blocks[e.group.name] * e.block_bytes
+    arena = plan.arena if plan is not None else None
+    in_arena = set(arena.groups) if arena is not None else set()
     groups = []
     for g in layout.groups:
+        page = layout.bytes_per_block(g.name)
+        stride = arena.block_stride[arena.index(g.name)] if g.name in in_arena else page
         groups.append(
             {
                 "group": g.name,
@@ -116,8 +125,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                 "block_size": g.block_size,
                 "window": g.window,
                 "num_blocks": blocks[g.name],
-                "bytes_per_block": layout.bytes_per_block(g.name),
-                "total_bytes": blocks[g.name] * layout.bytes_per_block(g.name),
+                "bytes_per_block": page,
+                "device_stride": stride,
+                # an arena group's blocks are the arena's bytes, counted once below
+                "total_bytes": 0 if g.name in in_arena else blocks[g.name] * page,
                 "token_capacity": (blocks[g.name] - 1) * g.block_size,
             }
         )
@@ -129,7 +140,18 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         # exact: an int when whole, else the string of a fraction ("15401/4"): no float bytes
         "kv_bytes_per_token": _exact(layout.kv_bytes_per_token()),
         "device_memory": budget,
-        "total_bytes": sum(g["total_bytes"] for g in groups),
+        "total_bytes": sum(g["total_bytes"] for g in groups)
+        + (arena.total_bytes if arena is not None else 0),
+        "arena": None
+        if arena is None
+        else {
+            "groups": list(arena.groups),
+            "num_slabs": arena.num_slabs,
+            "slab_bytes": arena.slab_bytes,
+            "total_bytes": arena.total_bytes,
+            "blocks_per_slab": dict(zip(arena.groups, arena.blocks_per_slab, strict=True)),
+            "padding": {g: round(p, 6) for g, p in arena.padding.items()},
+        },
         "max_tokens": plan.max_tokens if plan else None,
         # groups whose pages pair up byte for byte: CacheController(share_pools=True) gives
         # each set one pool of sum(num_blocks - 1) + 1 blocks, paid once
@@ -208,6 +230,7 @@ def print_plan(report: dict[str, Any]) -> None:
         ),
         left=("group", "kind"),
     )
+    arena_groups = set((report.get("arena") or {}).get("groups", ()))
     for g in report["groups"]:
         groups.add_row(
             g["group"],
@@ -216,7 +239,7 @@ def print_plan(report: dict[str, Any]) -> None:
             str(g["window"] or "-"),
             f"{g['num_blocks']:,}",
             f"{g['bytes_per_block']:,}",
-            format_bytes(g["total_bytes"]),
+            "arena" if g["group"] in arena_groups else format_bytes(g["total_bytes"]),
             f"{g['token_capacity']:,}",
         )
     out.print(groups)
@@ -228,6 +251,18 @@ def print_plan(report: dict[str, Any]) -> None:
     )
     if report.get("max_tokens") is not None:
         out.print(f"token capacity (full groups): {report['max_tokens']:,}")
+    arena = report.get("arena")
+    if arena:
+        out.print(
+            f"groups {', '.join(arena['groups'])} draw on one arena of {arena['num_slabs']:,} "
+            f"slabs x {arena['slab_bytes']:,} B: a slab moves to the group that needs it once "
+            "none of its blocks is in use, so their bytes flow with the load (blocks: each "
+            "group's ids across the whole arena)"
+        )
+        out.print(
+            "device padding per block: "
+            + ", ".join(f"{g} {p:.2%}" for g, p in arena["padding"].items())
+        )
     for pool in report.get("shared_pools", ()):
         out.print(
             f"groups {', '.join(pool['groups'])} pair up byte for byte: with share_pools=True "

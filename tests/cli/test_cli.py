@@ -250,10 +250,12 @@ def test_plan_json_for_bundled_flash(capsys):
         "16",
         "--host-memory",
         "64GiB",
+        "--own-pools",
         "--json",
     )
     assert code == 0
     report = json.loads(out)
+    assert report["arena"] is None
     groups = {g["group"]: g for g in report["groups"]}
     assert list(groups) == ["swa", "compressed", "c4_state", "c128_state"]
     # window groups hold max_num_seqs windows, one batch-wide step allowance of
@@ -505,3 +507,24 @@ def test_plan_tp_size_splits_kv_heads(capsys):
     assert json.loads(out)["kv_bytes_per_token"] == 32 * 2 * 2 * 128 * 2
     code, _, err = run(capsys, "plan", "--model", "llama-3-8b", "--tp-size", "3")
     assert code == 2 and "tp_size" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_puts_groups_whose_pages_differ_in_one_arena(capsys):
+    args = ["plan", "--model", "deepseek-v4-flash", "--device-memory", "60GiB"]
+    args += ["--max-model-len", "65536", "--max-num-seqs", "16"]
+    code, out, _ = run(capsys, *args, "--json")
+    assert code == 0
+    report = json.loads(out)
+    arena = report["arena"]
+    assert arena["groups"] == ["swa", "compressed", "c4_state", "c128_state"]
+    assert report["total_bytes"] == arena["num_slabs"] * arena["slab_bytes"] <= 60 * 1024**3
+    for g in report["groups"]:
+        k = arena["blocks_per_slab"][g["group"]]
+        # every group's ids span the arena; its stride divides the slab exactly
+        assert g["num_blocks"] == arena["num_slabs"] * k
+        assert g["device_stride"] * k == arena["slab_bytes"]
+        assert g["bytes_per_block"] <= g["device_stride"] <= g["bytes_per_block"] * 1.03
+        assert g["total_bytes"] == 0  # the arena's bytes are counted once
+    code, out, _ = run(capsys, *args)
+    assert code == 0
+    assert "draw on one arena of" in out and "device padding per block" in out
