@@ -202,7 +202,8 @@ class MemoryPlan(BaseModel):
                 f"Holds {self.max_concurrency:,} sequences of {self.max_model_len:,} tokens at once"
             )
         spare = 0 if self.memory_budget is None else self.memory_budget - self.total_bytes
-        if spare and not any(rule_of(g.kind).history for g in self.groups):
+        least = min((g.bytes_per_block for g in self.groups), default=0)
+        if spare >= least and not any(rule_of(g.kind).history for g in self.groups):
             lines.append(
                 f"Leaves {spare:,} B of the budget unallocated: no full-history group needs them"
             )
@@ -306,13 +307,24 @@ def _fill_full(
 
 
 def _give_rest_to_full(
-    sized: list[tuple[CacheGroup, int]], blocks: dict[str, int], budget: int
+    sized: list[tuple[CacheGroup, int]], blocks: dict[str, int], budget: int, host: bool = False
 ) -> None:
-    """Grow the full groups of ``blocks`` (each already at its floor) into what is left."""
+    """Grow the full groups of ``blocks`` (each already at its floor) into what is left; a
+    model without one (every layer slides: Mistral-7B) grows its window groups instead, in
+    proportion to their floors: more windows at once, and room for cached tails."""
     full = [(g, bpb) for g, bpb in sized if g.rule.history]
     if full:
         others = sum(blocks[g.name] * bpb for g, bpb in sized if not g.rule.history)
         blocks.update(_fill_full(full, blocks, budget - others))
+        return
+    windows = [(g, bpb) for g, bpb in sized if g.windowed and not host]
+    rest = budget - sum(blocks[g.name] * bpb for g, bpb in sized)
+    held = sum(blocks[g.name] * bpb for g, bpb in windows)
+    if not windows or rest <= 0 or not held:
+        return
+    for g, bpb in windows:
+        extra = rest * blocks[g.name] * bpb // held // bpb
+        blocks[g.name] = min(blocks[g.name] + extra, MAX_BLOCKS_PER_GROUP)
 
 
 def _too_small(budget: int, what: str, groups: list[tuple[CacheGroup, int]]) -> ValueError:
@@ -560,7 +572,7 @@ def _plan_with_length(
         for g, _ in sized
         if g.windowed and not host
     }
-    _give_rest_to_full(sized, blocks, budget)
+    _give_rest_to_full(sized, blocks, budget, host)
     return _Sizing(blocks, steps)
 
 
