@@ -62,12 +62,14 @@ DEFAULT_PREFIX_RETENTION: Retention = "dense"
 
 
 def check_prefix_retention(
-    prefix_retention: object, prefix_retention_interval: object = None, boundary: int = 1
+    prefix_retention: object,
+    prefix_retention_interval: object = None,
+    boundary: int | None = None,
 ) -> tuple[Retention, int | None]:
     """``(prefix_retention, prefix_retention_interval)`` themselves, refused unless the policy
     is ``"dense"`` or ``"checkpoints"`` and the interval is ``None`` or (with
     ``"checkpoints"``) a positive multiple of ``boundary``, the LCM of the groups' block
-    sizes, where every prefix hit ends.
+    sizes, where every prefix hit ends (any positive int while ``boundary`` is not known).
 
     - ``"dense"``: every completed window / state block that the tail of some boundary needs
       is kept reusable (a hit may end on any boundary the full-attention chain reaches);
@@ -96,15 +98,14 @@ def check_prefix_retention(
             f"prefix_retention_interval applies to prefix_retention='checkpoints', got "
             f"{interval!r} with prefix_retention={prefix_retention!r}"
         )
-    if (
-        isinstance(interval, bool)
-        or not isinstance(interval, Integral)
-        or interval < 1
-        or interval % boundary
-    ):
+    if isinstance(interval, bool) or not isinstance(interval, Integral) or interval < 1:
         raise ArgumentError(
-            f"prefix_retention_interval must be None or a positive multiple of {boundary} (the "
-            f"LCM of the groups' block sizes), got {interval!r}"
+            f"prefix_retention_interval must be None or a positive int, got {interval!r}"
+        )
+    if boundary is not None and interval % boundary:
+        raise ArgumentError(
+            f"prefix_retention_interval must be a multiple of {boundary} (the LCM of the "
+            f"groups' block sizes, where prefix hits end), got {interval!r}"
         )
     return prefix_retention, int(interval)  # type: ignore[return-value]
 

@@ -49,6 +49,7 @@ from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.core.prefix_keys import PrefixHasher
 from kvforge.core.values import PrefixMatch, PrefixQuery
 from kvforge.errors import OutOfBlocksError
+from kvforge.scheduler.prefix_cache import PREFIX_RETENTIONS
 from kvforge.specs import CacheGroup, GroupKind
 from kvforge.verify import entry_bytes_for, read_entries, token_seeds, write_entries, write_step
 
@@ -159,6 +160,7 @@ class Run:
     """One example: the controller, the requests, and the prefix keys announced by events."""
 
     cfg: Config
+    retention: str | None = None  # prefix_retention (None: the controller's default)
     ctl: CacheController = field(init=False)
     reqs: dict[str, Req] = field(default_factory=dict)  # resident and swapped
     swapped: set[str] = field(default_factory=set)
@@ -172,8 +174,12 @@ class Run:
     pressure_evictions: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
+        retention = {} if self.retention is None else {"prefix_retention": self.retention}
         self.ctl = CacheController(
-            self.cfg.backends(), enable_prefix_caching=True, share_pools=self.cfg.share_pools
+            self.cfg.backends(),
+            enable_prefix_caching=True,
+            share_pools=self.cfg.share_pools,
+            **retention,
         )
         self.ctl.initialize_kv_cache(
             num_blocks=self.cfg.num_blocks,
@@ -594,8 +600,8 @@ def verify_request_skip(
     return verify_request(ctl, rid, seeds, skip_groups=skip).mismatched
 
 
-def run_ops(name: str, ops: list[tuple[str, int]]) -> Run:
-    run = Run(CONFIGS[name])
+def run_ops(name: str, ops: list[tuple[str, int]], retention: str | None = None) -> Run:
+    run = Run(CONFIGS[name], retention)
     stats = run.manager.prefix_stats
     for i, (op, seed) in enumerate(ops):
         try:
@@ -626,6 +632,38 @@ OPS = st.lists(
 @given(ops=OPS)
 def test_random_prompt_trees(name: str, ops: list[tuple[str, int]]) -> None:
     run_ops(name, ops)
+
+
+#: the configurations with window or state groups, where prefix_retention decides what is kept
+WINDOWED = ("gqa_sliding_window", "gqa_sliding_window_shared", "deepseek_v4_mtp")
+
+
+@pytest.mark.parametrize("retention", PREFIX_RETENTIONS)
+@pytest.mark.parametrize("name", WINDOWED)
+@settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(ops=OPS)
+def test_random_prompt_trees_under_each_retention(
+    name: str, retention: str, ops: list[tuple[str, int]]
+) -> None:
+    """The same properties with window and state blocks kept densely and at checkpoints only
+    (the reference lookup reads the keys announced, so it holds under either)."""
+    run_ops(name, ops, retention)
+
+
+@pytest.mark.parametrize("retention", PREFIX_RETENTIONS)
+@pytest.mark.parametrize("name", WINDOWED)
+def test_a_fixed_run_under_each_retention(name: str, retention: str) -> None:
+    # (random trees cut anywhere rarely end where checkpoints keep tails: hits are not asserted)
+    rng = random.Random(7)
+    ops = [(rng.choice(WEIGHTED), rng.randrange(2**32)) for _ in range(100)]
+    run = run_ops(name, ops, retention)
+    stats = run.manager.prefix_stats
+    assert stats.hit_tokens >= run.hit_tokens and sum(stats.stored_blocks.values()) > 0
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
