@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-MODELS = ("gqa", "dsa", "deepseek-v4-tiny-mtp")
+MODELS = ("gqa", "dsa", "deepseek-v4-tiny-mtp", "deepseek-v4-tiny-arena")
 SCHEDULER_FORBIDDEN = ("kvforge.worker", "kvforge.ops", "kvforge.worker")
 
 
@@ -147,8 +147,15 @@ def _scheduler(conn: Any, model: str) -> dict:
 
     layout = CacheLayout(build(model))
     blocks = dict.fromkeys((g.name for g in layout.groups), 160)
-    manager = BlockManager(layout, blocks, max_num_seqs=8, max_model_len=4096)
-    call("create", (blocks, 8, 4096))
+    arena = None
+    if model.endswith("-arena"):  # the groups' bytes flow through one slab arena
+        from kvforge.core.arena import plan_arena
+
+        arena = plan_arena(layout, 64 << 20)
+        assert arena is not None
+        blocks.update({g: arena.num_blocks(g) for g in arena.groups})
+    manager = BlockManager(layout, blocks, max_num_seqs=8, max_model_len=4096, arena=arena)
+    call("create", (blocks, 8, 4096, True, arena))
     pages = {g.name: 160 for g in layout.groups if layout.host_page_bytes(g.name)}
     manager.init_host(pages)
     call("init_host", pages)
