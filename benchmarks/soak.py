@@ -1170,7 +1170,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"run N threads (2 to {MAX_THREADS}) on one controller, each owning its own "
         "requests; prefix caching is always on (--ops counts all threads' operations)",
     )
+    parser.add_argument(
+        "--arena",
+        action="store_true",
+        help="with --threads: the same device bytes as one slab arena, so the groups' slabs "
+        "change hands as the threads load them",
+    )
     args = parser.parse_args(argv)
+    if args.arena and args.threads is None:
+        parser.error("--arena goes with --threads: the soak's model counts per-group pools")
     if args.ops < 1:
         parser.error(f"--ops must be >= 1, got {args.ops}")
     if args.threads is not None and args.async_steps:

@@ -68,13 +68,17 @@ def make_controller(
     share_pools: bool = False,
     max_num_seqs: int = MAX_SEQS,
     scale: int = 1,
+    arena: bool = False,
 ) -> CacheController:
     """DeepSeek-V4 layers of ratios 0, 4 and 128 (small heads) and a GQA sliding-window layer:
     full, sliding-window and state groups, compress ratios 1, 4 and 128; ``prefix`` turns
     prefix caching on. ``share_pools`` adds a full GQA layer of the sliding-window layer's
     shapes (1 kv head of dim 8, 16-token blocks: 512 B pages in both groups) and shares one
     pool between the two groups. ``max_num_seqs`` and ``scale`` (usable device blocks and host
-    pages multiplied) size it for the threaded mode; the model assumes the defaults."""
+    pages multiplied) size it for the threaded mode; the model assumes the defaults.
+    ``arena`` (threaded mode only) gives the same device bytes as a ``memory_budget``, so the
+    groups whose pages differ draw on one slab arena and their slabs change hands as the
+    threads load them."""
     backends: dict[int, Any] = {
         i: DeepseekV4Backend(r, head_dim=64, qk_rope_head_dim=16, index_head_dim=16)
         for i, r in enumerate((0, 4, 128))
@@ -82,12 +86,23 @@ def make_controller(
     backends[3] = GQABackend(1, 8, block_size=16, sliding_window=40, group="gqa_swa")
     if share_pools:
         backends[4] = GQABackend(1, 8, block_size=16, group="gqa_full")
-    ctl = CacheController(backends, enable_prefix_caching=prefix, share_pools=share_pools)
-    ctl.initialize_kv_cache(
-        num_blocks=num_blocks_for(prefix, share_pools, scale),
-        max_num_seqs=max_num_seqs,
-        max_model_len=MAX_MODEL_LEN,
+    ctl = CacheController(
+        backends, enable_prefix_caching=prefix, share_pools=share_pools or arena
     )
+    blocks = num_blocks_for(prefix, share_pools, scale)
+    if arena:
+        budget = sum(n * ctl.layout.bytes_per_block(g) for g, n in blocks.items())
+        plan = ctl.initialize_kv_cache(
+            memory_budget=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=256,
+        )
+        assert plan.arena is not None, plan.describe()
+    else:
+        ctl.initialize_kv_cache(
+            num_blocks=blocks, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN
+        )
     host = SHARED_HOST_PAGES if share_pools else HOST_PAGES
     ctl.initialize_host_cache(num_pages=(host - 1) * scale + 1)
     return ctl

@@ -97,13 +97,17 @@ def threads_arg(text: str) -> int:
     return n
 
 
-def make_threads_controller(threads: int, share_pools: bool = False) -> CacheController:
-    """The soak's hybrid controller with prefix caching, rows and blocks for ``threads``."""
+def make_threads_controller(
+    threads: int, share_pools: bool = False, arena: bool = False
+) -> CacheController:
+    """The soak's hybrid controller with prefix caching, rows and blocks for ``threads``
+    (``arena``: the same bytes as one slab arena)."""
     return soak_setup.make_controller(
         prefix=True,
         share_pools=share_pools,
         max_num_seqs=PER_THREAD * threads,
         scale=math.ceil(threads / 2),
+        arena=arena,
     )
 
 
@@ -391,12 +395,13 @@ def run_threads(
     threads: int = 2,
     progress: Callable[[int], None] | None = None,
     share_pools: bool = False,
+    arena: bool = False,
 ) -> ThreadsReport:
     """``num_ops`` operations split over ``threads`` threads on one controller; raise the
     first thread's AssertionError (or any error) after all joined, and check the end state."""
     if not 2 <= threads <= MAX_THREADS:
         raise ValueError(f"threads must be from 2 to {MAX_THREADS}, got {threads}")
-    ctl = make_threads_controller(threads, share_pools)
+    ctl = make_threads_controller(threads, share_pools, arena)
     shares = [num_ops // threads + (i < num_ops % threads) for i in range(threads)]
     workers = [Worker(ctl, i, seed, shares[i]) for i in range(threads)]
     lock = threading.Lock()
@@ -463,6 +468,7 @@ def main_threads(args: argparse.Namespace) -> int:
             args.threads,
             lambda n: bar.update(task, completed=n),
             share_pools=args.share_pools,
+            arena=getattr(args, "arena", False),
         )
     title = f"soak: {args.threads} threads on one controller, {args.ops} operations"
     table = Table(title=f"{title}, seed {args.seed}")

@@ -242,9 +242,11 @@ class SlabArena:
         if self.fits(needs):
             return None
         must, give, free = self._budget(needs)
+        # the first short group, and what it could get with the slabs the other short groups
+        # take first: less than it needs (its slabs are what the supply lacks)
         p = next(iter(must))
-        others = free + sum(give.values())
-        return p.name, int(needs[p]), p.own_free + others * p.blocks_per_slab
+        left = free + sum(give.values()) - sum(n for q, n in must.items() if q is not p)
+        return p.name, int(needs[p]), p.own_free + max(0, left) * p.blocks_per_slab
 
     def fits_in_order(self, needs: Mapping[ArenaBlockPool, np.ndarray]) -> bool:
         """Whether, for every prefix of a batch, the pools can take the cumulative

@@ -241,3 +241,15 @@ def test_cli_runs_the_modes(argv, fragments, capsys) -> None:
     assert soak.main(argv) == 0
     out = capsys.readouterr().out
     assert all(f in out for f in fragments), out
+
+
+def test_two_threads_on_a_slab_arena() -> None:
+    report = soak_threads.run_threads(240, 5, 2, arena=True)
+    assert report.ops == 240
+    assert report.total("prefix_hits") > 0
+    assert not any(report.final_used_blocks.values())
+
+
+def test_arena_needs_threads() -> None:
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--arena"])
