@@ -1,9 +1,10 @@
-"""The kvforge figures of the plan-vs-vLLM table (docs/plans.md), exactly.
+"""kvforge's per-group plan figures (``plan_memory``; ``docs/plans.md``), exactly.
 
 ``B`` block size, ``N`` max_num_seqs, ``T`` = 8,192 max_num_batched_tokens, ``L``
 max_model_len. A window group gets ``n * max_live + cdiv(T, B) + N + 1`` blocks (``n`` resident
 windows, one batch-wide step allowance, the null block); the full group gets the rest of the
-budget. vLLM's side of the table needs vLLM and lives in ``benchmarks/plan_vs_vllm.py``.
+budget. The comparison with vLLM drives vLLM's real scheduler instead of a formula
+(``benchmarks/capacity_vs_vllm.py``).
 """
 
 from __future__ import annotations
