@@ -14,7 +14,8 @@ The layers, bottom to top (a module may import its own layer or any layer below)
 
     contract     kvforge._lazy, _checks, errors, kinds, platform, specs, attn_backends, ops
     core         kvforge.core
-    sides        kvforge.scheduler | kvforge.worker | kvforge.models   (never each other)
+    sides        kvforge.scheduler | kvforge.worker | kvforge.models | kvforge.store
+                 (never each other)
     facade       kvforge.controller
     tools        kvforge.verify, kvforge.testing
     cli          kvforge.cli
@@ -36,13 +37,13 @@ LAYERS = [
     ("contract", ("kvforge._lazy", "kvforge._checks", "kvforge.errors", "kvforge.kinds", "kvforge.platform",
                   "kvforge.specs", "kvforge.attn_backends", "kvforge.ops")),
     ("core", ("kvforge.core",)),
-    ("sides", ("kvforge.scheduler", "kvforge.worker", "kvforge.models")),
+    ("sides", ("kvforge.scheduler", "kvforge.worker", "kvforge.models", "kvforge.store")),
     ("facade", ("kvforge.controller",)),
     ("tools", ("kvforge.verify", "kvforge.testing")),
     ("cli", ("kvforge.cli",)),
 ]
 #: siblings on one floor that must not import each other
-APART = ("kvforge.scheduler", "kvforge.worker", "kvforge.models")
+APART = ("kvforge.scheduler", "kvforge.worker", "kvforge.models", "kvforge.store")
 
 
 def module_name(path: Path) -> str:
