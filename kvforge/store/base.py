@@ -1,0 +1,393 @@
+"""What both adapters share: argument checks, the registry of host buffers, server keys, the
+counters, the back-off after a client error, the bounded put queue and a close that returns.
+
+Invariants: the store object owns every piece of state here (one lock, ``_lock``, guards the
+registry, the counters and the back-off; the put queue guards itself). A client call is made
+only through the adapter's ``_exists`` / ``_put`` / ``_write_encoded`` / ``_get``, and any
+exception out of one becomes misses or failed puts plus an error count: nothing the server
+does reaches the caller. Only a malformed argument raises (:class:`ArgumentError`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvforge._checks import ArgumentError
+from kvforge.store.config import StoreConfig
+from kvforge.store.protocol import StoreStats
+from kvforge.store.put_queue import PutQueue
+from kvforge.store.value import HEADER_SIZE, MissReason, encode, layout_digest
+
+__all__ = ["Span", "StoreBase", "server_key"]
+
+
+def server_key(namespace: str, fingerprint: bytes, key: bytes) -> str:
+    """The name a value of ``key`` under layout ``fingerprint`` has on the server:
+    ``namespace/<16 hex of the layout digest>/<key in hex>``, so two layouts never share a
+    name (the header checks both again on every read)."""
+    return f"{namespace}/{layout_digest(fingerprint)[:8].hex()}/{key.hex()}"
+
+
+@dataclass(frozen=True)
+class Span:
+    """A contiguous byte range of host memory: its address, length and a byte view of it."""
+
+    addr: int
+    nbytes: int
+    view: memoryview
+
+
+def span_of(obj: Any, name: str, *, writable: bool = False) -> Span:
+    """``obj`` (a buffer-protocol object or a CPU ``torch.uint8`` tensor) as a :class:`Span`;
+    :class:`ArgumentError` naming ``name`` if it is not contiguous host bytes."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # a torch tensor
+        device = str(getattr(obj, "device", "cpu"))
+        dtype = str(getattr(obj, "dtype", ""))
+        if device != "cpu" or dtype != "torch.uint8" or not obj.is_contiguous():
+            raise ArgumentError(
+                f"{name} must be a contiguous CPU torch.uint8 tensor, got "
+                f"dtype={dtype} device={device} contiguous={obj.is_contiguous()}"
+            )
+        obj = obj.numpy()
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise ArgumentError(
+            f"{name} must be a memoryview, a numpy uint8 array or a torch.uint8 tensor, "
+            f"got {type(obj).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ArgumentError(f"{name} must be contiguous, got a strided view of shape {view.shape}")
+    if writable and view.readonly:
+        raise ArgumentError(f"{name} must be writable, got a read-only {type(obj).__name__}")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+    return Span(addr, view.nbytes, view)
+
+
+def _check_keys(keys: Any, call: str) -> list[bytes]:
+    if isinstance(keys, bytes | str) or not isinstance(keys, Sequence):
+        raise ArgumentError(f"{call}: keys must be a sequence of bytes, got {type(keys).__name__}")
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or not key:
+            raise ArgumentError(f"{call}: keys[{i}] must be non-empty bytes, got {key!r:.60}")
+    return list(keys)
+
+
+class StoreBase:
+    """The shared half of an adapter; subclasses implement the four client calls."""
+
+    backend: ClassVar[str] = "base"
+
+    def __init__(self, config: StoreConfig, fingerprint: bytes) -> None:
+        if not isinstance(config, StoreConfig):
+            raise ArgumentError(f"config must be a StoreConfig, got {type(config).__name__}")
+        if config.backend != self.backend:
+            raise ArgumentError(
+                f"config.backend must be {self.backend!r} for {type(self).__name__}, "
+                f"got {config.backend!r}"
+            )
+        if not isinstance(fingerprint, bytes) or not fingerprint:
+            raise ArgumentError(f"fingerprint must be non-empty bytes, got {fingerprint!r:.60}")
+        self._config = config
+        self._fingerprint = fingerprint
+        self._lock = threading.Lock()
+        self._buffers: dict[int, tuple[Span, Any]] = {}  # addr -> (span, the object kept alive)
+        self._counts: Counter[str] = Counter()
+        self._misses: Counter[str] = Counter()
+        self._last_error: str | None = None
+        self._down_until = 0.0
+        self._closed = False
+        self._queue: PutQueue[tuple[str, bytes]] = PutQueue(
+            config.max_inflight_puts,
+            config.max_batch_keys,
+            self._write_queued,
+            name=f"kvforge-store-{self.backend}-put",
+        )
+
+    # -- what an adapter implements ----------------------------------------------------------
+
+    def _ready(self) -> bool:
+        """Whether the client may be called now (set up); may start a new setup attempt."""
+        return True
+
+    def _exists(self, names: list[str]) -> list[bool]:
+        raise NotImplementedError
+
+    def _put(self, items: list[tuple[str, bytes, Span]]) -> list[bool]:
+        raise NotImplementedError
+
+    def _write_encoded(self, items: list[tuple[str, bytes]]) -> list[bool]:
+        raise NotImplementedError
+
+    def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
+        raise NotImplementedError
+
+    def _register_client(self, span: Span) -> None:
+        """Tell the client about a host buffer (Mooncake registers it for zero-copy)."""
+
+    def _unregister_client(self, span: Span) -> None:
+        """Undo :meth:`_register_client`."""
+
+    def _interrupt(self) -> None:
+        """Break a client call stuck in another thread (close: the writer is stuck)."""
+
+    def _close_client(self, writer_stuck: bool) -> None:
+        raise NotImplementedError
+
+    # -- shared state ------------------------------------------------------------------------
+
+    def _note_error(self, message: str, *, trip: bool) -> None:
+        """Count a client error; ``trip``: the server looks unreachable, back off."""
+        with self._lock:
+            self._counts["errors"] += 1
+            self._last_error = message[:300]
+            if trip:
+                self._down_until = time.monotonic() + self._config.retry_after_s
+
+    def _recovered(self) -> None:
+        """The server answered a probe: end the back-off."""
+        with self._lock:
+            self._down_until = 0.0
+
+    def _available(self) -> bool:
+        with self._lock:
+            if self._closed or time.monotonic() < self._down_until:
+                return False
+        return self._ready()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._counts.update(deltas)
+
+    def _miss(self, reasons: Sequence[MissReason]) -> None:
+        with self._lock:
+            self._misses.update(r.value for r in reasons)
+
+    def _located(self, obj: Any, name: str, *, writable: bool) -> Span:
+        span = span_of(obj, name, writable=writable)
+        if span.nbytes == 0:
+            raise ArgumentError(f"{name} must hold at least one byte, got an empty buffer")
+        with self._lock:
+            for base, _ in self._buffers.values():
+                if base.addr <= span.addr and span.addr + span.nbytes <= base.addr + base.nbytes:
+                    return span
+        raise ArgumentError(
+            f"{name} ({span.nbytes} bytes at {span.addr:#x}) lies outside every registered "
+            "buffer: register_buffer the host memory it is in first"
+        )
+
+    def _batches(self, n: int) -> list[range]:
+        step = self._config.max_batch_keys
+        return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+    def _name(self, key: bytes) -> str:
+        return server_key(self._config.namespace, self._fingerprint, key)
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._config
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self._fingerprint
+
+    def register_buffer(self, buf: Any) -> None:
+        span = span_of(buf, "buf", writable=False)
+        if span.nbytes == 0:
+            raise ArgumentError("buf must hold at least one byte, got an empty buffer")
+        with self._lock:
+            if self._closed:
+                raise ArgumentError("register_buffer: the store is closed")
+            for other, _ in self._buffers.values():
+                if span.addr < other.addr + other.nbytes and other.addr < span.addr + span.nbytes:
+                    raise ArgumentError(
+                        f"buf ({span.nbytes} bytes at {span.addr:#x}) overlaps a registered "
+                        f"buffer ({other.nbytes} bytes at {other.addr:#x})"
+                    )
+            self._buffers[span.addr] = (span, buf)
+        self._register_client(span)
+
+    def unregister_buffer(self, buf: Any) -> None:
+        span = span_of(buf, "buf", writable=False)
+        with self._lock:
+            known = self._buffers.get(span.addr)
+            if known is None or known[0].nbytes != span.nbytes:
+                raise ArgumentError(
+                    f"unregister_buffer: buf ({span.nbytes} bytes at {span.addr:#x}) was "
+                    "never registered"
+                )
+            del self._buffers[span.addr]
+        self._unregister_client(known[0])
+
+    def _registered(self) -> list[Span]:
+        with self._lock:
+            return [span for span, _ in self._buffers.values()]
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        keys = _check_keys(keys, "exists_prefix")
+        if not keys or not self._available():
+            return 0
+        found = 0
+        for part in self._batches(len(keys)):
+            try:
+                flags = self._exists([self._name(keys[i]) for i in part])
+            except Exception as exc:
+                self._note_error(f"exists: {type(exc).__name__}: {exc}", trip=True)
+                return found
+            for flag in flags:
+                if not flag:
+                    return found
+                found += 1
+        return found
+
+    def _fits(self, span: Span) -> bool:
+        return HEADER_SIZE + span.nbytes <= self._config.max_value_bytes
+
+    def batch_put(self, keys: Sequence[bytes], sources: Sequence[Any]) -> list[bool]:
+        keys = _check_keys(keys, "batch_put")
+        spans = self._spans(keys, sources, "batch_put", "sources", writable=False)
+        done = [False] * len(keys)
+        for part in self._batches(len(keys)):
+            todo = [i for i in part if self._fits(spans[i])]
+            self._count(puts_too_large=len(part) - len(todo))
+            if not todo:
+                continue
+            if not self._available():
+                self._count(puts_failed=len(todo))
+                continue
+            try:
+                ok = self._put([(self._name(keys[i]), keys[i], spans[i]) for i in todo])
+            except Exception as exc:
+                self._note_error(f"put: {type(exc).__name__}: {exc}", trip=True)
+                ok = [False] * len(todo)
+            for i, flag in zip(todo, ok, strict=True):
+                done[i] = bool(flag)
+            wrote = sum(map(bool, ok))
+            self._count(puts_ok=wrote, puts_failed=len(todo) - wrote)
+        return done
+
+    def put_async(self, keys: Sequence[bytes], sources: Sequence[Any]) -> int:
+        keys = _check_keys(keys, "put_async")
+        spans = self._spans(keys, sources, "put_async", "sources", writable=False)
+        if not self._available():
+            self._count(puts_dropped=len(keys))
+            return 0
+        fitting = [i for i in range(len(keys)) if self._fits(spans[i])]
+        self._count(puts_too_large=len(keys) - len(fitting))
+        # encode one value at a time and stop at the bound, so a full queue costs no copies
+        queued = 0
+        for i in fitting:
+            item = (self._name(keys[i]), encode(keys[i], self._fingerprint, spans[i].view))
+            if self._queue.offer([item]) == 0:
+                break
+            queued += 1
+        self._count(puts_dropped=len(fitting) - queued)
+        return queued
+
+    def _write_queued(self, items: list[tuple[str, bytes]]) -> None:
+        if not self._available():
+            self._count(puts_failed=len(items))
+            return
+        try:
+            ok = self._write_encoded(items)
+        except Exception as exc:
+            self._note_error(f"put: {type(exc).__name__}: {exc}", trip=True)
+            ok = [False] * len(items)
+        self._count(puts_ok=sum(map(bool, ok)), puts_failed=len(items) - sum(map(bool, ok)))
+
+    def batch_get_into(
+        self, keys: Sequence[bytes], destinations: Sequence[Any]
+    ) -> list[int | None]:
+        keys = _check_keys(keys, "batch_get_into")
+        spans = self._spans(keys, destinations, "batch_get_into", "destinations", writable=True)
+        reasons: list[MissReason | None] = [MissReason.UNAVAILABLE] * len(keys)
+        for part in self._batches(len(keys)):
+            if not self._available():
+                break
+            try:
+                got = self._get([(self._name(keys[i]), keys[i], spans[i]) for i in part])
+            except Exception as exc:
+                self._note_error(f"get: {type(exc).__name__}: {exc}", trip=True)
+                got = [MissReason.STORE_ERROR] * len(part)
+            for i, reason in zip(part, got, strict=True):
+                reasons[i] = reason
+        self._miss([r for r in reasons if r is not None])
+        self._count(gets_hit=sum(r is None for r in reasons))
+        return [spans[i].nbytes if r is None else None for i, r in enumerate(reasons)]
+
+    def _spans(
+        self, keys: list[bytes], objs: Any, call: str, name: str, *, writable: bool
+    ) -> list[Span]:
+        if isinstance(objs, bytes | str) or not isinstance(objs, Sequence):
+            raise ArgumentError(f"{call}: {name} must be a sequence, got {type(objs).__name__}")
+        if len(objs) != len(keys):
+            raise ArgumentError(f"{call}: {len(keys)} keys but {len(objs)} {name}")
+        return [self._located(o, f"{name}[{i}]", writable=writable) for i, o in enumerate(objs)]
+
+    def flush(self, timeout: float) -> bool:
+        return self._queue.wait_idle(timeout)
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self._available():
+            if time.monotonic() >= deadline or self._closed:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def stats(self) -> StoreStats:
+        available = self._available()
+        with self._lock:
+            c = self._counts
+            return StoreStats(
+                backend=self.backend,
+                puts_ok=c["puts_ok"],
+                puts_failed=c["puts_failed"],
+                puts_dropped=c["puts_dropped"],
+                puts_too_large=c["puts_too_large"],
+                gets_hit=c["gets_hit"],
+                misses=dict(self._misses),
+                errors=c["errors"],
+                last_error=self._last_error,
+                inflight_puts=self._queue.inflight,
+                peak_inflight_puts=self._queue.peak,
+                available=available,
+                closed=self._closed,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        dropped = self._queue.close(self._config.close_timeout_s)
+        if self._queue.writer_alive:
+            self._interrupt()  # a write stuck on a dead socket: break it, then wait a little
+            dropped += self._queue.close(min(1.0, self._config.close_timeout_s))
+        self._count(puts_dropped=dropped)
+        try:
+            self._close_client(self._queue.writer_alive)
+        except Exception as exc:
+            self._note_error(f"close: {type(exc).__name__}: {exc}", trip=False)
+
+    def __enter__(self) -> StoreBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(namespace={self._config.namespace!r}, "
+            f"layout={layout_digest(self._fingerprint)[:8].hex()}, closed={self._closed})"
+        )

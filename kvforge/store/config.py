@@ -1,0 +1,187 @@
+"""The remote tier's settings: one pydantic-settings model read from arguments, the environment
+(prefix ``KVFORGE_STORE_``) and optionally a TOML or JSON file, in that order of precedence.
+
+Invariant: a :class:`StoreConfig` that exists is usable: every field is checked when it is
+built, and a refusal is a ``pydantic.ValidationError`` (a ``ValueError``) that names the field
+and the value. The default, ``backend="none"``, asks for no server at all.
+
+>>> StoreConfig().backend
+'none'
+>>> StoreConfig(backend="redis", redis_port=6380).redis_port
+6380
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+__all__ = ["MOONCAKE_MIN_SEGMENT_BYTES", "REDIS_MAX_VALUE_BYTES", "StoreConfig"]
+
+#: Redis refuses strings longer than 512 MiB
+REDIS_MAX_VALUE_BYTES = 512 << 20
+#: Mooncake's client refuses to mount a global segment under 16 MiB (``setup`` returns -600)
+MOONCAKE_MIN_SEGMENT_BYTES = 16 << 20
+
+
+#: the fields of the file ``StoreConfig.from_file`` is reading, while it builds the model
+_FILE_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_FILE_DATA", default=None)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The fields a TOML or JSON file sets (``StoreConfig.from_file``)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], data: dict[str, Any]) -> None:
+        super().__init__(settings_cls)
+        self._data = data
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+class StoreConfig(BaseSettings):
+    """Where the remote tier is and how long the engine may wait for it.
+
+    Each field is also read from ``KVFORGE_STORE_<FIELD>`` (case-insensitive), e.g.
+    ``KVFORGE_STORE_BACKEND=redis``; arguments win over the environment, which wins over a
+    file given to :meth:`from_file`.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVFORGE_STORE_",
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+    )
+
+    backend: Literal["none", "redis", "mooncake"] = "none"
+    #: prefix of every key this engine writes, so fleets sharing a server stay apart
+    namespace: str = Field("kvforge", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+
+    redis_host: str = Field("127.0.0.1", min_length=1)
+    redis_port: int = Field(6379, ge=1, le=65535)
+    redis_db: int = Field(0, ge=0)
+    redis_username: str | None = None
+    redis_password: SecretStr | None = None
+
+    #: the master's RPC address, ``host:port``
+    mooncake_master: str = Field("127.0.0.1:50051", pattern=r"^[^:\s]+:\d{1,5}$")
+    #: the address this client's transfer engine listens on (also ``MC_TCP_BIND_ADDRESS``)
+    mooncake_local_hostname: str = Field("127.0.0.1", min_length=1)
+    #: ``P2PHANDSHAKE`` needs no metadata server; else an etcd or HTTP metadata address
+    mooncake_metadata_server: str = Field("P2PHANDSHAKE", min_length=1)
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_rdma_devices: str = ""
+    #: memory this client lends to the distributed store (Mooncake's minimum is 16 MiB)
+    mooncake_global_segment_bytes: int = Field(64 << 20, ge=0)
+    mooncake_local_buffer_bytes: int = Field(16 << 20, ge=0)
+
+    #: seconds to open a connection
+    connect_timeout_s: float = Field(1.0, gt=0, le=300)
+    #: seconds one batched operation may wait for the server (Redis socket timeout)
+    op_timeout_s: float = Field(2.0, gt=0, le=300)
+    #: seconds ``close()`` waits for queued puts before it drops them and returns
+    close_timeout_s: float = Field(2.0, ge=0, le=300)
+    #: after a client error, seconds during which calls are misses without asking the server
+    retry_after_s: float = Field(1.0, ge=0, le=3600)
+    #: values queued or being written by ``put_async`` at most (back-pressure: more are dropped)
+    max_inflight_puts: int = Field(64, ge=1, le=1 << 20)
+    #: keys sent in one round trip at most; larger batches are split
+    max_batch_keys: int = Field(256, ge=1, le=1 << 16)
+    #: a value (header + payload) larger than this is not put (counted as ``too_large``)
+    max_value_bytes: int = Field(64 << 20, ge=1)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        data = _FILE_DATA.get()
+        if data is not None:
+            sources.append(_FileSource(settings_cls, data))
+        return tuple(sources)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> StoreConfig:
+        """The settings a ``.toml`` or ``.json`` file gives (a flat table of fields, or the
+        table ``[kvforge.store]`` / ``{"kvforge": {"store": {...}}}``), under the environment
+        and ``overrides``. An unknown field or file type is refused by name."""
+        file = Path(path)
+        text = file.read_text()
+        if file.suffix == ".json":
+            data = json.loads(text)
+        elif file.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            data = tomllib.loads(text)
+        else:
+            raise ValueError(
+                f"StoreConfig.from_file: {str(file)!r} must end in .toml or .json, "
+                f"got {file.suffix!r}"
+            )
+        if isinstance(data, dict) and isinstance(data.get("kvforge"), dict):
+            data = data["kvforge"].get("store", data)
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"StoreConfig.from_file: {str(file)!r} must hold a table of fields, "
+                f"got {type(data).__name__}"
+            )
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if unknown:
+            raise ValueError(
+                f"StoreConfig.from_file: {str(file)!r} sets unknown field(s) {unknown}; "
+                f"known: {sorted(cls.model_fields)}"
+            )
+        token = _FILE_DATA.set(data)
+        try:
+            return cls(**overrides)
+        finally:
+            _FILE_DATA.reset(token)
+
+    @field_validator("redis_host", "mooncake_local_hostname")
+    @classmethod
+    def _no_blank(cls, value: str) -> str:
+        if value.strip() != value or not value:
+            raise ValueError(f"must be a host name without spaces, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _fits_backend(self) -> StoreConfig:
+        if self.backend == "redis" and self.max_value_bytes > REDIS_MAX_VALUE_BYTES:
+            raise ValueError(
+                f"max_value_bytes must be <= {REDIS_MAX_VALUE_BYTES} for backend 'redis' "
+                f"(Redis strings hold at most 512 MiB), got {self.max_value_bytes}"
+            )
+        if (
+            self.backend == "mooncake"
+            and 0 < self.mooncake_global_segment_bytes < MOONCAKE_MIN_SEGMENT_BYTES
+        ):
+            raise ValueError(
+                f"mooncake_global_segment_bytes must be 0 (lend nothing) or >= "
+                f"{MOONCAKE_MIN_SEGMENT_BYTES} (Mooncake's minimum), got "
+                f"{self.mooncake_global_segment_bytes}"
+            )
+        port = int(self.mooncake_master.rsplit(":", 1)[1])
+        if not 1 <= port <= 65535:
+            raise ValueError(f"mooncake_master's port must be in [1, 65535], got {port}")
+        return self

@@ -1,0 +1,154 @@
+"""Loopback store servers that kvforge starts itself (tests, demos): ``redis-server`` and
+``mooncake_master``, each a child process bound to 127.0.0.1 and stopped by its own pid.
+
+Invariants: a server object owns exactly one process and signals only that pid (never a name);
+``stop()`` is idempotent and returns once the process is reaped; nothing here persists data
+(Redis runs with ``--save '' --appendonly no``). Run it inside a private network namespace when
+the server must not be reachable from outside (``tests/store/conftest.py`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["LoopbackServer", "MooncakeMaster", "RedisServer", "free_port", "wait_for_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host:port`` accepts a connection within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+
+class LoopbackServer:
+    """One server process: :meth:`start` runs ``argv`` and waits for its port, :meth:`stop`
+    kills it by pid; :meth:`freeze` / :meth:`thaw` stop and resume it (a slow server)."""
+
+    name = "server"
+
+    def __init__(self, argv: list[str], port: int, log: Path | None, host: str = "127.0.0.1"):
+        self.argv, self.host, self.port, self.log = argv, host, port, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return self.proc.pid
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> LoopbackServer:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} already runs as pid {self.proc.pid}")
+        if shutil.which(self.argv[0]) is None:
+            raise FileNotFoundError(f"{self.argv[0]} is not installed (see docs/tiered_store.md)")
+        out = open(self.log, "ab") if self.log is not None else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+        if not wait_for_port(self.host, self.port, timeout):
+            code = self.proc.poll()
+            self.stop()
+            raise RuntimeError(
+                f"{self.name} ({' '.join(self.argv)}) did not listen on {self.address} within "
+                f"{timeout}s (exit code {code}; log {self.log})"
+            )
+        return self
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def freeze(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL the process (a crash, not a shutdown) and reap it."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """Terminate the process by pid (SIGCONT first, in case it is frozen), reap it."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.thaw()
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> LoopbackServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisServer(LoopbackServer):
+    """``redis-server --bind 127.0.0.1 --port PORT --save '' --appendonly no``."""
+
+    name = "redis-server"
+
+    def __init__(self, port: int, log: Path | None = None, *, maxmemory: int | None = None):
+        argv = [
+            "redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+            "--appendonly", "no", "--protected-mode", "yes",
+        ]
+        if maxmemory is not None:
+            argv += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "noeviction"]
+        super().__init__(argv, port, log)
+
+
+class MooncakeMaster(LoopbackServer):
+    """``mooncake_master`` on 127.0.0.1 with its HTTP metadata server off (clients use
+    ``P2PHANDSHAKE``) and its metrics server on 127.0.0.1 too."""
+
+    name = "mooncake_master"
+
+    def __init__(
+        self, port: int, metrics_port: int, log: Path | None = None, *, lease_ms: int = 10000
+    ):
+        argv = [
+            "mooncake_master",
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics_port}",
+            "--enable_http_metadata_server=false",
+            f"--default_kv_lease_ttl={lease_ms}",
+        ]
+        super().__init__(argv, port, log)

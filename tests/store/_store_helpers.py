@@ -1,0 +1,50 @@
+"""Helpers the remote tier's tests share: configs for the loopback servers, registered pages of
+random bytes, and 32-byte keys."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvforge.store.config import StoreConfig
+from kvforge.store.servers import MooncakeMaster, RedisServer
+
+
+def redis_config(server: RedisServer, **fields) -> StoreConfig:
+    base = dict(
+        backend="redis", redis_port=server.port, op_timeout_s=2.0, connect_timeout_s=1.0,
+        retry_after_s=0.2, close_timeout_s=1.0,
+    )
+    return StoreConfig(**{**base, **fields})
+
+
+def mooncake_config(master: MooncakeMaster, **fields) -> StoreConfig:
+    base = dict(
+        backend="mooncake", mooncake_master=master.address,
+        mooncake_global_segment_bytes=32 << 20, mooncake_local_buffer_bytes=16 << 20,
+        op_timeout_s=5.0, retry_after_s=0.2, close_timeout_s=5.0,
+    )
+    return StoreConfig(**{**base, **fields})
+
+
+class Pages:
+    """A registered host buffer cut into equal pages: sources to put and destinations to fill."""
+
+    def __init__(self, pages: int, page_bytes: int, seed: int = 0) -> None:
+        self.page_bytes = page_bytes
+        self.buf = np.zeros(pages * page_bytes, dtype=np.uint8)
+        rng = np.random.default_rng(seed)
+        self.buf[:] = rng.integers(0, 256, self.buf.size, dtype=np.uint8)
+
+    def page(self, i: int) -> memoryview:
+        return memoryview(self.buf)[i * self.page_bytes : (i + 1) * self.page_bytes]
+
+    def pages(self, ids) -> list[memoryview]:
+        return [self.page(i) for i in ids]
+
+    def bytes_of(self, i: int) -> bytes:
+        return bytes(self.page(i))
+
+
+def keys(n: int, tag: bytes = b"") -> list[bytes]:
+    """``n`` distinct 32-byte keys (prefix keys are 32-byte digests)."""
+    return [(tag + i.to_bytes(4, "little")).ljust(32, b"k") for i in range(n)]

@@ -1,0 +1,139 @@
+"""Fixtures for the remote tier's tests: a private network namespace per test, real loopback
+servers (``redis-server``, ``mooncake_master``) started in it and stopped by their own pids,
+and stores that are closed before the servers stop.
+
+The namespace: the test's thread calls ``unshare(CLONE_NEWNET)`` and brings ``lo`` up, so the
+servers it starts and the client threads it creates live in a network of their own (nothing
+outside can reach them, whatever interfaces they bind); teardown returns the thread to the
+original namespace with ``setns``. Where ``unshare`` is refused (not root), Redis tests run on
+plain 127.0.0.1 with a free port (``--bind`` is honoured) and Mooncake tests are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import importlib.util
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+# Mooncake logs every call through glog; keep its warnings and errors only
+os.environ.setdefault("GLOG_minloglevel", "1")
+
+from kvforge.store.servers import MooncakeMaster, RedisServer, free_port
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
+HAVE_MOONCAKE = (
+    shutil.which("mooncake_master") is not None and importlib.util.find_spec("mooncake") is not None
+)
+
+
+@dataclass
+class Net:
+    """Where a test's servers listen: a private namespace (fixed ports) or the host's loopback."""
+
+    private: bool
+    why: str = ""
+
+    def port(self, fixed: int) -> int:
+        return fixed if self.private else free_port()
+
+
+def _enter_private_net() -> tuple[int | None, str]:
+    """Move this thread into a new network namespace with ``lo`` up; the fd to come back."""
+    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    if _libc.unshare(CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        os.close(original)
+        return None, f"unshare(CLONE_NEWNET) failed: {errno.errorcode.get(err, err)}"
+    up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    if up.returncode != 0:
+        _leave(original)
+        return None, f"ip link set lo up failed: {up.stderr.strip()}"
+    return original, ""
+
+
+def _leave(original: int) -> None:
+    if _libc.setns(original, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns back to the original network namespace failed")
+    os.close(original)
+
+
+@contextlib.contextmanager
+def _private_net() -> Iterator[Net]:
+    original, why = _enter_private_net() if shutil.which("ip") else (None, "iproute2 missing")
+    try:
+        yield Net(private=original is not None, why=why)
+    finally:
+        if original is not None:
+            _leave(original)
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    with _private_net() as net:
+        yield net
+
+
+@pytest.fixture
+def redis_server(net: Net, tmp_path) -> Iterator[RedisServer]:
+    if not HAVE_REDIS:
+        pytest.skip("redis-server or redis-py is not installed (.ci/run installs both)")
+    server = RedisServer(net.port(6379), tmp_path / "redis.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def mooncake_net() -> Iterator[Net]:
+    """One namespace for a whole module: Mooncake's client keeps process-wide state (its
+    transfer engine's listeners) in the namespace of the first client, and a client set up in
+    a later namespace cannot reach it (setup retries for 90 s, then fails)."""
+    with _private_net() as net:
+        yield net
+
+
+_ports = iter(range(50051, 60000, 2))
+
+
+@pytest.fixture
+def mooncake_master(mooncake_net: Net, tmp_path) -> Iterator[MooncakeMaster]:
+    """A fresh master per test, on a port no earlier test's clients (some are left open on
+    purpose, see MooncakeStore.close) know about."""
+    if not HAVE_MOONCAKE:
+        pytest.skip("mooncake-transfer-engine-non-cuda is not installed (.ci/run installs it)")
+    if not mooncake_net.private:
+        pytest.skip(f"Mooncake's listeners need a private network namespace: {mooncake_net.why}")
+    port = next(_ports)
+    master = MooncakeMaster(port, port + 1, tmp_path / "master.log")
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()
+
+
+@pytest.fixture
+def stores() -> Iterator[Callable]:
+    """``stores(store)`` registers a store to close at teardown (before its server stops)."""
+    made: list = []
+
+    def keep(store):
+        made.append(store)
+        return store
+
+    yield keep
+    for store in reversed(made):
+        store.close()

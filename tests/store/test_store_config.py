@@ -1,0 +1,130 @@
+"""StoreConfig: defaults, the environment (``KVFORGE_STORE_*``), files, their precedence, and
+bad settings refused with a message that names the field and the value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from kvforge.store import open_store
+from kvforge.store.config import StoreConfig
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("KVFORGE_STORE_"):
+            monkeypatch.delenv(name)
+
+
+def test_the_default_asks_for_no_server():
+    config = StoreConfig()
+    assert config.backend == "none"
+    assert open_store(config, b"layout") is None
+    assert config.max_inflight_puts >= 1 and config.close_timeout_s >= 0
+
+
+def test_the_environment_sets_fields(monkeypatch):
+    monkeypatch.setenv("KVFORGE_STORE_BACKEND", "redis")
+    monkeypatch.setenv("KVFORGE_STORE_REDIS_PORT", "6390")
+    monkeypatch.setenv("kvforge_store_op_timeout_s", "0.5")
+    config = StoreConfig()
+    assert (config.backend, config.redis_port, config.op_timeout_s) == ("redis", 6390, 0.5)
+
+
+def test_arguments_beat_the_environment_which_beats_a_file(tmp_path, monkeypatch):
+    path = tmp_path / "store.toml"
+    path.write_text(
+        '[kvforge.store]\nbackend = "mooncake"\nmooncake_master = "10.0.0.1:50051"\n'
+        "redis_port = 7000\nmax_inflight_puts = 8\n"
+    )
+    monkeypatch.setenv("KVFORGE_STORE_REDIS_PORT", "7001")
+    config = StoreConfig.from_file(path, max_inflight_puts=9)
+    assert config.backend == "mooncake" and config.mooncake_master == "10.0.0.1:50051"
+    assert (config.redis_port, config.max_inflight_puts) == (7001, 9)
+    assert type(config) is StoreConfig
+
+
+def test_a_flat_json_file(tmp_path):
+    path = tmp_path / "store.json"
+    path.write_text(json.dumps({"backend": "redis", "redis_host": "cache.local"}))
+    config = StoreConfig.from_file(path)
+    assert (config.backend, config.redis_host) == ("redis", "cache.local")
+    # the file is read for that call only
+    assert StoreConfig().backend == "none"
+
+
+# (fields, what the message must name)
+BAD = [
+    ({"backend": "memcached"}, ["backend", "memcached"]),
+    ({"redis_port": 0}, ["redis_port", "input_value=0"]),
+    ({"redis_port": 70000}, ["redis_port", "70000"]),
+    ({"max_inflight_puts": 0}, ["max_inflight_puts", "input_value=0"]),
+    ({"max_batch_keys": -1}, ["max_batch_keys", "-1"]),
+    ({"op_timeout_s": 0}, ["op_timeout_s", "input_value=0"]),
+    ({"connect_timeout_s": -1.0}, ["connect_timeout_s", "-1.0"]),
+    ({"max_value_bytes": 0}, ["max_value_bytes", "input_value=0"]),
+    ({"namespace": "a b"}, ["namespace", "a b"]),
+    ({"namespace": ""}, ["namespace"]),
+    ({"redis_host": " host"}, ["redis_host", "' host'"]),
+    ({"mooncake_master": "nohostport"}, ["mooncake_master", "nohostport"]),
+    ({"mooncake_master": "h:99999"}, ["mooncake_master", "99999"]),
+    ({"mooncake_protocol": "udp"}, ["mooncake_protocol", "udp"]),
+    ({"backend": "redis", "max_value_bytes": 1 << 30}, ["max_value_bytes", "redis", str(1 << 30)]),
+    (
+        {"backend": "mooncake", "mooncake_global_segment_bytes": 1 << 20},
+        ["mooncake_global_segment_bytes", str(1 << 20), "16777216"],
+    ),
+    ({"unknown_field": 1}, ["unknown_field"]),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), BAD, ids=[str(sorted(b[0])) for b in BAD])
+def test_a_bad_setting_is_refused_by_name(fields, named):
+    with pytest.raises(ValidationError) as info:
+        StoreConfig(**fields)
+    assert isinstance(info.value, ValueError)
+    for text in named:
+        assert text in str(info.value), (text, str(info.value))
+
+
+def test_a_bad_environment_value_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("KVFORGE_STORE_BACKEND", "memcached")
+    with pytest.raises(ValidationError, match="backend") as info:
+        StoreConfig()
+    assert "memcached" in str(info.value)
+
+
+def test_a_config_is_frozen():
+    config = StoreConfig()
+    with pytest.raises(ValidationError, match="frozen"):
+        config.backend = "redis"  # type: ignore[misc]
+
+
+# (file name, content, exception, message fragments)
+BAD_FILES = [
+    ("store.yaml", "backend: redis", ValueError, ["store.yaml", ".toml or .json", "'.yaml'"]),
+    ("store.json", "[1, 2]", ValueError, ["table of fields", "list"]),
+    ("store.json", '{"backend": "redis", "port": 1}', ValueError, ["unknown field", "port"]),
+    ("store.toml", 'backend = "x"', ValidationError, ["backend", "'x'"]),
+    ("store.toml", "backend = ", Exception, ["Invalid"]),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "kind", "named"), BAD_FILES, ids=[b[1] for b in BAD_FILES])
+def test_a_bad_file_is_refused_by_name(tmp_path, name, text, kind, named):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(kind) as info:
+        StoreConfig.from_file(path)
+    for fragment in named:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_a_missing_file_is_refused():
+    with pytest.raises(FileNotFoundError):
+        StoreConfig.from_file("/nonexistent/store.toml")

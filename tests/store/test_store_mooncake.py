@@ -1,0 +1,267 @@
+"""The Mooncake Store adapter against a real ``mooncake_master`` and real clients (TCP, no RDMA,
+no GPU), in a private network namespace (``conftest.py``): zero-copy round trips, prefix
+existence, layouts kept apart, and the faults the issue names. A fault is a miss or a failed
+put, counted; never an exception, never wrong bytes, never a hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from _store_helpers import Pages, keys, mooncake_config
+
+from kvforge.store import open_store
+from kvforge.store.base import server_key
+from kvforge.store.mooncake_store import MooncakeStore
+from kvforge.store.servers import MooncakeMaster, free_port
+from kvforge.store.value import HEADER_SIZE, encode
+
+pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda is not installed")
+
+LAYOUT_A = b"deepseek-v4|mla+indexer|fp8|block=64|tp=0/1"
+LAYOUT_B = b"deepseek-v4|mla+indexer|fp8|block=64|tp=0/2"
+
+
+def make(stores, master, layout=LAYOUT_A, **fields) -> MooncakeStore:
+    store = stores(MooncakeStore(mooncake_config(master, **fields), layout))
+    assert store.wait_ready(30), store.stats()
+    return store
+
+
+def in_thread(fn):
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return box, thread
+
+
+def name_of(store, key):
+    return server_key(store.config.namespace, store.fingerprint, key)
+
+
+def overwrite(store, key, value: bytes) -> None:
+    """Replace the stored value of ``key`` with ``value`` (a fault injected in the store)."""
+    assert store._client.upsert(name_of(store, key), value) == 0
+
+
+def test_put_then_get_is_byte_exact(mooncake_master, stores):
+    store = make(stores, mooncake_master)
+    src, dst = Pages(8, 256 << 10, seed=1), Pages(8, 256 << 10, seed=2)
+    store.register_buffer(src.buf)
+    store.register_buffer(dst.buf)
+    ks = keys(8)
+    assert store.batch_put(ks, src.pages(range(8))) == [True] * 8
+    assert store.exists_prefix(ks) == 8
+    assert store.batch_get_into(ks, dst.pages(range(8))) == [256 << 10] * 8
+    assert all(dst.bytes_of(i) == src.bytes_of(i) for i in range(8))
+    # what the store holds is exactly kvforge's value format
+    assert store._client.get(name_of(store, ks[0])) == encode(ks[0], LAYOUT_A, src.page(0))
+    stats = store.stats()
+    assert (stats.puts_ok, stats.gets_hit, stats.gets_missed, stats.errors) == (8, 8, 0, 0)
+
+
+def test_batches_are_split_and_exists_counts_leading_keys(mooncake_master, stores):
+    store = make(stores, mooncake_master, max_batch_keys=2)
+    src, dst = Pages(6, 4096, seed=3), Pages(6, 4096, seed=4)
+    store.register_buffer(src.buf)
+    store.register_buffer(dst.buf)
+    ks = keys(6)
+    held = [0, 1, 2, 4]
+    assert store.batch_put([ks[i] for i in held], src.pages(held)) == [True] * 4
+    assert store.exists_prefix(ks) == 3
+    assert store.exists_prefix(ks[3:]) == 0
+    got = store.batch_get_into(ks, dst.pages(range(6)))
+    assert got == [4096, 4096, 4096, None, 4096, None]
+    assert all(dst.bytes_of(i) == src.bytes_of(i) for i in held)
+    assert store.stats().misses == {"absent": 2}
+
+
+def test_put_async_copies_and_writes(mooncake_master, stores):
+    store = make(stores, mooncake_master)
+    src, dst = Pages(4, 8192, seed=5), Pages(4, 8192, seed=6)
+    store.register_buffer(src.buf)
+    store.register_buffer(dst.buf)
+    before = [src.bytes_of(i) for i in range(4)]
+    assert store.put_async(keys(4), src.pages(range(4))) == 4
+    src.buf[:] = 0
+    assert store.flush(30)
+    assert store.batch_get_into(keys(4), dst.pages(range(4))) == [8192] * 4
+    assert [dst.bytes_of(i) for i in range(4)] == before
+
+
+def test_two_layouts_never_read_each_others_values(mooncake_master, stores):
+    a = make(stores, mooncake_master, LAYOUT_A)
+    b = make(stores, mooncake_master, LAYOUT_B)
+    pa, pb, out = Pages(2, 4096, seed=7), Pages(2, 4096, seed=8), Pages(2, 4096, seed=9)
+    for store, pages in ((a, pa), (b, pb)):
+        store.register_buffer(pages.buf)
+        store.register_buffer(out.buf)
+    ks = keys(2)
+    assert a.batch_put(ks, pa.pages([0, 1])) == [True, True]
+    assert b.exists_prefix(ks) == 0
+    assert b.batch_get_into(ks, out.pages([0, 1])) == [None, None]
+    assert b.batch_put(ks, pb.pages([0, 1])) == [True, True]
+    assert a.batch_get_into(ks, out.pages([0, 1])) == [4096, 4096]
+    assert out.bytes_of(0) == pa.bytes_of(0) and out.bytes_of(1) == pa.bytes_of(1)
+    assert b.batch_get_into(ks, out.pages([0, 1])) == [4096, 4096]
+    assert out.bytes_of(0) == pb.bytes_of(0) and out.bytes_of(1) == pb.bytes_of(1)
+
+
+# (what is done to the stored value, the miss reason)
+TAMPERING = [
+    ("flip a payload byte", lambda v: v[:HEADER_SIZE + 9] + bytes([v[HEADER_SIZE + 9] ^ 4]) + v[HEADER_SIZE + 10:], "corrupted"),
+    ("flip a checksum byte", lambda v: v[:66] + bytes([v[66] ^ 1]) + v[67:], "corrupted"),
+    ("cut the last byte", lambda v: v[:-1], "truncated"),
+    ("cut to a header", lambda v: v[:HEADER_SIZE], "truncated"),
+    ("a byte appended", lambda v: v + b"\0", "other_length"),
+]
+
+
+@pytest.mark.parametrize(("what", "tamper", "reason"), TAMPERING, ids=[t[0] for t in TAMPERING])
+def test_a_tampered_value_is_a_miss(mooncake_master, stores, what, tamper, reason):
+    store = make(stores, mooncake_master)
+    pages = Pages(2, 4096, seed=10)
+    store.register_buffer(pages.buf)
+    key = keys(1)[0]
+    assert store.batch_put([key], [pages.page(0)]) == [True]
+    overwrite(store, key, tamper(encode(key, LAYOUT_A, pages.page(0))))
+    assert store.batch_get_into([key], [pages.page(1)]) == [None]
+    assert store.stats().misses == {reason: 1}
+
+
+def test_a_value_of_another_key_or_layout_is_a_miss(mooncake_master, stores):
+    a = make(stores, mooncake_master, LAYOUT_A)
+    b = make(stores, mooncake_master, LAYOUT_B)
+    pages = Pages(2, 4096, seed=11)
+    for store in (a, b):
+        store.register_buffer(pages.buf)
+    k0, k1 = keys(2)
+    valid_a = encode(k0, LAYOUT_A, pages.page(0))
+    overwrite(b, k0, valid_a)  # layout A's whole value under layout B's name
+    assert b.batch_get_into([k0], [pages.page(1)]) == [None]
+    assert b.stats().misses == {"other_layout": 1}
+    overwrite(a, k1, valid_a)  # key k0's whole value under k1's name
+    assert a.batch_get_into([k1], [pages.page(1)]) == [None]
+    assert a.stats().misses == {"wrong_key": 1}
+
+
+def test_a_full_store_refuses_puts_and_keeps_what_it_took(mooncake_master, stores):
+    store = make(stores, mooncake_master, mooncake_global_segment_bytes=16 << 20)
+    src, dst = Pages(24, 1 << 20, seed=12), Pages(24, 1 << 20, seed=13)
+    store.register_buffer(src.buf)
+    store.register_buffer(dst.buf)
+    ks = keys(24)
+    done = store.batch_put(ks, src.pages(range(24)))
+    assert 0 < sum(done) < 24
+    stats = store.stats()
+    assert stats.puts_failed == 24 - sum(done) and "full" in (stats.last_error or "")
+    assert stats.available
+    got = store.batch_get_into(ks, dst.pages(range(24)))
+    for i in range(24):
+        # a value the store took reads back exactly, or is a miss (evicted); never other bytes
+        assert got[i] is None or (done[i] and dst.bytes_of(i) == src.bytes_of(i))
+    assert sum(g is not None for g in got) > 0
+
+
+def test_master_killed_mid_put(mooncake_master, stores):
+    store = make(stores, mooncake_master, op_timeout_s=60)
+    src = Pages(8, 64 << 10, seed=14)
+    store.register_buffer(src.buf)
+    mooncake_master.freeze()  # the put's RPC is in flight until the kill
+    box, thread = in_thread(lambda: store.batch_put(keys(8), src.pages(range(8))))
+    time.sleep(0.3)
+    mooncake_master.kill()
+    thread.join(120)
+    assert not thread.is_alive() and "error" not in box
+    assert box["result"] == [False] * 8
+    stats = store.stats()
+    assert stats.puts_failed == 8 and stats.errors >= 1 and not stats.available
+    # with the master gone every call is a miss or a failed put, without an exception
+    assert store.batch_get_into(keys(1), [src.page(0)]) == [None]
+    assert store.exists_prefix(keys(1)) == 0
+
+
+def test_master_killed_mid_get(mooncake_master, stores):
+    store = make(stores, mooncake_master)
+    src, dst = Pages(4, 64 << 10, seed=15), Pages(4, 64 << 10, seed=16)
+    store.register_buffer(src.buf)
+    store.register_buffer(dst.buf)
+    assert store.batch_put(keys(4), src.pages(range(4))) == [True] * 4
+    mooncake_master.freeze()
+    box, thread = in_thread(lambda: store.batch_get_into(keys(4), dst.pages(range(4))))
+    time.sleep(0.3)
+    mooncake_master.kill()
+    thread.join(120)
+    assert not thread.is_alive() and "error" not in box
+    assert box["result"] == [None] * 4
+    assert store.stats().misses == {"store_error": 4}
+
+
+def test_a_frozen_master_bounds_puts_by_op_timeout(mooncake_master, stores):
+    store = make(stores, mooncake_master, op_timeout_s=0.5)
+    src = Pages(2, 4096, seed=17)
+    store.register_buffer(src.buf)
+    mooncake_master.freeze()
+    assert store.batch_put(keys(2), src.pages([0, 1])) == [False, False]
+    stats = store.stats()
+    assert "did not answer" in (stats.last_error or "") and not stats.available
+    # the abandoned call still runs: later calls are misses at once instead of queueing
+    assert store.exists_prefix(keys(2)) == 0
+    assert store.batch_get_into(keys(1), [src.page(1)]) == [None]
+    assert store.stats().misses == {"unavailable": 1}
+    mooncake_master.thaw()
+    store.close()
+    assert store.wait_closed(120)
+
+
+@pytest.mark.parametrize("master_state", ["killed", "frozen"])
+def test_close_returns_with_the_master_gone(mooncake_master, stores, master_state):
+    store = make(stores, mooncake_master, op_timeout_s=0.5, close_timeout_s=1.0)
+    src = Pages(4, 4096, seed=18)
+    store.register_buffer(src.buf)
+    mooncake_master.freeze()
+    store.put_async(keys(4), src.pages(range(4)))
+    if master_state == "killed":
+        mooncake_master.kill()
+    box, thread = in_thread(store.close)
+    thread.join(60)  # a hang detector, not a timing
+    assert not thread.is_alive() and "error" not in box
+    stats = store.stats()
+    assert stats.closed and stats.puts_ok == 0
+    assert store.batch_get_into(keys(1), [src.page(0)]) == [None]
+    mooncake_master.thaw()
+    mooncake_master.stop()
+    # the client itself is closed by its own thread once the master answers or is gone
+    assert store.wait_closed(120)
+
+
+def test_no_master_is_misses_and_close_returns(mooncake_net, stores):
+    if not mooncake_net.private:
+        pytest.skip(mooncake_net.why)
+    missing = MooncakeMaster(free_port(), free_port())
+    store = MooncakeStore(
+        mooncake_config(missing, close_timeout_s=0.5, retry_after_s=30), LAYOUT_A
+    )
+    pages = Pages(2, 1024)
+    store.register_buffer(pages.buf)
+    assert not store.wait_ready(0.3)  # setup keeps retrying in the background
+    assert store.batch_put(keys(1), [pages.page(0)]) == [False]
+    assert store.batch_get_into(keys(1), [pages.page(1)]) == [None]
+    assert store.exists_prefix(keys(1)) == 0
+    box, thread = in_thread(store.close)
+    thread.join(60)
+    assert not thread.is_alive() and "error" not in box
+    assert store.stats().misses == {"unavailable": 1}
+
+
+def test_open_store_builds_the_mooncake_adapter(mooncake_master, stores):
+    store = stores(open_store(mooncake_config(mooncake_master), LAYOUT_A))
+    assert isinstance(store, MooncakeStore) and store.wait_ready(30)
