@@ -45,6 +45,9 @@ MIN_BLOCKS_PER_SLAB = 8
 PADDING_TARGET = 0.01
 """The smallest slab whose worst padding is at most 1% wins; else the least padded one."""
 
+PADDING_LIMIT = 0.03
+"""More slabs are worth up to 3% padding per block; past that, fewer and larger slabs."""
+
 
 class ArenaGeometry(BaseModel):
     """Where every member group's blocks lie in one arena (frozen: both sides get it).
@@ -149,13 +152,20 @@ def plan_arena(
     pages = [_page(layout, n) for n in names]
     units = tuple(-(-p // BLOCK_ALIGN) for p, _ in pages)
     lo = MIN_BLOCKS_PER_SLAB * max(units)
-    hi = memory_budget // (BLOCK_ALIGN * MIN_SLABS)
-    if hi < lo:
-        return None
-    best = _slab_units(units, lo, hi)
+    best = None
+    # many slabs drain often (a slab moves only once none of its blocks is in use), so the
+    # most slabs whose padding stays within PADDING_LIMIT win; a small budget falls back to
+    # fewer, larger slabs
+    for slabs in (256, 64, MIN_SLABS):
+        hi = memory_budget // (BLOCK_ALIGN * slabs)
+        if hi < lo:
+            continue
+        best = _slab_units(units, lo, hi)
+        if best is not None and (best[2] <= PADDING_LIMIT or slabs == MIN_SLABS):
+            break
     if best is None:
         return None
-    slab_units, per_slab = best
+    slab_units, per_slab, _ = best
     slab_bytes = slab_units * BLOCK_ALIGN
     return ArenaGeometry(
         groups=names,
@@ -174,11 +184,12 @@ _PRIMES = (2, 3, 5, 7, 11, 13)
 @functools.lru_cache(maxsize=64)
 def _slab_units(
     units: tuple[int, ...], lo: int, hi: int
-) -> tuple[int, tuple[int, ...]] | None:
+) -> tuple[int, tuple[int, ...], float] | None:
     """The slab size ``L`` (in :data:`BLOCK_ALIGN` units) in ``[lo, hi]`` and the blocks per
-    slab of each page: ``L`` is 13-smooth, so it has many divisors, and page ``u`` gets the
-    smallest divisor ``q >= u`` (``L // q`` blocks of ``q`` units). The smallest ``L`` whose
-    worst padding ``q / u - 1`` is at most :data:`PADDING_TARGET` wins, else the least padded.
+    slab of each page, and the worst padding: ``L`` is 13-smooth, so it has many divisors,
+    and page ``u`` gets the smallest divisor ``q >= u`` (``L // q`` blocks of ``q`` units).
+    The smallest ``L`` whose worst padding ``q / u - 1`` is at most :data:`PADDING_TARGET`
+    wins, else the least padded.
     """
     hi = min(hi, lo * 64, 1 << 28)  # past 64x the least, slabs only fragment more
     best: tuple[float, int, tuple[int, ...]] | None = None
@@ -194,7 +205,7 @@ def _slab_units(
             best = (worst, L, tuple(per_slab))
         if worst <= PADDING_TARGET:
             break
-    return None if best is None else (best[1], best[2])
+    return None if best is None else (best[1], best[2], best[0])
 
 
 def _smooth_between(lo: int, hi: int) -> list[tuple[int, tuple[int, ...]]]:
