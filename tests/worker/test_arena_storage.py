@@ -161,3 +161,15 @@ def test_bad_arena_creates_leave_the_storage_empty(change, error, message) -> No
 def test_tensors_are_zero_and_on_the_cpu() -> None:
     ctl = controller(prefix=False)
     assert all(t.device.type == "cpu" and not torch.any(t != 0) for t in ctl.kv_caches[:4])
+
+
+def test_host_pages_stay_unpadded_beside_the_arena() -> None:
+    ctl = controller()
+    ctl.initialize_host_cache(num_pages=8)
+    arena = ctl.storage.arena
+    for i, g in enumerate(arena.groups):
+        page = ctl.layout.host_page_bytes(g)
+        # the host page is the offloaded roles' meaningful bytes, never the device stride
+        assert page < arena.block_stride[i]
+        assert page == sum(e.block_bytes for e in ctl.layout.offload_buffers(g))
+    assert ctl.host_bytes == sum(8 * ctl.layout.host_page_bytes(g) for g in arena.groups)
