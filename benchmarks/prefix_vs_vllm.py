@@ -560,12 +560,12 @@ class KvforgeSide:
     later request of the same step may share it, and so may kvforge's). A request is a new
     kvforge request at each admission (``rid@k``), finished when it is preempted.
 
-    ``gate_chunk`` (prefix caching off only): admit a waiting request only if its whole
-    prompt fits now, as vLLM's ``scheduler_reserve_full_isl`` gate does. kvforge has no such
-    check, so it is probed through the public API: a throw-away request is scheduled over the
-    prompt in chunks of ``gate_chunk`` tokens (each step ended) and finished; the request is
-    admitted only if no chunk was refused. Without it (None), a request is admitted when its
-    first chunk fits.
+    ``gate_chunk``: admit a waiting request only if its whole prompt fits now, as vLLM's
+    ``scheduler_reserve_full_isl`` gate does, asked of ``BlockManager.prompt_fits`` (prefilled
+    in chunks of ``gate_chunk`` tokens). A manager without that check (an older kvforge) is
+    probed instead, with prefix caching off only: a throw-away request is scheduled over the
+    prompt in chunks (each step ended) and finished; the request is admitted only if no chunk
+    was refused. Without it (None), a request is admitted when its first chunk fits.
     """
 
     def __init__(
@@ -576,15 +576,18 @@ class KvforgeSide:
         self.name = name
         self.manager = manager
         self.caching = bool(manager.prefix_caching)
-        if gate_chunk is not None and self.caching:
+        self.query = hasattr(manager, "prompt_fits")  # kvforge's own admission check
+        if gate_chunk is not None and self.caching and not self.query:
             raise ValueError("the whole-prompt gate probes the pools: prefix caching must be off")
         self.gate_chunk = gate_chunk
         self._Query = PrefixQuery
         self._ids: dict[str, str] = {}
         self._probes = 0
 
-    def _whole_prompt_fits(self, r: SimRequest, hit: int) -> bool:
+    def _whole_prompt_fits(self, r: SimRequest, hit: int, match: Any = None) -> bool:
         assert self.gate_chunk is not None
+        if self.query:  # BlockManager.prompt_fits: a pure check, nothing taken
+            return bool(self.manager.prompt_fits(r.num_tokens, self.gate_chunk, match))
         self._probes += 1
         pid = f"{r.rid}@probe{self._probes}"
         start = hit
@@ -618,7 +621,7 @@ class KvforgeSide:
         return not step.refused
 
     def admit(self, r: SimRequest, n: int, hit: int, handle: Any, has_scheduled: bool) -> bool:
-        if self.gate_chunk is not None and not self._whole_prompt_fits(r, hit):
+        if self.gate_chunk is not None and not self._whole_prompt_fits(r, hit, handle):
             return False
         kid = f"{r.rid}@{r.admissions}"
         if not self._run(kid, r, hit, n, handle):
@@ -1051,7 +1054,10 @@ def run_prefix_vs_vllm(
                 row.kvforge_pool_bytes = info["pool_bytes"]
                 row.kvforge_pools = info["pools"]
                 row.kvforge_plan = info["plan"]
-                _record(row, "kvforge", run_conversations(wl, convs, KvforgeSide(manager), tick))
+                # admitted when its whole prompt fits, as vLLM's side is
+                # (scheduler_reserve_full_isl), through BlockManager.prompt_fits
+                side = KvforgeSide(manager, gate_chunk=wl.chunk_size)
+                _record(row, "kvforge", run_conversations(wl, convs, side, tick))
             if progress is not None:
                 progress.advance()
             row.ratio_default = _ratio(row.kvforge_hit_tokens, row.vllm_default_hit_tokens)

@@ -87,6 +87,7 @@ from kvforge.scheduler.growth import (
     apply_growth,
     fits_in_order,
     plan_growth,
+    prompt_fits,
     schedule_one_by_one,
 )
 from kvforge.scheduler.prefix_cache import (
@@ -537,6 +538,16 @@ class BlockManager:
         return list(self._open_steps)
 
     # ================================================================== prefix cache
+
+    @locked
+    def prompt_fits(
+        self, num_tokens: int, chunk: int, prefix_match: PrefixMatch | None = None
+    ) -> bool:
+        """Whether a new request's whole prompt fits now (``growth.prompt_fits``): the
+        admission check of an engine that admits a request only when its prompt fits."""
+        check_int("num_tokens", num_tokens, minimum=1)
+        check_int("chunk", chunk, minimum=1)
+        return prompt_fits(self._t, num_tokens, chunk, prefix_match)
 
     @locked
     def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:

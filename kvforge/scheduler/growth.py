@@ -15,7 +15,13 @@ from kvforge.scheduler.arena import SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.tables import RequestTables, expand
 
-__all__ = ["apply_growth", "fits_in_order", "plan_growth", "schedule_one_by_one"]
+__all__ = [
+    "apply_growth",
+    "fits_in_order",
+    "plan_growth",
+    "prompt_fits",
+    "schedule_one_by_one",
+]
 
 
 def plan_growth(
@@ -216,3 +222,36 @@ def schedule_one_by_one(
             continue
         apply_growth(t, rows, fresh, before, after, plans, np.array([i]))
     return accept
+
+
+def prompt_fits(t: RequestTables, num_tokens: int, chunk: int, match: object = None) -> bool:
+    """Whether a new request of ``num_tokens`` prompt tokens, served ``match`` (a
+    ``PrefixMatch`` or None) and prefilled ``chunk`` tokens a step, finds its peak blocks free
+    now in every group: full groups every block of the prompt, window and state groups what
+    they hold at rest plus one chunk's blocks (at most the prompt's), per-request groups their
+    slots. Matched blocks already in use cost nothing more; evictable ones count, since taking
+    them leaves the free count. Nothing changes (vLLM's whole-prompt admission,
+    ``allocate_slots(full_sequence_must_fit=True)``)."""
+    needs: list[int] = []
+    for g in t.groups:
+        if g.per_request:
+            needs.append(g.slots)
+            continue
+        whole = -(-num_tokens // g.block_size)
+        need = whole
+        if not g.history:
+            at_rest = g.spec.max_live_blocks(num_tokens)
+            need = min(whole, at_rest + -(-chunk // g.block_size))
+        held = getattr(match, "blocks", {}).get(g.spec.name)
+        if held is not None and len(held):
+            held = np.asarray(held)
+            held = held[held != NULL_BLOCK]
+            need -= int((g.pool.ref_counts[held] > 0).sum())
+        needs.append(max(0, need))
+    for pool, members in t.capacity:
+        if isinstance(pool, SlabArena):
+            if not pool.fits({t.groups[gi].pool: needs[gi] for gi in members}):
+                return False
+        elif sum(needs[gi] for gi in members) > pool.num_free:
+            return False
+    return True

@@ -98,8 +98,15 @@ def test_gate_probe_leaves_the_pools_as_they_were() -> None:
         "llama-3-8b", GIB // 4, enable_prefix_caching=True, max_model_len=1024,
         max_num_seqs=2, max_num_batched_tokens=256,
     )
+    # kvforge's own check needs no probe, so prefix caching may stay on
+    assert KvforgeSide(cached, gate_chunk=256).query
+
+    class Older:  # a manager without prompt_fits is probed, which prefix caching forbids
+        def __init__(self, inner):
+            self.prefix_caching = inner.prefix_caching
+
     with pytest.raises(ValueError, match="prefix caching must be off"):
-        KvforgeSide(cached, gate_chunk=256)
+        KvforgeSide(Older(cached), gate_chunk=256)
 
 
 def test_rows_without_vllm() -> None:
