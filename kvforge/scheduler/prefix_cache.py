@@ -32,18 +32,25 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from kvforge._checks import ArgumentError
 from kvforge.core.prefix_keys import Algorithm, PrefixHasher, unit_of
 from kvforge.core.values import BlockCopy, PrefixEvent, PrefixMatch, PrefixQuery, TableDelta
 from kvforge.scheduler.args import token_array
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
+from kvforge.scheduler.retention import (
+    DEFAULT_PREFIX_RETENTION,
+    PREFIX_RETENTIONS,
+    Retention,
+    check_prefix_retention,
+    checkpoints_of,
+)
 from kvforge.scheduler.tables import GroupTable, RequestTables
 from kvforge.scheduler.unit_records import UnitRecordStore
 
+# the retention policy lives in .retention; its names stay importable from here
 __all__ = [
     "DEFAULT_PREFIX_RETENTION",
     "PREFIX_RETENTIONS",
@@ -53,62 +60,6 @@ __all__ = [
     "StepWork",
     "check_prefix_retention",
 ]
-
-Retention = Literal["dense", "checkpoints"]
-#: the retention policies of window and state blocks (see :func:`check_prefix_retention`)
-PREFIX_RETENTIONS: tuple[str, ...] = ("dense", "checkpoints")
-#: chosen by measurement against vLLM 0.33 (``docs/vs_vllm.md``, "Retention")
-DEFAULT_PREFIX_RETENTION: Retention = "dense"
-
-
-def check_prefix_retention(
-    prefix_retention: object,
-    prefix_retention_interval: object = None,
-    boundary: int | None = None,
-) -> tuple[Retention, int | None]:
-    """``(prefix_retention, prefix_retention_interval)`` themselves, refused unless the policy
-    is ``"dense"`` or ``"checkpoints"`` and the interval is ``None`` or (with
-    ``"checkpoints"``) a positive multiple of ``boundary``, the LCM of the groups' block
-    sizes, where every prefix hit ends (any positive int while ``boundary`` is not known).
-
-    - ``"dense"``: every completed window / state block that the tail of some boundary needs
-      is kept reusable (a hit may end on any boundary the full-attention chain reaches);
-    - ``"checkpoints"`` (vLLM 0.33's default, ``prefix_cache_retention_interval=0``): only the
-      blocks of the tails at the boundaries where a later prompt can end: the request's
-      replay boundary (its prompt's last token, rounded down to ``boundary``, where a resend
-      of the prompt or a longer one hits), the junction its lookup found (where the
-      full-attention chain of a cached prompt it shares a prefix with ends), and, with an
-      interval ``I``, every multiple of ``I`` (vLLM's positive interval). A request scheduled
-      without a match has no known prompt end: it keeps its blocks densely.
-
-    Full-attention (history) groups and per-request snapshots are not affected.
-
-    Raises:
-        ArgumentError (a ``TypeError`` and a ``ValueError``): a bad value, named.
-    """
-    if not isinstance(prefix_retention, str) or prefix_retention not in PREFIX_RETENTIONS:
-        raise ArgumentError(
-            f"prefix_retention must be 'dense' or 'checkpoints', got {prefix_retention!r}"
-        )
-    interval = prefix_retention_interval
-    if interval is None:
-        return prefix_retention, None  # type: ignore[return-value]
-    if prefix_retention != "checkpoints":
-        raise ArgumentError(
-            f"prefix_retention_interval applies to prefix_retention='checkpoints', got "
-            f"{interval!r} with prefix_retention={prefix_retention!r}"
-        )
-    if isinstance(interval, bool) or not isinstance(interval, Integral) or interval < 1:
-        raise ArgumentError(
-            f"prefix_retention_interval must be None or a positive int, got {interval!r}"
-        )
-    if boundary is not None and interval % boundary:
-        raise ArgumentError(
-            f"prefix_retention_interval must be a multiple of {boundary} (the LCM of the "
-            f"groups' block sizes, where prefix hits end), got {interval!r}"
-        )
-    return prefix_retention, int(interval)  # type: ignore[return-value]
-
 
 @dataclass
 class PrefixStats:
@@ -466,7 +417,9 @@ class PrefixCache:
             assert isinstance(hasher, PrefixHasher)
             self._hashers[request_id] = hasher.at_prefix(hasher.num_tokens)
             if match is not None and self.retention == "checkpoints":
-                self._keep[request_id] = self._checkpoints(match)
+                self._keep[request_id] = checkpoints_of(
+                    match.num_prompt_tokens, match.junction, self.boundary
+                )
         if match is None or not match.num_tokens:
             return None
         for g in self._t.groups:
@@ -697,16 +650,6 @@ class PrefixCache:
             return False
         first = -(-end // every) * every
         return self._window_start(g, first) // g.block_size <= col
-
-    def _checkpoints(self, match: PrefixMatch) -> tuple[int, ...]:
-        """The boundaries a request admitted with ``match`` keeps window / state tails at,
-        under ``"checkpoints"``: its replay boundary (its prompt's last token rounded down to
-        :attr:`boundary`: where a resend of the prompt, or any longer prompt extending it,
-        hits) and the junction its lookup found (0s dropped)."""
-        step = self.boundary
-        replay = (match.num_prompt_tokens - 1) // step * step if match.num_prompt_tokens else 0
-        junction = match.junction // step * step
-        return tuple(sorted({b for b in (replay, junction) if b > 0}))
 
     def _store(
         self,
