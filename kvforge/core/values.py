@@ -25,6 +25,7 @@ from kvforge.specs import SwapPurpose
 
 __all__ = [
     "BlockCopy",
+    "PageCopy",
     "PrefixEvent",
     "PrefixMatch",
     "PrefixQuery",
@@ -141,6 +142,23 @@ class BlockCopy:
     src: np.ndarray
     dst: np.ndarray
     row: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class PageCopy:
+    """Copy whole blocks of every offloaded (layer, role) of one group between the device and
+    the prefix cache's host tier pages (``kvforge.scheduler.host_tier``): an offload copies
+    ``device_blocks[i]`` to ``host_pages[i]``, an onload the other way.
+
+    Attributes:
+        group: the group.
+        device_blocks: ``int32 [k]`` device block ids.
+        host_pages: ``int32 [k]`` host tier page ids, same order.
+    """
+
+    group: str
+    device_blocks: np.ndarray
+    host_pages: np.ndarray
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,9 @@ subclass.
 - :func:`check_copies`: source and destination ids lie in ``[1, num_blocks)``; a destination
   is held by no mirrored row other than ``BlockCopy.row`` (none at all for ``-1``), by no row
   of another group of its shared pool, and lies in ``row`` when ``row >= 0``.
+- :func:`check_page_copies`: the host tier's offloads and onloads (``PageCopy``): device
+  blocks in ``[1, num_blocks)``, host tier pages in ``[1, num_pages)`` of a group that has
+  them, one page per block; an onload writes each device block once.
 - :func:`check_plan`: the plan id was never executed (:class:`PlanLedger`); device blocks,
   block indices and host pages are in range; every move's blocks are what one mirrored row
   holds at the move's indices; a swap in writes only blocks that are in its row and in no
@@ -34,7 +37,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kvforge.core.arena import ArenaGeometry
-from kvforge.core.values import BlockCopy, RequestMove, StepAllocation, SwapPlan, TableDelta
+from kvforge.core.values import (
+    BlockCopy,
+    PageCopy,
+    RequestMove,
+    StepAllocation,
+    SwapPlan,
+    TableDelta,
+)
 from kvforge.errors import (
     BlockOwnershipError,
     BlockRangeError,
@@ -48,6 +58,7 @@ __all__ = [
     "Verifier",
     "check_copies",
     "check_deltas",
+    "check_page_copies",
     "check_plan",
     "check_step",
 ]
@@ -249,6 +260,56 @@ def check_copies(
         _refuse_held(mark, table, row, group, action, "the copy")
         for mate in pool_mates.get(group, ()):
             _refuse_held(mark, tables[mate], -1, mate, action, "the copy")
+
+
+def check_page_copies(
+    offloads: Sequence[PageCopy],
+    onloads: Sequence[PageCopy],
+    num_blocks: Mapping[str, int],
+    num_pages: Mapping[str, int],
+) -> None:
+    """Refuse the whole batch of host tier copies unless every one is a :class:`PageCopy` of
+    a group with host tier pages, with as many device blocks as pages, every device block in
+    ``[1, num_blocks)`` and every page in ``[1, num_pages)``, and no device block written
+    twice by the onloads of one group."""
+    action = "HostTierPages.move"
+    written: dict[str, list[np.ndarray]] = {}
+    for kind, copies in (("offload", offloads), ("onload", onloads)):
+        if isinstance(copies, PageCopy) or not isinstance(copies, Sequence):
+            raise WorkerRefusedError(
+                f"{action}: {kind}s must be a sequence of PageCopy, got "
+                f"{type(copies).__name__}; nothing moved"
+            )
+        for copy in copies:
+            if type(copy) is not PageCopy:
+                raise WorkerRefusedError(
+                    f"{action}: expected PageCopy values, got {type(copy).__name__}; nothing "
+                    "moved"
+                )
+            group = copy.group
+            if not isinstance(group, str) or group not in num_pages or group not in num_blocks:
+                raise WorkerRefusedError(
+                    f"{action}: {kind} of group {group!r}, which has no host tier pages "
+                    f"(groups with them: {sorted(num_pages)}); nothing moved"
+                )
+            blocks = _ints(copy.device_blocks, action, "device_blocks")
+            pages = _ints(copy.host_pages, action, "host_pages")
+            if len(blocks) != len(pages):
+                raise WorkerRefusedError(
+                    f"{action}: {kind} of group {group!r} names {len(blocks)} device blocks "
+                    f"and {len(pages)} host pages; nothing moved"
+                )
+            _range(blocks, 1, num_blocks[group], action, "block id", group)
+            _range(pages, 1, num_pages[group], action, "host page", group)
+            if kind == "onload":
+                written.setdefault(group, []).append(blocks)
+    for group, arrays in written.items():
+        blocks = np.concatenate(arrays)
+        if len(np.unique(blocks)) != len(blocks):
+            raise WorkerRefusedError(
+                f"{action}: the onloads of group {group!r} write a device block twice "
+                f"({blocks.tolist()}); nothing moved"
+            )
 
 
 def _refuse_held(
@@ -528,6 +589,17 @@ class Verifier:
         check_copies(copies, self.tables, self.num_blocks, self.pool_mates)
         for copy in copies:
             self._arena_writes(copy.group, np.asarray(copy.dst), "copy_blocks", "the copy")
+
+    def page_copies(
+        self,
+        offloads: Sequence[PageCopy],
+        onloads: Sequence[PageCopy],
+        num_pages: Mapping[str, int],
+    ) -> None:
+        check_page_copies(offloads, onloads, self.num_blocks, num_pages)
+        for copy in onloads:
+            blocks = np.asarray(copy.device_blocks)
+            self._arena_writes(copy.group, blocks, "HostTierPages.move", "an onload")
 
     def _arena_writes(self, group: str, blocks: np.ndarray, action: str, what: str) -> None:
         """Refuse a write to blocks of arena group ``group`` whose slab holds a block another

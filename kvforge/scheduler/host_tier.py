@@ -1,0 +1,408 @@
+"""The host tier of the prefix cache, scheduler side: host pages that keep evicted prefix
+blocks, the index key -> page, LRU eviction of pages, and the page copies a worker runs.
+
+Status: this module is the scheduler-side bookkeeping of issue 22's host tier, complete and
+tested on its own (``tests/scheduler/test_host_tier.py``); it is not wired into
+:class:`~kvforge.scheduler.prefix_cache.PrefixCache` and
+:class:`~kvforge.scheduler.block_manager.BlockManager` yet, and no worker runs its copies yet
+(``docs/tiered_store.md``, "Host tier", says what is left).
+
+:class:`HostTier` owns, per group, a page pool of its own (a
+:class:`~kvforge.scheduler.block_pool.BlockPool` of ``kind="host"``, separate from the swap
+book's pages) and the index from prefix keys (the same keys the device prefix cache uses) to
+the page holding that block's bytes. What the exact check needs stays alive with the page: the
+unit record the device block held a reference on moves to the page with it (:meth:`demote`
+takes that reference over, :meth:`HostTier._evicted` releases it), and so does a tail key's
+proof. A lookup that reads the host part therefore confirms it exactly as it confirms the
+device part.
+
+Life of a page::
+
+    demote(group, key, end, block, ref, proof)   # a device block leaves (eviction, or a
+        -> page (ref 1, retained)                #  completed block under write_through):
+                                                 #  an offload block -> page is queued
+    take_offloads() -> (PageCopy, ...)           # handed to the worker, to run before the
+        page: ref 0, evictable, LRU order        #  device block is written again
+    reach(spans) -> n                            # how many boundaries the host part covers
+    onload({group: (keys, device blocks)})       # all or nothing: pages pinned, touched
+    take_onloads() -> (PageCopy, ...)            # to run before the step's kernels
+    ... a demotion finds no free page: the least recently used evictable page goes, its
+        key and record with it (a later lookup hits shorter, never reads other bytes)
+
+Invariants (tested): a page is in the index exactly when it is retained by its pool; a page
+whose offload or onload is queued is pinned (ref >= 1), so it is never evicted or reused
+before the worker ran the copy; every call checks its input in full before any state moves.
+
+Per-request (state snapshot) groups follow ``state_policy``: ``"skip"`` (the only policy so
+far) keeps none of them: a hit that needs a snapshot is recomputed, never guessed. Window
+groups keep only what the device prefix cache registered: the blocks of the tails a boundary
+needs, so a window group stores only its tail per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from kvforge._checks import ArgumentError
+from kvforge.core.values import PageCopy
+from kvforge.scheduler.block_pool import BlockPool
+from kvforge.scheduler.unit_records import UnitRecordStore
+
+__all__ = [
+    "HOST_TIER_POLICIES",
+    "HostTier",
+    "HostTierPolicy",
+    "HostTierStats",
+    "check_host_tier_policy",
+]
+
+HostTierPolicy = Literal["eviction", "write_through"]
+#: when a device block goes to the host tier: on its eviction (default) or once it completes
+HOST_TIER_POLICIES: tuple[str, ...] = ("eviction", "write_through")
+STATE_POLICIES: tuple[str, ...] = ("skip",)
+
+
+def check_host_tier_policy(policy: object) -> HostTierPolicy:
+    """``policy`` itself, refused (:class:`ArgumentError`) unless ``"eviction"`` or
+    ``"write_through"``."""
+    if not isinstance(policy, str) or policy not in HOST_TIER_POLICIES:
+        raise ArgumentError(
+            f"host_tier_policy must be 'eviction' or 'write_through', got {policy!r}"
+        )
+    return policy  # type: ignore[return-value]
+
+
+@dataclass
+class HostTierStats:
+    """Counters of the host tier, per group.
+
+    Attributes:
+        demotions: device blocks given a host page (an offload queued).
+        repeats: demotions of a key the tier already held (no copy; the page is touched).
+        dropped: demotions refused because every page was pinned by a queued copy.
+        skipped: demotions of per-request (state snapshot) blocks, skipped by policy.
+        evictions: host pages evicted (least recently used first) for new demotions.
+        hits: blocks onloaded back to the device.
+    """
+
+    demotions: dict[str, int] = field(default_factory=dict)
+    repeats: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+    hits: dict[str, int] = field(default_factory=dict)
+
+
+class _Page(NamedTuple):
+    key: bytes
+    end: int  # the token count its key covers
+    ref: bytes | None  # the unit record it holds a reference on
+    proof: tuple[bytes, bytes, bytes] | None  # a tail key's (parent, payload, root preimage)
+
+
+def _bump(counter: dict[str, int], group: str, n: int = 1) -> None:
+    counter[group] = counter.get(group, 0) + n
+
+
+def _block_ids(value: object, what: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and (arr.dtype == bool or arr.dtype.kind not in "iu")):
+        raise ArgumentError(f"{what} must be a 1-d sequence of ints, got {value!r}")
+    if arr.size and int(arr.min()) < 1:
+        raise ArgumentError(f"{what} must be device block ids >= 1, got {int(arr.min())}")
+    return arr.astype(np.int32)
+
+
+class HostTier:
+    """Host pages for the prefix blocks the device lets go, per group.
+
+    Args:
+        num_pages: group -> pages of its host tier pool, the reserved null page included
+            (>= 2). Groups not named keep nothing on the host.
+        records: the prefix cache's unit record store: a page holds the reference its
+            device block held, so the exact check of a host hit still works.
+        per_request: the per-request (state snapshot) groups among them.
+        policy: ``"eviction"`` (default) or ``"write_through"``: when the caller demotes
+            (the tier itself only records it).
+        state_policy: what happens to per-request snapshots: ``"skip"`` (recompute).
+
+    Raises:
+        ArgumentError: a bad ``num_pages`` (not a mapping of group names to ints >= 2), a
+            bad policy; nothing is created.
+    """
+
+    def __init__(
+        self,
+        num_pages: Mapping[str, int],
+        records: UnitRecordStore,
+        per_request: Collection[str] = (),
+        policy: HostTierPolicy = "eviction",
+        state_policy: Literal["skip"] = "skip",
+    ) -> None:
+        if not isinstance(num_pages, Mapping) or not num_pages:
+            raise ArgumentError(
+                f"num_pages must be a non-empty mapping group -> pages, got {num_pages!r}"
+            )
+        for name, n in num_pages.items():
+            if not isinstance(name, str) or not name:
+                raise ArgumentError(f"num_pages: group names are non-empty str, got {name!r}")
+            if isinstance(n, bool) or not isinstance(n, Integral) or n < 2:
+                raise ArgumentError(
+                    f"num_pages[{name!r}] must be an int >= 2 (one usable page plus the null "
+                    f"page), got {n!r}"
+                )
+        if not isinstance(records, UnitRecordStore):
+            raise ArgumentError(f"records must be a UnitRecordStore, got {type(records).__name__}")
+        self.policy = check_host_tier_policy(policy)
+        if state_policy not in STATE_POLICIES:
+            raise ArgumentError(f"state_policy must be 'skip', got {state_policy!r}")
+        self.state_policy = state_policy
+        self.records = records
+        self.per_request = frozenset(per_request) & set(num_pages)
+        self.stats = HostTierStats()
+        self._pools: dict[str, BlockPool] = {}
+        self._index: dict[str, dict[bytes, int]] = {}
+        self._pages: dict[str, dict[int, _Page]] = {}
+        self._offloads: dict[str, list[tuple[int, int]]] = {}
+        self._onloads: dict[str, list[tuple[int, int]]] = {}
+        self._queued: dict[str, set[int]] = {}  # device blocks with an offload queued
+        for name, n in num_pages.items():
+            self._pools[name] = BlockPool(
+                int(n), name, kind="host", on_evict=functools.partial(self._evicted, name)
+            )
+            self._index[name], self._pages[name] = {}, {}
+            self._offloads[name], self._onloads[name] = [], []
+            self._queued[name] = set()
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def groups(self) -> list[str]:
+        return list(self._pools)
+
+    def pool(self, group: str) -> BlockPool:
+        """The page pool of ``group`` (ids only: the bytes are on the worker side)."""
+        return self._pools[self._group(group)]
+
+    def page_of(self, group: str, key: object) -> int | None:
+        """The page holding ``key`` in ``group``, or ``None``."""
+        return self._index[self._group(group)].get(key)  # type: ignore[call-overload]
+
+    def entry(self, group: str, key: bytes) -> tuple[int, bytes | None, object] | None:
+        """``(end, record, proof)`` kept with ``key``'s page, or ``None``: what the exact check
+        of a host hit reads."""
+        page = self.page_of(group, key)
+        if page is None:
+            return None
+        e = self._pages[group][page]
+        return e.end, e.ref, e.proof
+
+    def __len__(self) -> int:
+        """Pages that hold a key, over every group."""
+        return sum(len(ix) for ix in self._index.values())
+
+    # ------------------------------------------------------------------ demotion
+
+    def demote(
+        self,
+        group: str,
+        key: bytes,
+        end: int,
+        device_block: int,
+        ref: bytes | None = None,
+        proof: tuple[bytes, bytes, bytes] | None = None,
+    ) -> int | None:
+        """Keep device block ``device_block`` (key ``key``, covering ``end`` tokens) in a
+        host page: take a page (evicting the least recently used one when none is free),
+        index it, and queue the offload. The tier takes over the caller's reference on
+        unit record ``ref`` in every case (released here when the block is not kept).
+
+        Returns:
+            the page, or ``None``: a per-request group (``state_policy="skip"``), or every
+            page pinned by a queued copy (counted in ``dropped``). A key already held keeps
+            its page (touched, no copy; counted in ``repeats``).
+
+        Raises:
+            ArgumentError: an unknown group, a key that is not bytes, ``end`` or
+                ``device_block`` not an int >= 1 (nothing changed).
+        """
+        name = self._group(group)
+        if not isinstance(key, bytes) or not key:
+            raise ArgumentError(f"key must be non-empty bytes, got {key!r}")
+        for what, v in (("end", end), ("device_block", device_block)):
+            if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
+                raise ArgumentError(f"{what} must be an int >= 1, got {v!r}")
+        if proof is not None and (
+            not isinstance(proof, tuple)
+            or len(proof) != 3
+            or not all(isinstance(p, bytes) for p in proof)
+        ):
+            raise ArgumentError(f"proof must be None or three bytes, got {proof!r}")
+        if int(device_block) in self._queued[name]:
+            raise ArgumentError(
+                f"device block {device_block} of group {name!r} has an offload queued already; "
+                "take_offloads() hands it to the worker before the block may be demoted again"
+            )
+        if name in self.per_request:
+            _bump(self.stats.skipped, name)
+            self._let_go(ref)
+            return None
+        pool, index = self._pools[name], self._index[name]
+        page = index.get(key)
+        if page is not None:
+            _bump(self.stats.repeats, name)
+            self._let_go(ref)
+            if pool.ref_count(page) == 0:  # touch: most recently used
+                pool.share([page])
+                pool.release([page])
+            return page
+        if pool.num_free == 0:
+            _bump(self.stats.dropped, name)
+            self._let_go(ref)
+            return None
+        [page] = pool.take(1).tolist()  # may evict the least recently used page
+        pool.retain(page)
+        index[key] = page
+        self._pages[name][page] = _Page(key, int(end), ref, proof)
+        self._offloads[name].append((int(device_block), page))
+        self._queued[name].add(int(device_block))
+        _bump(self.stats.demotions, name)
+        return page
+
+    def take_offloads(self) -> tuple[PageCopy, ...]:
+        """The queued offloads (device block -> host page), one :class:`PageCopy` per group,
+        for the worker to run before any of those device blocks is written again; their
+        pages become evictable (least recently demoted first)."""
+        out = []
+        for name, queued in self._offloads.items():
+            if not queued:
+                continue
+            blocks, pages = (np.array(c, dtype=np.int32) for c in zip(*queued, strict=True))
+            out.append(PageCopy(name, blocks, pages))
+            self._offloads[name] = []
+            self._queued[name].clear()
+            # reversed: the pool queues a released run deepest first, and the first demoted
+            # page must be the first evicted (the device pool demotes in its eviction order)
+            self._pools[name].release(pages[::-1])
+        return tuple(out)
+
+    # ------------------------------------------------------------------ lookup, onload
+
+    def reach(self, spans: Sequence[Mapping[str, Sequence[bytes]]]) -> int:
+        """How many leading ``spans`` the tier holds whole: ``spans[i]`` names, per group, the
+        keys of the blocks boundary ``i`` needs beyond the previous one (a full group every
+        block of the span, a window group the tail at the boundary); a span counts only when
+        every key of every group is held (all or nothing), and the first one missing stops
+        the count. Nothing changes.
+
+        A per-request group holds nothing (``state_policy="skip"``): a span that needs one of
+        its keys is not held.
+
+        Raises:
+            ArgumentError: a group the tier does not keep, or a span that is not a mapping.
+        """
+        n = 0
+        for i, span in enumerate(spans):
+            if not isinstance(span, Mapping):
+                raise ArgumentError(f"spans[{i}] must be a mapping group -> keys")
+            for name in span:
+                self._group(name)
+        for span in spans:
+            if not all(k in self._index[g] for g, keys in span.items() for k in keys):
+                break
+            n += 1
+        return n
+
+    def onload(
+        self, targets: Mapping[str, tuple[Sequence[bytes], Sequence[int] | np.ndarray]]
+    ) -> dict[str, np.ndarray]:
+        """Queue the copies of held keys back to device blocks: ``targets`` maps a group to
+        ``(keys, device blocks)`` of one length. All or nothing: if a key is not held (evicted
+        since :meth:`reach`), nothing is queued and ``None`` pages come back as a
+        :class:`KeyError`. The pages are pinned until :meth:`take_onloads` hands them out and
+        become the most recently used. The worker runs queued offloads before onloads, so a
+        key whose offload is still queued may be onloaded in the same batch.
+
+        Returns:
+            group -> ``int32`` host pages, in the order of the keys.
+
+        Raises:
+            ArgumentError: an unknown group, lengths that differ, bad device block ids, a
+                device block named twice in one group.
+            KeyError: a key the tier does not hold (nothing changed).
+        """
+        plan: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for name, value in targets.items():
+            self._group(name)
+            if not isinstance(value, tuple) or len(value) != 2:
+                raise ArgumentError(f"targets[{name!r}] must be (keys, device blocks)")
+            keys, blocks = value
+            ids = _block_ids(blocks, f"targets[{name!r}] device blocks")
+            if len(ids) != len(keys):
+                raise ArgumentError(
+                    f"targets[{name!r}] names {len(keys)} keys and {len(ids)} device blocks"
+                )
+            if len(np.unique(ids)) != len(ids):
+                raise ArgumentError(f"targets[{name!r}] names a device block twice")
+            index = self._index[name]
+            missing = next((k for k in keys if k not in index), None)
+            if missing is not None:
+                raise KeyError(f"group {name!r} holds no page for key {missing!r}")
+            plan[name] = (ids, np.array([index[k] for k in keys], dtype=np.int32))
+        out = {}
+        for name, (ids, pages) in plan.items():
+            pool = self._pools[name]
+            pool.share(pages)  # pinned until handed out; released last: most recently used
+            self._onloads[name] += zip(ids.tolist(), pages.tolist(), strict=True)
+            _bump(self.stats.hits, name, len(pages))
+            out[name] = pages
+        return out
+
+    def take_onloads(self) -> tuple[PageCopy, ...]:
+        """The queued onloads (host page -> device block), one :class:`PageCopy` per group,
+        for the worker to run before the step's kernels; their pages are unpinned, the first of
+        a group's keys the most recently used (a chain's deepest page goes first)."""
+        out = []
+        for name, queued in self._onloads.items():
+            if not queued:
+                continue
+            blocks, pages = (np.array(c, dtype=np.int32) for c in zip(*queued, strict=True))
+            out.append(PageCopy(name, blocks, pages))
+            self._onloads[name] = []
+            self._pools[name].release(pages)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ eviction
+
+    def _evicted(self, group: str, victims: np.ndarray) -> None:
+        pages, index = self._pages[group], self._index[group]
+        for page in victims.tolist():
+            e = pages.pop(page)
+            del index[e.key]
+            self._let_go(e.ref)
+        _bump(self.stats.evictions, group, len(victims))
+
+    def reset(self) -> int:
+        """Forget every page that no queued copy pins; returns how many went."""
+        return sum(len(pool.evict(pool.num_evictable)) for pool in self._pools.values())
+
+    def _let_go(self, ref: bytes | None) -> None:
+        if ref is not None:
+            self.records.release(ref)
+
+    def _group(self, group: object) -> str:
+        if not isinstance(group, str) or group not in self._pools:
+            raise ArgumentError(
+                f"group {group!r} has no host tier pages; groups are {list(self._pools)}"
+            )
+        return group
+
+    def __repr__(self) -> str:
+        held = {g: len(ix) for g, ix in self._index.items()}
+        return f"HostTier({self.policy}, pages held {held})"

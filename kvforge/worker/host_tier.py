@@ -1,0 +1,124 @@
+"""The prefix cache's host tier pages of one worker, and the copies to and from them.
+
+Status: built and tested on its own (``tests/worker/test_host_tier_bytes.py``); the controller
+does not create one yet (``docs/tiered_store.md``, "Host tier").
+
+:class:`HostTierPages` holds, per group, page-first pinned host pages in the swap pages'
+format (:class:`~kvforge.worker.host_pool.HostPools`: one block of every offloaded (layer,
+role), packed, unpadded), but a pool of their own: the scheduler side's
+:class:`~kvforge.scheduler.host_tier.HostTier` hands out their ids. :meth:`HostTierPages.move`
+runs the scheduler side's :class:`~kvforge.core.values.PageCopy` values with the transfer code
+of swaps (:func:`~kvforge.worker.transfer.move_pages`, one gather or scatter per copy), after
+the storage's guard checked the whole batch (:func:`kvforge.worker.guard.check_page_copies`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvforge.core.memory_plan import check_allocatable
+from kvforge.core.values import PageCopy, SwapResult
+from kvforge.worker.host_pool import HostGroupPool, HostPools
+from kvforge.worker.transfer import move_pages
+
+if TYPE_CHECKING:
+    from kvforge.worker.storage import CacheStorage
+
+__all__ = ["HostTierPages"]
+
+
+class HostTierPages:
+    """Host tier pages for the groups of ``storage`` named in ``num_pages``.
+
+    Args:
+        storage: the worker's :class:`~kvforge.worker.storage.CacheStorage`, with its device
+            caches created (the copies run under its lock, checked by its guard).
+        num_pages: group -> pages, the null page 0 included (>= 2).
+
+    Raises:
+        ValueError: a group the storage holds no offloaded planes of, a count below 2, or
+            more bytes than the host has (nothing is allocated).
+        RuntimeError: the storage has no device caches yet.
+    """
+
+    def __init__(self, storage: CacheStorage, num_pages: Mapping[str, int]) -> None:
+        with storage._lock:
+            storage._ready()
+            held = sorted(storage._planes)
+            unknown = sorted(set(num_pages) - set(held))
+            if unknown:
+                raise ValueError(
+                    f"num_pages names groups {unknown} that this storage holds no offloaded "
+                    f"planes of (groups: {held})"
+                )
+            small = [
+                g
+                for g, n in num_pages.items()
+                if isinstance(n, bool) or not isinstance(n, int) or n < 2
+            ]
+            if small:
+                raise ValueError(
+                    f"num_pages[{small[0]!r}] must be an int >= 2 (one usable page plus the "
+                    f"null page), got {num_pages[small[0]]!r}"
+                )
+            layout = storage.layout
+            nbytes = sum(n * layout.host_page_bytes(g) for g, n in num_pages.items())
+            check_allocatable(nbytes, "cpu", "host tier pages")
+            every = {g.name: int(num_pages.get(g.name, 0)) for g in layout.groups}
+            pools = HostPools(layout, every, storage.platform)
+            self.groups: dict[str, HostGroupPool] = {
+                g: p for g, p in pools.groups.items() if every[g]
+            }
+            self.storage = storage
+
+    @property
+    def num_pages(self) -> dict[str, int]:
+        return {g: p.num_pages for g, p in self.groups.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.groups.values())
+
+    def move(self, offloads: Sequence[PageCopy] = (), onloads: Sequence[PageCopy] = ()) -> Any:
+        """Run every offload (device blocks to pages, one gather per copy), then every onload
+        (pages back to device blocks, one scatter per copy), so a page offloaded and onloaded
+        in one batch carries the offloaded bytes. The whole batch is checked before a byte
+        moves. Returns the event after which the copies are done (``None`` on CPU, where they
+        are done on return).
+
+        Raises:
+            BlockRangeError: a device block or page out of range, or the null one.
+            BlockOwnershipError: (arena) an onload into a slab another group's row holds.
+            WorkerRefusedError: a value that is not a ``PageCopy``, a group without host tier
+                pages, lengths that differ, an onload writing a device block twice.
+            ControllerClosedError: the storage was freed (its caches are gone).
+        """
+        storage = self.storage
+        with storage._lock:
+            storage._ready()
+            storage._verify.page_copies(offloads, onloads, self.num_pages)
+            keep_alive: list[Any] = []
+            for direction, copies in (("out", offloads), ("in", onloads)):
+                for copy in copies:
+                    if not len(copy.device_blocks):
+                        continue
+                    move_pages(
+                        direction,  # type: ignore[arg-type]
+                        storage.platform,
+                        storage.streams,
+                        storage.planes(copy.group),
+                        copy.device_blocks,
+                        self.groups[copy.group].pages,
+                        copy.host_pages,
+                        keep_alive,
+                    )
+            event = storage._finish()
+            if event is not None:  # pragma: no cover - accelerators only
+                from kvforge.worker.storage import SwapExecution
+
+                storage._copies.append(SwapExecution(SwapResult(-1), event, keep_alive))
+            return event
+
+    def __repr__(self) -> str:
+        return f"HostTierPages({self.num_pages})"

@@ -1,0 +1,278 @@
+"""The host tier's scheduler side (``kvforge.scheduler.host_tier``): demotion queues an offload
+and keeps the exact check's record alive, lookups reach across held spans all or nothing,
+onloads pin their pages until handed out, the least recently used page goes when the pool is
+full (a shorter hit), per-request snapshots are skipped, and bad inputs change nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from kvforge._checks import ArgumentError
+from kvforge.core.prefix_keys import ExtraKeys, PrefixHasher
+from kvforge.core.values import PageCopy
+from kvforge.scheduler.host_tier import HostTier, check_host_tier_policy
+from kvforge.scheduler.unit_records import UnitRecordStore
+
+UNIT = 16
+
+
+def chain(n_units: int, salt: str = "t") -> tuple[PrefixHasher, list[bytes]]:
+    h = PrefixHasher(ExtraKeys(cache_salt=salt), unit=UNIT)
+    keys = h.extend(np.arange(n_units * UNIT, dtype=np.int64))
+    return h, keys
+
+
+def held_chain(store: UnitRecordStore, n_units: int) -> list[bytes]:
+    """Keys of ``n_units`` units whose records ``store`` holds once per unit end (as the
+    device prefix cache holds them for its blocks); the request's cursor is let go."""
+    h, keys = chain(n_units)
+    held = store.hold(h.unit_records(), at=[UNIT * (i + 1) for i in range(n_units)])
+    store.release(held.cursor)
+    assert held.keys == keys
+    return keys
+
+
+def tier(pages: int = 5, **kw) -> tuple[HostTier, UnitRecordStore]:
+    store = UnitRecordStore()
+    return HostTier({"kv": pages, "swa": pages, "state": 3}, store, {"state"}, **kw), store
+
+
+def snapshot(t: HostTier) -> object:
+    return (
+        copy.deepcopy(t._index),
+        copy.deepcopy(t._pages),
+        copy.deepcopy(t._offloads),
+        copy.deepcopy(t._onloads),
+        {g: (p.num_free, p.num_evictable, p.ref_counts.tolist()) for g, p in t._pools.items()},
+        copy.deepcopy(t.stats),
+    )
+
+
+def records(store: UnitRecordStore) -> dict[bytes, int]:
+    return {k: n.count for k, n in store._records.items()}
+
+
+# ------------------------------------------------------------------ demotion, offloads
+
+
+def test_demotion_queues_one_offload_per_group_and_keeps_the_record():
+    t, store = tier()
+    keys = held_chain(store, 3)
+    pages = [t.demote("kv", k, UNIT * (i + 1), 10 + i, ref=k) for i, k in enumerate(keys)]
+    assert pages == [1, 2, 3]
+    assert t.demote("swa", keys[2], 3 * UNIT, 7, ref=None) == 1
+    # the record references moved to the pages: nothing was released
+    assert all(store.refcount(k) >= 1 for k in keys)
+    assert store.confirm(chain(3)[0].unit_records()) == 3
+    # pinned until handed out: nothing is evictable yet
+    assert t.pool("kv").num_evictable == 0
+    offloads = t.take_offloads()
+    assert [c.group for c in offloads] == ["kv", "swa"]
+    assert isinstance(offloads[0], PageCopy)
+    assert offloads[0].device_blocks.tolist() == [10, 11, 12]
+    assert offloads[0].host_pages.tolist() == [1, 2, 3]
+    assert offloads[0].device_blocks.dtype == np.int32 == offloads[0].host_pages.dtype
+    assert t.take_offloads() == ()
+    assert t.pool("kv").num_evictable == 3
+    assert t.stats.demotions == {"kv": 3, "swa": 1}
+    assert t.entry("kv", keys[1]) == (2 * UNIT, keys[1], None)
+    assert len(t) == 4
+
+
+def test_a_repeated_key_keeps_its_page_and_lets_the_new_reference_go():
+    t, store = tier()
+    [k] = held_chain(store, 1)
+    assert t.demote("kv", k, UNIT, 4, ref=k) == 1
+    t.take_offloads()
+    store.hold(chain(1)[0].unit_records(), at=[UNIT])  # a second copy's reference
+    before = store.refcount(k)
+    assert t.demote("kv", k, UNIT, 5, ref=k) == 1
+    assert store.refcount(k) == before - 1
+    assert t.take_offloads() == ()  # no copy: the page holds these bytes already
+    assert t.stats.repeats == {"kv": 1}
+
+
+def test_per_request_snapshots_are_skipped_and_release_their_record():
+    t, store = tier()
+    [k] = held_chain(store, 1)
+    assert t.demote("state", k, UNIT, 2, ref=k) is None
+    assert k not in store  # the only reference went
+    assert t.stats.skipped == {"state": 1}
+    assert t.take_offloads() == ()
+    assert t.reach([{"kv": [], "state": [k]}]) == 0  # a span needing a snapshot: not held
+
+
+# ------------------------------------------------------------------ LRU, a shorter hit
+
+
+def test_a_full_pool_evicts_the_least_recently_used_page_and_its_record():
+    t, store = tier(pages=3)  # 2 usable pages
+    keys = held_chain(store, 3)
+    t.demote("kv", keys[0], UNIT, 10, ref=keys[0])
+    t.demote("kv", keys[1], 2 * UNIT, 11, ref=keys[1])
+    t.take_offloads()
+    spans = [{"kv": [k]} for k in keys]
+    assert t.reach(spans) == 2
+    # a third demotion evicts the first demoted page (the device pool's eviction order)
+    assert t.demote("kv", keys[2], 3 * UNIT, 12, ref=keys[2]) == 1
+    assert t.page_of("kv", keys[0]) is None and t.entry("kv", keys[0]) is None
+    assert t.stats.evictions == {"kv": 1}
+    assert t.reach(spans) == 0  # the first span is gone: the hit is shorter, never wrong
+    assert t.reach(spans[1:]) == 2
+    # the evicted page's record reference went; units 2 and 3 still hang off unit 1
+    assert store.refcount(keys[0]) == 1 and store.refcount(keys[2]) == 1
+
+
+def test_an_onload_touches_its_pages_so_others_go_first():
+    t, store = tier(pages=3)
+    keys = held_chain(store, 3)
+    t.demote("kv", keys[0], UNIT, 10, ref=keys[0])
+    t.demote("kv", keys[1], 2 * UNIT, 11, ref=keys[1])
+    t.take_offloads()
+    t.onload({"kv": ([keys[0]], [20])})
+    t.take_onloads()
+    t.demote("kv", keys[2], 3 * UNIT, 12, ref=keys[2])
+    assert t.page_of("kv", keys[0]) == 1 and t.page_of("kv", keys[1]) is None
+
+
+def test_every_page_pinned_drops_the_demotion():
+    t, store = tier(pages=2)  # one usable page
+    keys = held_chain(store, 2)
+    assert t.demote("kv", keys[0], UNIT, 10, ref=keys[0]) == 1
+    assert t.demote("kv", keys[1], 2 * UNIT, 11, ref=keys[1]) is None  # page 1 is pinned
+    assert t.stats.dropped == {"kv": 1}
+    assert t.page_of("kv", keys[1]) is None
+    assert [c.host_pages.tolist() for c in t.take_offloads()] == [[1]]
+
+
+def test_an_onload_pins_its_pages_until_handed_out():
+    t, store = tier(pages=2)
+    keys = held_chain(store, 2)
+    t.demote("kv", keys[0], UNIT, 10, ref=keys[0])
+    t.take_offloads()
+    assert t.onload({"kv": ([keys[0]], np.array([30]))}) == {"kv": [1]}
+    assert t.demote("kv", keys[1], 2 * UNIT, 11, ref=keys[1]) is None  # pinned: not evicted
+    [c] = t.take_onloads()
+    assert (c.group, c.device_blocks.tolist(), c.host_pages.tolist()) == ("kv", [30], [1])
+    assert t.stats.hits == {"kv": 1}
+    assert t.pool("kv").num_evictable == 1
+
+
+def test_reach_is_all_or_nothing_per_span():
+    t, store = tier()
+    keys = held_chain(store, 4)
+    for i, k in enumerate(keys):
+        t.demote("kv", k, UNIT * (i + 1), 10 + i, ref=k)
+    t.demote("swa", keys[1], 2 * UNIT, 3)  # the window tail at boundary 2 only
+    spans = [
+        {"kv": keys[0:2], "swa": [keys[1]]},  # boundary 2: full chain span + window tail
+        {"kv": keys[2:4], "swa": [keys[3]]},  # boundary 4: the tail is not held
+    ]
+    assert t.reach(spans) == 1
+    assert t.reach([]) == 0
+
+
+def test_reset_forgets_unpinned_pages():
+    t, store = tier()
+    keys = held_chain(store, 2)
+    t.demote("kv", keys[0], UNIT, 10, ref=keys[0])
+    t.take_offloads()
+    t.demote("kv", keys[1], 2 * UNIT, 11, ref=keys[1])  # pinned: its offload is queued
+    assert t.reset() == 1
+    assert t.page_of("kv", keys[0]) is None and t.page_of("kv", keys[1]) == 2
+
+
+# ------------------------------------------------------------------ bad inputs
+
+K = b"k" * 32
+
+BAD_DEMOTIONS = [
+    (("nope", K, 16, 3), ArgumentError, "group 'nope' has no host tier pages"),
+    ((7, K, 16, 3), ArgumentError, "group 7 has no host tier pages"),
+    (("kv", "k", 16, 3), ArgumentError, "key must be non-empty bytes"),
+    (("kv", b"", 16, 3), ArgumentError, "key must be non-empty bytes"),
+    (("kv", K, 0, 3), ArgumentError, "end must be an int >= 1, got 0"),
+    (("kv", K, True, 3), ArgumentError, "end must be an int >= 1, got True"),
+    (("kv", K, 16, 0), ArgumentError, "device_block must be an int >= 1, got 0"),
+    (("kv", K, 16, 2.0), ArgumentError, "device_block must be an int >= 1, got 2.0"),
+    (("kv", K, 16, 9), ArgumentError, "device block 9 of group 'kv' has an offload queued"),
+]
+
+
+@pytest.mark.parametrize(("args", "error", "message"), BAD_DEMOTIONS)
+def test_a_bad_demotion_changes_nothing(args, error, message):
+    t, _ = tier()
+    t.demote("kv", b"q" * 32, 16, 9)  # queued: block 9 may not be demoted again yet
+    before = snapshot(t)
+    with pytest.raises(error, match=message):
+        t.demote(*args)
+    assert snapshot(t) == before
+
+
+def test_a_bad_proof_changes_nothing():
+    t, _ = tier()
+    before = snapshot(t)
+    with pytest.raises(ArgumentError, match="proof must be None or three bytes"):
+        t.demote("kv", K, 16, 3, proof=(b"a", b"b"))
+    assert snapshot(t) == before
+
+
+BAD_ONLOADS = [
+    ({"nope": ([K], [3])}, ArgumentError, "group 'nope' has no host tier pages"),
+    ({"kv": [K]}, ArgumentError, r"targets\['kv'\] must be \(keys, device blocks\)"),
+    ({"kv": ([K], [3, 4])}, ArgumentError, "names 1 keys and 2 device blocks"),
+    ({"kv": ([K, K], [3, 3])}, ArgumentError, "names a device block twice"),
+    ({"kv": ([K], [0])}, ArgumentError, "device block ids >= 1, got 0"),
+    ({"kv": ([K], [[3]])}, ArgumentError, "must be a 1-d sequence of ints"),
+    ({"kv": ([K], ["3"])}, ArgumentError, "must be a 1-d sequence of ints"),
+    # all or nothing: the held kv key is not onloaded when the swa key is missing
+    ({"kv": ([K], [3]), "swa": ([b"x" * 32], [4])}, KeyError, "group 'swa' holds no page"),
+]
+
+
+@pytest.mark.parametrize(("targets", "error", "message"), BAD_ONLOADS)
+def test_a_bad_onload_changes_nothing(targets, error, message):
+    t, _ = tier()
+    t.demote("kv", K, 16, 9)
+    t.take_offloads()
+    before = snapshot(t)
+    with pytest.raises(error, match=message):
+        t.onload(targets)
+    assert snapshot(t) == before
+
+
+BAD_TIERS = [
+    ({}, {}, "num_pages must be a non-empty mapping"),
+    ([("kv", 4)], {}, "num_pages must be a non-empty mapping"),
+    ({"kv": 1}, {}, r"num_pages\['kv'\] must be an int >= 2"),
+    ({"kv": True}, {}, r"num_pages\['kv'\] must be an int >= 2"),
+    ({"": 4}, {}, "group names are non-empty str"),
+    ({"kv": 4}, {"policy": "lazy"}, "host_tier_policy must be 'eviction' or 'write_through'"),
+    ({"kv": 4}, {"state_policy": "store"}, "state_policy must be 'skip'"),
+]
+
+
+@pytest.mark.parametrize(("num_pages", "kw", "message"), BAD_TIERS)
+def test_bad_settings_are_refused(num_pages, kw, message):
+    with pytest.raises(ArgumentError, match=message):
+        HostTier(num_pages, UnitRecordStore(), **kw)
+
+
+def test_records_must_be_a_store_and_spans_mappings():
+    with pytest.raises(ArgumentError, match="records must be a UnitRecordStore"):
+        HostTier({"kv": 4}, {})  # type: ignore[arg-type]
+    t, _ = tier()
+    with pytest.raises(ArgumentError, match=r"spans\[0\] must be a mapping"):
+        t.reach([[K]])  # type: ignore[list-item]
+    with pytest.raises(ArgumentError, match="group 'nope' has no host tier pages"):
+        t.reach([{"kv": [K]}, {"nope": [K]}])
+
+
+def test_policies():
+    assert check_host_tier_policy("eviction") == "eviction"
+    assert tier(policy="write_through")[0].policy == "write_through"
+    assert tier()[0].policy == "eviction"
+    assert repr(tier()[0]).startswith("HostTier(eviction")

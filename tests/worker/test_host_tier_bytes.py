@@ -1,0 +1,209 @@
+"""The host tier's worker side: ``HostTierPages.move`` keeps device blocks in host
+tier pages (one gather per copy) and brings them back into other device blocks (one scatter)
+byte for byte, runs offloads before onloads, and refuses a forged or malformed copy before
+moving a byte. The pages are a pool of their own, apart from the swap pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvforge import GQABackend
+from kvforge.core.layout import CacheLayout
+from kvforge.core.values import BlockCopy, PageCopy
+from kvforge.errors import BlockRangeError, ControllerClosedError, WorkerRefusedError
+from kvforge.scheduler.host_tier import HostTier
+from kvforge.scheduler.unit_records import UnitRecordStore
+from kvforge.worker import CacheStorage
+from kvforge.worker.host_tier import HostTierPages
+
+
+def layout() -> CacheLayout:
+    swa = GQABackend(2, 8, block_size=16, sliding_window=32)
+    kv = GQABackend(2, 8, block_size=16)
+    return CacheLayout({0: swa, 1: kv, 2: swa, 3: kv})
+
+
+def storage(tier_pages: int = 6) -> tuple[CacheStorage, HostTierPages]:
+    s = CacheStorage(layout())
+    s.create({"swa": 10, "kv": 10}, max_num_seqs=4, max_model_len=256, share_pools=False)
+    tier = HostTierPages(s, {"swa": tier_pages, "kv": tier_pages})
+    for t in s.kv_caches:
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())))
+    return s, tier
+
+
+def blocks(s: CacheStorage, group: str, ids: list[int]) -> list[torch.Tensor]:
+    return [s.kv_caches[e.index][ids].clone() for e in s.layout.buffers_of(group)]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def copy(group: str, device: list[int], pages: list[int]) -> PageCopy:
+    return PageCopy(group, np.array(device, dtype=np.int32), np.array(pages, dtype=np.int32))
+
+
+def test_offload_then_onload_into_other_blocks_is_byte_identical():
+    s, tier = storage()
+    kept = {g: blocks(s, g, [1, 2, 3]) for g in ("kv", "swa")}
+    assert tier.move([copy("kv", [1, 2, 3], [3, 1, 2]), copy("swa", [1, 2, 3], [1, 2, 3])]) is None
+    for t in s.kv_caches:  # the device blocks are written again
+        t[1:4].zero_()
+    tier.move(onloads=[copy("kv", [7, 8, 9], [3, 1, 2]), copy("swa", [4, 5, 6], [1, 2, 3])])
+    assert same(blocks(s, "kv", [7, 8, 9]), kept["kv"])
+    assert same(blocks(s, "swa", [4, 5, 6]), kept["swa"])
+    # the tier's pages are not the swap pages
+    assert tier.groups["kv"].pages.shape == (6, layout().host_page_bytes("kv"))
+    assert not s.host_ready
+
+
+def test_offloads_run_before_onloads_in_one_batch():
+    s, tier = storage()
+    want = blocks(s, "kv", [5])
+    tier.move(offloads=[copy("kv", [5], [4])], onloads=[copy("kv", [6], [4])])
+    assert same(blocks(s, "kv", [6]), want)
+
+
+def test_the_scheduler_sides_copies_round_trip_through_the_worker():
+    s, tier = storage(tier_pages=3)  # two usable pages: the third demotion evicts the first
+    t = HostTier({"kv": 3, "swa": 3}, UnitRecordStore())
+    kept = blocks(s, "kv", [1, 2, 3])
+    for i, b in enumerate([1, 2]):
+        t.demote("kv", bytes([i + 1]) * 32, 16 * (i + 1), b)
+    tier.move(t.take_offloads())
+    t.demote("kv", b"\x03" * 32, 48, 3)  # evicts key 1's page
+    tier.move(t.take_offloads())
+    for c in s.kv_caches:
+        c[1:4].zero_()
+    assert t.reach([{"kv": [b"\x01" * 32]}]) == 0  # a shorter hit, never other bytes
+    assert t.reach([{"kv": [b"\x02" * 32]}, {"kv": [b"\x03" * 32]}]) == 2
+    t.onload({"kv": ([b"\x02" * 32, b"\x03" * 32], [8, 9])})
+    tier.move(onloads=t.take_onloads())
+    assert same(blocks(s, "kv", [8, 9]), [x[1:] for x in kept])
+
+
+FORGED = [
+    (
+        {"offloads": [copy("kv", [10], [1])]},
+        BlockRangeError,
+        r"block id 10 of group 'kv' is outside \[1, 10\)",
+    ),
+    (
+        {"offloads": [copy("kv", [0], [1])]},
+        BlockRangeError,
+        r"block id 0 .*\(0 is the null block\)",
+    ),
+    ({"offloads": [copy("kv", [-1], [1])]}, BlockRangeError, "block id -1"),
+    (
+        {"offloads": [copy("kv", [1], [6])]},
+        BlockRangeError,
+        r"host page 6 of group 'kv' is outside \[1, 6\)",
+    ),
+    ({"onloads": [copy("kv", [1], [0])]}, BlockRangeError, r"host page 0 .*\(0 is the null page\)"),
+    ({"onloads": [copy("kv", [1, 1], [1, 2])]}, WorkerRefusedError, "write a device block twice"),
+    (
+        {"onloads": [copy("kv", [1], [1]), copy("kv", [1], [2])]},
+        WorkerRefusedError,
+        "write a device block twice",
+    ),
+    (
+        {"onloads": [copy("kv", [1, 2], [1])]},
+        WorkerRefusedError,
+        "names 2 device blocks and 1 host pages",
+    ),
+    (
+        {"onloads": [copy("nope", [1], [1])]},
+        WorkerRefusedError,
+        "group 'nope', which has no host tier pages",
+    ),
+    (
+        {"onloads": [BlockCopy("kv", np.array([1], np.int32), np.array([2], np.int32))]},
+        WorkerRefusedError,
+        "expected PageCopy values, got BlockCopy",
+    ),
+    (
+        {"onloads": copy("kv", [1], [1])},
+        WorkerRefusedError,
+        "onloads must be a sequence of PageCopy",
+    ),
+    (
+        {"offloads": [PageCopy("kv", np.array([1.0]), np.array([1]))]},
+        WorkerRefusedError,
+        "device_blocks must be a 1-d integer array",
+    ),
+    # a valid offload first: the whole batch is refused, nothing moved
+    (
+        {"offloads": [copy("kv", [1], [1])], "onloads": [copy("kv", [2], [9])]},
+        BlockRangeError,
+        "host page 9",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), FORGED)
+def test_a_forged_copy_is_refused_before_a_byte_moves(kwargs, error, message):
+    s, tier = storage()
+    before = [t.clone() for t in s.kv_caches]
+    pages = {g: p.pages.clone() for g, p in tier.groups.items()}
+    with pytest.raises(error, match=message):
+        tier.move(**kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(before, s.kv_caches, strict=True))
+    assert all(torch.equal(pages[g], p.pages) for g, p in tier.groups.items())
+
+
+def test_pages_are_for_groups_the_storage_holds_and_a_freed_storage_moves_nothing():
+    s = CacheStorage(layout())
+    with pytest.raises(RuntimeError, match="call initialize_kv_cache"):
+        HostTierPages(s, {"kv": 4})
+    s.create({"swa": 10, "kv": 10}, max_num_seqs=4, max_model_len=256, share_pools=False)
+    with pytest.raises(ValueError, match=r"names groups \['nope'\]"):
+        HostTierPages(s, {"nope": 4})
+    with pytest.raises(ValueError, match=r"num_pages\['kv'\] must be an int >= 2"):
+        HostTierPages(s, {"kv": 1})
+    tier = HostTierPages(s, {"kv": 4})
+    assert tier.num_pages == {"kv": 4}
+    assert tier.nbytes == 4 * layout().host_page_bytes("kv")
+    with pytest.raises(WorkerRefusedError, match="group 'swa', which has no host tier pages"):
+        tier.move([copy("swa", [1], [1])])
+    s.free()
+    with pytest.raises(ControllerClosedError):
+        tier.move([copy("kv", [1], [1])])
+
+
+def test_the_arena_round_trips_unpadded_pages_and_refuses_an_onload_into_another_slab():
+    from kvforge import CacheController
+    from kvforge.errors import BlockOwnershipError
+    from kvforge.models import from_hf_config
+
+    ctl = CacheController(from_hf_config("deepseek-v4-tiny"), enable_prefix_caching=True)
+    ctl.initialize_kv_cache(
+        memory_budget=96 << 20, max_num_seqs=6, max_model_len=4096, max_num_batched_tokens=512
+    )
+    s, arena = ctl.storage, ctl.storage.arena
+    assert arena is not None
+    tier = HostTierPages(s, {g: 4 for g in arena.groups})
+    for g in arena.groups:  # pages hold the meaningful bytes only, not the padded stride
+        assert tier.groups[g].pages.shape[1] == ctl.layout.host_page_bytes(g)
+    step = ctl.schedule(["a"], [300], new_token_ids=[np.arange(1, 301)])
+    ctl.end_step(step)
+    full = ctl.block_table("a", "compressed")[0]
+    caches = [s.kv_caches[e.index] for e in s.layout.buffers_of("compressed")]
+    for t in caches:
+        t[full].copy_(torch.randn(t[full].shape).to(t.dtype))
+    want = [t[full].clone() for t in caches]
+    tier.move([copy("compressed", [full], [1])])
+    for t in caches:
+        t[full].zero_()
+    tier.move(onloads=[copy("compressed", [full], [1])])
+    assert same([t[full].clone() for t in caches], want)
+    k_full = arena.blocks_per_slab[arena.groups.index("compressed")]
+    k_swa = arena.blocks_per_slab[arena.groups.index("swa")]
+    forged = full // k_full * k_swa + 1  # a swa block inside the compressed group's slab
+    with pytest.raises(BlockOwnershipError, match=r"lies in slab .* of the arena"):
+        tier.move(onloads=[copy("swa", [forged], [1])])
+    tier.move([copy("swa", [forged], [2])])  # reading it is no write: allowed
