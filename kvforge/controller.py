@@ -67,13 +67,17 @@ from kvforge.errors import (
 )
 from kvforge.kinds import live_start
 from kvforge.platform import Platform
+from kvforge.scheduler import host_tier
 from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
+from kvforge.scheduler.host_tier import HostTier, HostTierPolicy, check_host_tier_policy
 from kvforge.scheduler.prefix_cache import (
     DEFAULT_PREFIX_RETENTION,
     Retention,
     check_prefix_retention,
 )
 from kvforge.specs import SwapPurpose
+from kvforge.worker import guard
+from kvforge.worker.host_tier import HostTierPages
 from kvforge.worker.storage import CacheStorage, StepInputs, SwapExecution
 from kvforge.worker.transfer import SwapHandle
 
@@ -415,7 +419,11 @@ class CacheController:
             )
 
     def _sync_tables(self) -> None:
-        deltas = self._ready_manager().take_table_deltas()
+        manager = self._ready_manager()
+        offloads = host_tier.take_offloads(manager)
+        if offloads:  # blocks evicted outside a step (a swap in's, a truncation's takes)
+            guard.tier_of(self.storage).move(offloads)  # before anything writes them
+        deltas = manager.take_table_deltas()
         if deltas:
             self.storage.apply_deltas(deltas)
 
@@ -512,6 +520,8 @@ class CacheController:
         self._note_step(step)
         # no token ids: the step registers nothing and holds nothing, so it ends at once
         manager.end_step(step)
+        if step.offloads:  # blocks this step's takes evicted, before anything writes them
+            guard.tier_of(self.storage).move(step.offloads)
         if step.table_deltas:
             self.storage.apply_deltas(step.table_deltas)
         if step.refused:
@@ -678,6 +688,51 @@ class CacheController:
         self.storage.init_host(pages)
         manager.init_host(pages)
         return plan
+
+    @locked
+    def initialize_host_tier(
+        self, num_pages: int | Mapping[str, int], policy: HostTierPolicy = "eviction"
+    ) -> dict[str, int]:
+        """Keep the prefix blocks the device evicts in host tier pages: pinned, page-first,
+        a pool of their own per group (apart from :meth:`initialize_host_cache`'s swap
+        pages). ``num_pages``: pages per group (one count for all, or a mapping), the null
+        page included; per-request (state snapshot) groups get none (skipped by policy).
+        Returns the pages per group.
+
+        Status: demotion is wired (every evicted cached block is offloaded before its device
+        block is written again, slab moves of an arena included); lookups do not read the
+        tier yet (``docs/tiered_store.md``, "Host tier").
+
+        Raises:
+            RuntimeError: prefix caching is off, or the tier exists already.
+            ArgumentError: a bad count or policy.
+            ValueError: no group can keep anything there.
+            NotImplementedError: ``policy="write_through"`` (not wired yet).
+        """
+        manager = self._ready_manager()
+        if not manager.prefix_caching:
+            raise RuntimeError("the host tier keeps cached prefixes: enable_prefix_caching=True")
+        if check_host_tier_policy(policy) == "write_through":
+            raise NotImplementedError("host_tier_policy='write_through' is not wired yet")
+        pages = {
+            g: n
+            for g, n in self._blocks_per_group(num_pages).items()
+            if self.layout.host_page_bytes(g) and not self.layout.group(g).rule.per_request
+        }
+        if not pages:
+            raise ValueError(
+                "no group keeps anything in a host tier: every group is per-request or has no "
+                "offloaded role"
+            )
+        HostTierPages(self.storage, pages)  # the storage keeps it; raises if it has one
+        host_tier.attach(manager, pages, policy)
+        return pages
+
+    @property
+    @locked
+    def host_tier(self) -> HostTier | None:
+        """The scheduler side's host tier (its index and ``stats``), or ``None``."""
+        return host_tier.tier_of(self._ready_manager())
 
     @property
     @locked

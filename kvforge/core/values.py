@@ -178,6 +178,9 @@ class StepAllocation:
         copies_after: block copies to run after them (snapshots of per-request state taken
             at a boundary the step ended on).
         step_id: the step's unique id (1, 2, ...): ``end_step`` takes it, once.
+        offloads: copies of prefix blocks the device evicted to the host tier's pages
+            (:class:`PageCopy`, one per group), to run before anything else of the step:
+            the step may write those blocks again.
     """
 
     request_ids: tuple[str, ...]
@@ -189,6 +192,7 @@ class StepAllocation:
     copies_before: tuple[BlockCopy, ...] = ()
     copies_after: tuple[BlockCopy, ...] = ()
     step_id: int = 0
+    offloads: tuple[PageCopy, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -53,12 +53,7 @@ import numpy as np
 
 from kvforge._checks import check_int, locked
 from kvforge.core.arena import ArenaGeometry
-from kvforge.core.layout import (
-    CacheLayout,
-    check_share_pools,
-    resolve_max_model_len,
-    table_widths,
-)
+from kvforge.core.layout import CacheLayout, check_share_pools, resolve_max_model_len, table_widths
 from kvforge.core.memory_plan import DEFAULT_MAX_NUM_SEQS, check_allocatable
 from kvforge.core.prefix_keys import Algorithm
 from kvforge.core.values import (
@@ -76,12 +71,7 @@ from kvforge.core.values import (
 from kvforge.errors import OutOfBlocksError, RequestStateError, StepError
 from kvforge.kinds import live_start
 from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
-from kvforge.scheduler.args import (
-    batch_ids,
-    check_matches,
-    check_token_ids,
-    new_token_counts,
-)
+from kvforge.scheduler.args import batch_ids, check_matches, check_token_ids, new_token_counts
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.growth import (
     apply_growth,
@@ -90,6 +80,7 @@ from kvforge.scheduler.growth import (
     prompt_fits,
     schedule_one_by_one,
 )
+from kvforge.scheduler.host_tier import HostTier
 from kvforge.scheduler.prefix_cache import (
     DEFAULT_PREFIX_RETENTION,
     PrefixCache,
@@ -209,6 +200,7 @@ class BlockManager:
         self._lock = threading.RLock()
         self._issued = 0  # the last step id handed out
         self._open_steps: dict[int, StepWork] = {}  # scheduled, not ended: oldest first
+        self._host_tier: HostTier | None = None  # set by kvforge.scheduler.host_tier.attach
 
     @property
     def prefix_caching(self) -> bool:
@@ -479,6 +471,7 @@ class BlockManager:
             copies_before=tuple(copies_before),
             copies_after=tuple(copies_after),
             step_id=step_id,
+            offloads=self._host_tier.take_offloads() if self._host_tier is not None else (),
         )
 
     @locked
@@ -575,8 +568,12 @@ class BlockManager:
     @locked
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix: evictable blocks go back to the free stacks and blocks
-        in use lose their keys. Returns the number of blocks evicted."""
-        return self._prefix.reset()
+        in use lose their keys; so does the host tier, queued offloads included. Returns the
+        number of device blocks evicted."""
+        evicted = self._prefix.reset()
+        if self._host_tier is not None:
+            self._host_tier.reset()
+        return evicted
 
     # ================================================================== host pages, swaps
 

@@ -1,11 +1,12 @@
 """The host tier of the prefix cache, scheduler side: host pages that keep evicted prefix
 blocks, the index key -> page, LRU eviction of pages, and the page copies a worker runs.
 
-Status: this module is the scheduler-side bookkeeping of issue 22's host tier, complete and
-tested on its own (``tests/scheduler/test_host_tier.py``); it is not wired into
-:class:`~kvforge.scheduler.prefix_cache.PrefixCache` and
-:class:`~kvforge.scheduler.block_manager.BlockManager` yet, and no worker runs its copies yet
-(``docs/tiered_store.md``, "Host tier", says what is left).
+Status: demotion is wired (:func:`attach` hooks a
+:class:`~kvforge.scheduler.block_manager.BlockManager`'s device pools; the offloads ride in
+``StepAllocation.offloads`` or :func:`take_offloads`; ``CacheController.initialize_host_tier``
+does both sides); lookups do not read the tier yet, so :meth:`HostTier.reach` and
+:meth:`HostTier.onload` have no caller but the tests (``docs/tiered_store.md``, "Host tier",
+says what is left).
 
 :class:`HostTier` owns, per group, a page pool of its own (a
 :class:`~kvforge.scheduler.block_pool.BlockPool` of ``kind="host"``, separate from the swap
@@ -42,10 +43,10 @@ needs, so a window group stores only its tail per chunk.
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -54,12 +55,18 @@ from kvforge.core.values import PageCopy
 from kvforge.scheduler.block_pool import BlockPool
 from kvforge.scheduler.unit_records import UnitRecordStore
 
+#: a :class:`~kvforge.scheduler.block_manager.BlockManager` (not imported: it imports this)
+BlockManager = Any
+
 __all__ = [
     "HOST_TIER_POLICIES",
     "HostTier",
     "HostTierPolicy",
     "HostTierStats",
+    "attach",
     "check_host_tier_policy",
+    "take_offloads",
+    "tier_of",
 ]
 
 HostTierPolicy = Literal["eviction", "write_through"]
@@ -389,7 +396,14 @@ class HostTier:
         _bump(self.stats.evictions, group, len(victims))
 
     def reset(self) -> int:
-        """Forget every page that no queued copy pins; returns how many went."""
+        """Forget every page, queued offloads and onloads included (they will not be handed
+        out); returns how many pages went."""
+        for name, pool in self._pools.items():
+            for queued in (self._offloads[name], self._onloads[name]):
+                if queued:
+                    pool.release(np.array([p for _, p in queued], dtype=np.int32))
+                    queued.clear()
+            self._queued[name].clear()
         return sum(len(pool.evict(pool.num_evictable)) for pool in self._pools.values())
 
     def _let_go(self, ref: bytes | None) -> None:
@@ -406,3 +420,83 @@ class HostTier:
     def __repr__(self) -> str:
         held = {g: len(ix) for g, ix in self._index.items()}
         return f"HostTier({self.policy}, pages held {held})"
+
+
+# ---------------------------------------------------------------------- wiring
+
+
+def attach(
+    manager: BlockManager, num_pages: Mapping[str, int], policy: HostTierPolicy = "eviction"
+) -> HostTier:
+    """Give ``manager`` a host tier: from now on every served prefix block one of its device
+    pools evicts (a take that finds the free stack short, a slab move of an arena, a swap in's
+    or a truncation's take) is demoted, and its offload rides in the next
+    ``StepAllocation.offloads`` or :func:`take_offloads`. Lookups do not read the tier yet.
+    (The glue lives here: ``block_manager.py`` is at its size limit.)
+
+    Raises:
+        RuntimeError: prefix caching is off, or the manager has a host tier already.
+        ArgumentError: a group ``num_pages`` names is not the manager's, a bad count or
+            policy.
+        NotImplementedError: ``policy="write_through"`` (not wired yet).
+    """
+    with manager._lock:
+        prefix = manager._prefix
+        if not prefix.enabled:
+            raise RuntimeError("the host tier keeps cached prefixes: enable prefix caching")
+        if manager._host_tier is not None:
+            raise RuntimeError("this scheduler has a host tier already")
+        if check_host_tier_policy(policy) == "write_through":
+            raise NotImplementedError("host_tier_policy='write_through' is not wired yet")
+        if isinstance(num_pages, Mapping):
+            unknown = sorted(set(num_pages) - set(manager.groups), key=str)
+            if unknown:
+                raise ArgumentError(
+                    f"num_pages names groups {unknown}; the groups are {manager.groups}"
+                )
+        tables = manager._t
+        snapshots = {g.spec.name for g in tables.groups if g.per_request}
+        tier = HostTier(num_pages, prefix.records, snapshots, policy)
+        for pool, _ in tables.pools:
+            pool.on_evict = functools.partial(_demote, manager, tier, pool, pool.on_evict)
+        manager._host_tier = tier
+        return tier
+
+
+def tier_of(manager: BlockManager) -> HostTier | None:
+    """The host tier :func:`attach` gave ``manager``, or ``None``."""
+    with manager._lock:
+        return manager._host_tier
+
+
+def take_offloads(manager: BlockManager) -> tuple[PageCopy, ...]:
+    """The offloads ``manager``'s host tier queued since its last step (evictions outside a
+    step: a swap in's or a truncation's takes), to run before those blocks are written again;
+    otherwise the next step carries them."""
+    with manager._lock:
+        tier = manager._host_tier
+        return tier.take_offloads() if tier is not None else ()
+
+
+def _demote(
+    manager: BlockManager,
+    tier: HostTier,
+    pool: BlockPool,
+    hook: Callable[[np.ndarray], None] | None,
+    victims: np.ndarray,
+) -> None:
+    """The device pool's eviction hook: demote the served blocks among ``victims`` (the
+    prefix cache still knows them), then let the prefix cache forget them."""
+    prefix, groups = manager._prefix, manager._t.groups
+    for b in victims.tolist():
+        entry = prefix.served(pool, b)
+        if entry is None:
+            continue  # a waiting copy: its key is served by another block
+        name = groups[entry.group].spec.name
+        if name not in tier._pools or name in tier.per_request or b in tier._queued[name]:
+            continue  # kept nowhere, or (never expected) its previous offload is still queued
+        if entry.ref is not None:  # the page's own reference: the prefix cache drops its own
+            prefix.records.retain(entry.ref)
+        tier.demote(name, entry.key, entry.end, b, entry.ref, entry.proof)
+    if hook is not None:
+        hook(victims)

@@ -748,6 +748,11 @@ class PrefixCache:
             self._events.append(PrefixEvent("removed", g.spec.name, entry.key, entry.end))
             self._promote(g, entry.key)
 
+    def served(self, pool: BlockPool, block: int) -> _Entry | None:
+        """What the cache knows of ``block`` while it is the served copy of a key (``None``
+        for a waiting copy or an unregistered block): read by the host tier's demotion."""
+        return self._owner[pool].get(block)
+
     def block_of(self, group: str, key: object) -> int | None:
         """The cached block of ``key`` in ``group``, or ``None``."""
         return self._cached[group].get(key)

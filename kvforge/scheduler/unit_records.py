@@ -275,6 +275,15 @@ class UnitRecordStore:
             self._drop(self._records[cursor])
         return Held(keys, new_cursor)
 
+    def retain(self, key: bytes) -> None:
+        """Take one more reference on the held record ``key`` (a host tier page keeps the
+        record its evicted device block held, which the prefix cache then releases)."""
+        node = self._records.get(key) if isinstance(key, bytes) else None
+        if node is None:
+            shown = key.hex()[:16] + "..." if isinstance(key, bytes) else repr(key)
+            raise KeyError(f"retain({shown}): no such record is held")
+        node.count += 1
+
     def release(self, key: bytes) -> int:
         """Drop one reference on the record ``key``; remove the records whose count reaches 0
         (cascading to parents and the root). Returns how many unit records went."""

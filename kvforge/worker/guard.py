@@ -33,6 +33,7 @@ copies and plans that write blocks, never by a step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,7 @@ __all__ = [
     "check_page_copies",
     "check_plan",
     "check_step",
+    "tier_of",
 ]
 
 _UNSIGNED = {
@@ -310,6 +312,18 @@ def check_page_copies(
                 f"{action}: the onloads of group {group!r} write a device block twice "
                 f"({blocks.tolist()}); nothing moved"
             )
+
+
+def tier_of(storage: object) -> Any:
+    """The :class:`~kvforge.worker.host_tier.HostTierPages` of ``storage``; a step that
+    carries offloads for a worker without them is refused (nothing changed)."""
+    tier = getattr(storage, "host_tier_pages", None)
+    if tier is None:
+        raise WorkerRefusedError(
+            "apply: the step carries host tier offloads but this worker has no host tier "
+            "pages (kvforge.worker.host_tier.HostTierPages); nothing changed"
+        )
+    return tier
 
 
 def _refuse_held(

@@ -1,7 +1,8 @@
 """The prefix cache's host tier pages of one worker, and the copies to and from them.
 
-Status: built and tested on its own (``tests/worker/test_host_tier_bytes.py``); the controller
-does not create one yet (``docs/tiered_store.md``, "Host tier").
+``CacheController.initialize_host_tier`` creates one; ``CacheStorage.apply`` runs a step's
+``offloads`` through it (found by :func:`kvforge.worker.guard.tier_of`). Onloads are run by
+the tests only until lookups read the tier (``docs/tiered_store.md``, "Host tier").
 
 :class:`HostTierPages` holds, per group, page-first pinned host pages in the swap pages'
 format (:class:`~kvforge.worker.host_pool.HostPools`: one block of every offloaded (layer,
@@ -39,12 +40,14 @@ class HostTierPages:
     Raises:
         ValueError: a group the storage holds no offloaded planes of, a count below 2, or
             more bytes than the host has (nothing is allocated).
-        RuntimeError: the storage has no device caches yet.
+        RuntimeError: the storage has no device caches yet, or host tier pages already.
     """
 
     def __init__(self, storage: CacheStorage, num_pages: Mapping[str, int]) -> None:
         with storage._lock:
             storage._ready()
+            if getattr(storage, "host_tier_pages", None) is not None:
+                raise RuntimeError("this storage has host tier pages already")
             held = sorted(storage._planes)
             unknown = sorted(set(num_pages) - set(held))
             if unknown:
@@ -71,6 +74,8 @@ class HostTierPages:
                 g: p for g, p in pools.groups.items() if every[g]
             }
             self.storage = storage
+            # how the storage finds the pages that a step's offloads go to (guard.tier_of)
+            storage.host_tier_pages = self  # type: ignore[attr-defined]
 
     @property
     def num_pages(self) -> dict[str, int]:

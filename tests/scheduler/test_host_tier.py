@@ -175,14 +175,18 @@ def test_reach_is_all_or_nothing_per_span():
     assert t.reach([]) == 0
 
 
-def test_reset_forgets_unpinned_pages():
+def test_reset_forgets_every_page_and_drops_queued_copies():
     t, store = tier()
     keys = held_chain(store, 2)
     t.demote("kv", keys[0], UNIT, 10, ref=keys[0])
     t.take_offloads()
+    t.onload({"kv": ([keys[0]], [20])})
     t.demote("kv", keys[1], 2 * UNIT, 11, ref=keys[1])  # pinned: its offload is queued
-    assert t.reset() == 1
-    assert t.page_of("kv", keys[0]) is None and t.page_of("kv", keys[1]) == 2
+    assert t.reset() == 2
+    assert len(t) == 0 and not store.num_records
+    assert t.take_offloads() == () and t.take_onloads() == ()
+    assert t.pool("kv").num_free == t.pool("kv").num_usable
+    assert t.demote("kv", keys[1], 2 * UNIT, 11) is not None  # block 11 is free to queue again
 
 
 # ------------------------------------------------------------------ bad inputs
@@ -276,3 +280,108 @@ def test_policies():
     assert tier(policy="write_through")[0].policy == "write_through"
     assert tier()[0].policy == "eviction"
     assert repr(tier()[0]).startswith("HostTier(eviction")
+
+
+# ------------------------------------------------------------------ wired to a BlockManager
+
+
+def manager(num_blocks: int = 10, prefix: bool = True):
+    from kvforge import GQABackend
+    from kvforge.core.layout import CacheLayout
+    from kvforge.scheduler import BlockManager
+
+    lay = CacheLayout({0: GQABackend(2, 8, block_size=16)})
+    return BlockManager(lay, {"kv": num_blocks}, max_num_seqs=2, enable_prefix_caching=prefix)
+
+
+def test_evictions_demote_and_the_next_step_carries_the_offloads():
+    from kvforge.scheduler import host_tier
+
+    m = manager()
+    t = host_tier.attach(m, {"kv": 16})
+    assert host_tier.tier_of(m) is t
+    a = m.schedule(["a"], [64], new_token_ids=[np.arange(64)])
+    assert a.offloads == ()
+    m.end_step(a)
+    m.finish(["a"])
+    cached = {b: k for b, (k, _, _) in m.registered_blocks("kv").items()}
+    assert len(cached) == 4
+    b = m.schedule(["b"], [128], new_token_ids=[np.arange(100, 228)])  # 8 blocks: 3 evicted
+    [off] = b.offloads
+    assert off.group == "kv" and len(off.device_blocks) == 3
+    for block, page in zip(off.device_blocks.tolist(), off.host_pages.tolist(), strict=True):
+        assert t.page_of("kv", cached[block]) == page
+    # the deepest blocks go first; the pages keep the chain's records alive
+    assert t.page_of("kv", cached[min(cached)]) is None
+    assert host_tier.take_offloads(m) == ()
+    m.end_step(b)
+    m.finish(["b"])
+    assert m.reset_prefix_cache() > 0
+    assert len(t) == 0
+
+
+def test_evictions_outside_a_step_are_handed_out_by_take_offloads():
+    from kvforge.core.values import PrefixQuery
+    from kvforge.scheduler import host_tier
+
+    m = manager(num_blocks=6)  # 5 usable blocks
+    t = host_tier.attach(m, {"kv": 16})
+    for rid, toks in (("z", np.arange(900, 932)), ("a", np.arange(40))):
+        step = m.schedule([rid], [len(toks)], new_token_ids=[toks])
+        m.end_step(step)
+        m.finish([rid])  # z: 2 cached blocks; a: 2 cached, 1 free
+    for rid in ("c", "d"):  # both share a's 2 cached blocks
+        [match] = m.lookup([PrefixQuery(np.arange(40))])
+        assert match.num_tokens == 32
+        step = m.schedule([rid], [8], new_token_ids=[np.arange(32, 40)], prefix_matches=[match])
+        m.end_step(step)
+    # d's block evicted z's deepest: the step carried it
+    assert [x.device_blocks.tolist() for x in step.offloads] == [[2]]
+    # c's truncation copies its shared block on write: the fresh block evicts z's root,
+    # outside any step
+    m.truncate("c", 24)
+    [off] = host_tier.take_offloads(m)
+    assert off.device_blocks.tolist() == [1] and len(m.take_copies()) == 1
+    assert host_tier.take_offloads(m) == ()
+    assert len(t) == 2 == sum(t.stats.demotions.values())
+
+
+BAD_ATTACH = [
+    (dict(prefix=False), {"kv": 4}, {}, RuntimeError, "enable prefix caching"),
+    ({}, {"nope": 4}, {}, ArgumentError, r"num_pages names groups \['nope'\]"),
+    ({}, {"kv": 1}, {}, ArgumentError, r"num_pages\['kv'\] must be an int >= 2"),
+    ({}, {"kv": 4}, {"policy": "lazy"}, ArgumentError, "host_tier_policy must be"),
+    ({}, {"kv": 4}, {"policy": "write_through"}, NotImplementedError, "not wired yet"),
+]
+
+
+@pytest.mark.parametrize(("mkw", "num_pages", "kw", "error", "message"), BAD_ATTACH)
+def test_a_bad_attach_changes_nothing(mkw, num_pages, kw, error, message):
+    from kvforge.scheduler import host_tier
+
+    m = manager(**mkw)
+    hook = m.pool("kv").on_evict
+    with pytest.raises(error, match=message):
+        host_tier.attach(m, num_pages, **kw)
+    assert host_tier.tier_of(m) is None and m.pool("kv").on_evict is hook
+
+
+def test_attach_once():
+    from kvforge.scheduler import host_tier
+
+    m = manager()
+    host_tier.attach(m, {"kv": 4})
+    with pytest.raises(RuntimeError, match="has a host tier already"):
+        host_tier.attach(m, {"kv": 4})
+
+
+def test_retain_takes_one_more_reference_on_a_held_record():
+    store = UnitRecordStore()
+    [k] = held_chain(store, 1)
+    before = store.refcount(k)
+    store.retain(k)
+    assert store.refcount(k) == before + 1
+    with pytest.raises(KeyError, match="retain"):
+        store.retain(b"x" * 32)
+    with pytest.raises(KeyError, match="retain"):
+        store.retain("k")  # type: ignore[arg-type]

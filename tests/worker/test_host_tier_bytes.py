@@ -207,3 +207,193 @@ def test_the_arena_round_trips_unpadded_pages_and_refuses_an_onload_into_another
     with pytest.raises(BlockOwnershipError, match=r"lies in slab .* of the arena"):
         tier.move(onloads=[copy("swa", [forged], [1])])
     tier.move([copy("swa", [forged], [2])])  # reading it is no write: allowed
+
+
+# ------------------------------------------------------------------ wired: demotion
+
+
+def gqa_controller(num_blocks: int = 24, pages: int = 32):
+    from kvforge import CacheController
+
+    swa = GQABackend(2, 8, block_size=16, sliding_window=32)
+    kv = GQABackend(2, 8, block_size=16)
+    ctl = CacheController({0: swa, 1: kv, 2: swa, 3: kv}, enable_prefix_caching=True)
+    ctl.initialize_kv_cache(num_blocks=num_blocks, max_num_seqs=2, max_model_len=512)
+    assert ctl.initialize_host_tier(num_pages=pages) == {"swa": pages, "kv": pages}
+    return ctl
+
+
+def page_bytes(ctl, group: str, block: int) -> torch.Tensor:
+    """What a host page of ``block`` holds: its offloaded buffers' bytes, packed in order."""
+    caches = ctl.kv_caches
+    return torch.cat(
+        [
+            caches[e.index][block].contiguous().view(torch.uint8).flatten()
+            for e in ctl.layout.offload_buffers(group)
+        ]
+    )
+
+
+def run_prompt(ctl, rid: str, toks: np.ndarray, chunk: int = 64, seen=None):
+    """Prefill ``toks`` in chunks, writing every token's bytes; with ``seen``, collect the
+    bytes of every block the device prefix cache holds after each step (a key's bytes never
+    change while it is cached, and window blocks may go within the prompt)."""
+    from kvforge.verify import token_seeds, write_step
+
+    seeds = token_seeds(toks)
+    done = 0
+    while done < len(toks):
+        n = min(chunk, len(toks) - done)
+        step = ctl.schedule([rid], [n], new_token_ids=[toks[done : done + n]])
+        assert not step.allocation.refused, step.allocation.refused
+        write_step(ctl, step, {rid: seeds})
+        ctl.end_step(step)
+        if seen is not None:
+            seen.update(cached_bytes(ctl))
+        done += n
+    return seeds
+
+
+def cached_bytes(ctl) -> dict[tuple[str, bytes], torch.Tensor]:
+    """(group, key) -> the page bytes of every block the device prefix cache holds."""
+    out = {}
+    for group in ctl.groups:
+        for block, (key, _, g) in ctl.scheduler.registered_blocks(group).items():
+            out[(g, key)] = page_bytes(ctl, g, block)
+    return out
+
+
+def test_evicted_prefix_blocks_land_in_host_pages_byte_for_byte():
+    ctl = gqa_controller()
+    toks = np.arange(1, 129)
+    before: dict[tuple[str, bytes], torch.Tensor] = {}
+    run_prompt(ctl, "a", toks, seen=before)
+    assert {g for g, _ in before} == {"swa", "kv"}
+    cached_a = set(before)
+    ctl.free_request("a")
+    records = ctl.scheduler._prefix.records
+    from kvforge.core.prefix_keys import PrefixHasher
+
+    h = PrefixHasher(unit=ctl.scheduler.prefix_unit)
+    h.extend(toks)
+    run_prompt(ctl, "b", np.arange(1000, 1224), seen=before)  # a's cached blocks go
+    tier, pages = ctl.host_tier, ctl.storage.host_tier_pages
+    demoted = {k: v for k, v in before.items() if tier.page_of(*k) is not None}
+    assert len(demoted) == len(tier) == sum(tier.stats.demotions.values()) > 0
+    assert {g for g, _ in demoted} == {"swa", "kv"}
+    assert sum(1 for _, k in demoted if k in {k for _, k in cached_a}) >= 8  # a's chain
+    for (group, key), want in demoted.items():
+        got = pages.groups[group].pages[tier.page_of(group, key)]
+        assert torch.equal(got, want), (group, key.hex()[:8])
+    # the exact check's records live on with the pages although the device forgot the keys
+    assert not any(ctl.scheduler.cached_block(g, k) for g, k in demoted)
+    assert records.confirm(h.unit_records()) == len(toks) // ctl.scheduler.prefix_unit
+    # reset forgets the host tier too
+    ctl.scheduler.reset_prefix_cache()
+    assert len(tier) == 0 and tier.pool("kv").num_free == tier.pool("kv").num_usable
+
+
+def test_a_step_with_forged_offloads_is_refused_before_anything_is_mirrored():
+    import dataclasses
+
+    ctl = gqa_controller()
+    run_prompt(ctl, "a", np.arange(1, 129))
+    ctl.free_request("a")
+    manager, storage = ctl.scheduler, ctl.storage
+    alloc = manager.schedule(["b"], [64], new_token_ids=[np.arange(500, 564)])
+    seq = storage.next_seq
+    forged = dataclasses.replace(alloc, offloads=(copy("kv", [1], [999]),))
+    with pytest.raises(BlockRangeError, match="host page 999"):
+        storage.apply(forged)
+    assert storage.next_seq == seq  # nothing mirrored
+    storage.apply(alloc)
+    assert storage.next_seq > seq
+    manager.end_step(alloc)
+
+
+def test_a_worker_without_host_tier_pages_refuses_offloads():
+    import dataclasses
+
+    from kvforge import CacheController
+
+    ctl = CacheController({0: GQABackend(2, 8, block_size=16)}, enable_prefix_caching=True)
+    ctl.initialize_kv_cache(num_blocks=8, max_num_seqs=2, max_model_len=64)
+    alloc = ctl.scheduler.schedule(["a"], [16], new_token_ids=[np.arange(16)])
+    with pytest.raises(WorkerRefusedError, match="has no host tier pages"):
+        ctl.storage.apply(dataclasses.replace(alloc, offloads=(copy("kv", [1], [1]),)))
+
+
+def test_the_arena_demotes_what_slab_moves_and_takes_evict():
+    from kvforge import CacheController
+    from kvforge.models import from_hf_config
+
+    ctl = CacheController(from_hf_config("deepseek-v4-tiny"), enable_prefix_caching=True)
+    ctl.initialize_kv_cache(
+        memory_budget=96 << 20, max_num_seqs=6, max_model_len=4096, max_num_batched_tokens=512
+    )
+    assert ctl.storage.arena is not None
+    ctl.initialize_host_tier(num_pages=4096)
+    seen: dict[tuple[str, bytes], torch.Tensor] = {}
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        run_prompt(ctl, f"r{i}", rng.integers(1, 30000, 1536), chunk=512, seen=seen)
+        ctl.free_request(f"r{i}")
+    tier, pages = ctl.host_tier, ctl.storage.host_tier_pages
+    demoted = [k for k in seen if tier.page_of(*k) is not None]
+    assert len({g for g, _ in demoted}) >= 2, tier.stats
+    for group, key in demoted:
+        got = pages.groups[group].pages[tier.page_of(group, key)]
+        assert torch.equal(got, seen[(group, key)]), group
+
+
+def test_the_controller_offloads_a_truncations_eviction_before_its_copy_writes():
+    from kvforge import CacheController
+    from kvforge.core.values import PrefixQuery
+    from kvforge.verify import token_seeds, write_step
+
+    ctl = CacheController({0: GQABackend(2, 8, block_size=16)}, enable_prefix_caching=True)
+    ctl.initialize_kv_cache(num_blocks=6, max_num_seqs=4, max_model_len=64)  # 5 usable
+    ctl.initialize_host_tier(num_pages=8)
+    seen: dict[tuple[str, bytes], torch.Tensor] = {}
+    run_prompt(ctl, "z", np.arange(900, 932), seen=seen)
+    ctl.free_request("z")
+    run_prompt(ctl, "a", np.arange(40), seen=seen)
+    ctl.free_request("a")
+    for rid in ("c", "d"):  # both share a's 2 cached blocks; d's block evicts z's deepest
+        [match] = ctl.lookup([PrefixQuery(np.arange(40))])
+        step = ctl.schedule([rid], [8], new_token_ids=[np.arange(32, 40)], prefix_matches=[match])
+        write_step(ctl, step, {rid: token_seeds(np.arange(40))})
+        ctl.end_step(step)
+    tier = ctl.host_tier
+    assert sum(tier.stats.demotions.values()) == 1
+    ctl.truncate("c", 24)  # copy on write into a fresh block: z's root is evicted first
+    assert sum(tier.stats.demotions.values()) == 2
+    pages = ctl.storage.host_tier_pages.groups["kv"].pages
+    z_keys = [k for g, k in seen if tier.page_of(g, k) is not None]
+    assert len(z_keys) == 2
+    for key in z_keys:
+        assert torch.equal(pages[tier.page_of("kv", key)], seen[("kv", key)])
+
+
+BAD_TIERS = [
+    (False, (4,), {}, RuntimeError, "enable_prefix_caching=True"),
+    (True, (4,), {"policy": "lazy"}, ValueError, "host_tier_policy must be 'eviction'"),
+    (True, (4,), {"policy": "write_through"}, NotImplementedError, "not wired yet"),
+    (True, (1,), {}, ValueError, r"\['kv'\] must be an int >= 2"),
+    (True, ({"nope": 4},), {}, ValueError, "nope"),
+]
+
+
+@pytest.mark.parametrize(("prefix", "args", "kw", "error", "message"), BAD_TIERS)
+def test_a_bad_initialize_host_tier_allocates_nothing(prefix, args, kw, error, message):
+    from kvforge import CacheController
+
+    ctl = CacheController({0: GQABackend(2, 8, block_size=16)}, enable_prefix_caching=prefix)
+    ctl.initialize_kv_cache(num_blocks=6, max_num_seqs=2, max_model_len=64)
+    with pytest.raises(error, match=message):
+        ctl.initialize_host_tier(*args, **kw)
+    assert getattr(ctl.storage, "host_tier_pages", None) is None and ctl.host_tier is None
+    if prefix:
+        ctl.initialize_host_tier(4)
+        with pytest.raises(RuntimeError, match="host tier pages already"):
+            ctl.initialize_host_tier(4)
