@@ -42,11 +42,11 @@ MIN_SLABS = 8
 MIN_BLOCKS_PER_SLAB = 8
 """A slab holds at least this many blocks of its largest-page group."""
 
-PADDING_LIMIT = 0.03
-"""No page is padded by more than 3% while a slab size that keeps every page within it exists."""
+PADDING_TARGET = 0.01
+"""The smallest slab whose worst padding is at most 1% wins; else the least padded one."""
 
-PREFERRED_MIN_SLABS = 16
-"""A budget of at least 16 of the smallest slabs is cut into 16 slabs or more."""
+PADDING_LIMIT = 0.03
+"""More slabs are worth up to 3% padding per block; past that, fewer and larger slabs."""
 
 
 class ArenaGeometry(BaseModel):
@@ -127,27 +127,22 @@ def _page(layout: CacheLayout, group: str) -> tuple[int, tuple[int, ...]]:
 
 
 def plan_arena(
-    layout: CacheLayout,
-    memory_budget: int,
-    groups: Sequence[str] | None = None,
-    weights: Sequence[int] | None = None,
+    layout: CacheLayout, memory_budget: int, groups: Sequence[str] | None = None
 ) -> ArenaGeometry | None:
     """The arena of ``groups`` (default :func:`arena_groups`) in ``memory_budget`` bytes, or
     None when fewer than two groups qualify or the budget holds fewer than
-    :data:`MIN_SLABS` slabs of the smallest fitting size. ``weights`` (one per group, e.g. the
-    bytes a per-group plan gives each) weigh each group's padding: the padding of the group
-    that will hold most bytes (the full group's history) costs most.
+    :data:`MIN_SLABS` slabs of the smallest fitting size.
 
-    DeepSeek-V4-tiny on 1 GiB, equal weights: pages of 878, 374, 324 and 257 units of 256 B;
-    the slab of ``L = 21,120`` units (``2^7 3 5 11``) has divisors 880, 384, 330 and 264, so
-    each group's stride is ``256 * q`` and ``L // q`` blocks fill a slab exactly:
+    DeepSeek-V4-tiny on 1 GiB: pages of 878, 374, 324 and 257 units of 256 B; the slab of
+    ``L = 58,500`` units (``2^2 3^2 5^3 13``) has divisors 900, 375, 325 and 260, so each
+    group's stride is ``256 * q`` and ``L // q`` blocks fill a slab exactly:
 
     >>> from kvforge.models import from_hf_config
     >>> g = plan_arena(CacheLayout(from_hf_config("deepseek-v4-tiny")), 1 << 30)
     >>> g.slab_bytes, g.num_slabs, g.blocks_per_slab
-    (5406720, 198, (24, 55, 64, 80))
+    (14976000, 71, (65, 156, 180, 225))
     >>> g.block_stride, g.page_bytes
-    ((225280, 98304, 84480, 67584), (224640, 95616, 82944, 65664))
+    ((230400, 96000, 83200, 66560), (224640, 95616, 82944, 65664))
     >>> [s * k == g.slab_bytes for s, k in zip(g.block_stride, g.blocks_per_slab)]
     [True, True, True, True]
     """
@@ -156,15 +151,17 @@ def plan_arena(
         return None
     pages = [_page(layout, n) for n in names]
     units = tuple(-(-p // BLOCK_ALIGN) for p, _ in pages)
-    weight = tuple(int(w) for w in weights) if weights is not None else (1,) * len(names)
-    if len(weight) != len(names) or min(weight) < 0 or not sum(weight):
-        raise ValueError(f"weights must be {len(names)} ints >= 0, not all 0, got {weights!r}")
     lo = MIN_BLOCKS_PER_SLAB * max(units)
     best = None
-    for slabs in (PREFERRED_MIN_SLABS, MIN_SLABS):  # a small budget accepts fewer slabs
+    # many slabs drain often (a slab moves only once none of its blocks is in use), so the
+    # most slabs whose padding stays within PADDING_LIMIT win; a small budget falls back to
+    # fewer, larger slabs
+    for slabs in (256, 64, MIN_SLABS):
         hi = memory_budget // (BLOCK_ALIGN * slabs)
-        if hi >= lo:
-            best = _slab_units(units, lo, hi, weight, memory_budget // BLOCK_ALIGN)
+        if hi < lo:
+            continue
+        best = _slab_units(units, lo, hi)
+        if best is not None and (best[2] <= PADDING_LIMIT or slabs == MIN_SLABS):
             break
     if best is None:
         return None
@@ -186,40 +183,29 @@ _PRIMES = (2, 3, 5, 7, 11, 13)
 
 @functools.lru_cache(maxsize=64)
 def _slab_units(
-    units: tuple[int, ...],
-    lo: int,
-    hi: int,
-    weight: tuple[int, ...] | None = None,
-    budget_units: int | None = None,
+    units: tuple[int, ...], lo: int, hi: int
 ) -> tuple[int, tuple[int, ...], float] | None:
-    """The slab size ``L`` (in :data:`BLOCK_ALIGN` units) in ``[lo, hi]``, the blocks per slab
-    of each page, and the worst page's padding: ``L`` is 13-smooth, so it has many divisors,
+    """The slab size ``L`` (in :data:`BLOCK_ALIGN` units) in ``[lo, hi]`` and the blocks per
+    slab of each page, and the worst padding: ``L`` is 13-smooth, so it has many divisors,
     and page ``u`` gets the smallest divisor ``q >= u`` (``L // q`` blocks of ``q`` units).
-
-    What a slab size costs is the bytes it takes from the groups: the pages' padding
-    ``q / u - 1`` averaged with ``weight`` (the bytes each group is planned to hold), plus the
-    share of the budget ``budget_units`` the reserved slab 0 takes. The cheapest ``L`` that
-    pads no page past :data:`PADDING_LIMIT` wins; without one, the least worst padding.
+    The smallest ``L`` whose worst padding ``q / u - 1`` is at most :data:`PADDING_TARGET`
+    wins, else the least padded.
     """
-    weight = weight or (1,) * len(units)
-    total = sum(weight)
     hi = min(hi, lo * 64, 1 << 28)  # past 64x the least, slabs only fragment more
-    best: tuple[tuple[bool, float], int, tuple[int, ...], float] | None = None
+    best: tuple[float, int, tuple[int, ...]] | None = None
     for L, factors in _smooth_between(lo, hi):
         divisors = _divisors(factors)
-        mean = worst = 0.0
+        worst = 0.0
         per_slab = []
-        for u, w in zip(units, weight, strict=True):
+        for u in units:
             q = divisors[bisect.bisect_left(divisors, u)]
-            mean += w * (q / u - 1) / total
             worst = max(worst, q / u - 1)
             per_slab.append(L // q)
-        reserved = L / budget_units if budget_units else 0.0
-        within = worst <= PADDING_LIMIT
-        score = (not within, mean + reserved if within else worst)
-        if best is None or score < best[0]:
-            best = (score, L, tuple(per_slab), worst)
-    return None if best is None else (best[1], best[2], best[3])
+        if best is None or worst < best[0]:
+            best = (worst, L, tuple(per_slab))
+        if worst <= PADDING_TARGET:
+            break
+    return None if best is None else (best[1], best[2], best[0])
 
 
 def _smooth_between(lo: int, hi: int) -> list[tuple[int, tuple[int, ...]]]:

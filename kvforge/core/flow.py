@@ -36,9 +36,7 @@ def plan_with_arena(plan: MemoryPlan, layout: CacheLayout) -> MemoryPlan:
     if not names:
         return plan
     others = sum(p.total_bytes for p in plan.groups if p.group not in names)
-    planned = {p.group: p.total_bytes for p in plan.groups}
-    weights = [planned.get(n, 0) for n in names]
-    geometry = plan_arena(layout, plan.memory_budget - others, names, weights)
+    geometry = plan_arena(layout, plan.memory_budget - others, names)
     if geometry is None:
         return plan
     usable = geometry.num_slabs - 1
