@@ -274,8 +274,8 @@ class CacheController:
         With ``share_pools``, explicit ``num_blocks`` are the pools' counts, so the groups of
         a shared set need equal counts (the :class:`BlockManager` refuses others); a
         ``memory_budget`` is planned per group and each shared set's pool then gets the
-        members' usable blocks summed plus one null block (:func:`shared_pool_blocks`),
-        the same usable blocks for the plan's bytes less the members' spare null blocks.
+        members' blocks summed, one null block among them (:func:`shared_pool_blocks`): the
+        plan's bytes, the members' spare null blocks becoming usable blocks.
 
         Returns:
             the plan that was allocated: per group. Under ``share_pools`` its counts and

@@ -745,12 +745,13 @@ def shared_pool_blocks(layout: CacheLayout, num_blocks: Mapping[str, int]) -> di
     """Per-group block counts turned into the counts of shared pools (``share_pools=True``).
 
     A plan sizes each group on its own, each with its own reserved null block. When the
-    groups of a set of :attr:`CacheLayout.pool_sets` share one pool, the pool gets every
-    member's usable blocks plus ONE null block, ``sum(num_blocks[m] - 1) + 1``, and every
-    member is given that count (one id space). Since the members' pages are the same bytes,
-    the pool costs ``pool * bytes_per_block`` once: the plan's bytes less the ``k - 1`` null
-    blocks the other ``k - 1`` members no longer need. Groups alone in their set keep their
-    count.
+    groups of a set of :attr:`CacheLayout.pool_sets` share one pool, the pool needs only ONE
+    null block, so the ``k - 1`` null blocks the other members no longer need become usable
+    blocks: the pool is ``sum(num_blocks[m])`` blocks, ``k - 1`` more usable blocks than the
+    members' plans, and every member is given that count (one id space). Since the members'
+    pages are the same bytes, the pool costs ``pool * bytes_per_block`` once: exactly the
+    plan's bytes (as vLLM's one pool of ``budget // page`` blocks with one null block spends
+    them). Groups alone in their set keep their count.
 
     Worked example, gpt-oss-20b: 12 sliding-window and 12 full layers whose pages are both
     ``12 layers * 2 roles * 16 tokens * 8 heads * 64 dims * 2 B = 393,216 B``::
@@ -760,10 +761,10 @@ def shared_pool_blocks(layout: CacheLayout, num_blocks: Mapping[str, int]) -> di
         >>> layout.pool_sets
         (('swa', 'kv'),)
         >>> shared_pool_blocks(layout, {"swa": 301, "kv": 2_001})
-        {'swa': 2301, 'kv': 2301}
+        {'swa': 2302, 'kv': 2302}
 
-    ``(301 - 1) + (2001 - 1) + 1 = 2301`` blocks: 2,300 usable, as the plan had, for
-    ``2301 * 393,216 B`` instead of ``(301 + 2001) * 393,216 B`` (one null block less).
+    ``301 + 2001 = 2302`` blocks for the plan's ``(301 + 2001) * 393,216 B``: 2,301 usable,
+    one more than the plan's 2,300 (the ``kv`` group's null block is not needed twice).
 
     Raises:
         ValueError: a group without a count, or a pool of more blocks than int32 block ids
@@ -776,7 +777,7 @@ def shared_pool_blocks(layout: CacheLayout, num_blocks: Mapping[str, int]) -> di
     for members in layout.pool_sets:
         if len(members) < 2:
             continue
-        pool = sum(blocks[m] - 1 for m in members) + 1
+        pool = sum(blocks[m] for m in members)  # one null block; the spare ones are usable
         if pool > MAX_BLOCKS_PER_GROUP:
             raise ValueError(
                 f"the shared pool of groups {list(members)} would hold {pool:,} blocks, more "

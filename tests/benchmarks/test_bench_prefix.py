@@ -193,8 +193,8 @@ def test_floor_blocks_is_the_planners_reserve_for_windows() -> None:
 
 def test_shared_pool_blocks_pools_usable_blocks_of_a_shared_set() -> None:
     assert shared_pool_blocks(build_layout("gpt-oss-20b"), {"swa": 300, "kv": 501}) == {
-        "swa": 800,
-        "kv": 800,
+        "swa": 801,
+        "kv": 801,
     }
     per_group = {"swa": 5, "compressed": 6, "c4_state": 7, "c128_state": 8}
     assert shared_pool_blocks(build_layout("deepseek-v4-flash"), per_group) == per_group

@@ -626,15 +626,14 @@ def test_controller_allocates_exactly_the_plan():
     got = ctl.initialize_kv_cache(memory_budget=4 << 20, max_num_seqs=4, max_model_len=4096)
     assert got == plan
     assert ctl.device_bytes == plan.total_bytes
-    # shared (the default): kv and swa pair up, so one pool of the same usable blocks and one
-    # null block instead of two (shared_pool_blocks)
+    # shared (the default): kv and swa pair up, so one pool of the plan's bytes with one
+    # null block instead of two: the spare one is usable (shared_pool_blocks)
     shared = CacheController(backends)
     assert shared.initialize_kv_cache(
         memory_budget=4 << 20, max_num_seqs=4, max_model_len=4096
     ) == plan
-    page = plan.group("kv").bytes_per_block
-    assert shared.device_bytes == plan.total_bytes - page
-    usable = plan.num_blocks["kv"] - 1 + plan.num_blocks["swa"] - 1
+    assert shared.device_bytes == plan.total_bytes
+    usable = plan.num_blocks["kv"] + plan.num_blocks["swa"] - 1
     assert shared.scheduler.num_usable_blocks("kv") == usable
     # swa: 4 windows of 5 blocks + cdiv(8192, 16) + 4 + null
     assert plan.num_blocks["swa"] == 4 * 5 + 512 + 4 + 1

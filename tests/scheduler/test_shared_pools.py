@@ -312,15 +312,15 @@ def test_a_memory_budget_becomes_pools_of_the_same_usable_blocks() -> None:
     lay = layout()
     sizes = {"max_num_seqs": 4, "max_model_len": 256, "max_num_batched_tokens": 64}
     plan = plan_memory(lay, budget, **sizes)
-    pool = (plan.num_blocks["swa"] - 1) + (plan.num_blocks["kv"] - 1) + 1
+    pool = plan.num_blocks["swa"] + plan.num_blocks["kv"]  # one null block, one more usable
     assert shared_pool_blocks(lay, plan.num_blocks) == {"swa": pool, "kv": pool}
     ctl = CacheController(backends(), share_pools=True)
     got = ctl.initialize_kv_cache(memory_budget=budget, **sizes)
     assert got.num_blocks == plan.num_blocks  # the per-group plan is what is returned
     assert ctl.storage.num_blocks == {"swa": pool, "kv": pool}
-    assert ctl.scheduler.num_usable_blocks("kv") == pool - 1 == sum(plan.num_blocks.values()) - 2
-    # the plan's bytes less the one null block the second member no longer needs
-    assert ctl.device_bytes == pool * PAGE == plan.total_bytes - PAGE
+    assert ctl.scheduler.num_usable_blocks("kv") == pool - 1 == sum(plan.num_blocks.values()) - 1
+    # the plan's bytes: the null block the second member no longer needs is a usable block
+    assert ctl.device_bytes == pool * PAGE == plan.total_bytes
 
 
 def test_shared_pool_blocks_worked_example_runs() -> None:
