@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvforge.core.arena import arena_groups, plan_arena
 from kvforge.core.layout import CacheLayout
-from kvforge.core.memory_plan import MemoryPlan
+from kvforge.core.memory_plan import MemoryPlan, _largest
 from kvforge.kinds import rule_of
 
 __all__ = ["plan_with_arena"]
@@ -88,11 +88,4 @@ def _sequences(need: dict[str, tuple[int | None, int, int]], slabs: int, limit: 
             total += -(-(n * (per_seq or 0) + step) // k)
         return total <= slabs
 
-    lo, hi = 0, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return _largest(fits, 0, limit) if fits(0) else 0
