@@ -59,6 +59,11 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
             "--max-num-seqs does not apply with --num-blocks: it sizes the pools from "
             "--device-memory, and --num-blocks gives their sizes"
         )
+    if args.num_blocks is not None and args.own_pools:
+        raise UsageError(
+            "--own-pools does not apply with --num-blocks: --num-blocks already gives "
+            "every group its own pool of that many blocks"
+        )
     description, backends = build_backends(args)
     if args.tp_size is not None and args.rank >= args.tp_size:
         raise UsageError(

@@ -80,6 +80,7 @@ def test_parse_size_units():
         (["--num-blocks", "1"], "argument --num-blocks: 1 leaves no usable block (block 0 of every group is the null block); give at least 2"),
         (["--num-blocks", "0"], "argument --num-blocks: '0' must be a positive integer"),
         (["--num-blocks", "4", "--max-num-seqs", "3"], "--max-num-seqs does not apply with --num-blocks"),
+        (["--num-blocks", "4", "--own-pools"], "--own-pools does not apply with --num-blocks"),
         # ranks
         (["--rank", "-1"], "argument --rank: '-1' must be a non-negative integer"),
         (["--model", "llama-3-8b", "--tp-size", "4", "--rank", "4"], "--rank 4 is out of range for --tp-size 4 (ranks 0..3)"),
