@@ -313,7 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     _add_bench(
-        sub.add_parser("bench", help="swap throughput vs a contiguous copy and a per-block loop")
+        sub.add_parser(
+            "bench",
+            help="swap throughput vs a contiguous copy and a per-block loop; --tiers: host "
+            "and remote tier throughput and restore time",
+        )
     )
     return parser
 
@@ -417,5 +421,31 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
         "--prefix",
         action="store_true",
         help="moved: run benchmarks/bench_prefix.py from a checkout (exits 2 and says so)",
+    )
+    tiers = bench.add_argument_group("tiers (kvforge bench --tiers)")
+    tiers.add_argument(
+        "--tiers",
+        action="store_true",
+        help="host and remote tier put/get throughput and prefix restore time, each against "
+        "the same bytes copied contiguously or by the raw client (starts its own servers)",
+    )
+    tiers.add_argument(
+        "--remote",
+        default=None,
+        metavar="LIST",
+        help="remote tiers to measure: a comma list of redis, mooncake, or none "
+        "(default: redis,mooncake)",
+    )
+    tiers.add_argument(
+        "--redis",
+        default=None,
+        metavar="HOST:PORT",
+        help="use this Redis server (default: start one)",
+    )
+    tiers.add_argument(
+        "--mooncake-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="use this Mooncake master (default: start one)",
     )
     add_plugin_option(bench, argparse.SUPPRESS)

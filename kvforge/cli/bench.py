@@ -50,7 +50,15 @@ from kvforge.specs import CacheGroup, CacheRole, SwapPurpose
 from kvforge.worker.host_pool import HostGroupPool
 from kvforge.worker.transfer import move_pages
 
-__all__ = ["HARNESSES", "BenchCase", "BenchResult", "cmd_bench", "default_cases", "run_bench"]
+__all__ = [
+    "HARNESSES",
+    "BenchCase",
+    "BenchResult",
+    "check_tier_flags",
+    "cmd_bench",
+    "default_cases",
+    "run_bench",
+]
 
 
 class BenchResult(BaseModel):
@@ -471,11 +479,83 @@ def _moved_to_checkout(flag: str) -> UsageError:
     )
 
 
+def parse_address(text: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> ``(host, port)``; :class:`UsageError` naming ``flag`` otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"{flag} must be HOST:PORT with a port in 1..65535, got {text!r}")
+    return host, int(port)
+
+
+#: ``kvforge bench`` flags that mean nothing with ``--tiers``, and their defaults.
+IGNORED_WITH_TIERS = {"step": False, "prefix": False, "warm_cache": False}
+#: flags that mean something only with ``--tiers``.
+TIERS_ONLY = {"redis": None, "mooncake_master": None, "remote": None}
+
+
+def check_tier_flags(args: argparse.Namespace) -> None:
+    """A usage error for a flag ``--tiers`` would ignore, or a tiers flag without it."""
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    if args.tiers:
+        used = [flag(n) for n, d in IGNORED_WITH_TIERS.items() if getattr(args, n) != d]
+        if used:
+            raise UsageError(f"--tiers does not take {', '.join(used)}")
+        for name in ("redis", "mooncake_master"):
+            if getattr(args, name) is not None:
+                parse_address(getattr(args, name), flag(name))
+    else:
+        used = [flag(n) for n, d in TIERS_ONLY.items() if getattr(args, n) != d]
+        if used:
+            raise UsageError(f"{', '.join(used)} only applies with --tiers")
+
+
+def cmd_tiers(args: argparse.Namespace) -> int:
+    """``kvforge bench --tiers`` (after :func:`check_tier_flags`): see
+    :mod:`kvforge.cli.bench_tiers`."""
+    from kvforge.cli.bench_tiers import REMOTES, default_cases, print_records, run_tiers
+
+    remotes = REMOTES if args.remote is None else tuple(r for r in args.remote.split(",") if r)
+    bad = [r for r in remotes if r not in (*REMOTES, "none")]
+    if bad or not remotes:
+        raise UsageError(
+            f"--remote takes a comma list of redis, mooncake or none, got {args.remote!r}"
+        )
+    remotes = tuple(r for r in remotes if r != "none")
+    addresses = {r: a for r, a in (("redis", args.redis), ("mooncake", args.mooncake_master)) if a}
+    unused = [r for r in addresses if r not in remotes]
+    if unused:
+        raise UsageError(f"an address was given for {unused[0]}, which --remote leaves out")
+    notes: list[str] = []
+    started = time.perf_counter()
+    records = run_tiers(
+        default_cases(args.quick),
+        remotes,
+        addresses,
+        repeats=args.repeats or (3 if args.quick else 5),
+        device=args.device,
+        progress=not args.no_progress,
+        notes=notes,
+    )
+    print_records(records, notes)
+    if args.json:
+        report = {"records": records, "notes": notes, "seconds": time.perf_counter() - started}
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``kvforge bench``: the offload benchmark (``--step`` / ``--prefix``: exit 2, naming the
-    harness to run from a checkout)."""
+    """``kvforge bench``: the offload benchmark (``--tiers``: the tiers' benchmark,
+    :mod:`kvforge.cli.bench_tiers`; ``--step`` / ``--prefix``: exit 2, naming the harness to
+    run from a checkout)."""
+    check_tier_flags(args)
     if args.json is not None:
         check_output_path(args.json, "--json")
+    if args.tiers:
+        return cmd_tiers(args)
     if args.step and args.prefix:
         raise UsageError("give one of --step or --prefix, not both")
     if args.step:

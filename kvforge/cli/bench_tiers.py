@@ -1,0 +1,533 @@
+"""``kvforge bench --tiers``: the host tier's and the remote tier's throughput, and the time to
+restore a prefix from each tier, every figure against a baseline on the same bytes, same run.
+
+Three kinds of record (plain dicts; ``tier``, ``direction``, ``bytes``, ``gbps``,
+``client_gbps`` and ``ratio = gbps / client_gbps`` in every one):
+
+- ``tier="host"``, ``put`` / ``get``: device blocks to host tier pages and back
+  (:meth:`~kvforge.worker.host_tier.HostTierPages.move`, one gather or scatter per group),
+  against one contiguous ``torch`` copy of as many bytes (``client_gbps``).
+- ``tier="redis"`` / ``"mooncake"``, ``put``: the gather into host pages, the value's
+  checksum and header, and the put through the kvforge adapter
+  (:func:`kvforge.store.open_store`), against the raw client putting the same number of
+  values, of the same sizes, from one pre-packed buffer (Redis: one pipeline of ``SET``;
+  Mooncake: ``batch_put_from`` out of a registered buffer). ``get``: the adapter's
+  ``batch_get_into`` (checksums checked) and the scatter into device blocks, against the raw
+  client's get of the same values into one buffer (Redis: a pipeline of ``GET``, each reply
+  copied into the buffer; Mooncake: ``batch_get_into``).
+- ``direction="restore"``: a DeepSeek-V4-Flash-shaped prefix (16,384 tokens unless
+  ``--quick``) restored into device blocks from each tier: the blocks a hit at that boundary
+  reuses (every block of a full group, the tail of a window group; compressor state is
+  recomputed, so not moved), against one contiguous copy of the same bytes. ``bytes`` is
+  checked to be the unpadded host page sum, and the restored blocks to equal the source.
+
+Timings are the best of ``repeats`` runs; CPU caches are flushed before each as in
+``kvforge bench`` (:func:`kvforge.cli.bench.cache_flusher`). Servers the command starts run in
+a private network namespace where ``unshare`` is allowed, else on 127.0.0.1 (with a note).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvforge.attn_backends.base import AttentionBackend
+from kvforge.cli.bench import _timed, cache_flusher
+from kvforge.cli.formatting import console, format_bytes, make_table
+from kvforge.controller import CacheController
+from kvforge.core.values import PageCopy
+from kvforge.platform import Platform, get_platform
+from kvforge.store.value import encode_header
+from kvforge.worker.host_tier import HostTierPages
+
+__all__ = ["REMOTES", "TierCase", "default_cases", "private_net", "run_tiers"]
+
+Record = dict[str, Any]
+REMOTES = ("redis", "mooncake")
+CLONE_NEWNET = 0x40000000
+MIB = 1 << 20
+#: how long a store may take to answer before its records are skipped
+READY_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class TierCase:
+    """A model measured: ``target_bytes`` of blocks for the throughput records (as many
+    blocks of every host-tier group), or the blocks a hit at ``tokens`` reuses (restore)."""
+
+    name: str
+    backends: Mapping[int, AttentionBackend]
+    target_bytes: int = 0
+    tokens: int = 0
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+@contextlib.contextmanager
+def private_net() -> Iterator[str]:
+    """Run this thread (and the servers and client threads it starts) in a new network
+    namespace with ``lo`` up; yields ``""`` there, or why not (then nothing changed)."""
+    if shutil.which("ip") is None:
+        yield "iproute2 is not installed"
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        if libc.unshare(CLONE_NEWNET) != 0:
+            yield f"unshare(CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}"
+            return
+        try:
+            up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+            yield "" if up.returncode == 0 else f"ip link set lo up failed: {up.stderr.strip()}"
+        finally:
+            if libc.setns(original, CLONE_NEWNET) != 0:  # pragma: no cover - never seen
+                raise OSError(ctypes.get_errno(), "setns back to the original namespace failed")
+    finally:
+        os.close(original)
+
+
+def missing(remote: str) -> str | None:
+    """Why ``remote`` cannot be measured here (a client or server binary is missing), or None."""
+    module, binary = remote, {"redis": "redis-server", "mooncake": "mooncake_master"}[remote]
+    if importlib.util.find_spec(module) is None:
+        return f"the {module} client is not installed (pip install 'kvforge[{remote}]')"
+    if shutil.which(binary) is None:
+        return f"{binary} is not installed (see docs/tiered_store.md)"
+    return None
+
+
+@contextlib.contextmanager
+def servers(
+    remotes: Sequence[str], given: Mapping[str, str], notes: list[str]
+) -> Iterator[dict[str, str]]:
+    """The address of each remote to measure: the one ``given`` for it, else a server started
+    here on 127.0.0.1 (inside a private network namespace when no address was given and
+    ``unshare`` works) and stopped by its pid on exit. Remotes that cannot run get a note."""
+    from kvforge.store.servers import MooncakeMaster, RedisServer, free_port
+
+    wanted = []
+    for remote in remotes:
+        why = None if remote in given else missing(remote)
+        if why:
+            notes.append(f"{remote}: skipped, {why}")
+        else:
+            wanted.append(remote)
+    to_start = [r for r in wanted if r not in given]
+    with contextlib.ExitStack() as stack:
+        why = "an address was given" if given else ""
+        if to_start and not given:
+            why = stack.enter_context(private_net())
+        private = to_start and not why
+        if to_start and not private:
+            notes.append(f"servers run on the host's 127.0.0.1, not a private namespace: {why}")
+        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvforge-tiers-")))
+        addresses = {r: given[r] for r in wanted if r in given}
+        for remote in to_start:
+            if remote == "redis":
+                server: Any = RedisServer(6379 if private else free_port(), log_dir / "redis.log")
+            else:
+                port = 50051 if private else free_port()
+                server = MooncakeMaster(port, port + 1, log_dir / "master.log")
+            stack.callback(server.stop)
+            try:
+                server.start()
+            except (OSError, RuntimeError) as exc:
+                notes.append(f"{remote}: skipped, its server did not start: {exc}")
+                continue
+            addresses[remote] = server.address
+        yield addresses
+
+
+def open_remote(remote: str, address: str, segment_bytes: int) -> Any:
+    """A kvforge store on ``address``, connected (``RuntimeError`` if it does not answer)."""
+    from kvforge.store import StoreConfig, open_store
+
+    host, port = address.rsplit(":", 1)
+    common: dict[str, Any] = dict(
+        op_timeout_s=120.0, max_value_bytes=512 * MIB, connect_timeout_s=5.0
+    )
+    if remote == "redis":
+        config = StoreConfig(backend="redis", redis_host=host, redis_port=int(port), **common)
+    else:
+        config = StoreConfig(
+            backend="mooncake",
+            mooncake_master=address,
+            mooncake_global_segment_bytes=segment_bytes,
+            **common,
+        )
+    store = open_store(config, b"kvforge-bench-tiers")
+    if not store.wait_ready(READY_TIMEOUT_S):
+        store.close()
+        raise RuntimeError(f"{remote} at {address} did not answer: {store.stats()}")
+    return store
+
+
+# ---------------------------------------------------------------------------- the copies
+
+
+@dataclass
+class _Model:
+    """A controller with its device caches and host tier pages, and the blocks measured:
+    per group the source blocks, the blocks restored into and the pages between."""
+
+    ctl: CacheController
+    tier: HostTierPages
+    src: dict[str, np.ndarray]
+    dst: dict[str, np.ndarray]
+    pages: dict[str, np.ndarray]
+    page_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) * self.page_bytes[g] for g, b in self.src.items())
+
+    def copies(self, blocks: dict[str, np.ndarray]) -> list[PageCopy]:
+        return [PageCopy(g, b, self.pages[g]) for g, b in blocks.items()]
+
+    def views(self) -> list[torch.Tensor]:
+        """Every page measured, one contiguous uint8 row each (the store's sources)."""
+        return [self.tier.groups[g].pages[int(p)] for g, ps in self.pages.items() for p in ps]
+
+    def moved(self) -> list[torch.Tensor]:
+        """The bytes the copies read and write, for the cache flush."""
+        planes = [
+            p[int(b)]
+            for g in self.src
+            for blocks in (self.src[g], self.dst[g])
+            for p in self.ctl.storage.planes(g)
+            for b in blocks
+        ]
+        return planes + self.views()
+
+    def clear_restored(self) -> None:
+        for g, blocks in self.dst.items():
+            for plane in self.ctl.storage.planes(g):
+                plane[torch.from_numpy(blocks).long()] = 0
+
+    def identical(self) -> bool:
+        """Whether every restored block holds its source block's bytes, plane by plane."""
+        return all(
+            torch.equal(
+                plane[torch.from_numpy(self.src[g]).long()],
+                plane[torch.from_numpy(self.dst[g]).long()],
+            )
+            for g in self.src
+            for plane in self.ctl.storage.planes(g)
+        )
+
+
+def _blocks(case: TierCase, ctl: CacheController) -> dict[str, int]:
+    """Blocks per host-tier group: the restore's (the blocks a hit at ``case.tokens`` reuses)
+    or the throughput's (as many in every group, ``target_bytes`` in all)."""
+    layout = ctl.layout
+    groups = [g for g in layout.groups if layout.host_page_bytes(g.name) and not g.rule.per_request]
+    if case.tokens:
+        return {
+            g.name: g.rule.blocks_for(g, case.tokens)
+            - g.rule.tail_start(g, case.tokens) // g.block_size
+            for g in groups
+            if not g.rule.recomputed_for_prefix
+        }
+    per_row = sum(layout.host_page_bytes(g.name) for g in groups)
+    return {g.name: max(1, case.target_bytes // per_row) for g in groups}
+
+
+def _build(case: TierCase, platform: Platform, seed: int = 0) -> _Model:
+    probe = CacheController(case.backends, device=platform.device, share_pools=False)
+    counts = _blocks(case, probe)
+    ctl = CacheController(case.backends, device=platform.device, share_pools=False)
+    ctl.initialize_kv_cache(
+        num_blocks={g.name: 2 * counts.get(g.name, 0) + 2 for g in ctl.layout.groups}
+    )
+    tier = HostTierPages(ctl.storage, {g: n + 1 for g, n in counts.items()})
+    gen = torch.Generator().manual_seed(seed)
+    src, dst, pages = {}, {}, {}
+    for g, n in counts.items():
+        src[g] = np.arange(1, n + 1, dtype=np.int32)
+        dst[g] = np.arange(n + 1, 2 * n + 1, dtype=np.int32)
+        pages[g] = np.arange(1, n + 1, dtype=np.int32)
+        for plane in ctl.storage.planes(g):
+            rows = torch.randint(0, 256, (n, plane.shape[1]), dtype=torch.uint8, generator=gen)
+            plane[torch.from_numpy(src[g]).long()] = rows.to(plane.device)
+    page_bytes = {g: ctl.layout.host_page_bytes(g) for g in counts}
+    return _Model(ctl, tier, src, dst, pages, page_bytes)
+
+
+def _keys(case: str, tag: str, n: int) -> list[bytes]:
+    return [
+        hashlib.blake2b(f"{case}/{tag}/{i}".encode(), digest_size=32).digest() for i in range(n)
+    ]
+
+
+class _Raw:
+    """The raw client of a kvforge store: put and get ``n`` values of ``sizes`` bytes out of
+    and into one pre-packed buffer, without a header, a checksum or a gather."""
+
+    def __init__(self, store: Any, sizes: list[int]) -> None:
+        self.store, self.sizes = store, sizes
+        self.buf = np.random.default_rng(1).integers(0, 256, sum(sizes), dtype=np.uint8)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+        if store.config.backend == "mooncake":
+            store.register_buffer(self.buf)  # registers it with the client's transfer engine
+
+    def names(self, tag: str) -> list[str]:
+        return [f"bench-raw/{tag}/{i}" for i in range(len(self.sizes))]
+
+    def put(self, tag: str) -> None:
+        names, client, view = self.names(tag), self.store._client, memoryview(self.buf)
+        if self.store.config.backend == "redis":
+            pipe = client.pipeline(transaction=False)
+            for name, at, size in zip(names, self.offsets, self.sizes, strict=True):
+                pipe.set(name, view[at : at + size])
+            ok = all(r is True for r in pipe.execute())
+        else:
+            ptrs = [self.buf.ctypes.data + at for at in self.offsets]
+            ok = all(c == 0 for c in client.batch_put_from(names, ptrs, self.sizes))
+        if not ok:
+            raise RuntimeError(f"{self.store.config.backend}: a raw put was refused")
+
+    def get(self, tag: str) -> None:
+        names, client = self.names(tag), self.store._client
+        if self.store.config.backend == "redis":
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            for reply, at, size in zip(pipe.execute(), self.offsets, self.sizes, strict=True):
+                self.buf[at : at + size] = np.frombuffer(reply, dtype=np.uint8)
+        else:
+            ptrs = [self.buf.ctypes.data + at for at in self.offsets]
+            codes = client.batch_get_into(names, ptrs, self.sizes)
+            if list(codes) != self.sizes:
+                raise RuntimeError(f"mooncake: a raw get returned {list(codes)[:4]}")
+
+
+_FIELDS = ("tier", "direction", "model", "blocks", "bytes", "seconds", "client_seconds", "cache")
+
+
+def _record(
+    tier: str,
+    direction: str,
+    case: TierCase,
+    m: _Model,
+    t: float,
+    t_client: float,
+    cache: str,
+    **extra: Any,
+) -> Record:
+    gbps, client = m.nbytes / t / 1e9, m.nbytes / t_client / 1e9
+    blocks = sum(len(b) for b in m.src.values())
+    fields = (tier, direction, case.name, blocks, m.nbytes, t, t_client, cache)
+    record = dict(zip(_FIELDS, fields, strict=True))
+    record |= {"gbps": round(gbps, 3), "client_gbps": round(client, 3)}
+    return record | {"ratio": round(gbps / client, 3), **extra}
+
+
+def _measure(
+    case: TierCase, platform: Platform, stores: Mapping[str, Any], repeats: int, notes: list[str]
+) -> list[Record]:
+    """Every record of one case: host put and get (or restore), then each store's."""
+    m = _build(case, platform)
+    src = platform.empty((m.nbytes,), torch.uint8).fill_(0x5A)
+    dst = platform.empty_host((m.nbytes,), torch.uint8).fill_(0xA5)
+    flush, cache = cache_flusher(platform, [*m.moved(), src, dst])
+    out, back = m.copies(m.src), m.copies(m.dst)
+    offload = lambda: m.tier.move(offloads=out)  # noqa: E731
+    onload = lambda: m.tier.move(onloads=back)  # noqa: E731
+    offload(), onload()  # warm-up; the pages now hold the source blocks
+    timed = functools.partial(_timed, platform, repeats=repeats, flush=flush)
+    t_down, t_up = timed(lambda: dst.copy_(src)), timed(lambda: src.copy_(dst))
+    extra: dict[str, Any] = {}
+    if case.tokens:
+        planes = {g: sum(p.shape[1] for p in m.ctl.storage.planes(g)) for g in m.src}
+        per_token = {  # what the copies move (plane widths), the host pages, the device blocks
+            "bytes_per_token": sum(planes[g] * len(b) for g, b in m.src.items()),
+            "page_bytes_per_token": m.nbytes,
+            "device_bytes_per_token": sum(
+                m.ctl.layout.bytes_per_block(g) * len(b) for g, b in m.src.items()
+            ),
+        }
+        extra = {"tokens": case.tokens, "groups": {g: len(b) for g, b in m.src.items()}}
+        extra |= {k: v / case.tokens for k, v in per_token.items()}
+        m.clear_restored()
+        t = timed(onload)
+        records = [
+            _record("host", "restore", case, m, t, t_up, cache, identical=m.identical(), **extra)
+        ]
+    else:
+        t_put, t_get = timed(offload), timed(onload)
+        records = [
+            _record("host", "put", case, m, t_put, t_down, cache),
+            _record("host", "get", case, m, t_get, t_up, cache),
+        ]
+    for remote, store in stores.items():
+        try:
+            records += _measure_remote(remote, store, case, m, timed, flush, t_up, cache, extra)
+        except RuntimeError as exc:  # a refused put or a miss: say so, measure the rest
+            notes.append(f"{remote}: {case.name} not measured: {exc}")
+    m.ctl.free()
+    return records
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def default_cases(quick: bool) -> list[TierCase]:
+    """Throughput: Llama-3-8B and DeepSeek-V4-Flash, 64 MiB each (16 MiB, Llama only, with
+    ``quick``); restore: DeepSeek-V4-Flash at 16,384 tokens (4,096 with ``quick``)."""
+    from kvforge.models import from_hf_config
+
+    llama, flash = from_hf_config("llama-3-8b"), from_hf_config("deepseek-v4-flash")
+    target = (16 if quick else 64) * MIB
+    cases = [TierCase("llama-3-8b", llama, target_bytes=target)]
+    if not quick:
+        cases.append(TierCase("deepseek-v4-flash", flash, target_bytes=target))
+    return [*cases, TierCase("deepseek-v4-flash", flash, tokens=4096 if quick else 16384)]
+
+
+def run_tiers(
+    cases: Sequence[TierCase],
+    remotes: Sequence[str] = REMOTES,
+    addresses: Mapping[str, str] | None = None,
+    repeats: int = 3,
+    device: str | None = None,
+    progress: bool = True,
+    notes: list[str] | None = None,
+) -> list[Record]:
+    """Every record of every case, host tier first, then each of ``remotes`` that can run
+    (at ``addresses`` where given, else on a server started here); what was skipped, and why,
+    is appended to ``notes``."""
+    platform = get_platform(device)
+    notes = notes if notes is not None else []
+    most = max((_case_bytes(c, platform) for c in cases), default=0)
+    records: list[Record] = []
+    with servers(remotes, addresses or {}, notes) as found, contextlib.ExitStack() as stack:
+        stores: dict[str, Any] = {}
+        for remote, address in found.items():
+            segment = 2 * most + 64 * MIB  # one put at a time: the store is emptied before each
+            try:
+                stores[remote] = stack.enter_context(
+                    contextlib.closing(open_remote(remote, address, segment))
+                )
+            except (ImportError, OSError, RuntimeError) as exc:
+                notes.append(f"{remote}: skipped, {exc}")
+        chosen: Any = cases
+        if progress:
+            from rich.progress import track
+
+            chosen = track(cases, description="benchmarking tiers", transient=True)
+        for case in chosen:
+            records += _measure(case, platform, stores, repeats, notes)
+    return records
+
+
+def _case_bytes(case: TierCase, platform: Platform) -> int:
+    ctl = CacheController(case.backends, device=platform.device, share_pools=False)
+    return sum(n * ctl.layout.host_page_bytes(g) for g, n in _blocks(case, ctl).items())
+
+
+def print_records(records: Sequence[Record], notes: Sequence[str]) -> None:
+    table = make_table(
+        "kvforge tiers: throughput and restore vs the same bytes in the same run (client: "
+        "contiguous copy for host and restore, the raw client for a remote put/get)",
+        ("tier", "dir", "model", "tokens", "blocks", "bytes", "GB/s", "client GB/s", "ratio", "ms"),
+        left=("tier", "dir", "model"),
+    )
+    for r in records:
+        tokens = f"{r['tokens']:,}" if "tokens" in r else ""
+        numbers = (r["gbps"], r["client_gbps"], r["ratio"], r["seconds"] * 1e3)
+        cells = [r["tier"], r["direction"], r["model"], tokens, f"{r['blocks']:,}"]
+        table.add_row(*cells, format_bytes(r["bytes"]), *(f"{x:.2f}" for x in numbers))
+    out = console()
+    out.print(table)
+    for r in records:
+        if "tokens" in r:
+            out.print(
+                f"restore from {r['tier']}: {r['bytes_per_token']:,.1f} bytes/token moved "
+                f"(unpadded host pages: {r['page_bytes_per_token']:,.1f}), blocks "
+                f"{r['groups']}, restored bytes identical: {r['identical']}"
+            )
+    for note in notes:
+        out.print(f"note: {note}")
+
+
+def _measure_remote(
+    remote: str,
+    store: Any,
+    case: TierCase,
+    m: _Model,
+    timed: Callable[..., float],
+    flush: Callable[[], None] | None,
+    t_up: float,
+    cache: str,
+    extra: dict[str, Any],
+) -> list[Record]:
+    """One store's records of ``case``: put and get against the raw client, or restore."""
+    views, pools = m.views(), [m.tier.groups[g].pages for g in m.pages]
+    for pool in pools:
+        store.register_buffer(pool)
+    raw = _Raw(store, [v.numel() for v in views])
+    label = f"{case.name}/{case.tokens or case.target_bytes}/{remote}"
+    keys = _keys(label, "kvforge", len(views))
+    # Mooncake keeps a key's first value: every timed put starts with the store emptied, which
+    # also keeps both sides on segment memory already touched (Redis overwrites in place)
+    mooncake = store.config.backend == "mooncake"
+    empty = functools.partial(store._client.remove_all, True) if mooncake else lambda: 0
+
+    def before_put() -> None:
+        empty()
+        if flush is not None:
+            flush()
+
+    def put() -> None:
+        m.tier.move(offloads=m.copies(m.src))
+        if not all(store.batch_put(keys, views)):
+            raise RuntimeError(f"{remote}: a put was refused: {store.stats()}")
+
+    def get() -> None:
+        if None in store.batch_get_into(keys, views):
+            raise RuntimeError(f"{remote}: a get missed: {store.stats()}")
+        m.tier.move(onloads=m.copies(m.dst))
+
+    try:
+        if case.tokens:
+            before_put()
+            put()
+            m.clear_restored()  # so that ``identical`` says what the remote tier brought back
+            t_get = timed(get)
+            return [
+                _record(
+                    remote, "restore", case, m, t_get, t_up, cache, identical=m.identical(), **extra
+                )
+            ]
+        t_put, t_get = timed(put, flush=before_put), timed(get)
+        t_raw_put = timed(lambda: raw.put(label), flush=before_put)
+        t_raw_get = timed(lambda: raw.get(label))
+        # the value's checksum alone (BLAKE2b over every payload): what a put and a get pay
+        # beyond the raw client's bytes
+        fp, pays = store.fingerprint, [v.numpy() for v in views]
+        t_sum = timed(lambda: [encode_header(k, fp, v) for k, v in zip(keys, pays, strict=True)])
+        why = {"checksum_seconds": t_sum, "checksum_gbps": round(m.nbytes / t_sum / 1e9, 3)}
+        return [
+            _record(remote, "put", case, m, t_put, t_raw_put, cache, **why),
+            _record(remote, "get", case, m, t_get, t_raw_get, cache, **why),
+        ]
+    finally:
+        for buf in (*pools, raw.buf):
+            with contextlib.suppress(Exception):
+                store.unregister_buffer(buf)
+        empty()
