@@ -156,6 +156,11 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
             "total_bytes": arena.total_bytes,
             "blocks_per_slab": dict(zip(arena.groups, arena.blocks_per_slab, strict=True)),
             "padding": {g: round(p, 6) for g, p in arena.padding.items()},
+            # slab 0 (past the null blocks) and the tail past the last slab never move
+            "home": arena.groups[arena.home],
+            "home_reserved": arena.home_reserved,
+            "tail_blocks": arena.tail_blocks,
+            "pinned_blocks": arena.pinned_blocks(arena.groups[arena.home]),
         },
         "max_tokens": plan.max_tokens if plan else None,
         # groups whose pages pair up byte for byte: CacheController(share_pools=True) gives
@@ -263,6 +268,10 @@ def print_plan(report: dict[str, Any]) -> None:
             f"slabs x {arena['slab_bytes']:,} B: a slab moves to the group that needs it once "
             "none of its blocks is in use, so their bytes flow with the load (blocks: each "
             "group's ids across the whole arena)"
+        )
+        out.print(
+            f"{arena['home']} keeps slab 0 past the null blocks and {arena['tail_blocks']:,} "
+            f"blocks past the last slab for good ({arena['pinned_blocks']:,} blocks)"
         )
         out.print(
             "device padding per block: "

@@ -8,12 +8,22 @@ Because ``block_stride[g] * blocks_per_slab[g] == slab_bytes``, block ``b`` lies
 ``b // blocks_per_slab[g]``; a slab belongs to one group at a time, so blocks of different
 groups never overlap, and an empty slab can move to another group without touching a tensor.
 
+Two regions never move, both the *home* group's (a full-history group where there is one: it
+always has blocks to keep there):
+
+- slab 0, whose first ``max(block_stride)`` bytes hold every member's null block (block 0):
+  the home group's ids that overlap them are reserved, its other ids of slab 0 are usable, so
+  the nulls cost one largest page, as one null block does in vLLM's pool, not a whole slab;
+- the tail past the last whole slab, ``tail_blocks`` more home blocks, so the budget's
+  remainder after whole slabs is not left idle.
+
 Invariants (``tests/core/test_arena_geometry.py``):
 
 - ``block_stride[g] * blocks_per_slab[g] == slab_bytes`` and ``block_stride[g] >=
   page_bytes[g]`` (padding per block, stated as :attr:`ArenaGeometry.padding`);
-- slab 0 holds every member's null block and is never handed out;
-- every figure is an exact int; nothing here allocates.
+- ``home_reserved * block_stride[home] >= max(block_stride)``: no usable home block overlaps
+  a member's null block;
+- ``total_bytes <= `` the budget; every figure is an exact int; nothing here allocates.
 """
 
 from __future__ import annotations
@@ -63,7 +73,7 @@ class ArenaGeometry(BaseModel):
     groups: tuple[str, ...]
     slab_bytes: int
     num_slabs: int
-    """Slabs in the arena, slab 0 (the null blocks) included."""
+    """Whole slabs in the arena, slab 0 (the null blocks) included."""
     blocks_per_slab: tuple[int, ...]
     block_stride: tuple[int, ...]
     """Device bytes from one block of the group to the next (its page, padded)."""
@@ -71,6 +81,16 @@ class ArenaGeometry(BaseModel):
     """The group's buffers' device strides, summed, each rounded up to 16 bytes."""
     buffer_offsets: tuple[tuple[int, ...], ...]
     """Per group, where each of its buffers (layout order) starts inside the block."""
+    home: int = 0
+    """The group (index) that owns slab 0 and the tail for good."""
+    tail_blocks: int = 0
+    """Home blocks past the last whole slab (fewer than a slab's worth)."""
+
+    @property
+    def home_reserved(self) -> int:
+        """Home ids at the arena's start that overlap some member's null block (never
+        handed out): ``ceil(max(block_stride) / block_stride[home])``."""
+        return -(-max(self.block_stride) // self.block_stride[self.home])
 
     def index(self, group: str) -> int:
         try:
@@ -81,12 +101,22 @@ class ArenaGeometry(BaseModel):
             ) from None
 
     def num_blocks(self, group: str) -> int:
-        """Block ids of ``group`` (the null block included): every slab's worth."""
-        return self.num_slabs * self.blocks_per_slab[self.index(group)]
+        """Block ids of ``group`` (the null block included): every slab's worth, and the
+        tail's for the home group."""
+        i = self.index(group)
+        tail = self.tail_blocks if i == self.home else 0
+        return self.num_slabs * self.blocks_per_slab[i] + tail
 
     @property
     def total_bytes(self) -> int:
-        return self.num_slabs * self.slab_bytes
+        return self.num_slabs * self.slab_bytes + self.tail_blocks * self.block_stride[self.home]
+
+    def pinned_blocks(self, group: str) -> int:
+        """Usable blocks ``group`` holds for good (slab 0 and the tail; 0 but for home)."""
+        i = self.index(group)
+        if i != self.home:
+            return 0
+        return self.blocks_per_slab[i] - self.home_reserved + self.tail_blocks
 
     @property
     def padding(self) -> dict[str, float]:
@@ -167,14 +197,22 @@ def plan_arena(
         return None
     slab_units, per_slab, _ = best
     slab_bytes = slab_units * BLOCK_ALIGN
+    strides = tuple(slab_bytes // k for k in per_slab)
+    # home: a full-history group (it keeps blocks wherever there is room), the smallest
+    # stride among them (the fewest bytes lost to the nulls and the tail)
+    history = [i for i, n in enumerate(names) if layout.group(n).rule.history]
+    home = min(history or range(len(names)), key=lambda i: strides[i])
+    num_slabs = memory_budget // slab_bytes
     return ArenaGeometry(
         groups=names,
         slab_bytes=slab_bytes,
-        num_slabs=memory_budget // slab_bytes,
+        num_slabs=num_slabs,
         blocks_per_slab=per_slab,
-        block_stride=tuple(slab_bytes // k for k in per_slab),
+        block_stride=strides,
         page_bytes=tuple(p for p, _ in pages),
         buffer_offsets=tuple(o for _, o in pages),
+        home=home,
+        tail_blocks=(memory_budget - num_slabs * slab_bytes) // strides[home],
     )
 
 

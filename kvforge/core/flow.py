@@ -39,20 +39,21 @@ def plan_with_arena(plan: MemoryPlan, layout: CacheLayout) -> MemoryPlan:
     geometry = plan_arena(layout, plan.memory_budget - others, names)
     if geometry is None:
         return plan
-    usable = geometry.num_slabs - 1
+    usable = geometry.num_slabs - 1  # slabs that move (slab 0 is the home group's for good)
     need = {}  # slabs' worth of blocks one sequence of max_model_len holds, per group
     groups = []
     for p in plan.groups:
         if p.group in names:
             i = geometry.index(p.group)
             k = geometry.blocks_per_slab[i]
-            need[p.group] = (p.blocks_per_sequence, p.step_blocks, k)
+            pinned = geometry.pinned_blocks(p.group)
+            need[p.group] = (p.blocks_per_sequence, p.step_blocks - pinned, k)
             p = p.model_copy(
                 update={
                     "num_blocks": geometry.num_blocks(p.group),
                     "bytes_per_block": geometry.block_stride[i],
                     "total_bytes": geometry.total_bytes,
-                    "max_tokens": usable * k * p.block_size,
+                    "max_tokens": (usable * k + pinned) * p.block_size,
                     "step_blocks": 0,
                     "max_sequences": None,
                 }
@@ -84,8 +85,8 @@ def _sequences(need: dict[str, tuple[int | None, int, int]], slabs: int, limit: 
 
     def fits(n: int) -> bool:
         total = 0
-        for per_seq, step, k in need.values():
-            total += -(-(n * (per_seq or 0) + step) // k)
+        for per_seq, step, k in need.values():  # step: less what the group holds for good
+            total += max(0, -(-(n * (per_seq or 0) + step) // k))
         return total <= slabs
 
     return _largest(fits, 0, limit) if fits(0) else 0

@@ -215,6 +215,10 @@ class MemoryPlan(BaseModel):
                 "its blocks is in use, so their bytes flow with the load"
             )
             lines.append(
+                f"  {a.groups[a.home]} keeps slab 0 past the null blocks and "
+                f"{a.tail_blocks:,} blocks past the last slab for good"
+            )
+            lines.append(
                 "  device padding per block: "
                 + ", ".join(f"{g} {p:.2%}" for g, p in a.padding.items())
             )

@@ -9,7 +9,9 @@ blocks are evicted, the prefix cache hears of it as of any eviction).
 
 Invariants (``tests/scheduler/test_arena.py``):
 
-- a slab is free or owned by exactly one group; slab 0 (the null blocks) by none, ever;
+- a slab is free or owned by exactly one group; slab 0 (the null blocks and the home
+  group's ids past them) and the tail (index ``num_slabs``: home blocks past the last whole
+  slab) are the home group's for good, and never move;
 - a group's free stack holds exactly the ids of its owned slabs that are neither in use nor
   evictable; ``live[s]`` / ``cached[s]`` count the others, per slab;
 - a slab changes hands only when no block of it is in use, so no block a request holds is
@@ -45,12 +47,12 @@ class ArenaBlockPool(BlockPool):
 
     def __init__(self, arena: SlabArena, index: int, name: str) -> None:
         k = arena.geometry.blocks_per_slab[index]
-        super().__init__(arena.geometry.num_slabs * k, name)
+        super().__init__(arena.geometry.num_blocks(name), name)
         self._num_free = 0  # no slab is owned yet
         self.arena = arena
         self.index = index
         self.blocks_per_slab = k
-        n = arena.geometry.num_slabs
+        n = arena.geometry.num_slabs + 1  # the whole slabs and the tail
         self.live = np.zeros(n, dtype=np.int64)  # blocks in use, per slab
         self.cached = np.zeros(n, dtype=np.int64)  # evictable blocks, per slab
         self.released_at = np.zeros(self.num_blocks, dtype=np.int64)
@@ -148,9 +150,10 @@ class ArenaBlockPool(BlockPool):
         k = self.blocks_per_slab
         return (slabs[:, None] * k + np.arange(k)[None, :]).ravel().astype(np.int32)
 
-    def _grant(self, slabs: np.ndarray) -> None:
-        """Put the ids of ``slabs`` (just given to this group) on the free stack."""
-        ids = self._slab_ids(slabs)[::-1]
+    def _grant(self, slabs: np.ndarray, ids: np.ndarray | None = None) -> None:
+        """Put the ids of ``slabs`` (just given to this group; or ``ids``) on the free
+        stack."""
+        ids = (self._slab_ids(slabs) if ids is None else ids)[::-1]
         top = self._num_free
         self._stack[top : top + len(ids)] = ids
         self._num_free = top + len(ids)
@@ -189,12 +192,22 @@ class SlabArena:
 
     def __init__(self, geometry: ArenaGeometry) -> None:
         self.geometry = geometry
-        self.owner = np.full(geometry.num_slabs, FREE, dtype=np.int64)
-        self.owner[0] = RESERVED
+        n = geometry.num_slabs
+        self.owner = np.full(n + 1, FREE, dtype=np.int64)  # index n: the tail
+        self.pinned = np.zeros(n + 1, dtype=bool)  # the home group's for good
+        self.pinned[[0, n]] = True
         self.clock = 0  # release order across every member (ages of cached blocks)
         self.moves = 0  # slabs that changed hands between groups
         self.pools = [ArenaBlockPool(self, i, g) for i, g in enumerate(geometry.groups)]
         self.name = "+".join(geometry.groups)
+        home = self.pools[geometry.home]
+        k = home.blocks_per_slab
+        self.owner[0] = home.index
+        self.owner[n] = home.index if geometry.tail_blocks else RESERVED
+        pinned_ids = np.concatenate(
+            [np.arange(geometry.home_reserved, k), n * k + np.arange(geometry.tail_blocks)]
+        )
+        home._grant(np.empty(0, dtype=np.int64), pinned_ids.astype(np.int32))
 
     def pool(self, group: str) -> ArenaBlockPool:
         return self.pools[self.geometry.index(group)]
@@ -205,8 +218,9 @@ class SlabArena:
         return np.flatnonzero(self.owner == FREE)
 
     def idle_slabs(self, pool: ArenaBlockPool) -> np.ndarray:
-        """Slabs ``pool`` owns with no block in use (free or cached blocks only)."""
-        return np.flatnonzero((self.owner == pool.index) & (pool.live == 0))
+        """Slabs ``pool`` owns with no block in use (free or cached blocks only) that can
+        move (not slab 0 or the tail)."""
+        return np.flatnonzero((self.owner == pool.index) & (pool.live == 0) & ~self.pinned)
 
     def spare_slabs(self, exclude: ArenaBlockPool | None = None) -> int:
         """Slabs a group could be handed now: free ones and other groups' idle ones."""
@@ -365,10 +379,16 @@ class SlabArena:
             stack = p._stack[: p._num_free]
             assert (self.owner[stack // p.blocks_per_slab] == p.index).all(), p
             counts = np.bincount(stack // p.blocks_per_slab, minlength=len(self.owner))
-            expect = np.where(owned, p.blocks_per_slab - p.live - p.cached, 0)
+            size = np.full(len(self.owner), p.blocks_per_slab)
+            if p.index == self.geometry.home:
+                size[0] -= self.geometry.home_reserved
+                size[-1] = self.geometry.tail_blocks
+            expect = np.where(owned, size - p.live - p.cached, 0)
             assert (counts == expect).all(), p
             assert int(p.cached.sum()) == len(p._evictable), p
             assert NULL_BLOCK not in set(stack.tolist()), p
+            if p.index == self.geometry.home:
+                assert not (stack < self.geometry.home_reserved).any(), p
 
     def __repr__(self) -> str:
         owned = {p.name: p.num_owned_slabs for p in self.pools}

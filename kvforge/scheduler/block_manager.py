@@ -807,11 +807,11 @@ def _check_arena(
     for i, g in enumerate(arena.groups):
         if g not in names:
             raise ValueError(f"arena group {g!r} is not a group of the layout {sorted(names)}")
-        want = arena.num_slabs * arena.blocks_per_slab[i]
+        want = arena.num_blocks(g)
         if num_blocks[g] != want:
             raise ValueError(
                 f"num_blocks gives {num_blocks[g]:,} to arena group {g!r}; its arena gives "
                 f"it {want:,} (num_slabs {arena.num_slabs} x {arena.blocks_per_slab[i]} per "
-                "slab)"
+                f"slab{f', and {arena.tail_blocks} in the tail' if i == arena.home else ''})"
             )
     return SlabArena(arena)

@@ -25,13 +25,15 @@ def arena_views(
 ) -> dict[tuple[str, int], torch.Tensor]:
     """Every buffer of the arena's groups, a typed view of ``raw`` ``uint8 [total_bytes]``.
 
-    Block ``b`` of a group with stride ``s`` is row ``b`` of ``raw`` seen as ``[total / s,
-    s]``; the buffer's bytes start at its offset in that row (:func:`padded_block_view`).
+    Block ``b`` of a group with stride ``s`` is row ``b`` of the first ``num_blocks(g) * s``
+    bytes of ``raw`` seen as ``[num_blocks(g), s]`` (the home group's rows run on into the
+    tail); the buffer's bytes start at its offset in that row (:func:`padded_block_view`).
     """
     views: dict[tuple[str, int], torch.Tensor] = {}
     for i, g in enumerate(arena.groups):
         stride = arena.block_stride[i]
-        rows = raw.view(arena.total_bytes // stride, stride)
+        n = arena.num_blocks(g)
+        rows = raw[: n * stride].view(n, stride)
         entries = layout.buffers_of(g)
         for e, offset in zip(entries, arena.buffer_offsets[i], strict=True):
             views[e.key] = padded_block_view(rows, e.role, e.group, offset)

@@ -316,11 +316,11 @@ def check_page_copies(
 
 def tier_of(storage: object) -> Any:
     """The :class:`~kvforge.worker.host_tier.HostTierPages` of ``storage``; a step that
-    carries offloads for a worker without them is refused (nothing changed)."""
+    carries offloads or onloads for a worker without them is refused (nothing changed)."""
     tier = getattr(storage, "host_tier_pages", None)
     if tier is None:
         raise WorkerRefusedError(
-            "apply: the step carries host tier offloads but this worker has no host tier "
+            "apply: the step carries host tier copies but this worker has no host tier "
             "pages (kvforge.worker.host_tier.HostTierPages); nothing changed"
         )
     return tier
@@ -622,7 +622,7 @@ class Verifier:
         if arena is None or group not in arena.groups or not len(blocks):
             return
         k = arena.blocks_per_slab[arena.groups.index(group)]
-        slabs = np.zeros(arena.num_slabs, dtype=bool)
+        slabs = np.zeros(arena.num_slabs + 1, dtype=bool)  # the whole slabs and the tail
         slabs[blocks.astype(np.int64) // k] = True
         for other, k_other in zip(arena.groups, arena.blocks_per_slab, strict=True):
             if other == group:

@@ -518,14 +518,20 @@ def test_plan_puts_groups_whose_pages_differ_in_one_arena(capsys):
     report = json.loads(out)
     arena = report["arena"]
     assert arena["groups"] == ["swa", "compressed", "c4_state", "c128_state"]
-    assert report["total_bytes"] == arena["num_slabs"] * arena["slab_bytes"] <= 60 * 1024**3
+    assert arena["home"] == "compressed"
+    tail = arena["tail_blocks"] * 1_013_760  # compressed's stride
+    assert report["total_bytes"] == arena["num_slabs"] * arena["slab_bytes"] + tail
+    assert report["total_bytes"] <= 60 * 1024**3 < report["total_bytes"] + 1_013_760
     for g in report["groups"]:
         k = arena["blocks_per_slab"][g["group"]]
-        # every group's ids span the arena; its stride divides the slab exactly
-        assert g["num_blocks"] == arena["num_slabs"] * k
+        # every group's ids span the arena, the home group's the tail too; its stride
+        # divides the slab exactly
+        extra = arena["tail_blocks"] if g["group"] == "compressed" else 0
+        assert g["num_blocks"] == arena["num_slabs"] * k + extra
         assert g["device_stride"] * k == arena["slab_bytes"]
         assert g["bytes_per_block"] <= g["device_stride"] <= g["bytes_per_block"] * 1.03
         assert g["total_bytes"] == 0  # the arena's bytes are counted once
     code, out, _ = run(capsys, *args)
     assert code == 0
     assert "draw on one arena of" in out and "device padding per block" in out
+    assert f"compressed keeps slab 0 past the null blocks and {arena['tail_blocks']:,}" in out

@@ -53,11 +53,20 @@ def test_a_fresh_arena_owns_nothing_and_offers_every_slab() -> None:
     m = manager()
     arena = m.arena
     assert arena is not None
-    assert arena.owner[0] == RESERVED and (arena.owner[1:] == FREE).all()
+    g = arena.geometry
+    home = arena.pools[g.home]
+    assert home.name == "compressed"  # the full-history group keeps slab 0 and the tail
+    assert arena.owner[0] == g.home and (arena.owner[1 : g.num_slabs] == FREE).all()
+    assert arena.owner[g.num_slabs] == (g.home if g.tail_blocks else RESERVED)
     for p in arena.pools:
-        assert p.own_free == 0
-        assert p.num_free == (arena.geometry.num_slabs - 1) * p.blocks_per_slab
+        pinned = g.pinned_blocks(p.name)
+        assert pinned == (p.blocks_per_slab - g.home_reserved + g.tail_blocks if p is home else 0)
+        assert p.own_free == pinned
+        assert p.num_free == pinned + (g.num_slabs - 1) * p.blocks_per_slab
         assert m.num_free_blocks(p.name) == p.num_free
+    # the home group's first ids overlap the null blocks: never handed out
+    stack = home._stack[: home._num_free]
+    assert stack.min() == g.home_reserved and stack.max() == home.num_blocks - 1
     arena.check()
 
 
@@ -68,18 +77,23 @@ def test_slabs_flow_from_one_group_to_another() -> None:
     swa, full = arena.pool("swa"), arena.pool("compressed")
     usable = arena.geometry.num_slabs - 1
     taken = swa.take(usable * swa.blocks_per_slab)  # swa takes every slab
-    assert swa.num_owned_slabs == usable and full.num_free == 0
+    pinned = arena.geometry.pinned_blocks("compressed")  # slab 0 and the tail stay
+    assert swa.num_owned_slabs == usable and full.num_free == pinned
     arena.check()
-    with pytest.raises(OutOfBlocksError, match="'compressed' needs 1 free blocks but has 0"):
-        full.take(1)
+    with pytest.raises(
+        OutOfBlocksError, match=f"'compressed' needs {pinned + 1} free blocks but has {pinned}"
+    ):
+        full.take(pinned + 1)
     arena.check()
+    full.release(full.take(pinned))  # its own blocks, no slab moves
+    assert arena.moves == 0
     swa.release(taken[: swa.blocks_per_slab])  # one slab's blocks, wherever they lie
     arena.check()
     idle = len(arena.idle_slabs(swa))
-    assert full.num_free == idle * full.blocks_per_slab
+    assert full.num_free == pinned + idle * full.blocks_per_slab
     if idle:
-        got = full.take(full.blocks_per_slab)
-        assert full.num_owned_slabs == 1 and arena.moves == 1
+        got = full.take(pinned + full.blocks_per_slab)
+        assert full.num_owned_slabs == 1 + 2 and arena.moves == 1  # slab 0, the tail
         assert (arena.owner[got // full.blocks_per_slab] == full.index).all()
         arena.check()
 
@@ -90,7 +104,9 @@ def test_a_refused_joint_need_changes_nothing() -> None:
     assert arena is not None
     before = arena.owner.copy()
     usable = arena.geometry.num_slabs - 1
+    home = arena.pools[1]
     needs = {p: usable * p.blocks_per_slab for p in arena.pools[:2]}
+    needs[home] += arena.geometry.pinned_blocks(home.name)  # every usable slab, both
     assert not arena.fits(needs)
     name, need, have = arena.shortfall(needs)
     assert (name, need) == ("swa", usable * arena.pools[0].blocks_per_slab)
@@ -117,8 +133,12 @@ def test_cached_blocks_of_an_idle_slab_are_evicted_when_it_moves() -> None:
     swa = arena.pool("swa")
     swa.take(swa.num_free)
     assert arena.spare_slabs(exclude=swa) == 0
+    g = arena.geometry
     for p in arena.pools[1:]:
-        assert p.num_evictable == 0 and p.num_owned_slabs == 0
+        if p.index == g.home:  # slab 0 and the tail stay, with what they cache
+            assert p.num_owned_slabs == 2 and (p.cached[1 : g.num_slabs] == 0).all()
+        else:
+            assert p.num_evictable == 0 and p.num_owned_slabs == 0
     assert sum(m.prefix_stats.evictions.values()) > 0  # the prefix cache heard of each
     [again] = m.lookup([PrefixQuery(tokens)])
     assert again.num_tokens == 0
@@ -191,4 +211,4 @@ def test_slab_arena_repr_and_pool_lookup() -> None:
     assert "slabs" in repr(arena) and "slabs of" in repr(arena.pool("swa"))
     with pytest.raises(ValueError, match="group 'kv' is not in the arena"):
         arena.pool("kv")
-    assert np.all(arena.owner[1:] == FREE)
+    assert np.all(arena.owner[1 : arena.geometry.num_slabs] == FREE)

@@ -67,7 +67,7 @@ def test_the_arena_counts_every_group_together() -> None:
     m = BlockManager(layout, blocks, 4, 65536, arena=arena)
     assert m.prompt_fits(2048, 512)
     assert not m.prompt_fits(65536, 8192)
-    assert m.arena.moves == 0 and all(p.num_owned_slabs == 0 for p in m.arena.pools)
+    assert m.arena.moves == 0 and (m.arena.owner[1 : arena.num_slabs] == -1).all()
 
 
 BAD = [
