@@ -67,7 +67,7 @@ from kvforge.errors import (
 )
 from kvforge.kinds import live_start
 from kvforge.platform import Platform
-from kvforge.scheduler import host_tier
+from kvforge.scheduler import host_tier, tier_lookup
 from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
 from kvforge.scheduler.host_tier import HostTier, HostTierPolicy, check_host_tier_policy
 from kvforge.scheduler.prefix_cache import (
@@ -420,9 +420,12 @@ class CacheController:
 
     def _sync_tables(self) -> None:
         manager = self._ready_manager()
+        # blocks evicted outside a step (a swap in's, a truncation's takes) before anything
+        # writes them; blocks a lookup brought back before anything reads them
         offloads = host_tier.take_offloads(manager)
-        if offloads:  # blocks evicted outside a step (a swap in's, a truncation's takes)
-            guard.tier_of(self.storage).move(offloads)  # before anything writes them
+        onloads = tier_lookup.take_onloads(manager)
+        if offloads or onloads:
+            guard.tier_of(self.storage).move(offloads, onloads)
         deltas = manager.take_table_deltas()
         if deltas:
             self.storage.apply_deltas(deltas)
@@ -520,8 +523,8 @@ class CacheController:
         self._note_step(step)
         # no token ids: the step registers nothing and holds nothing, so it ends at once
         manager.end_step(step)
-        if step.offloads:  # blocks this step's takes evicted, before anything writes them
-            guard.tier_of(self.storage).move(step.offloads)
+        if step.offloads or step.onloads:  # evicted blocks out, brought-back blocks in
+            guard.tier_of(self.storage).move(step.offloads, step.onloads)
         if step.table_deltas:
             self.storage.apply_deltas(step.table_deltas)
         if step.refused:
@@ -699,9 +702,10 @@ class CacheController:
         page included; per-request (state snapshot) groups get none (skipped by policy).
         Returns the pages per group.
 
-        Status: demotion is wired (every evicted cached block is offloaded before its device
-        block is written again, slab moves of an arena included); lookups do not read the
-        tier yet (``docs/tiered_store.md``, "Host tier").
+        Every evicted cached block is offloaded before its device block is written again
+        (slab moves of an arena included), and :meth:`lookup` brings back what only the tier
+        holds, onloaded before the next step's kernels (``docs/tiered_store.md``, "Host
+        tier").
 
         Raises:
             RuntimeError: prefix caching is off, or the tier exists already.

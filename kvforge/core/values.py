@@ -181,6 +181,8 @@ class StepAllocation:
         offloads: copies of prefix blocks the device evicted to the host tier's pages
             (:class:`PageCopy`, one per group), to run before anything else of the step:
             the step may write those blocks again.
+        onloads: copies of host tier pages back to device blocks that lookups brought back
+            (one per group), to run after ``offloads`` and before the step's kernels.
     """
 
     request_ids: tuple[str, ...]
@@ -193,6 +195,7 @@ class StepAllocation:
     copies_after: tuple[BlockCopy, ...] = ()
     step_id: int = 0
     offloads: tuple[PageCopy, ...] = ()
+    onloads: tuple[PageCopy, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -70,6 +70,7 @@ from kvforge.core.values import (
 )
 from kvforge.errors import OutOfBlocksError, RequestStateError, StepError
 from kvforge.kinds import live_start
+from kvforge.scheduler import tier_lookup
 from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.args import batch_ids, check_matches, check_token_ids, new_token_counts
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
@@ -472,6 +473,7 @@ class BlockManager:
             copies_after=tuple(copies_after),
             step_id=step_id,
             offloads=self._host_tier.take_offloads() if self._host_tier is not None else (),
+            onloads=tier_lookup.take_onloads(self),
         )
 
     @locked
@@ -544,7 +546,7 @@ class BlockManager:
 
     @locked
     def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
-        return self._prefix.lookup(queries)
+        return tier_lookup.lookup(self, queries)  # the host tier's part first, if any
 
     lookup.__doc__ = PrefixCache.lookup.__doc__
 

@@ -1,12 +1,11 @@
 """The host tier of the prefix cache, scheduler side: host pages that keep evicted prefix
 blocks, the index key -> page, LRU eviction of pages, and the page copies a worker runs.
 
-Status: demotion is wired (:func:`attach` hooks a
-:class:`~kvforge.scheduler.block_manager.BlockManager`'s device pools; the offloads ride in
-``StepAllocation.offloads`` or :func:`take_offloads`; ``CacheController.initialize_host_tier``
-does both sides); lookups do not read the tier yet, so :meth:`HostTier.reach` and
-:meth:`HostTier.onload` have no caller but the tests (``docs/tiered_store.md``, "Host tier",
-says what is left).
+Wiring: :func:`attach` hooks a :class:`~kvforge.scheduler.block_manager.BlockManager`'s device
+pools, so every eviction demotes (the offloads ride in ``StepAllocation.offloads`` or
+:func:`take_offloads`), and its lookups read the tier (:mod:`kvforge.scheduler.tier_lookup`:
+:meth:`HostTier.pin`, :meth:`HostTier.queue_onloads`; the onloads ride in
+``StepAllocation.onloads``). ``CacheController.initialize_host_tier`` does both sides.
 
 :class:`HostTier` owns, per group, a page pool of its own (a
 :class:`~kvforge.scheduler.block_pool.BlockPool` of ``kind="host"``, separate from the swap
@@ -96,6 +95,7 @@ class HostTierStats:
         skipped: demotions of per-request (state snapshot) blocks, skipped by policy.
         evictions: host pages evicted (least recently used first) for new demotions.
         hits: blocks onloaded back to the device.
+        hit_tokens: prompt tokens lookups served past what the device held alone.
     """
 
     demotions: dict[str, int] = field(default_factory=dict)
@@ -104,6 +104,7 @@ class HostTierStats:
     skipped: dict[str, int] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=dict)
     hits: dict[str, int] = field(default_factory=dict)
+    hit_tokens: int = 0
 
 
 class _Page(NamedTuple):
@@ -179,6 +180,9 @@ class HostTier:
         self._offloads: dict[str, list[tuple[int, int]]] = {}
         self._onloads: dict[str, list[tuple[int, int]]] = {}
         self._queued: dict[str, set[int]] = {}  # device blocks with an offload queued
+        #: device blocks a lookup filled from pages, held until their onloads are handed
+        #: out (:func:`kvforge.scheduler.tier_lookup.take_onloads` releases them)
+        self.pending_blocks: list[tuple[BlockPool, np.ndarray]] = []
         for name, n in num_pages.items():
             self._pools[name] = BlockPool(
                 int(n), name, kind="host", on_evict=functools.partial(self._evicted, name)
@@ -208,6 +212,11 @@ class HostTier:
         if page is None:
             return None
         e = self._pages[group][page]
+        return e.end, e.ref, e.proof
+
+    def page_entry(self, group: str, page: int) -> tuple[int, bytes | None, object]:
+        """``(end, record, proof)`` kept with ``page`` (one that holds a key)."""
+        e = self._pages[self._group(group)][int(page)]
         return e.end, e.ref, e.proof
 
     def __len__(self) -> int:
@@ -357,19 +366,40 @@ class HostTier:
                 )
             if len(np.unique(ids)) != len(ids):
                 raise ArgumentError(f"targets[{name!r}] names a device block twice")
-            index = self._index[name]
-            missing = next((k for k in keys if k not in index), None)
-            if missing is not None:
-                raise KeyError(f"group {name!r} holds no page for key {missing!r}")
-            plan[name] = (ids, np.array([index[k] for k in keys], dtype=np.int32))
+            plan[name] = (ids, self._pages_of(name, keys))
         out = {}
         for name, (ids, pages) in plan.items():
-            pool = self._pools[name]
-            pool.share(pages)  # pinned until handed out; released last: most recently used
-            self._onloads[name] += zip(ids.tolist(), pages.tolist(), strict=True)
-            _bump(self.stats.hits, name, len(pages))
+            self._pools[name].share(pages)  # pinned until handed out
+            self.queue_onloads(name, ids, pages)
             out[name] = pages
         return out
+
+    def _pages_of(self, group: str, keys: Sequence[bytes]) -> np.ndarray:
+        index = self._index[group]
+        missing = next((k for k in keys if k not in index), None)
+        if missing is not None:
+            raise KeyError(f"group {group!r} holds no page for key {missing!r}")
+        return np.array([index[k] for k in keys], dtype=np.int32)
+
+    def pin(self, group: str, keys: Sequence[bytes]) -> np.ndarray:
+        """Pin the pages of ``keys`` (all held, else :class:`KeyError` and nothing changed),
+        so no demotion evicts them; :meth:`queue_onloads` or :meth:`unpin` follows."""
+        pages = self._pages_of(self._group(group), keys)
+        self._pools[group].share(pages)
+        return pages
+
+    def unpin(self, group: str, pages: np.ndarray) -> None:
+        """Undo :meth:`pin` (nothing was queued)."""
+        self._pools[self._group(group)].release(pages)
+
+    def queue_onloads(self, group: str, device_blocks: np.ndarray, pages: np.ndarray) -> None:
+        """Queue the copies of pinned ``pages`` to ``device_blocks`` (one length, checked by
+        the caller); the pages stay pinned until :meth:`take_onloads` hands them out and then
+        are the most recently used."""
+        self._onloads[group] += zip(
+            np.asarray(device_blocks).tolist(), np.asarray(pages).tolist(), strict=True
+        )
+        _bump(self.stats.hits, group, len(pages))
 
     def take_onloads(self) -> tuple[PageCopy, ...]:
         """The queued onloads (host page -> device block), one :class:`PageCopy` per group,
@@ -404,6 +434,9 @@ class HostTier:
                     pool.release(np.array([p for _, p in queued], dtype=np.int32))
                     queued.clear()
             self._queued[name].clear()
+        for pool, blocks in self.pending_blocks:  # their onloads will not run: keyless now
+            pool.release(blocks)
+        self.pending_blocks.clear()
         return sum(len(pool.evict(pool.num_evictable)) for pool in self._pools.values())
 
     def _let_go(self, ref: bytes | None) -> None:
@@ -431,7 +464,8 @@ def attach(
     """Give ``manager`` a host tier: from now on every served prefix block one of its device
     pools evicts (a take that finds the free stack short, a slab move of an arena, a swap in's
     or a truncation's take) is demoted, and its offload rides in the next
-    ``StepAllocation.offloads`` or :func:`take_offloads`. Lookups do not read the tier yet.
+    ``StepAllocation.offloads`` or :func:`take_offloads`; from now on its lookups bring back
+    what only the tier holds (:func:`kvforge.scheduler.tier_lookup.lookup`).
     (The glue lives here: ``block_manager.py`` is at its size limit.)
 
     Raises:

@@ -1,8 +1,8 @@
 """The prefix cache's host tier pages of one worker, and the copies to and from them.
 
 ``CacheController.initialize_host_tier`` creates one; ``CacheStorage.apply`` runs a step's
-``offloads`` through it (found by :func:`kvforge.worker.guard.tier_of`). Onloads are run by
-the tests only until lookups read the tier (``docs/tiered_store.md``, "Host tier").
+``offloads`` and ``onloads`` through it (found by :func:`kvforge.worker.guard.tier_of`):
+offloads first, then the onloads of blocks a lookup brought back, before the step's kernels.
 
 :class:`HostTierPages` holds, per group, page-first pinned host pages in the swap pages'
 format (:class:`~kvforge.worker.host_pool.HostPools`: one block of every offloaded (layer,

@@ -498,8 +498,8 @@ class CacheStorage:
             self._ready()
             verify = self._verify
             verify.step(step)
-            if step.offloads:  # the host tier's (kvforge.worker.host_tier), before the step
-                guard.tier_of(self).move(step.offloads)
+            if step.offloads or step.onloads:  # the host tier's, before the step's kernels
+                guard.tier_of(self).move(step.offloads, step.onloads)
             self._mirror(step.table_deltas)
             verify.stepped(step.rows)
             index, positions = ops.token_positions(step.num_computed, step.num_new, check=False)

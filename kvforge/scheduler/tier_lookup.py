@@ -1,0 +1,210 @@
+"""Lookups that read the host tier: before the device prefix cache answers a prompt, the
+blocks its longest prefix needs that only the host tier holds are brought back to device
+blocks (one onload per group), registered under their keys, and the device lookup then
+serves them as it serves any cached block.
+
+:func:`lookup` is :meth:`BlockManager.lookup` once a host tier is attached
+(:func:`kvforge.scheduler.host_tier.attach`). For each prompt it finds the longest boundary
+``L`` whose blocks are all held on the device *or* the host (a full group every block of
+``[0, L)``, a window or state group the tail the step after ``L`` reads, a per-request group
+a device snapshot at ``L``: the host keeps none). The blocks only the host holds get device
+blocks (taken as any block is: free first, then the least recently used cached block, which
+is demoted in turn), their pages are pinned and their onloads queued, and the blocks are
+registered in the device prefix cache with the unit record and tail proof their page kept, so
+the device lookup confirms them exactly. When the device cannot give every block at ``L``,
+shorter boundaries are tried; the device part is never evicted to make room for the host part.
+
+Invariants (``tests/scheduler/test_tier_lookup.py``):
+
+- a device block with a queued onload is held (ref >= 1) until :func:`take_onloads` hands
+  the onload out, so nothing evicts, demotes or reuses it before its bytes arrive; the worker
+  runs a batch's offloads before its onloads, so a block evicted and refilled in one batch is
+  offloaded first;
+- the pages an onload reads are pinned before any device block is taken, so the demotions
+  those takes cause cannot evict them;
+- a host hit is all or nothing per prompt: either every block at ``L`` is queued, or none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvforge.core.values import PageCopy, PrefixEvent, PrefixMatch, PrefixQuery
+from kvforge.scheduler.arena import ArenaBlockPool
+from kvforge.scheduler.args import token_array
+from kvforge.scheduler.block_pool import BlockPool
+from kvforge.scheduler.tables import GroupTable
+
+#: a :class:`~kvforge.scheduler.block_manager.BlockManager` (not imported: it imports this)
+BlockManager = Any
+
+__all__ = ["lookup", "take_onloads"]
+
+
+def lookup(manager: BlockManager, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
+    """The device lookup of ``queries``, after bringing back from the host tier (if the
+    manager has one) what each prompt's longest prefix needs (the caller holds the manager's
+    lock)."""
+    prefix = manager._prefix
+    batch = isinstance(queries, Sequence) and not isinstance(queries, PrefixQuery)
+    if manager._host_tier is not None and prefix.enabled and batch:
+        for i, q in enumerate(queries):
+            if isinstance(q, PrefixQuery):
+                _bring_back(manager, q, i)
+    return prefix.lookup(queries)  # checks every query, as without a host tier
+
+
+def take_onloads(manager: BlockManager) -> tuple[PageCopy, ...]:
+    """The queued onloads (host page -> device block), for the worker to run after the
+    batch's offloads and before anything reads those blocks; their device blocks become
+    ordinary cached blocks (evictable once no request holds them)."""
+    tier = manager._host_tier
+    if tier is None:
+        return ()
+    copies = tier.take_onloads()
+    for pool, blocks in tier.pending_blocks:
+        pool.release(blocks)
+    tier.pending_blocks.clear()
+    return copies
+
+
+def _bring_back(manager: BlockManager, query: PrefixQuery, index: int) -> None:
+    prefix, tier = manager._prefix, manager._host_tier
+    tokens = token_array(query.token_ids, f"queries[{index}].token_ids")
+    step, unit = prefix.boundary, prefix.unit
+    top = ((len(tokens) - 1) // step) * step if len(tokens) else 0
+    if top == 0:
+        return
+    hasher = prefix._hasher(query)
+    keys = hasher.extend(tokens[:top])
+    tails: dict[int, bytes] = {}
+
+    def key_at(t: int) -> bytes:
+        if t % unit == 0:
+            return keys[t // unit - 1]
+        if t not in tails:
+            tails[t] = hasher.tail_key(t)[0]
+        return tails[t]
+
+    groups: list[GroupTable] = manager._t.groups
+    device = {g.spec.name: prefix._cached[g.spec.name] for g in groups}
+    host = {g: tier._index[g] for g in tier.groups}
+
+    def on_device(g: GroupTable, key: bytes) -> bool:
+        return key in device[g.spec.name]
+
+    def anywhere(g: GroupTable, key: bytes) -> bool:
+        return key in device[g.spec.name] or key in host.get(g.spec.name, ())
+
+    def needed(length: int) -> list[tuple[int, GroupTable, list[bytes]]] | None:
+        """Per group, the keys of the blocks a hit of ``length`` reads (None: a per-request
+        group has no device snapshot there)."""
+        out = []
+        for gi, g in enumerate(groups):
+            if g.per_request:
+                if g.slots != 1 or length % prefix.snapshot_interval:
+                    return None
+                if key_at(length) not in device[g.spec.name]:
+                    return None
+                continue
+            c0 = 0 if g.history else g.rule.tail_start(g.spec, length) // g.block_size
+            out.append(
+                (gi, g, [key_at((c + 1) * g.block_size) for c in range(c0, length // g.block_size)])
+            )
+        return out
+
+    def reach(held: Callable[[GroupTable, bytes], bool]) -> int:
+        upper = top
+        for g in groups:
+            if g.history:
+                r, i = g.block_size // unit, 0
+                for key in keys[r - 1 : upper // unit : r]:
+                    if not held(g, key):
+                        break
+                    i += 1
+                upper = min(upper, i * g.block_size)
+        length = upper // step * step
+        while length > 0:
+            need = needed(length)
+            if need is not None and all(held(g, k) for _, g, ks in need for k in ks):
+                return length
+            length -= step
+        return 0
+
+    on_device_only = reach(on_device)
+    length = reach(anywhere)
+    while length > on_device_only:
+        need = needed(length)
+        if need is not None and _restore(manager, need, on_device):
+            tier.stats.hit_tokens += length - on_device_only
+            return
+        length -= step  # the device cannot give every block: a shorter host hit
+
+
+def _restore(
+    manager: BlockManager,
+    need: list[tuple[int, GroupTable, list[bytes]]],
+    on_device: Callable[[GroupTable, bytes], bool],
+) -> bool:
+    """Bring back every host-only block of ``need``, or nothing (False)."""
+    prefix, tier = manager._prefix, manager._host_tier
+    missing = [(gi, g, [k for k in ks if not on_device(g, k)]) for gi, g, ks in need]
+    missing = [(gi, g, ks) for gi, g, ks in missing if ks]
+    # the device part stays: pinned while the takes evict, touched as a hit touches it
+    kept = [
+        (
+            g.pool,
+            np.array(
+                [prefix._cached[g.spec.name][k] for k in ks if on_device(g, k)], dtype=np.int32
+            ),
+        )
+        for _, g, ks in need
+    ]
+    for pool, blocks in kept:
+        pool.share(blocks)
+    try:
+        per_pool: dict[BlockPool, int] = {}
+        for _, g, ks in missing:
+            per_pool[g.pool] = per_pool.get(g.pool, 0) + len(ks)
+        if not _fits(per_pool):
+            return False
+        pages = {g.spec.name: tier.pin(g.spec.name, ks) for _, g, ks in missing}
+        try:
+            arenas = {p.arena for p in per_pool if isinstance(p, ArenaBlockPool)}
+            for arena in arenas:
+                arena.prepare({p: n for p, n in per_pool.items() if p in arena.pools})
+            taken = {pool: pool.take(n) for pool, n in per_pool.items()}
+        except BaseException:
+            for name, p in pages.items():
+                tier.unpin(name, p)
+            raise
+    finally:
+        for pool, blocks in kept:
+            pool.release(blocks)
+    at = dict.fromkeys(per_pool, 0)
+    for gi, g, ks in missing:
+        name = g.spec.name
+        blocks = taken[g.pool][at[g.pool] : at[g.pool] + len(ks)]
+        at[g.pool] += len(ks)
+        tier.queue_onloads(name, blocks, pages[name])
+        tier.pending_blocks.append((g.pool, blocks))
+        for key, block, page in zip(ks, blocks.tolist(), pages[name].tolist(), strict=True):
+            end, ref, proof = tier.page_entry(name, page)
+            if ref is not None:  # the device block's own reference; the page keeps its own
+                prefix.records.retain(ref)
+            prefix._store(gi, g, key, block, end, ref, proof)
+            prefix._events.append(PrefixEvent("stored", name, key, end))
+    return True
+
+
+def _fits(per_pool: dict[BlockPool, int]) -> bool:
+    arenas: dict[Any, dict[ArenaBlockPool, int]] = {}
+    for pool, n in per_pool.items():
+        if isinstance(pool, ArenaBlockPool):
+            arenas.setdefault(pool.arena, {})[pool] = n
+        elif pool.num_free < n:
+            return False
+    return all(arena.fits(needs) for arena, needs in arenas.items())
