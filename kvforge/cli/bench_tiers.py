@@ -29,13 +29,10 @@ a private network namespace where ``unshare`` is allowed, else on 127.0.0.1 (wit
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import hashlib
 import importlib.util
-import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,11 +51,10 @@ from kvforge.platform import Platform, get_platform
 from kvforge.store.value import encode_header
 from kvforge.worker.host_tier import HostTierPages
 
-__all__ = ["REMOTES", "TierCase", "default_cases", "private_net", "run_tiers"]
+__all__ = ["REMOTES", "TierCase", "default_cases", "run_tiers"]
 
 Record = dict[str, Any]
 REMOTES = ("redis", "mooncake")
-CLONE_NEWNET = 0x40000000
 MIB = 1 << 20
 #: how long a store may take to answer before its records are skipped
 READY_TIMEOUT_S = 30.0
@@ -78,29 +74,6 @@ class TierCase:
 # ----------------------------------------------------------------------------- servers
 
 
-@contextlib.contextmanager
-def private_net() -> Iterator[str]:
-    """Run this thread (and the servers and client threads it starts) in a new network
-    namespace with ``lo`` up; yields ``""`` there, or why not (then nothing changed)."""
-    if shutil.which("ip") is None:
-        yield "iproute2 is not installed"
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    try:
-        if libc.unshare(CLONE_NEWNET) != 0:
-            yield f"unshare(CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}"
-            return
-        try:
-            up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True, text=True)
-            yield "" if up.returncode == 0 else f"ip link set lo up failed: {up.stderr.strip()}"
-        finally:
-            if libc.setns(original, CLONE_NEWNET) != 0:  # pragma: no cover - never seen
-                raise OSError(ctypes.get_errno(), "setns back to the original namespace failed")
-    finally:
-        os.close(original)
-
-
 def missing(remote: str) -> str | None:
     """Why ``remote`` cannot be measured here (a client or server binary is missing), or None."""
     module, binary = remote, {"redis": "redis-server", "mooncake": "mooncake_master"}[remote]
@@ -118,7 +91,7 @@ def servers(
     """The address of each remote to measure: the one ``given`` for it, else a server started
     here on 127.0.0.1 (inside a private network namespace when no address was given and
     ``unshare`` works) and stopped by its pid on exit. Remotes that cannot run get a note."""
-    from kvforge.store.servers import MooncakeMaster, RedisServer, free_port
+    from kvforge.store.servers import MooncakeMaster, RedisServer, free_port, private_net
 
     wanted = []
     for remote in remotes:

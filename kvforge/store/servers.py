@@ -3,21 +3,86 @@
 
 Invariants: a server object owns exactly one process and signals only that pid (never a name);
 ``stop()`` is idempotent and returns once the process is reaped; nothing here persists data
-(Redis runs with ``--save '' --appendonly no``). Run it inside a private network namespace when
-the server must not be reachable from outside (``tests/store/conftest.py`` does).
+(Redis runs with ``--save '' --appendonly no``). Start servers inside :func:`private_net` when
+they must not be reachable from outside (``tests/store/conftest.py`` and ``kvforge bench
+--tiers`` do).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["LoopbackServer", "MooncakeMaster", "RedisServer", "free_port", "wait_for_port"]
+__all__ = [
+    "LoopbackServer",
+    "MooncakeMaster",
+    "RedisServer",
+    "free_port",
+    "private_net",
+    "wait_for_port",
+]
+
+#: ``unshare`` / ``setns`` flag of a network namespace (``<sched.h>``)
+CLONE_NEWNET = 0x40000000
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def private_net() -> Iterator[str]:
+    """Run the calling thread in a new network namespace with ``lo`` up, and return it to its
+    own namespace on exit. Yields ``""`` inside the new namespace, or why there is none (then
+    nothing changed: the thread stays where it was).
+
+    Servers started from the thread inside, and threads it creates there, live in a network of
+    their own: nothing outside can reach them, whatever interfaces they bind (some of
+    Mooncake's listeners bind all of them). Needs ``unshare(CLONE_NEWNET)`` (root or
+    ``CAP_SYS_ADMIN``) and iproute2's ``ip``. Only this thread moves; other threads of the
+    process stay in the original namespace.
+
+    >>> with private_net() as why:  # doctest: +SKIP
+    ...     server = RedisServer(6379 if not why else free_port()).start()
+    """
+    if shutil.which("ip") is None:
+        yield "iproute2 is not installed"
+        return
+    libc = _libc()
+    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        if libc.unshare(CLONE_NEWNET) != 0:
+            yield f"unshare(CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}"
+            return
+        try:
+            up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+            why = "" if up.returncode == 0 else f"ip link set lo up failed: {up.stderr.strip()}"
+        except BaseException:
+            _setns(libc, original)
+            raise
+        if why:
+            _setns(libc, original)
+            yield why
+            return
+        try:
+            yield ""
+        finally:
+            _setns(libc, original)
+    finally:
+        os.close(original)
+
+
+def _setns(libc: ctypes.CDLL, original: int) -> None:
+    if libc.setns(original, CLONE_NEWNET) != 0:  # pragma: no cover - never seen
+        raise OSError(ctypes.get_errno(), "setns back to the original network namespace failed")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

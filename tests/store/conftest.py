@@ -2,22 +2,19 @@
 servers (``redis-server``, ``mooncake_master``) started in it and stopped by their own pids,
 and stores that are closed before the servers stop.
 
-The namespace: the test's thread calls ``unshare(CLONE_NEWNET)`` and brings ``lo`` up, so the
-servers it starts and the client threads it creates live in a network of their own (nothing
-outside can reach them, whatever interfaces they bind); teardown returns the thread to the
-original namespace with ``setns``. Where ``unshare`` is refused (not root), Redis tests run on
+The namespace (:func:`kvforge.store.servers.private_net`): the test's thread calls
+``unshare(CLONE_NEWNET)`` and brings ``lo`` up, so the servers it starts and the client threads
+it creates live in a network of their own (nothing outside can reach them, whatever interfaces
+they bind); teardown returns the thread to the original namespace with ``setns``. Where ``unshare`` is refused (not root), Redis tests run on
 plain 127.0.0.1 with a free port (``--bind`` is honoured) and Mooncake tests are skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import importlib.util
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,10 +23,7 @@ import pytest
 # Mooncake logs every call through glog; keep its warnings and errors only
 os.environ.setdefault("GLOG_minloglevel", "1")
 
-from kvforge.store.servers import MooncakeMaster, RedisServer, free_port
-
-CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
+from kvforge.store.servers import MooncakeMaster, RedisServer, free_port, private_net
 
 HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
 HAVE_MOONCAKE = (
@@ -48,34 +42,10 @@ class Net:
         return fixed if self.private else free_port()
 
 
-def _enter_private_net() -> tuple[int | None, str]:
-    """Move this thread into a new network namespace with ``lo`` up; the fd to come back."""
-    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    if _libc.unshare(CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        os.close(original)
-        return None, f"unshare(CLONE_NEWNET) failed: {errno.errorcode.get(err, err)}"
-    up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True, text=True)
-    if up.returncode != 0:
-        _leave(original)
-        return None, f"ip link set lo up failed: {up.stderr.strip()}"
-    return original, ""
-
-
-def _leave(original: int) -> None:
-    if _libc.setns(original, CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), "setns back to the original network namespace failed")
-    os.close(original)
-
-
 @contextlib.contextmanager
 def _private_net() -> Iterator[Net]:
-    original, why = _enter_private_net() if shutil.which("ip") else (None, "iproute2 missing")
-    try:
-        yield Net(private=original is not None, why=why)
-    finally:
-        if original is not None:
-            _leave(original)
+    with private_net() as why:
+        yield Net(private=not why, why=why)
 
 
 @pytest.fixture
