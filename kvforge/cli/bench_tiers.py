@@ -48,7 +48,7 @@ from kvforge.cli.formatting import console, format_bytes, make_table
 from kvforge.controller import CacheController
 from kvforge.core.values import PageCopy
 from kvforge.platform import Platform, get_platform
-from kvforge.store.value import encode_header
+from kvforge.store.value import CHECKSUM, encode_header
 from kvforge.worker.host_tier import HostTierPages
 
 __all__ = ["REMOTES", "TierCase", "default_cases", "run_tiers"]
@@ -490,11 +490,15 @@ def _measure_remote(
         t_put, t_get = timed(put, flush=before_put), timed(get)
         t_raw_put = timed(lambda: raw.put(label), flush=before_put)
         t_raw_get = timed(lambda: raw.get(label))
-        # the value's checksum alone (BLAKE2b over every payload): what a put and a get pay
-        # beyond the raw client's bytes
+        # the value's checksum alone (value.CHECKSUM, XXH3-128, over every payload): what a put
+        # and a get pay beyond the raw client's bytes
         fp, pays = store.fingerprint, [v.numpy() for v in views]
         t_sum = timed(lambda: [encode_header(k, fp, v) for k, v in zip(keys, pays, strict=True)])
-        why = {"checksum_seconds": t_sum, "checksum_gbps": round(m.nbytes / t_sum / 1e9, 3)}
+        why = {
+            "checksum": CHECKSUM,
+            "checksum_seconds": t_sum,
+            "checksum_gbps": round(m.nbytes / t_sum / 1e9, 3),
+        }
         return [
             _record(remote, "put", case, m, t_put, t_raw_put, cache, **why),
             _record(remote, "get", case, m, t_get, t_raw_get, cache, **why),

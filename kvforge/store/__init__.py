@@ -2,7 +2,7 @@
 the value format that makes a bad value a miss (:mod:`kvforge.store.value`), and adapters on
 Redis (:class:`RedisStore`) and Mooncake Store (:class:`MooncakeStore`); ``docs/tiered_store.md``.
 
-Names load on first use: ``kvforge.store.value`` needs nothing beyond the standard library,
+Names load on first use: ``kvforge.store.value`` needs ``xxhash`` (its XXH3-128 checksum),
 :class:`StoreConfig` needs ``pydantic-settings``, and each adapter imports its client library
 only when a store is built (``pip install 'kvforge[redis]'`` / ``'kvforge[mooncake]'``).
 """

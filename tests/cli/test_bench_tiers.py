@@ -67,7 +67,7 @@ def check_records(records: list[dict], remotes: tuple[str, ...]) -> None:
         else:
             assert r["bytes"] == r["blocks"] * kv == (1 << 20) // kv * kv
         if r["tier"] != "host" and r["direction"] != "restore":
-            assert r["checksum_gbps"] > 0
+            assert r["checksum_gbps"] > 0 and r["checksum"] == "xxh3-128"
 
 
 def test_run_tiers_host_only_records_and_restored_bytes():

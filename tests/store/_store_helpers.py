@@ -1,7 +1,10 @@
 """Helpers the remote tier's tests share: configs for the loopback servers, registered pages of
-random bytes, and 32-byte keys."""
+random bytes, 32-byte keys, and values as an older kvforge wrote them."""
 
 from __future__ import annotations
+
+import hashlib
+import struct
 
 import numpy as np
 
@@ -48,3 +51,19 @@ class Pages:
 def keys(n: int, tag: bytes = b"") -> list[bytes]:
     """``n`` distinct 32-byte keys (prefix keys are 32-byte digests)."""
     return [(tag + i.to_bytes(4, "little")).ljust(32, b"k") for i in range(n)]
+
+
+def encode_v1(key: bytes, layout: bytes, payload) -> bytes:
+    """A value in format version 1 (BLAKE2b-128 checksum), as kvforge wrote it before version 2,
+    built from the documented format alone (``docs/tiered_store.md``)."""
+    payload = bytes(payload)
+    fixed = struct.pack(
+        "<4sHH32s16sQ",
+        b"KVFV",
+        1,
+        80,
+        hashlib.blake2b(key, digest_size=32, person=b"kvforge-key").digest(),
+        hashlib.blake2b(layout, digest_size=16, person=b"kvforge-layout").digest(),
+        len(payload),
+    )
+    return fixed + hashlib.blake2b(fixed + payload, digest_size=16).digest() + payload

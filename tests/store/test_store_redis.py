@@ -12,13 +12,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from _store_helpers import Pages, keys, redis_config
+from _store_helpers import Pages, encode_v1, keys, redis_config
 
 from kvforge.store import open_store
 from kvforge.store.base import server_key
 from kvforge.store.redis_store import RedisStore
 from kvforge.store.servers import RedisServer
-from kvforge.store.value import HEADER_SIZE, encode
+from kvforge.store.value import HEADER_SIZE, VERSION, encode
 
 redis = pytest.importorskip("redis")
 
@@ -149,7 +149,7 @@ TAMPERING = [
     ("flip a checksum byte", lambda v: v[:70] + bytes([v[70] ^ 0x80]) + v[71:], "corrupted"),
     ("flip a key-digest byte", lambda v: v[:9] + bytes([v[9] ^ 1]) + v[10:], "corrupted"),
     ("wrong magic", lambda v: b"XXXX" + v[4:], "corrupted"),
-    ("other version", lambda v: v[:4] + (2).to_bytes(2, "little") + v[6:], "other_version"),
+    ("other version", lambda v: v[:4] + (VERSION + 1).to_bytes(2, "little") + v[6:], "other_version"),
     ("cut inside the payload", lambda v: v[:-1], "truncated"),
     ("cut inside the header", lambda v: v[:HEADER_SIZE - 1], "truncated"),
     ("cut to nothing", lambda v: b"", "truncated"),
@@ -171,6 +171,23 @@ def test_a_tampered_value_is_a_miss(redis_server, stores, what, tamper, reason):
     assert new == {reason: 1}
     assert store.stats().errors == 0  # a bad value is not a client error
     assert store.exists_prefix([key]) == 1  # it exists; reading it is what misses
+
+
+def test_a_version_1_value_in_the_server_is_still_a_hit(redis_server, stores):
+    """A store may hold values an older kvforge wrote (BLAKE2b checksum): they are verified
+    and read; a corrupted one is still a miss."""
+    store = make(stores, redis_server)
+    pages = Pages(3, 4096, seed=10)
+    store.register_buffer(pages.buf)
+    key, bad = keys(2, b"v1")
+    raw_client(store).set(_stored(store, key), encode_v1(key, store.fingerprint, pages.page(0)))
+    old = encode_v1(bad, store.fingerprint, pages.page(0))
+    raw_client(store).set(_stored(store, bad), old[:-1] + bytes([old[-1] ^ 1]))
+    got, new = _get_one(store, pages, key)
+    assert (got, new) == ([4096], {})
+    assert pages.bytes_of(1) == pages.bytes_of(0)
+    got, new = _get_one(store, pages, bad, page=2)
+    assert (got, new) == ([None], {"corrupted": 1})
 
 
 def test_a_byte_overwritten_in_the_server_is_a_miss(redis_server, stores):
