@@ -388,6 +388,14 @@ def _add_demo(demo: argparse.ArgumentParser) -> None:
         metavar="N",
         help="multi-turn conversations run with the prefix cache after the loop (0: none)",
     )
+    demo.add_argument(
+        "--tier",
+        choices=["device", "host", "redis", "mooncake"],
+        default="device",
+        help="where the prefix-reuse phase keeps cached prefixes: device (default), or host "
+        "(a device of about one conversation, a host tier behind it); redis and mooncake "
+        "are refused until the remote tier is wired into lookups",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--json", default=None, metavar="PATH", help="also write the result here")
     demo.add_argument(

@@ -57,6 +57,7 @@ from kvforge.cli.demo_sizing import (
 )
 from kvforge.cli.formatting import UsageError, check_output_path, write_text
 from kvforge.controller import CacheController
+from kvforge.core.memory_plan import shared_pool_blocks
 from kvforge.errors import OutOfBlocksError
 from kvforge.specs import GroupKind
 from kvforge.verify import (
@@ -117,6 +118,8 @@ class DemoConfig(BaseModel):
         prefix_conversations: after the serving loop, run this many multi-turn conversations
             over a shared system prompt with the prefix cache on, and verify every reused
             byte (:mod:`kvforge.cli.demo_prefix`); 0 skips it.
+        tier: where that phase keeps cached prefixes: ``"device"``, or ``"host"`` (a device
+            of about one conversation with a host tier behind it).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -136,6 +139,7 @@ class DemoConfig(BaseModel):
     verify_on_swap_in: bool = True
     corrupt_after_step: int | None = Field(default=None, ge=1)
     prefix_conversations: int = Field(default=4, ge=0, le=1000)
+    tier: Literal["device", "host"] = "device"
 
     @model_validator(mode="after")
     def _ranges(self) -> DemoConfig:
@@ -527,7 +531,11 @@ def run_demo(
             result = _run(ctl, config, progress, start)
             if config.prefix_conversations:
                 prefix = run_prefix_demo(
-                    backends, config.prefix_conversations, config.seed, str(ctl.device)
+                    backends,
+                    config.prefix_conversations,
+                    config.seed,
+                    str(ctl.device),
+                    config.tier,
                 )
                 result = result.model_copy(update={"prefix": prefix})
             return result
@@ -540,7 +548,8 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
     lengths = [(r.prompt_len, r.prompt_len + r.output_len) for r in requests]
     sizing = size_device(ctl.layout, lengths, config.device_memory, config.device_share)
     host_pages = size_host(ctl.layout, sizing.longest, len(requests), config.host_memory)
-    ctl.initialize_kv_cache(num_blocks=sizing.blocks)
+    # groups whose pages pair up draw on one pool of all their blocks (the same bytes)
+    ctl.initialize_kv_cache(num_blocks=shared_pool_blocks(ctl.layout, sizing.blocks))
     ctl.initialize_host_cache(num_pages=host_pages)
     device_bytes, host_bytes = ctl.device_bytes, ctl.host_bytes
     _warm_up(ctl)
@@ -639,6 +648,22 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
 # ---------------------------------------------------------------------------------- command
 
 
+def _tier(args: argparse.Namespace) -> Literal["device", "host"]:
+    """``--tier``, refused where it cannot apply (a usage error, never ignored)."""
+    tier = args.tier
+    if tier in ("redis", "mooncake"):
+        raise UsageError(
+            f"--tier {tier}: the remote tier behind the host tier is not wired into lookups "
+            "yet (docs/tiered_store.md, 'Not done'); --tier takes device or host"
+        )
+    if tier == "host" and args.prefix_conversations == 0:
+        raise UsageError(
+            "--tier host applies to the prefix-reuse phase, which --prefix-conversations 0 "
+            "skips"
+        )
+    return tier  # type: ignore[no-any-return]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """``kvforge demo``: the serving loop; exit 1 on a mismatch (the self-test's included)."""
     if args.list_models:
@@ -657,6 +682,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         host_memory=args.host_memory,
         corrupt_after_step=args.self_test_corrupt,
         prefix_conversations=args.prefix_conversations,
+        tier=_tier(args),
     )
     progress = not args.no_progress and sys.stderr.isatty()
     try:

@@ -231,6 +231,18 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
             ("conversations / turns", f"{p.conversations} / {p.turns}"),
             ("prompt tokens", f"{p.prompt_tokens:,}"),
             ("served from cache", f"{p.hit_tokens:,} ({p.hit_rate:.1%})"),
+            *(
+                [
+                    ("  of them from the device", f"{p.hit_tokens - p.host_hit_tokens:,}"),
+                    (
+                        "  of them from host tier pages",
+                        f"{p.host_hit_tokens:,} ({p.host_blocks:,} blocks brought back)",
+                    ),
+                    ("blocks the device evicted into host pages", f"{p.host_demotions:,}"),
+                ]
+                if p.tier == "host"
+                else []
+            ),
             ("reuse boundary (LCM of block sizes)", f"{p.boundary} tokens"),
             ("entries verified (reused included)", f"{p.entries_verified:,}"),
             ("mismatched", f"{p.entries_mismatched:,}"),

@@ -311,3 +311,28 @@ def test_cli_prefix_conversations(capsys):
     assert "prefix reuse" in out and LAST_LINE.match(last_line(out))
     assert main(["demo", "--prefix-conversations", "-1"]) == 2
     assert "'-1' must be a non-negative integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["deepseek-v4-tiny", "gpt-oss-20b"])
+def test_cli_tier_host_serves_hits_from_host_pages_byte_for_byte(capsys, tmp_path, model):
+    import json
+
+    path = tmp_path / "demo.json"
+    argv = ["demo", "--model", model, "--device", "cpu", "--no-progress", "--requests", "2"]
+    assert main([*argv, "--tier", "host", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "of them from host tier pages" in out and LAST_LINE.match(last_line(out))
+    prefix = json.loads(path.read_text())["prefix"]
+    assert prefix["tier"] == "host" and prefix["entries_mismatched"] == 0
+    # conversations evicted each other's prefixes into host pages, and later turns were
+    # served from them, every reused entry verified
+    assert prefix["host_demotions"] > 0 and prefix["host_blocks"] > 0
+    assert 0 < prefix["host_hit_tokens"] <= prefix["hit_tokens"]
+
+
+def test_run_prefix_demo_refuses_an_unknown_tier():
+    from kvforge.cli.demo_prefix import run_prefix_demo
+    from kvforge.models import from_hf_config
+
+    with pytest.raises(ValueError, match=r"tier must be one of \['device', 'host'\], got 'disk'"):
+        run_prefix_demo(from_hf_config("llama-3-8b"), 1, 0, tier="disk")  # type: ignore[arg-type]
