@@ -82,8 +82,8 @@ class ArenaBlockPool(BlockPool):
         if not isinstance(count, int | np.integer) or isinstance(count, bool) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         count = int(count)
-        if count > self.own_free:  # a joint prepare (a step's growth) already ran otherwise
-            self.arena.prepare({self: count})
+        if count > self._num_free:  # slabs first, rather than evicting newer cached blocks
+            self.arena.prepare({self: count})  # (a step's growth prepared jointly already)
         if count > self._num_free:
             self.evict(count - self._num_free)
         top, k = self._num_free, self.blocks_per_slab
@@ -300,10 +300,12 @@ class SlabArena:
         free_slabs = list(self.free_slabs()[::-1])
         for p, count in must.items():
             self._move(p, count, free_slabs, give, lru_limit=None)
-        for p in self.pools:  # optional: slabs instead of evicting own newer blocks
+        # optional, for every group (one that had to get slabs too: those counted its
+        # cached blocks as room): more slabs instead of evicting its own newer blocks
+        for p in self.pools:
             need = int(needs.get(p, 0))
             short = need - p._num_free
-            if short <= 0 or p in must:
+            if short <= 0:
                 continue
             own_oldest = p.oldest_release()
             count = -(-short // p.blocks_per_slab)
