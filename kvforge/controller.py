@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -51,6 +51,7 @@ from kvforge.core.memory_plan import (
 )
 from kvforge.core.naming import DEFAULT_NAME_TEMPLATE
 from kvforge.core.values import (
+    PageCopy,
     PrefixMatch,
     PrefixQuery,
     StepAllocation,
@@ -67,6 +68,7 @@ from kvforge.errors import (
 )
 from kvforge.kinds import live_start
 from kvforge.platform import Platform
+from kvforge.remote_tier import RemoteTier, layout_fingerprint
 from kvforge.scheduler import host_tier, tier_lookup
 from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
 from kvforge.scheduler.host_tier import HostTier, HostTierPolicy, check_host_tier_policy
@@ -80,6 +82,10 @@ from kvforge.worker import guard
 from kvforge.worker.host_tier import HostTierPages
 from kvforge.worker.storage import CacheStorage, StepInputs, SwapExecution
 from kvforge.worker.transfer import SwapHandle
+
+if TYPE_CHECKING:
+    from kvforge.store import StoreConfig
+    from kvforge.store.protocol import RemoteStore
 
 __all__ = ["CacheController", "ScheduledStep", "SwapStats"]
 
@@ -189,6 +195,8 @@ class CacheController:
         self._plan: MemoryPlan | None = None
         self._last_steps: _LastSteps | None = None
         self._closed = False
+        self._remote: RemoteTier | None = None  # initialize_remote_tier
+        self._owned_store: Any = None  # a store the controller opened (closed by free)
         self._lock = threading.RLock()
 
     # ================================================================== declarations
@@ -426,6 +434,7 @@ class CacheController:
         onloads = tier_lookup.take_onloads(manager)
         if offloads or onloads:
             guard.tier_of(self.storage).move(offloads, onloads)
+            self._publish(offloads)
         deltas = manager.take_table_deltas()
         if deltas:
             self.storage.apply_deltas(deltas)
@@ -449,6 +458,7 @@ class CacheController:
         )
         self._note_step(allocation)
         inputs = self.storage.apply(allocation)
+        self._publish(allocation.offloads)
         if allocation.copies_before:
             self.storage.copy_blocks(allocation.copies_before)
         return ScheduledStep(allocation, inputs)
@@ -479,8 +489,17 @@ class CacheController:
     @locked
     def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
         """The longest reusable cached prefix of each prompt (see :meth:`BlockManager.lookup`);
-        pass the matches to :meth:`schedule`."""
-        return self._ready_manager().lookup(queries)
+        pass the matches to :meth:`schedule`. With a remote tier, what the device and host
+        lack is fetched from the store into host pages first."""
+        manager = self._ready_manager()
+        if self._remote is not None:
+            self._remote.fetch(queries)
+        return manager.lookup(queries)
+
+    def _publish(self, offloads: Sequence[PageCopy]) -> None:
+        if self._remote is not None and offloads:
+            self.storage.synchronize()  # the pages hold the bytes before they are read
+            self._remote.publish(offloads)
 
     @property
     @locked
@@ -525,6 +544,7 @@ class CacheController:
         manager.end_step(step)
         if step.offloads or step.onloads:  # evicted blocks out, brought-back blocks in
             guard.tier_of(self.storage).move(step.offloads, step.onloads)
+            self._publish(step.offloads)
         if step.table_deltas:
             self.storage.apply_deltas(step.table_deltas)
         if step.refused:
@@ -711,13 +731,11 @@ class CacheController:
             RuntimeError: prefix caching is off, or the tier exists already.
             ArgumentError: a bad count or policy.
             ValueError: no group can keep anything there.
-            NotImplementedError: ``policy="write_through"`` (not wired yet).
         """
         manager = self._ready_manager()
         if not manager.prefix_caching:
             raise RuntimeError("the host tier keeps cached prefixes: enable_prefix_caching=True")
-        if check_host_tier_policy(policy) == "write_through":
-            raise NotImplementedError("host_tier_policy='write_through' is not wired yet")
+        check_host_tier_policy(policy)
         pages = {
             g: n
             for g, n in self._blocks_per_group(num_pages).items()
@@ -731,6 +749,55 @@ class CacheController:
         HostTierPages(self.storage, pages)  # the storage keeps it; raises if it has one
         host_tier.attach(manager, pages, policy)
         return pages
+
+    @locked
+    def initialize_remote_tier(
+        self, store: StoreConfig | RemoteStore, rank: int = 0
+    ) -> RemoteTier:
+        """Put a remote store (Redis, Mooncake Store) behind the host tier: pages the host
+        tier fills are published to it, and lookups fetch from it what the device and host
+        lack (:mod:`kvforge.remote_tier`). ``store``: a :class:`~kvforge.store.StoreConfig`
+        (opened here with this layout's fingerprint and ``rank``, closed by :meth:`free`) or
+        an open store whose fingerprint is :func:`~kvforge.remote_tier.layout_fingerprint`
+        of this layout and ``rank``.
+
+        Raises:
+            RuntimeError: no host tier yet (:meth:`initialize_host_tier` first), or a remote
+                tier exists already.
+            ValueError: a store of another layout's fingerprint, or a config whose backend
+                is ``"none"``.
+        """
+        from kvforge.store import StoreConfig, open_store
+
+        manager = self._ready_manager()
+        if host_tier.tier_of(manager) is None:
+            raise RuntimeError(
+                "a remote tier sits behind the host tier: call initialize_host_tier first"
+            )
+        if self._remote is not None:
+            raise RuntimeError("this controller has a remote tier already")
+        check_int("rank", rank, minimum=0)
+        fingerprint = layout_fingerprint(self.layout, rank)
+        owned = None
+        if isinstance(store, StoreConfig):
+            if store.backend == "none":
+                raise ValueError("initialize_remote_tier: the StoreConfig's backend is 'none'")
+            owned = store = open_store(store, fingerprint)
+        elif getattr(store, "fingerprint", None) != fingerprint:
+            raise ValueError(
+                "initialize_remote_tier: the store was opened with another layout fingerprint "
+                f"than this layout's at rank {rank} (open it with "
+                "kvforge.remote_tier.layout_fingerprint(layout, rank))"
+            )
+        self._remote = RemoteTier(manager, guard.tier_of(self.storage), store)
+        self._owned_store = owned
+        return self._remote
+
+    @property
+    @locked
+    def remote_tier(self) -> RemoteTier | None:
+        """The remote tier (its ``store`` and ``stats``), or ``None``."""
+        return self._remote
 
     @property
     @locked
@@ -849,6 +916,9 @@ class CacheController:
         """Free every device cache, host page and host view, once. Idempotent."""
         if self._closed:
             return
+        if self._owned_store is not None:
+            self._owned_store.close()  # bounded by its close_timeout_s; never hangs
+        self._remote = None
         self.storage.free()
         self._manager = None
         self._closed = True

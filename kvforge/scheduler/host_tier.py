@@ -214,6 +214,45 @@ class HostTier:
         e = self._pages[group][page]
         return e.end, e.ref, e.proof
 
+    def page_key(self, group: str, page: int) -> bytes | None:
+        """The key ``page`` holds, or ``None`` (a free page)."""
+        e = self._pages[self._group(group)].get(int(page))
+        return None if e is None else e.key
+
+    def reserve(
+        self,
+        group: str,
+        key: bytes,
+        end: int,
+        ref: bytes | None,
+        proof: tuple[bytes, bytes, bytes] | None,
+    ) -> int | None:
+        """A page for ``key``, to be filled from a remote tier: indexed at once and pinned
+        until :meth:`filled` says whether its bytes arrived. The tier takes over the reference
+        on ``ref`` in every case. ``None`` (reference released): the key is held already, or
+        every page is pinned."""
+        name = self._group(group)
+        pool, index = self._pools[name], self._index[name]
+        if key in index or pool.num_free == 0 or name in self.per_request:
+            self._let_go(ref)
+            return None
+        [page] = pool.take(1).tolist()  # may evict the least recently used page
+        pool.retain(page)
+        index[key] = page
+        self._pages[name][page] = _Page(key, int(end), ref, proof)
+        return page
+
+    def filled(self, group: str, pages: Sequence[int], arrived: Sequence[bool]) -> None:
+        """Unpin pages :meth:`reserve` gave: those whose bytes arrived become the most
+        recently used; the others are forgotten at once (key, record and page)."""
+        name = self._group(group)
+        pool = self._pools[name]
+        ids = np.asarray(pages, dtype=np.int32)
+        pool.release(ids)
+        lost = ids[~np.asarray(arrived, dtype=bool)] if len(ids) else ids
+        if len(lost):
+            pool.evict(block_ids=lost)
+
     def page_entry(self, group: str, page: int) -> tuple[int, bytes | None, object]:
         """``(end, record, proof)`` kept with ``page`` (one that holds a key)."""
         e = self._pages[self._group(group)][int(page)]
@@ -472,7 +511,9 @@ def attach(
         RuntimeError: prefix caching is off, or the manager has a host tier already.
         ArgumentError: a group ``num_pages`` names is not the manager's, a bad count or
             policy.
-        NotImplementedError: ``policy="write_through"`` (not wired yet).
+    With ``policy="write_through"``, every block a step registers is also demoted at once
+    (its device copy stays cached): the page holds it from completion, so a remote tier behind
+    the host tier can publish it while the device still serves it.
     """
     with manager._lock:
         prefix = manager._prefix
@@ -480,8 +521,7 @@ def attach(
             raise RuntimeError("the host tier keeps cached prefixes: enable prefix caching")
         if manager._host_tier is not None:
             raise RuntimeError("this scheduler has a host tier already")
-        if check_host_tier_policy(policy) == "write_through":
-            raise NotImplementedError("host_tier_policy='write_through' is not wired yet")
+        check_host_tier_policy(policy)
         if isinstance(num_pages, Mapping):
             unknown = sorted(set(num_pages) - set(manager.groups), key=str)
             if unknown:
@@ -493,6 +533,8 @@ def attach(
         tier = HostTier(num_pages, prefix.records, snapshots, policy)
         for pool, _ in tables.pools:
             pool.on_evict = functools.partial(_demote, manager, tier, pool, pool.on_evict)
+        if policy == "write_through":
+            prefix.on_store = functools.partial(_write_through, manager, tier)
         manager._host_tier = tier
         return tier
 
@@ -510,6 +552,11 @@ def take_offloads(manager: BlockManager) -> tuple[PageCopy, ...]:
     with manager._lock:
         tier = manager._host_tier
         return tier.take_offloads() if tier is not None else ()
+
+
+def _write_through(manager: BlockManager, tier: HostTier, pool: BlockPool, block: int) -> None:
+    """The prefix cache registered ``block``: demote a copy of it now (the device keeps it)."""
+    _demote(manager, tier, pool, None, np.array([block], dtype=np.int32))
 
 
 def _demote(

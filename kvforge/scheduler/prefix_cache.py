@@ -175,6 +175,8 @@ class PrefixCache:
         #: chain (``PrefixHasher.tail_key``), hashed only for the few blocks a tail needs.
         self.unit = unit_of([*history, boundary], snapshot_interval if snapshots else None)
         self.work = StepWork()  # what the step being scheduled holds and will register
+        #: called with (pool, block) for each block a step registered (host_tier.attach)
+        self.on_store: Callable[[BlockPool, int], None] | None = None
         self._cached: dict[str, dict[object, int]] = {g.spec.name: {} for g in tables.groups}
         # per pool: block -> (key, end token, group index) of every registered block
         # per pool: block -> (key, end token, group index, the record it holds or None, the
@@ -620,6 +622,8 @@ class PrefixCache:
             events.append(PrefixEvent("stored", r.group.spec.name, r.key, r.end))
             name = r.group.spec.name
             stats.stored_blocks[name] = stats.stored_blocks.get(name, 0) + 1
+            if self.on_store is not None:  # the host tier's write-through
+                self.on_store(r.group.pool, r.block)
         for g, blocks in work.pins:
             g.pool.release(blocks)
         work.registrations.clear()

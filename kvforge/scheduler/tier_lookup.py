@@ -41,7 +41,7 @@ from kvforge.scheduler.tables import GroupTable
 #: a :class:`~kvforge.scheduler.block_manager.BlockManager` (not imported: it imports this)
 BlockManager = Any
 
-__all__ = ["lookup", "take_onloads"]
+__all__ = ["PromptPlan", "lookup", "take_onloads"]
 
 
 def lookup(manager: BlockManager, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
@@ -71,87 +71,108 @@ def take_onloads(manager: BlockManager) -> tuple[PageCopy, ...]:
     return copies
 
 
-def _bring_back(manager: BlockManager, query: PrefixQuery, index: int) -> None:
-    prefix, tier = manager._prefix, manager._host_tier
-    tokens = token_array(query.token_ids, f"queries[{index}].token_ids")
-    step, unit = prefix.boundary, prefix.unit
-    top = ((len(tokens) - 1) // step) * step if len(tokens) else 0
-    if top == 0:
-        return
-    hasher = prefix._hasher(query)
-    keys = hasher.extend(tokens[:top])
-    tails: dict[int, bytes] = {}
+class PromptPlan:
+    """The keys of one prompt's boundaries, and what a hit at each boundary reads: shared by
+    the host tier's lookup and the remote tier's fetch (:mod:`kvforge.remote_tier`)."""
 
-    def key_at(t: int) -> bytes:
-        if t % unit == 0:
-            return keys[t // unit - 1]
-        if t not in tails:
-            tails[t] = hasher.tail_key(t)[0]
-        return tails[t]
+    def __init__(self, manager: BlockManager, tokens: np.ndarray, query: PrefixQuery) -> None:
+        prefix = manager._prefix
+        self.prefix = prefix
+        self.step, self.unit = prefix.boundary, prefix.unit
+        self.top = ((len(tokens) - 1) // self.step) * self.step if len(tokens) else 0
+        self.hasher = prefix._hasher(query)
+        self.keys = self.hasher.extend(tokens[: self.top])
+        self._tails: dict[int, tuple[bytes, bytes, bytes]] = {}
+        self.groups: list[GroupTable] = manager._t.groups
+        self.device = {g.spec.name: prefix._cached[g.spec.name] for g in self.groups}
 
-    groups: list[GroupTable] = manager._t.groups
-    device = {g.spec.name: prefix._cached[g.spec.name] for g in groups}
-    host = {g: tier._index[g] for g in tier.groups}
+    def key_at(self, t: int) -> bytes:
+        """The key of the block that ends at token ``t``."""
+        if t % self.unit == 0:
+            return self.keys[t // self.unit - 1]
+        return self.tail(t)[0]
 
-    def on_device(g: GroupTable, key: bytes) -> bool:
-        return key in device[g.spec.name]
+    def tail(self, t: int) -> tuple[bytes, bytes, bytes]:
+        """``(key, parent, payload)`` of the tail key ending at ``t`` (inside a unit)."""
+        if t not in self._tails:
+            self._tails[t] = self.hasher.tail_key(t)
+        return self._tails[t]
 
-    def anywhere(g: GroupTable, key: bytes) -> bool:
-        return key in device[g.spec.name] or key in host.get(g.spec.name, ())
+    def proof(self, end: int) -> tuple[bytes, bytes, bytes] | None:
+        """The proof a block ending at ``end`` keeps (a tail key's; ``None`` on a unit end)."""
+        if end % self.unit == 0:
+            return None
+        _, parent, payload = self.tail(end)
+        return parent, payload, self.hasher.root_preimage if end < self.unit else b""
 
-    def needed(length: int) -> list[tuple[int, GroupTable, list[bytes]]] | None:
-        """Per group, the keys of the blocks a hit of ``length`` reads (None: a per-request
-        group has no device snapshot there)."""
+    def on_device(self, g: GroupTable, key: bytes) -> bool:
+        return key in self.device[g.spec.name]
+
+    def needed(self, length: int) -> list[tuple[int, GroupTable, list[tuple[bytes, int]]]] | None:
+        """Per group, ``(key, end)`` of the blocks a hit of ``length`` reads (None: a
+        per-request group has no device snapshot there; the tiers keep none)."""
         out = []
-        for gi, g in enumerate(groups):
+        for gi, g in enumerate(self.groups):
             if g.per_request:
-                if g.slots != 1 or length % prefix.snapshot_interval:
+                if g.slots != 1 or length % self.prefix.snapshot_interval:
                     return None
-                if key_at(length) not in device[g.spec.name]:
+                if not self.on_device(g, self.key_at(length)):
                     return None
                 continue
             c0 = 0 if g.history else g.rule.tail_start(g.spec, length) // g.block_size
-            out.append(
-                (gi, g, [key_at((c + 1) * g.block_size) for c in range(c0, length // g.block_size)])
-            )
+            ends = [(c + 1) * g.block_size for c in range(c0, length // g.block_size)]
+            out.append((gi, g, [(self.key_at(e), e) for e in ends]))
         return out
 
-    def reach(held: Callable[[GroupTable, bytes], bool]) -> int:
-        upper = top
-        for g in groups:
+    def reach(self, held: Callable[[GroupTable, bytes], bool]) -> int:
+        """The longest boundary whose every needed block ``held`` says is held."""
+        upper, unit = self.top, self.unit
+        for g in self.groups:
             if g.history:
                 r, i = g.block_size // unit, 0
-                for key in keys[r - 1 : upper // unit : r]:
+                for key in self.keys[r - 1 : upper // unit : r]:
                     if not held(g, key):
                         break
                     i += 1
                 upper = min(upper, i * g.block_size)
-        length = upper // step * step
+        length = upper // self.step * self.step
         while length > 0:
-            need = needed(length)
-            if need is not None and all(held(g, k) for _, g, ks in need for k in ks):
+            need = self.needed(length)
+            if need is not None and all(held(g, k) for _, g, ks in need for k, _ in ks):
                 return length
-            length -= step
+            length -= self.step
         return 0
 
-    on_device_only = reach(on_device)
-    length = reach(anywhere)
+
+def _bring_back(manager: BlockManager, query: PrefixQuery, index: int) -> None:
+    tier = manager._host_tier
+    tokens = token_array(query.token_ids, f"queries[{index}].token_ids")
+    plan = PromptPlan(manager, tokens, query)
+    if plan.top == 0:
+        return
+    host = {g: tier._index[g] for g in tier.groups}
+
+    def anywhere(g: GroupTable, key: bytes) -> bool:
+        return plan.on_device(g, key) or key in host.get(g.spec.name, ())
+
+    on_device_only = plan.reach(plan.on_device)
+    length = plan.reach(anywhere)
     while length > on_device_only:
-        need = needed(length)
-        if need is not None and _restore(manager, need, on_device):
+        need = plan.needed(length)
+        if need is not None and _restore(manager, need, plan.on_device):
             tier.stats.hit_tokens += length - on_device_only
             return
-        length -= step  # the device cannot give every block: a shorter host hit
+        length -= plan.step  # the device cannot give every block: a shorter host hit
 
 
 def _restore(
     manager: BlockManager,
-    need: list[tuple[int, GroupTable, list[bytes]]],
+    need: list[tuple[int, GroupTable, list[tuple[bytes, int]]]],
     on_device: Callable[[GroupTable, bytes], bool],
 ) -> bool:
     """Bring back every host-only block of ``need``, or nothing (False)."""
     prefix, tier = manager._prefix, manager._host_tier
-    missing = [(gi, g, [k for k in ks if not on_device(g, k)]) for gi, g, ks in need]
+    missing = [(gi, g, [k for k, _ in ks if not on_device(g, k)]) for gi, g, ks in need]
     missing = [(gi, g, ks) for gi, g, ks in missing if ks]
     # the device part stays: pinned while the takes evict, touched as a hit touches it
     kept = [

@@ -351,7 +351,6 @@ BAD_ATTACH = [
     ({}, {"nope": 4}, {}, ArgumentError, r"num_pages names groups \['nope'\]"),
     ({}, {"kv": 1}, {}, ArgumentError, r"num_pages\['kv'\] must be an int >= 2"),
     ({}, {"kv": 4}, {"policy": "lazy"}, ArgumentError, "host_tier_policy must be"),
-    ({}, {"kv": 4}, {"policy": "write_through"}, NotImplementedError, "not wired yet"),
 ]
 
 
@@ -385,3 +384,23 @@ def test_retain_takes_one_more_reference_on_a_held_record():
         store.retain(b"x" * 32)
     with pytest.raises(KeyError, match="retain"):
         store.retain("k")  # type: ignore[arg-type]
+
+
+def test_write_through_demotes_each_block_when_it_completes_and_keeps_it_cached():
+    from kvforge.core.values import PrefixQuery
+    from kvforge.scheduler import host_tier
+
+    m = manager(num_blocks=10)
+    tier = host_tier.attach(m, {"kv": 8}, policy="write_through")
+    tokens = list(range(1, 50))  # 3 full blocks of 16
+    [match] = m.lookup([PrefixQuery(tokens)])
+    m.end_step(m.schedule(["a"], [len(tokens)], [tokens], [match]))
+    assert sum(tier.stats.demotions.values()) == 3 and len(tier) == 3
+    [copy] = host_tier.take_offloads(m)  # copied now, while the device still serves them
+    assert copy.group == "kv" and len(copy.device_blocks) == 3
+    assert sum(m.prefix_stats.evictions.values()) == 0
+    m.finish(["a"])
+    [again] = m.lookup([PrefixQuery([*tokens, 9])])
+    assert again.num_tokens == 48  # from the device: nothing was brought back
+    assert not tier.pending_blocks and not tier.stats.hits
+    # evicting them later costs no second copy: the keys are held already

@@ -379,7 +379,6 @@ def test_the_controller_offloads_a_truncations_eviction_before_its_copy_writes()
 BAD_TIERS = [
     (False, (4,), {}, RuntimeError, "enable_prefix_caching=True"),
     (True, (4,), {"policy": "lazy"}, ValueError, "host_tier_policy must be 'eviction'"),
-    (True, (4,), {"policy": "write_through"}, NotImplementedError, "not wired yet"),
     (True, (1,), {}, ValueError, r"\['kv'\] must be an int >= 2"),
     (True, ({"nope": 4},), {}, ValueError, "nope"),
 ]

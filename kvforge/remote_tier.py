@@ -1,0 +1,224 @@
+"""The remote tier behind the host tier, for the one-process controller: host tier pages are
+published to a remote store (Redis, Mooncake Store) and fetched back into host pages when a
+prompt's prefix is on neither the device nor the host, so engines in other processes or on
+other machines reuse each other's prefixes.
+
+:class:`RemoteTier` sits above both sides (it reads the scheduler's host tier index and the
+worker's host pages), as :class:`~kvforge.controller.CacheController` does:
+
+- **publish**: after a batch's offloads ran (device blocks copied into host pages), each
+  page goes to the store under ``group/prefix-key`` (``put_async``: encoded at once, written
+  in the background, bounded; a full queue drops values, never blocks). With the host tier's
+  ``policy="write_through"`` a block is published when it completes, so another engine can
+  reuse it while this one still serves it; with ``"eviction"`` when the device evicts it.
+- **fetch**: before the lookup, the boundaries past what the device and the host hold are
+  asked of the store (``exists_prefix``: a full group's chain, a window group's tail at the
+  boundary); the blocks found get host pages (:meth:`HostTier.reserve`), the unit records of
+  this prompt's tokens (so the exact check confirms them as any cached block) and their tail
+  proofs, and are read into the pages (``batch_get_into``). A value that does not arrive
+  whole (down, corrupted, truncated, another layout) is a miss: its page is forgotten. The
+  host tier's lookup then brings them to the device (:mod:`kvforge.scheduler.tier_lookup`).
+
+Keys carry everything that makes bytes differ: the prefix key (token ids, multimodal items,
+the request's extra keys: salt, adapter), the group, and the store's layout fingerprint
+(:func:`layout_fingerprint`: every buffer's role, entry shape, dtype, order, block size and
+group, plus the tensor-parallel rank), which every value's header repeats and every read
+checks (:mod:`kvforge.store.value`).
+
+Invariants (``tests/store/test_remote_tier.py``): a fetched block is indexed only once its
+value arrived whole; a store that fails costs hits, never device or host state; nothing here
+holds the controller's lock while waiting for the network except the synchronous fetch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvforge.core.layout import CacheLayout
+from kvforge.core.values import PageCopy, PrefixQuery
+from kvforge.scheduler.args import token_array
+from kvforge.scheduler.tier_lookup import PromptPlan
+
+if TYPE_CHECKING:
+    from kvforge.store.protocol import RemoteStore
+
+__all__ = ["RemoteTier", "RemoteTierStats", "layout_fingerprint"]
+
+
+def layout_fingerprint(layout: CacheLayout, rank: int = 0) -> bytes:
+    """What makes two engines' page bytes comparable: per buffer its group (kind, block size,
+    window), role (entry shape, dtype, head- or token-major order, scale), layer and bytes,
+    and the tensor-parallel ``rank``, hashed (BLAKE2b-256).
+
+    >>> from kvforge.models import from_hf_config
+    >>> a = layout_fingerprint(CacheLayout(from_hf_config("llama-3-8b")))
+    >>> b = layout_fingerprint(CacheLayout(from_hf_config("llama-3-8b")), rank=1)
+    >>> len(a), a == b
+    (32, False)
+    """
+    h = hashlib.blake2b(digest_size=32, person=b"kvforge-layout")
+    h.update(f"rank={int(rank)}\n".encode())
+    for e in layout.buffers:
+        g, r = e.group, e.role
+        h.update(
+            f"{g.name}|{g.kind.value}|{g.block_size}|{g.window}|{r.name}|{r!r}|{e.layer}|"
+            f"{e.block_bytes}\n".encode()
+        )
+    return h.digest()
+
+
+class RemoteTierStats:
+    """Counters of one remote tier: pages published (queued), blocks fetched into host pages,
+    fetches that missed (value gone, corrupted, or the store down), and the prompt tokens the
+    fetches reached past what the device and host held."""
+
+    def __init__(self) -> None:
+        self.published = 0
+        self.fetched = 0
+        self.fetch_misses = 0
+        self.reach_tokens = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteTierStats(published={self.published}, fetched={self.fetched}, "
+            f"fetch_misses={self.fetch_misses}, reach_tokens={self.reach_tokens})"
+        )
+
+
+class RemoteTier:
+    """A remote store behind one controller's host tier.
+
+    Args:
+        manager: the controller's scheduler side, with a host tier attached.
+        pages: the worker's :class:`~kvforge.worker.host_tier.HostTierPages`.
+        store: an open :class:`~kvforge.store.protocol.RemoteStore` whose fingerprint is
+            :func:`layout_fingerprint` of this layout (the caller opens it).
+    """
+
+    def __init__(self, manager: Any, pages: Any, store: RemoteStore) -> None:
+        self.manager, self.pages, self.store = manager, pages, store
+        self.stats = RemoteTierStats()
+        for g in pages.groups.values():
+            store.register_buffer(g.pages)
+
+    @staticmethod
+    def _key(group: str, key: bytes) -> bytes:
+        return group.encode() + b"/" + key
+
+    def publish(self, offloads: Sequence[PageCopy]) -> None:
+        """Queue the pages ``offloads`` just filled (call after the worker ran them)."""
+        tier = self.manager._host_tier
+        for copy in offloads:
+            name = copy.group
+            pages = self.pages.groups[name].pages
+            keys, sources = [], []
+            for page in np.asarray(copy.host_pages).tolist():
+                key = tier.page_key(name, page)
+                if key is not None:
+                    keys.append(self._key(name, key))
+                    sources.append(pages[page])
+            if keys:
+                self.stats.published += self.store.put_async(keys, sources)
+
+    def fetch(self, queries: Sequence[PrefixQuery]) -> None:
+        """Read into host pages what each prompt's longest prefix needs past the device and
+        the host, where the store holds it (the caller holds the controller's lock)."""
+        manager = self.manager
+        if not manager._prefix.enabled or isinstance(queries, PrefixQuery):
+            return
+        for i, q in enumerate(queries):
+            if isinstance(q, PrefixQuery):
+                self._fetch_one(q, i)
+
+    def _fetch_one(self, query: PrefixQuery, index: int) -> None:
+        manager, store = self.manager, self.store
+        tier = manager._host_tier
+        plan = PromptPlan(manager, token_array(query.token_ids, f"queries[{index}]"), query)
+        if plan.top == 0:
+            return
+        host = {g: tier._index[g] for g in tier.groups}
+
+        def local(g: Any, key: bytes) -> bool:
+            return plan.on_device(g, key) or key in host.get(g.spec.name, ())
+
+        here = plan.reach(local)
+        remote: set[tuple[str, bytes]] = set()  # (group, key) the store said it holds
+        for g in plan.groups:  # a full group's chain past what is here, in one call
+            name = g.spec.name
+            if not g.history or name not in host:
+                continue
+            r = g.block_size // plan.unit
+            chain = [k for k in plan.keys[r - 1 :: r] if not local(g, k)]
+            found = store.exists_prefix([self._key(name, k) for k in chain])
+            remote.update((name, k) for k in chain[:found])
+
+        def chained(g: Any, key: bytes) -> bool:  # window tails are asked below, per boundary
+            return not g.history or local(g, key) or (g.spec.name, key) in remote
+
+        length = plan.reach(chained)
+        # window tails at the chosen boundary, asked once per boundary tried
+        while length > here:
+            need = plan.needed(length)
+            if need is None:
+                length -= plan.step
+                continue
+            tails = [
+                (g.spec.name, k)
+                for _, g, ks in need
+                if not g.history
+                for k, _ in ks
+                if not local(g, k) and (g.spec.name, k) not in remote
+            ]
+            if all(n in host for n, _ in tails) and store.exists_prefix(
+                [self._key(n, k) for n, k in tails]
+            ) == len(tails):
+                remote.update(tails)
+                break
+            length -= plan.step
+        if length <= here:
+            return
+        wanted = [
+            (g.spec.name, k, end)
+            for _, g, ks in plan.needed(length) or ()
+            for k, end in ks
+            if not local(g, k)
+        ]
+        if self._read(plan, wanted):
+            self.stats.reach_tokens += length - here
+
+    def _read(self, plan: PromptPlan, wanted: list[tuple[str, bytes, int]]) -> bool:
+        """Reserve host pages for ``wanted`` (group, key, end), read them, keep what arrived."""
+        manager, tier, unit = self.manager, self.manager._host_tier, plan.unit
+        records = manager._prefix.records
+        # the unit records this prompt's tokens make, referenced where each block ends
+        with_ref = [w for w in wanted if w[2] >= unit]
+        held = records.hold(
+            plan.hasher.unit_records(), at=[e // unit * unit for _, _, e in with_ref]
+        )
+        refs = dict(zip(((n, k) for n, k, _ in with_ref), held.keys, strict=True))
+        if held.cursor is not None:
+            records.release(held.cursor)
+        reserved: dict[str, list[tuple[bytes, int]]] = {}
+        for name, key, end in wanted:
+            ref = refs.get((name, key))
+            if end >= unit and ref is None:
+                continue  # the held chain names other content: never fetched
+            page = tier.reserve(name, key, end, ref, plan.proof(end))
+            if page is not None:
+                reserved.setdefault(name, []).append((key, page))
+        complete = True
+        for name, got in reserved.items():
+            pages = self.pages.groups[name].pages
+            sizes = self.store.batch_get_into(
+                [self._key(name, k) for k, _ in got], [pages[p] for _, p in got]
+            )
+            arrived = [s is not None for s in sizes]
+            tier.filled(name, [p for _, p in got], arrived)
+            self.stats.fetched += sum(arrived)
+            self.stats.fetch_misses += len(arrived) - sum(arrived)
+            complete = complete and all(arrived)
+        return complete and len(reserved) > 0

@@ -1,0 +1,90 @@
+"""One engine of the remote tier's tests, runnable in its own process: a controller with a host
+tier and a Redis remote tier that either writes a prompt (``write``) or looks it up, reuses
+what the store gives and verifies every entry (``read``). Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from kvforge import CacheController
+from kvforge.core.values import PrefixQuery
+from kvforge.models import from_hf_config
+from kvforge.store.config import StoreConfig
+from kvforge.verify import token_seeds, verify_request, write_step
+
+MODELS = {
+    # name: (from_hf_config kwargs, memory budget, prompt length, chunk)
+    "gqa": ({"config": "gpt-oss-20b"}, None, 200, 64),
+    "v4-mtp": ({"config": "deepseek-v4-tiny", "num_speculative_tokens": 1}, 96 << 20, 1300, 512),
+}
+
+
+def controller(model: str, port: int) -> CacheController:
+    kw, budget, _, _ = MODELS[model]
+    backends = from_hf_config(kw["config"], **{k: v for k, v in kw.items() if k != "config"})
+    ctl = CacheController(backends, enable_prefix_caching=True)
+    if budget is None:
+        ctl.initialize_kv_cache(num_blocks=64, max_num_seqs=2, max_model_len=1024)
+    else:
+        ctl.initialize_kv_cache(
+            memory_budget=budget, max_num_seqs=2, max_model_len=4096, max_num_batched_tokens=512
+        )
+    ctl.initialize_host_tier(num_pages=1024, policy="write_through")
+    ctl.initialize_remote_tier(
+        StoreConfig(backend="redis", redis_port=port, op_timeout_s=2.0, close_timeout_s=2.0)
+    )
+    return ctl
+
+
+def prompt(model: str) -> np.ndarray:
+    return np.random.default_rng(7).integers(1, 30_000, MODELS[model][2])
+
+
+def run(ctl: CacheController, rid: str, toks: np.ndarray, chunk: int, match=None) -> None:
+    seeds = token_seeds(toks)
+    done = match.num_tokens if match is not None else 0
+    first = True
+    while done < len(toks):
+        n = min(chunk, len(toks) - done)
+        step = ctl.schedule(
+            [rid], [n], new_token_ids=[toks[done : done + n]],
+            prefix_matches=[match] if match is not None and first else None,
+        )
+        assert not step.allocation.refused, step.allocation.refused
+        write_step(ctl, step, {rid: seeds})
+        ctl.end_step(step)
+        done += n
+        first = False
+
+
+def main(role: str, model: str, port: int) -> dict:
+    ctl = controller(model, port)
+    toks, chunk = prompt(model), MODELS[model][3]
+    try:
+        if role == "write":
+            run(ctl, "a", toks, chunk)
+            ctl.free_request("a")  # hands the last write-through offloads out, published
+            assert ctl.remote_tier.store.flush(10.0)
+            stats = ctl.remote_tier.store.stats()
+            return {"published": ctl.remote_tier.stats.published, "puts_ok": stats.puts_ok}
+        [match] = ctl.lookup([PrefixQuery(toks)])
+        run(ctl, "b", toks, chunk, match)
+        check = verify_request(ctl, "b", token_seeds(toks))
+        r = ctl.remote_tier.stats
+        return {
+            "hit_tokens": match.num_tokens,
+            "fetched": r.fetched,
+            "fetch_misses": r.fetch_misses,
+            "reach_tokens": r.reach_tokens,
+            "entries": check.entries,
+            "mismatched": check.mismatched,
+        }
+    finally:
+        ctl.free()
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
