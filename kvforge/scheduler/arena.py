@@ -82,8 +82,10 @@ class ArenaBlockPool(BlockPool):
         if not isinstance(count, int | np.integer) or isinstance(count, bool) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         count = int(count)
-        if count > self._num_free:  # slabs first, rather than evicting newer cached blocks
-            self.arena.prepare({self: count})  # (a step's growth prepared jointly already)
+        if count > self.own_free:  # a joint prepare (a step's growth) already ran otherwise
+            self.arena.prepare({self: count})
+        elif count > self._num_free:  # free slabs rather than evicting own cached blocks
+            self.arena.grant_free(self, count - self._num_free)
         if count > self._num_free:
             self.evict(count - self._num_free)
         top, k = self._num_free, self.blocks_per_slab
@@ -310,6 +312,15 @@ class SlabArena:
             own_oldest = p.oldest_release()
             count = -(-short // p.blocks_per_slab)
             self._move(p, count, free_slabs, give, lru_limit=own_oldest, optional=True)
+
+    def grant_free(self, pool: ArenaBlockPool, count: int) -> None:
+        """Give ``pool`` free slabs (never another group's) for up to ``count`` blocks, so a
+        take evicts none of its cached blocks while free slabs sit idle."""
+        free = self.free_slabs()
+        slabs = free[: -(-count // pool.blocks_per_slab)]
+        if len(slabs):
+            self.owner[slabs] = pool.index
+            pool._grant(slabs)
 
     def _move(
         self,
