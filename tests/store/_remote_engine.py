@@ -1,6 +1,8 @@
 """One engine of the remote tier's tests, runnable in its own process: a controller with a host
-tier and a Redis remote tier that either writes a prompt (``write``) or looks it up, reuses
-what the store gives and verifies every entry (``read``). Prints one JSON line."""
+tier and a remote tier (Redis, or Mooncake Store with ``--mooncake HOST:PORT``) that either
+writes a prompt (``write``; ``serve`` also keeps its process, and so its share of Mooncake's
+segments, alive until stdin closes) or looks it up, reuses what the store gives and verifies
+every entry (``read``). Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -22,7 +24,19 @@ MODELS = {
 }
 
 
-def controller(model: str, port: int) -> CacheController:
+def store_config(address: str) -> StoreConfig:
+    """Redis at ``PORT``, or Mooncake Store's master at ``mooncake:HOST:PORT``."""
+    if address.startswith("mooncake:"):
+        return StoreConfig(
+            backend="mooncake", mooncake_master=address.removeprefix("mooncake:"),
+            mooncake_global_segment_bytes=64 << 20, mooncake_local_buffer_bytes=16 << 20,
+            op_timeout_s=10.0, close_timeout_s=5.0,
+        )
+    return StoreConfig(backend="redis", redis_port=int(address), op_timeout_s=2.0,
+                       close_timeout_s=2.0)
+
+
+def controller(model: str, port: int | str) -> CacheController:
     kw, budget, _, _ = MODELS[model]
     backends = from_hf_config(kw["config"], **{k: v for k, v in kw.items() if k != "config"})
     ctl = CacheController(backends, enable_prefix_caching=True)
@@ -33,9 +47,9 @@ def controller(model: str, port: int) -> CacheController:
             memory_budget=budget, max_num_seqs=2, max_model_len=4096, max_num_batched_tokens=512
         )
     ctl.initialize_host_tier(num_pages=1024, policy="write_through")
-    ctl.initialize_remote_tier(
-        StoreConfig(backend="redis", redis_port=port, op_timeout_s=2.0, close_timeout_s=2.0)
-    )
+    ctl.initialize_remote_tier(store_config(str(port)))
+    if not ctl.remote_tier.store.wait_ready(60.0):
+        raise RuntimeError(f"the store is not ready: {ctl.remote_tier.store.stats()}")
     return ctl
 
 
@@ -60,16 +74,20 @@ def run(ctl: CacheController, rid: str, toks: np.ndarray, chunk: int, match=None
         first = False
 
 
-def main(role: str, model: str, port: int) -> dict:
+def main(role: str, model: str, port: int | str) -> dict:
     ctl = controller(model, port)
     toks, chunk = prompt(model), MODELS[model][3]
     try:
-        if role == "write":
+        if role in ("write", "serve"):
             run(ctl, "a", toks, chunk)
             ctl.free_request("a")  # hands the last write-through offloads out, published
             assert ctl.remote_tier.store.flush(10.0)
             stats = ctl.remote_tier.store.stats()
-            return {"published": ctl.remote_tier.stats.published, "puts_ok": stats.puts_ok}
+            out = {"published": ctl.remote_tier.stats.published, "puts_ok": stats.puts_ok}
+            if role == "serve":  # the values live in this process's segment: stay up
+                print(json.dumps(out), flush=True)
+                sys.stdin.read()
+            return out
         [match] = ctl.lookup([PrefixQuery(toks)])
         run(ctl, "b", toks, chunk, match)
         check = verify_request(ctl, "b", token_seeds(toks))
@@ -87,4 +105,4 @@ def main(role: str, model: str, port: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+    print(json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3])))
