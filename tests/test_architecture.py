@@ -38,7 +38,7 @@ LAYERS = [
                   "kvforge.specs", "kvforge.attn_backends", "kvforge.ops")),
     ("core", ("kvforge.core",)),
     ("sides", ("kvforge.scheduler", "kvforge.worker", "kvforge.models", "kvforge.store")),
-    ("facade", ("kvforge.controller",)),
+    ("facade", ("kvforge.controller", "kvforge.remote_tier")),
     ("tools", ("kvforge.verify", "kvforge.testing")),
     ("cli", ("kvforge.cli",)),
 ]

@@ -22,7 +22,7 @@ Three kinds of record (plain dicts; ``tier``, ``direction``, ``bytes``, ``gbps``
   checked to be the unpadded host page sum, and the restored blocks to equal the source.
 
 Timings are the best of ``repeats`` runs; CPU caches are flushed before each as in
-``kvforge bench`` (:func:`kvforge.cli.bench.cache_flusher`). Servers the command starts run in
+``kvforge bench`` (:func:`kvforge.cli.timing.cache_flusher`). Servers the command starts run in
 a private network namespace where ``unshare`` is allowed, else on 127.0.0.1 (with a note).
 """
 
@@ -43,8 +43,9 @@ import numpy as np
 import torch
 
 from kvforge.attn_backends.base import AttentionBackend
-from kvforge.cli.bench import _timed, cache_flusher
 from kvforge.cli.formatting import console, format_bytes, make_table
+from kvforge.cli.timing import cache_flusher
+from kvforge.cli.timing import timed as _timed
 from kvforge.controller import CacheController
 from kvforge.core.values import PageCopy
 from kvforge.platform import Platform, get_platform

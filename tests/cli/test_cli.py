@@ -413,7 +413,7 @@ def test_bench_whole_requests():
 
 
 def test_bench_cache_state(monkeypatch):
-    from kvforge.cli import bench
+    from kvforge.cli import bench, timing
     from kvforge.platform import get_platform
 
     case = bench.BenchCase("tiny", {i: bench._SynthBackend(64) for i in range(2)}, "kv", 4096)
@@ -429,7 +429,7 @@ def test_bench_cache_state(monkeypatch):
     assert [r.cache for r in warm] == ["warm", "warm"]
 
     monkeypatch.setattr(fast, "can_evict", lambda: False)  # e.g. an ARM host
-    monkeypatch.setattr(bench, "FLUSH_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(timing, "FLUSH_MIN_BYTES", 1 << 20)
     flush, label = bench.cache_flusher(platform, buffers)
     assert label == "cold"
     flush()
