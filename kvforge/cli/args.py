@@ -392,9 +392,22 @@ def _add_demo(demo: argparse.ArgumentParser) -> None:
         "--tier",
         choices=["device", "host", "redis", "mooncake"],
         default="device",
-        help="where the prefix-reuse phase keeps cached prefixes: device (default), or host "
-        "(a device of about one conversation, a host tier behind it); redis and mooncake "
-        "are refused until the remote tier is wired into lookups",
+        help="where the prefix-reuse phase keeps cached prefixes: device (default), host "
+        "(a device of about one conversation, a host tier behind it), or redis / mooncake "
+        "(that and a remote store: engine A publishes, a second controller reuses; the "
+        "server is started for the run unless given below)",
+    )
+    demo.add_argument(
+        "--redis",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --tier redis: use this Redis server (default: start one)",
+    )
+    demo.add_argument(
+        "--mooncake-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --tier mooncake: use this Mooncake master (default: start one)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--json", default=None, metavar="PATH", help="also write the result here")

@@ -32,6 +32,7 @@ The device pools are sized in integers through the memory planner
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import sys
@@ -46,7 +47,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.cli.args import build_backends, list_models
-from kvforge.cli.demo_prefix import run_prefix_demo
+from kvforge.cli.demo_prefix import (
+    REMOTE_TIERS,
+    StoreUnavailable,
+    run_prefix_demo,
+    store_server,
+)
 from kvforge.cli.demo_report import DemoResult, GroupUsage, VerifyCount, print_summary
 from kvforge.cli.demo_sizing import (
     PREFILL_CHUNK,
@@ -118,8 +124,12 @@ class DemoConfig(BaseModel):
         prefix_conversations: after the serving loop, run this many multi-turn conversations
             over a shared system prompt with the prefix cache on, and verify every reused
             byte (:mod:`kvforge.cli.demo_prefix`); 0 skips it.
-        tier: where that phase keeps cached prefixes: ``"device"``, or ``"host"`` (a device
-            of about one conversation with a host tier behind it).
+        tier: where that phase keeps cached prefixes: ``"device"``, ``"host"`` (a device
+            of about one conversation with a host tier behind it), or ``"redis"`` /
+            ``"mooncake"`` (that and a remote tier: engine A publishes, a second controller,
+            engine B, reuses; :mod:`kvforge.cli.demo_prefix`).
+        store_address: the remote tier's server (``HOST:PORT``); ``None`` starts one for the
+            run and stops it after.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -139,7 +149,8 @@ class DemoConfig(BaseModel):
     verify_on_swap_in: bool = True
     corrupt_after_step: int | None = Field(default=None, ge=1)
     prefix_conversations: int = Field(default=4, ge=0, le=1000)
-    tier: Literal["device", "host"] = "device"
+    tier: Literal["device", "host", "redis", "mooncake"] = "device"
+    store_address: str | None = None
 
     @model_validator(mode="after")
     def _ranges(self) -> DemoConfig:
@@ -150,6 +161,10 @@ class DemoConfig(BaseModel):
                     f"{name} must be an inclusive range (lo, hi) with {least} <= lo <= hi, "
                     f"got {(lo, hi)}"
                 )
+        if self.store_address is not None and self.tier not in REMOTE_TIERS:
+            raise ValueError(f"store_address applies to a remote tier, not tier={self.tier!r}")
+        if self.tier in REMOTE_TIERS and not self.prefix_conversations:
+            raise ValueError(f"tier={self.tier!r} applies to the prefix-reuse phase, which is off")
         if (
             self.corrupt_after_step is not None
             and self.max_steps is not None
@@ -525,22 +540,32 @@ def run_demo(
         from kvforge.models.hf_config import from_hf_config
 
         backends = from_hf_config(config.model)
-    ctl = CacheController(backends, device=config.device)
-    try:
-        with _cpu_threads(ctl.device):
-            result = _run(ctl, config, progress, start)
-            if config.prefix_conversations:
-                prefix = run_prefix_demo(
-                    backends,
-                    config.prefix_conversations,
-                    config.seed,
-                    str(ctl.device),
-                    config.tier,
-                )
-                result = result.model_copy(update={"prefix": prefix})
-            return result
-    finally:
-        ctl.free()
+    with contextlib.ExitStack() as stack:
+        address, notes = None, ()
+        if config.tier in REMOTE_TIERS:  # started first: a missing server fails fast
+            address, said = stack.enter_context(store_server(config.tier, config.store_address))
+            notes = tuple(said)
+        ctl = CacheController(backends, device=config.device)
+        try:
+            with _cpu_threads(ctl.device):
+                result = _run(ctl, config, progress, start)
+                if config.prefix_conversations:
+                    prefix = run_prefix_demo(
+                        backends,
+                        config.prefix_conversations,
+                        config.seed,
+                        str(ctl.device),
+                        config.tier,
+                        address,
+                    )
+                    if address is not None:
+                        server = config.store_address or "started"
+                        prefix = prefix.model_copy(update={"server": server, "notes": notes})
+                    result = result.model_copy(update={"prefix": prefix})
+                return result
+        finally:
+            ctl.free()
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float) -> DemoResult:
@@ -648,20 +673,33 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
 # ---------------------------------------------------------------------------------- command
 
 
-def _tier(args: argparse.Namespace) -> Literal["device", "host"]:
-    """``--tier``, refused where it cannot apply (a usage error, never ignored)."""
+#: the address flag of each remote tier
+ADDRESS_FLAGS = {"redis": "--redis", "mooncake": "--mooncake-master"}
+
+
+Tier = Literal["device", "host", "redis", "mooncake"]
+
+
+def _tier(args: argparse.Namespace) -> tuple[Tier, str | None]:
+    """``--tier`` and the store address given for it, refused where they cannot apply (a
+    usage error, never ignored)."""
+    from kvforge.cli.bench import parse_address
+
     tier = args.tier
-    if tier in ("redis", "mooncake"):
+    if tier != "device" and args.prefix_conversations == 0:
         raise UsageError(
-            f"--tier {tier}: the remote tier behind the host tier is not wired into lookups "
-            "yet (docs/tiered_store.md, 'Not done'); --tier takes device or host"
+            f"--tier {tier} applies to the prefix-reuse phase, which --prefix-conversations 0 skips"
         )
-    if tier == "host" and args.prefix_conversations == 0:
-        raise UsageError(
-            "--tier host applies to the prefix-reuse phase, which --prefix-conversations 0 "
-            "skips"
-        )
-    return tier  # type: ignore[no-any-return]
+    address = None
+    for remote, flag in ADDRESS_FLAGS.items():
+        given = getattr(args, flag[2:].replace("-", "_"))
+        if given is None:
+            continue
+        if remote != tier:
+            raise UsageError(f"{flag} applies with --tier {remote}, not --tier {tier}")
+        host, port = parse_address(given, flag)
+        address = f"{host}:{port}"
+    return tier, address
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -672,6 +710,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         check_output_path(args.json, "--json")
     if not (args.model or args.config or args.backend):
         args.model = DEFAULT_MODEL
+    tier, address = _tier(args)
     description, backends = build_backends(args)
     config = DemoConfig(
         model=description,
@@ -682,13 +721,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         host_memory=args.host_memory,
         corrupt_after_step=args.self_test_corrupt,
         prefix_conversations=args.prefix_conversations,
-        tier=_tier(args),
+        tier=tier,
+        store_address=address,
     )
     progress = not args.no_progress and sys.stderr.isatty()
     try:
         result = run_demo(config, progress=progress, backends=backends)
     except SelfTestOutOfRange as exc:
         raise UsageError(exc.describe(f"--self-test-corrupt {exc.step}")) from None
+    except StoreUnavailable as exc:  # a missing server or client, or one that does not answer
+        raise UsageError(f"--tier {tier}: {exc}") from None
     if args.json is not None:
         write_text(args.json, result.model_dump_json(indent=2) + "\n")
     print_summary(result)

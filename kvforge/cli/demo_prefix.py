@@ -13,13 +13,22 @@ With ``tier="host"`` the device pools hold about one conversation, so conversati
 each other's prefixes, and a host tier (:meth:`CacheController.initialize_host_tier`) keeps
 what the device evicts: later turns are served partly from host pages, brought back byte for
 byte before they are read, and verified like every other entry.
+
+With ``tier="redis"`` or ``"mooncake"`` the conversations run twice, on two controllers in this
+process that share one store server (``address``): engine A (a host tier with
+``policy="write_through"`` and a remote tier) runs them and publishes every completed block;
+engine B, a fresh controller with its own device pools, host tier and remote tier, then runs
+the same conversations, and its hits come from its device, its host pages and the store (fetched
+into host pages, then brought to the device). Engine A stays up until B is done: a Mooncake
+client's segment holds the values it put. Every entry of both engines is verified.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -29,11 +38,30 @@ from kvforge.controller import CacheController
 from kvforge.core.values import PrefixQuery
 from kvforge.verify import EntryCheck, token_seeds, verify_request, write_step
 
-__all__ = ["TIERS", "PrefixDemoResult", "run_prefix_demo"]
+__all__ = [
+    "REMOTE_TIERS",
+    "TIERS",
+    "PrefixDemoResult",
+    "StoreUnavailable",
+    "run_prefix_demo",
+    "store_server",
+]
 
 PREFILL_CHUNK = 256
-#: where cached prefixes may live in the demo: the device alone, or the device and host pages
-TIERS: tuple[str, ...] = ("device", "host")
+#: where cached prefixes may live in the demo: the device alone, the device and host pages,
+#: or those and a remote store
+TIERS: tuple[str, ...] = ("device", "host", "redis", "mooncake")
+REMOTE_TIERS: tuple[str, ...] = ("redis", "mooncake")
+#: how long a given address may take to accept a connection
+CONNECT_TIMEOUT_S = 3.0
+#: how long a store may take to answer before the demo gives up on it
+READY_TIMEOUT_S = 15.0
+#: how long engine A's queued puts may take to reach the store
+FLUSH_TIMEOUT_S = 60.0
+
+
+class StoreUnavailable(RuntimeError):
+    """The store server of a remote tier did not answer (or its client is not installed)."""
 
 
 class PrefixDemoResult(BaseModel):
@@ -52,7 +80,22 @@ class PrefixDemoResult(BaseModel):
         host_hit_tokens: of ``hit_tokens``, those served past what the device held alone
             (brought back from host pages).
         host_blocks: blocks brought back from host pages.
-        host_demotions: device blocks kept in host pages when the device evicted them.
+        host_demotions: device blocks kept in host pages when the device evicted them
+            (with a remote tier, the host tier writes through: blocks as they complete).
+        backend: the remote tier's store (``"redis"``, ``"mooncake"``), else ``""``.
+        server: ``"started"`` (by the demo) or the address given, else ``""``.
+        engines: controllers that ran the conversations (2 with a remote tier: A publishes,
+            B reuses; the hit fields above are B's, ``turns``/``prompt_tokens`` one engine's,
+            ``entries_*`` both engines').
+        remote_hit_tokens: of ``host_hit_tokens``, those engine B fetched from the store into
+            host pages first (the remote tier's ``reach_tokens``).
+        remote_fetched: values engine B read from the store whole.
+        remote_fetch_misses: values engine B asked for that did not arrive whole.
+        remote_published: values engine A queued for the store.
+        remote_stored: of those, values the store accepted (``puts_ok``).
+        writer_hit_tokens: engine A's own hits (device and host pages; its store was empty).
+        notes: how the server ran (a private network namespace, or the host's 127.0.0.1 and
+            why).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -68,6 +111,16 @@ class PrefixDemoResult(BaseModel):
     host_hit_tokens: int = 0
     host_blocks: int = 0
     host_demotions: int = 0
+    backend: str = ""
+    server: str = ""
+    engines: int = 1
+    remote_hit_tokens: int = 0
+    remote_fetched: int = 0
+    remote_fetch_misses: int = 0
+    remote_published: int = 0
+    remote_stored: int = 0
+    writer_hit_tokens: int = 0
+    notes: tuple[str, ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -80,24 +133,154 @@ def run_prefix_demo(
     conversations: int,
     seed: int,
     device: str = "cpu",
-    tier: Literal["device", "host"] = "device",
+    tier: Literal["device", "host", "redis", "mooncake"] = "device",
+    address: str | None = None,
 ) -> PrefixDemoResult:
     """Run ``conversations`` multi-turn conversations (2 to 4 turns, interleaved) through a
-    controller with prefix caching, and verify every entry of every turn.
+    controller with prefix caching, and verify every entry of every turn. With a remote
+    ``tier``, run them on engine A then on engine B, sharing the store at ``address``
+    (``HOST:PORT``; see the module docstring).
 
     Raises:
-        ValueError: ``tier`` is not one of :data:`TIERS`.
+        ValueError: ``tier`` is not one of :data:`TIERS`, or a remote tier without
+            ``address``.
+        StoreUnavailable: the store at ``address`` did not answer.
     """
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {list(TIERS)}, got {tier!r}")
-    rng = random.Random(seed)
-    ctl = CacheController(backends, device=device, enable_prefix_caching=True)
+    if tier not in REMOTE_TIERS:
+        ctl = CacheController(backends, device=device, enable_prefix_caching=True)
+        try:
+            boundary = _size(ctl, tier)
+            run = _Conversations(conversations, seed, boundary).run(ctl)
+            stats = ctl.host_tier.stats if ctl.host_tier is not None else None
+            return run.result(
+                tier=tier,
+                host_hit_tokens=stats.hit_tokens if stats else 0,
+                host_blocks=sum(stats.hits.values()) if stats else 0,
+                host_demotions=sum(stats.demotions.values()) if stats else 0,
+            )
+        finally:
+            ctl.free()
+    if not address:
+        raise ValueError(f"tier {tier!r} needs the store's address (HOST:PORT)")
+    engines: list[CacheController] = []
     try:
-        boundary = _size(ctl, tier)
+        for _ in range(2):
+            ctl = CacheController(backends, device=device, enable_prefix_caching=True)
+            engines.append(ctl)
+            boundary = _size(ctl, tier)
+            _remote(ctl, tier, address)
+        writer, reader = engines
+        first = _Conversations(conversations, seed, boundary).run(writer)
+        store = writer.remote_tier.store  # type: ignore[union-attr]
+        if not store.flush(FLUSH_TIMEOUT_S):
+            raise StoreUnavailable(
+                f"{tier} at {address}: engine A's puts did not reach the store within "
+                f"{FLUSH_TIMEOUT_S:.0f} s ({store.stats()})"
+            )
+        second = _Conversations(conversations, seed, boundary).run(reader)
+        host = reader.host_tier.stats  # type: ignore[union-attr]
+        remote = reader.remote_tier.stats  # type: ignore[union-attr]
+        return second.result(
+            tier=tier,
+            engines=2,
+            entries_verified=first.verified + second.verified,
+            entries_mismatched=first.mismatched + second.mismatched,
+            host_hit_tokens=host.hit_tokens,
+            host_blocks=sum(host.hits.values()),
+            host_demotions=sum(host.demotions.values()),
+            backend=tier,
+            server=address,
+            remote_hit_tokens=remote.reach_tokens,
+            remote_fetched=remote.fetched,
+            remote_fetch_misses=remote.fetch_misses,
+            remote_published=writer.remote_tier.stats.published,  # type: ignore[union-attr]
+            remote_stored=store.stats().puts_ok,
+            writer_hit_tokens=first.hit_tokens,
+        )
+    finally:
+        for ctl in reversed(engines):
+            ctl.free()
+
+
+@contextlib.contextmanager
+def store_server(tier: str, address: str | None) -> Iterator[tuple[str, list[str]]]:
+    """The address of ``tier``'s server and notes on how it runs: ``address`` when given,
+    else a server started here (in a private network namespace where ``unshare`` is allowed,
+    else on 127.0.0.1), stopped by its pid on exit. The calling thread stays in that namespace
+    until exit, so run the engines inside. Shares :func:`kvforge.cli.bench_tiers.servers`.
+
+    Raises:
+        StoreUnavailable: the client or the server binary is missing, the server did not
+            start, or nothing accepts a connection at ``address``.
+    """
+    import importlib.util
+
+    from kvforge.cli.bench_tiers import missing, servers
+
+    if tier not in REMOTE_TIERS:
+        raise ValueError(f"tier must be one of {list(REMOTE_TIERS)}, got {tier!r}")
+    if address is not None and importlib.util.find_spec(tier) is None:
+        raise StoreUnavailable(
+            f"the {tier} client is not installed (pip install 'kvforge[{tier}]')"
+        )
+    why = None if address is not None else missing(tier)
+    if why:
+        raise StoreUnavailable(why)
+    if address is not None:  # before the serving loop runs: an address nothing answers on
+        from kvforge.store.servers import wait_for_port
+
+        host, _, port = address.rpartition(":")
+        if not wait_for_port(host, int(port), CONNECT_TIMEOUT_S):
+            raise StoreUnavailable(
+                f"nothing accepts a connection at {address} (waited {CONNECT_TIMEOUT_S:.0f} s)"
+            )
+    notes: list[str] = []
+    with servers([tier], {tier: address} if address else {}, notes) as found:
+        if tier not in found:
+            said = [n.replace(f"{tier}: skipped, ", f"{tier}: ") for n in notes]
+            raise StoreUnavailable("; ".join(said) or f"{tier}: its server did not start")
+        if address is None and not notes:
+            notes.append(f"{tier} started in a private network namespace")
+        yield found[tier], notes
+
+
+def _remote(ctl: CacheController, tier: str, address: str) -> None:
+    """A remote tier on ``address`` behind ``ctl``'s host tier, answering (else
+    :class:`StoreUnavailable`)."""
+    from kvforge.store import StoreConfig
+
+    host, _, port = address.rpartition(":")
+    common: dict[str, Any] = dict(connect_timeout_s=5.0, op_timeout_s=10.0, close_timeout_s=5.0)
+    common["max_inflight_puts"] = 4096  # a burst of completed blocks is queued, never dropped
+    if tier == "redis":
+        config = StoreConfig(backend="redis", redis_host=host, redis_port=int(port), **common)
+    else:
+        config = StoreConfig(backend="mooncake", mooncake_master=address, **common)
+    try:
+        store = ctl.initialize_remote_tier(config).store
+    except ModuleNotFoundError as exc:
+        raise StoreUnavailable(str(exc)) from None
+    if not store.wait_ready(READY_TIMEOUT_S):
+        why = store.stats().last_error or "no answer"
+        raise StoreUnavailable(
+            f"{tier} at {address} did not answer within {READY_TIMEOUT_S:.0f} s: {why}"
+        )
+
+
+class _Conversations:
+    """The conversations of one seed, run on one controller; the same tokens on every run."""
+
+    def __init__(self, conversations: int, seed: int, boundary: int) -> None:
+        self.conversations, self.seed, self.boundary = conversations, seed, boundary
+        self.turns = self.prompt_tokens = self.hit_tokens = self.verified = self.mismatched = 0
+
+    def run(self, ctl: CacheController) -> _Conversations:
+        rng, boundary, conversations = random.Random(self.seed), self.boundary, self.conversations
         system = _tokens(rng, 3 * boundary // 2)
         history = {c: list(system) for c in range(conversations)}
         turns = {c: rng.randint(2, 4) for c in range(conversations)}
-        prompt_tokens = hit_tokens = verified = mismatched = ran = 0
         while any(turns.values()):
             for c in range(conversations):
                 if not turns[c]:
@@ -105,36 +288,32 @@ def run_prefix_demo(
                 turns[c] -= 1
                 prompt = history[c] + _tokens(rng, rng.randint(boundary // 8, boundary))
                 reply = _tokens(rng, rng.randint(8, 48))
-                rid = f"conv{c}-turn{ran}"
-                hits, check = _turn(ctl, rid, prompt, reply)
-                prompt_tokens += len(prompt)
-                hit_tokens += hits
-                verified += check.entries
-                mismatched += check.mismatched
+                hits, check = _turn(ctl, f"conv{c}-turn{self.turns}", prompt, reply)
+                self.prompt_tokens += len(prompt)
+                self.hit_tokens += hits
+                self.verified += check.entries
+                self.mismatched += check.mismatched
                 history[c] = prompt + reply
-                ran += 1
-        stats = ctl.host_tier.stats if ctl.host_tier is not None else None
-        return PrefixDemoResult(
-            conversations=conversations,
-            turns=ran,
-            prompt_tokens=prompt_tokens,
-            hit_tokens=hit_tokens,
-            boundary=boundary,
-            entries_verified=verified,
-            entries_mismatched=mismatched,
-            tier=tier,
-            host_hit_tokens=stats.hit_tokens if stats else 0,
-            host_blocks=sum(stats.hits.values()) if stats else 0,
-            host_demotions=sum(stats.demotions.values()) if stats else 0,
+                self.turns += 1
+        return self
+
+    def result(self, **fields: Any) -> PrefixDemoResult:
+        base: dict[str, Any] = dict(
+            conversations=self.conversations,
+            turns=self.turns,
+            prompt_tokens=self.prompt_tokens,
+            hit_tokens=self.hit_tokens,
+            boundary=self.boundary,
+            entries_verified=self.verified,
+            entries_mismatched=self.mismatched,
         )
-    finally:
-        ctl.free()
+        return PrefixDemoResult(**(base | fields))
 
 
 def _size(ctl: CacheController, tier: str = "device") -> int:
     """Pools that hold a few whole conversations (``tier="device"``), or about one, with a
-    host tier of a few conversations behind them (``"host"``); returns the reuse boundary
-    (LCM)."""
+    host tier of a few conversations behind them (``"host"``, and a remote tier's); returns
+    the reuse boundary (LCM)."""
     import math
 
     boundary = math.lcm(*(g.block_size for g in ctl.layout.groups if g.block_size > 1))
@@ -153,9 +332,12 @@ def _size(ctl: CacheController, tier: str = "device") -> int:
             n = sum(layout.group(m).blocks_for(turn) for m in members) + 1
             blocks.update(dict.fromkeys(members, n))
     ctl.initialize_kv_cache(num_blocks=blocks, max_num_seqs=8, max_model_len=longest)
-    if tier == "host":
+    if tier != "device":
         pages = {g.name: 4 * g.blocks_for(longest) + 2 for g in ctl.layout.groups}
-        ctl.initialize_host_tier(num_pages=pages)
+        # a remote tier publishes what the host tier holds: write through, so every completed
+        # block reaches the store at once, not only what the device evicts
+        policy = "eviction" if tier == "host" else "write_through"
+        ctl.initialize_host_tier(num_pages=pages, policy=policy)
     return boundary
 
 

@@ -227,10 +227,12 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
         reuse = Table(title="prefix reuse (multi-turn, shared system prompt)", show_header=False)
         reuse.add_column("what")
         reuse.add_column("value", justify="right")
+        each, by_b = (" (each engine)", " (engine B)") if p.engines > 1 else ("", "")
         for what, value in (
-            ("conversations / turns", f"{p.conversations} / {p.turns}"),
-            ("prompt tokens", f"{p.prompt_tokens:,}"),
-            ("served from cache", f"{p.hit_tokens:,} ({p.hit_rate:.1%})"),
+            ("conversations / turns" + each, f"{p.conversations} / {p.turns}"),
+            ("prompt tokens" + each, f"{p.prompt_tokens:,}"),
+            *(_remote_rows(p) if p.engines > 1 else []),
+            ("served from cache" + by_b, f"{p.hit_tokens:,} ({p.hit_rate:.1%})"),
             *(
                 [
                     ("  of them from the device", f"{p.hit_tokens - p.host_hit_tokens:,}"),
@@ -243,14 +245,46 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
                 if p.tier == "host"
                 else []
             ),
+            *(_store_rows(p) if p.engines > 1 else []),
             ("reuse boundary (LCM of block sizes)", f"{p.boundary} tokens"),
-            ("entries verified (reused included)", f"{p.entries_verified:,}"),
+            (
+                "entries verified (reused included" + (", both engines)" if p.engines > 1 else ")"),
+                f"{p.entries_verified:,}",
+            ),
             ("mismatched", f"{p.entries_mismatched:,}"),
         ):
             reuse.add_row(what, value)
         out.print(reuse)
+        for note in p.notes:
+            out.print(f"note: {note}", markup=False, highlight=False)
     if result.corrupted:
         out.print("self-test: one byte of one live entry was flipped on purpose")
     if result.unverified_requests:
         out.print(f"{result.unverified_requests} requests could not be verified")
     out.print(result.summary_line(), markup=False, highlight=False, soft_wrap=True)
+
+
+def _remote_rows(p: PrefixDemoResult) -> list[tuple[str, str]]:
+    """How the remote-tier run was set up: the store, its server, the two engines."""
+    server = "started by the demo" if p.server == "started" else f"given, {p.server}"
+    rate = p.writer_hit_tokens / p.prompt_tokens if p.prompt_tokens else 0.0
+    return [
+        ("store (server)", f"{p.backend} ({server})"),
+        ("engines", "A publishes, then B reuses (two controllers, one process)"),
+        ("served from cache (engine A, empty store)", f"{p.writer_hit_tokens:,} ({rate:.1%})"),
+    ]
+
+
+def _store_rows(p: PrefixDemoResult) -> list[tuple[str, str]]:
+    """Engine B's hits by where they came from, and the store's traffic."""
+    host_only = max(0, p.host_hit_tokens - p.remote_hit_tokens)
+    return [
+        ("  of them from the device", f"{p.hit_tokens - p.host_hit_tokens:,}"),
+        ("  of them from host pages", f"{host_only:,}"),
+        ("  of them from the store (fetched into host pages)", f"{p.remote_hit_tokens:,}"),
+        ("values fetched / missed (engine B)", f"{p.remote_fetched:,} / {p.remote_fetch_misses:,}"),
+        (
+            "values published (engine A) / stored",
+            f"{p.remote_published:,} / {p.remote_stored:,}",
+        ),
+    ]

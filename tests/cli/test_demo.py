@@ -334,5 +334,7 @@ def test_run_prefix_demo_refuses_an_unknown_tier():
     from kvforge.cli.demo_prefix import run_prefix_demo
     from kvforge.models import from_hf_config
 
-    with pytest.raises(ValueError, match=r"tier must be one of \['device', 'host'\], got 'disk'"):
+    with pytest.raises(ValueError, match=r"tier must be one of \['device', 'host', 'redis', "):
         run_prefix_demo(from_hf_config("llama-3-8b"), 1, 0, tier="disk")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"tier 'redis' needs the store's address"):
+        run_prefix_demo(from_hf_config("llama-3-8b"), 1, 0, tier="redis")
