@@ -84,8 +84,6 @@ class ArenaBlockPool(BlockPool):
         count = int(count)
         if count > self.own_free:  # a joint prepare (a step's growth) already ran otherwise
             self.arena.prepare({self: count})
-        elif count > self._num_free:  # free slabs rather than evicting own cached blocks
-            self.arena.grant_free(self, count - self._num_free)
         if count > self._num_free:
             self.evict(count - self._num_free)
         top, k = self._num_free, self.blocks_per_slab
@@ -302,25 +300,14 @@ class SlabArena:
         free_slabs = list(self.free_slabs()[::-1])
         for p, count in must.items():
             self._move(p, count, free_slabs, give, lru_limit=None)
-        # optional, for every group (one that had to get slabs too: those counted its
-        # cached blocks as room): more slabs instead of evicting its own newer blocks
-        for p in self.pools:
+        for p in self.pools:  # optional: slabs instead of evicting own newer blocks
             need = int(needs.get(p, 0))
             short = need - p._num_free
-            if short <= 0:
+            if short <= 0 or p in must:
                 continue
             own_oldest = p.oldest_release()
             count = -(-short // p.blocks_per_slab)
             self._move(p, count, free_slabs, give, lru_limit=own_oldest, optional=True)
-
-    def grant_free(self, pool: ArenaBlockPool, count: int) -> None:
-        """Give ``pool`` free slabs (never another group's) for up to ``count`` blocks, so a
-        take evicts none of its cached blocks while free slabs sit idle."""
-        free = self.free_slabs()
-        slabs = free[: -(-count // pool.blocks_per_slab)]
-        if len(slabs):
-            self.owner[slabs] = pool.index
-            pool._grant(slabs)
 
     def _move(
         self,

@@ -28,7 +28,10 @@ def test_cli_writes_json(tmp_path):
     assert tier_reuse.main(argv) == 0
     data = json.loads(path.read_text())
     [run] = data["runs"]
-    assert run["model"] == "llama-3-8b" and run["tiered_tokens"] >= run["device_tokens"]
+    assert run["model"] == "llama-3-8b" and run["device_fraction"] == "1/8"
+    assert run["tiered_vs_oracle"] == run["tiered_tokens"] / run["oracle_tokens"]
+    assert run["device_vs_oracle"] == run["device_tokens"] / run["oracle_tokens"]
+    assert max(run["tiered_tokens"], run["device_tokens"]) <= run["oracle_tokens"]
     assert data["environment"]["workload"]["num_conversations"] == 16
 
 
