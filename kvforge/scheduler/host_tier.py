@@ -334,17 +334,24 @@ class HostTier:
         """The queued offloads (device block -> host page), one :class:`PageCopy` per group,
         for the worker to run before any of those device blocks is written again; their
         pages become evictable (least recently demoted first)."""
+        for queued in self._queued.values():
+            queued.clear()
+        # reversed: the pool queues a released run deepest first, and the first demoted page
+        # must be the first evicted (the device pool demotes in its eviction order)
+        return self._hand_out(self._offloads, reverse=True)
+
+    def _hand_out(
+        self, queues: dict[str, list[tuple[int, int]]], reverse: bool
+    ) -> tuple[PageCopy, ...]:
+        """One :class:`PageCopy` per group of ``queues`` (emptied), its pages unpinned."""
         out = []
-        for name, queued in self._offloads.items():
+        for name, queued in queues.items():
             if not queued:
                 continue
             blocks, pages = (np.array(c, dtype=np.int32) for c in zip(*queued, strict=True))
             out.append(PageCopy(name, blocks, pages))
-            self._offloads[name] = []
-            self._queued[name].clear()
-            # reversed: the pool queues a released run deepest first, and the first demoted
-            # page must be the first evicted (the device pool demotes in its eviction order)
-            self._pools[name].release(pages[::-1])
+            queues[name] = []
+            self._pools[name].release(pages[::-1] if reverse else pages)
         return tuple(out)
 
     # ------------------------------------------------------------------ lookup, onload
@@ -444,15 +451,7 @@ class HostTier:
         """The queued onloads (host page -> device block), one :class:`PageCopy` per group,
         for the worker to run before the step's kernels; their pages are unpinned, the first of
         a group's keys the most recently used (a chain's deepest page goes first)."""
-        out = []
-        for name, queued in self._onloads.items():
-            if not queued:
-                continue
-            blocks, pages = (np.array(c, dtype=np.int32) for c in zip(*queued, strict=True))
-            out.append(PageCopy(name, blocks, pages))
-            self._onloads[name] = []
-            self._pools[name].release(pages)
-        return tuple(out)
+        return self._hand_out(self._onloads, reverse=False)
 
     # ------------------------------------------------------------------ eviction
 
