@@ -236,10 +236,17 @@ class HostTier:
         if key in index or pool.num_free == 0 or name in self.per_request:
             self._let_go(ref)
             return None
-        [page] = pool.take(1).tolist()  # may evict the least recently used page
-        pool.retain(page)
-        index[key] = page
-        self._pages[name][page] = _Page(key, int(end), ref, proof)
+        return self._index_page(name, key, end, ref, proof)
+
+    def _index_page(
+        self, name: str, key: bytes, end: int, ref: bytes | None, proof: object
+    ) -> int:
+        """Take a page (evicting the least recently used one when none is free), pinned and
+        retained, and index ``key`` to it with what the exact check reads."""
+        [page] = self._pools[name].take(1).tolist()
+        self._pools[name].retain(page)
+        self._index[name][key] = page
+        self._pages[name][page] = _Page(key, int(end), ref, proof)  # type: ignore[arg-type]
         return page
 
     def filled(self, group: str, pages: Sequence[int], arrived: Sequence[bool]) -> None:
@@ -321,10 +328,7 @@ class HostTier:
             _bump(self.stats.dropped, name)
             self._let_go(ref)
             return None
-        [page] = pool.take(1).tolist()  # may evict the least recently used page
-        pool.retain(page)
-        index[key] = page
-        self._pages[name][page] = _Page(key, int(end), ref, proof)
+        page = self._index_page(name, key, end, ref, proof)
         self._offloads[name].append((int(device_block), page))
         self._queued[name].add(int(device_block))
         _bump(self.stats.demotions, name)
