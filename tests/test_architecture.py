@@ -16,7 +16,8 @@ The layers, bottom to top (a module may import its own layer or any layer below)
     core         kvforge.core
     sides        kvforge.scheduler | kvforge.worker | kvforge.models | kvforge.store
                  (never each other)
-    facade       kvforge.controller
+    facade       kvforge.controller, kvforge.remote_tier
+    integrations kvforge.integrations (engine plug-ins: they import their engine)
     tools        kvforge.verify, kvforge.testing
     cli          kvforge.cli
     package      kvforge (its lazy exports name every layer)
@@ -39,6 +40,7 @@ LAYERS = [
     ("core", ("kvforge.core",)),
     ("sides", ("kvforge.scheduler", "kvforge.worker", "kvforge.models", "kvforge.store")),
     ("facade", ("kvforge.controller", "kvforge.remote_tier")),
+    ("integrations", ("kvforge.integrations",)),
     ("tools", ("kvforge.verify", "kvforge.testing")),
     ("cli", ("kvforge.cli",)),
 ]

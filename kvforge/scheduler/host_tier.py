@@ -139,6 +139,8 @@ class HostTier:
         policy: ``"eviction"`` (default) or ``"write_through"``: when the caller demotes
             (the tier itself only records it).
         state_policy: what happens to per-request snapshots: ``"skip"`` (recompute).
+        on_evicted: called as ``on_evicted(group, keys)`` after pages are evicted (an owner
+            that publishes removal events, as an engine's offloading manager does).
 
     Raises:
         ArgumentError: a bad ``num_pages`` (not a mapping of group names to ints >= 2), a
@@ -152,6 +154,7 @@ class HostTier:
         per_request: Collection[str] = (),
         policy: HostTierPolicy = "eviction",
         state_policy: Literal["skip"] = "skip",
+        on_evicted: Callable[[str, list[bytes]], None] | None = None,
     ) -> None:
         if not isinstance(num_pages, Mapping) or not num_pages:
             raise ArgumentError(
@@ -171,6 +174,7 @@ class HostTier:
         if state_policy not in STATE_POLICIES:
             raise ArgumentError(f"state_policy must be 'skip', got {state_policy!r}")
         self.state_policy = state_policy
+        self._on_evicted = on_evicted
         self.records = records
         self.per_request = frozenset(per_request) & set(num_pages)
         self.stats = HostTierStats()
@@ -438,6 +442,18 @@ class HostTier:
         self._pools[group].share(pages)
         return pages
 
+    def touch(self, group: str, keys: Sequence[bytes]) -> None:
+        """Make the evictable pages of ``keys`` the most recently used, the first key last
+        (a chain's first block outlives its deeper ones); keys not held, or pinned, are
+        left as they are."""
+        name = self._group(group)
+        pool, index = self._pools[name], self._index[name]
+        for key in reversed(keys):
+            page = index.get(key)
+            if page is not None and pool.ref_count(page) == 0:
+                pool.share([page])
+                pool.release([page])
+
     def unpin(self, group: str, pages: np.ndarray) -> None:
         """Undo :meth:`pin` (nothing was queued)."""
         self._pools[self._group(group)].release(pages)
@@ -461,11 +477,15 @@ class HostTier:
 
     def _evicted(self, group: str, victims: np.ndarray) -> None:
         pages, index = self._pages[group], self._index[group]
+        keys = []
         for page in victims.tolist():
             e = pages.pop(page)
             del index[e.key]
             self._let_go(e.ref)
+            keys.append(e.key)
         _bump(self.stats.evictions, group, len(victims))
+        if self._on_evicted is not None and keys:
+            self._on_evicted(group, keys)
 
     def reset(self) -> int:
         """Forget every page, queued offloads and onloads included (they will not be handed

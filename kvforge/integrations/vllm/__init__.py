@@ -1,0 +1,31 @@
+"""kvforge inside vLLM 0.33 (and vllm-ascend, which keeps vLLM's offloading connector and spec
+factory): an offloading backend whose host pages are kvforge's per-group compact pages.
+
+- :class:`KVForgeConnector` (:mod:`.connector`): the connector to name in
+  ``--kv-transfer-config`` (``"kv_connector": "KVForgeConnector"``,
+  ``"kv_connector_module_path": "kvforge.integrations.vllm"``).
+- :class:`KVForgeOffloadingSpec` (:mod:`.spec`), its manager (:mod:`.manager`, on kvforge's
+  host tier) and worker (:mod:`.worker`, kvforge's gather/scatter).
+- :class:`KVForgeOffloadOptions` (:mod:`.config`): the ``"kvforge"`` object of
+  ``kv_connector_extra_config``.
+
+Importing this package imports vLLM (install the extra: ``pip install 'kvforge[vllm]'``, or on
+CPU the recipe in docs/integrations/vllm.md). Guide: docs/integrations/vllm.md.
+"""
+
+from kvforge.integrations.vllm.config import KVForgeOffloadOptions
+from kvforge.integrations.vllm.connector import KVForgeConnector
+from kvforge.integrations.vllm.manager import KVForgeOffloadingManager
+from kvforge.integrations.vllm.pages import HostPagePlan, plan_host_pages
+from kvforge.integrations.vllm.spec import KVForgeOffloadingSpec
+from kvforge.integrations.vllm.worker import KVForgeOffloadingWorker
+
+__all__ = [
+    "HostPagePlan",
+    "KVForgeConnector",
+    "KVForgeOffloadOptions",
+    "KVForgeOffloadingManager",
+    "KVForgeOffloadingSpec",
+    "KVForgeOffloadingWorker",
+    "plan_host_pages",
+]

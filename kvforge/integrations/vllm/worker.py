@@ -1,0 +1,210 @@
+"""The worker side of the vLLM offloading backend: moves blocks between vLLM's KV caches and
+kvforge's compact host pages with kvforge's gather/scatter (:mod:`kvforge.ops`).
+
+A group's *planes* are its layers' caches as vLLM registered them (``CanonicalKVCaches``): one
+``uint8 [num_blocks, unpadded page bytes]`` view per layer, whatever vLLM's block stride
+(strided, padded and, through :class:`~kvforge.integrations.vllm.connector.KVForgeConnector`,
+per-layer views of packed DeepSeek-V4 blocks). A group's host pages are
+``uint8 [num_pages * blocks_per_chunk, block_bytes]``: row ``(page - 1) * blocks_per_chunk + b``
+holds block ``b`` of the page's chunk, every layer's unpadded page back to back. One
+:func:`kvforge.ops.gather_blocks` (store) or :func:`~kvforge.ops.scatter_blocks` (load) per
+group moves a transfer.
+
+Transfers run when submitted and are reported by the next :meth:`get_finished`. A transfer
+that raises (a bad spec, a failed copy) is reported with ``success=False``, never raised into
+the engine: the connector turns a failed load into a recompute and a failed store into a
+dropped, counted store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvforge.integrations.vllm.pages import HostPagePlan, HostPages
+from kvforge.ops import PlaneSet, gather_blocks, scatter_blocks
+
+__all__ = ["KVForgeOffloadingWorker", "TransferError"]
+
+logger = logging.getLogger(__name__)
+
+
+class TransferError(ValueError):
+    """A load or store spec that does not fit the registered caches or the host pages."""
+
+
+def group_planes(kv_caches: CanonicalKVCaches) -> list[PlaneSet]:
+    """Each offloaded group's planes: the unpadded bytes of every layer ref, as ``uint8``
+    views ``[num_blocks, page_size_bytes]`` over vLLM's tensors (no copy)."""
+    out = []
+    for refs in kv_caches.group_data_refs:
+        planes = []
+        for ref in refs:
+            t = kv_caches.tensors[ref.tensor_idx].tensor
+            planes.append(t.view(torch.uint8)[:, : ref.page_size_bytes])
+        out.append(PlaneSet(planes))
+    return out
+
+
+class KVForgeOffloadingWorker(OffloadingWorker):
+    """vLLM's ``OffloadingWorker`` on kvforge's host pages.
+
+    Args:
+        kv_caches: vLLM's registered caches; ``group_data_refs[i]`` is group position ``i``.
+        plan: the page spaces; ``plan.block_bytes[i]`` must equal group ``i``'s unpadded
+            layer pages summed (checked).
+        impl: the gather/scatter implementation (``"auto"``: :func:`kvforge.ops.resolve_impl`).
+        pin_memory: page-lock the host pages (``None``: when CUDA is available).
+
+    Raises:
+        TransferError: the caches do not match the plan (group count or bytes per block).
+    """
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        plan: HostPagePlan,
+        impl: str = "auto",
+        pin_memory: bool | None = None,
+    ) -> None:
+        self.plan = plan
+        self.impl = impl
+        self.planes = group_planes(kv_caches)
+        if len(self.planes) != len(plan.block_bytes):
+            raise TransferError(
+                f"vLLM registered {len(self.planes)} offloaded groups, the host plan has "
+                f"{len(plan.block_bytes)}"
+            )
+        for i, (planes, want) in enumerate(zip(self.planes, plan.block_bytes, strict=True)):
+            if planes.row_bytes != want:
+                raise TransferError(
+                    f"group {plan.group_ids[i]}: its layers' unpadded pages sum to "
+                    f"{planes.row_bytes} B per block, the host plan says {want} B"
+                )
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        bpc = plan.blocks_per_chunk
+        #: per group position: ``uint8 [num_pages * blocks_per_chunk, block_bytes]``
+        self.host = [
+            torch.empty((plan.num_pages * bpc, b), dtype=torch.uint8, pin_memory=pin_memory)
+            for b in plan.block_bytes
+        ]
+        self._finished: list[TransferResult] = []
+
+    # ------------------------------------------------------------------ mapping
+
+    def _rows(
+        self, gpu: GPULoadStoreSpec, host: LoadStoreSpec
+    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Per group with blocks: ``(position, device block ids, host rows)``.
+
+        Block ``j`` of a group is logical block ``block_indices[g] + j`` of its request, in
+        chunk ``(block_indices[g] % bpc + j) // bpc`` of the group's pages (vLLM lists a
+        transfer's blocks in prefix order, whole chunks for stores).
+
+        Raises:
+            TransferError: the specs disagree with each other or with the plan.
+        """
+        if not isinstance(host, HostPages):
+            raise TransferError(f"expected kvforge host pages, got {type(host).__name__}")
+        sizes = list(gpu.group_sizes)
+        if len(sizes) != len(self.planes) or len(host.pages) != len(self.planes):
+            raise TransferError(
+                f"a transfer names {len(sizes)} device groups and {len(host.pages)} host groups, "
+                f"{len(self.planes)} are offloaded"
+            )
+        bpc = self.plan.blocks_per_chunk
+        ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        out = []
+        start = 0
+        for pos, n in enumerate(sizes):
+            blocks, start = ids[start : start + n], start + n
+            if n == 0:
+                if len(host.pages[pos]):
+                    raise TransferError(f"group position {pos}: host pages but no blocks")
+                continue
+            first = int(gpu.block_indices[pos]) % bpc
+            chunk = (first + np.arange(n)) // bpc
+            pages = host.pages[pos].astype(np.int64)
+            if len(pages) != int(chunk[-1]) + 1:
+                raise TransferError(
+                    f"group position {pos}: {n} blocks span {int(chunk[-1]) + 1} chunks, "
+                    f"the host spec names {len(pages)} pages"
+                )
+            if pages.min() < 1 or pages.max() > self.plan.num_pages:
+                raise TransferError(
+                    f"group position {pos}: page ids must be in [1, {self.plan.num_pages}], "
+                    f"got {pages.tolist()}"
+                )
+            rows = (pages[chunk] - 1) * bpc + (first + np.arange(n)) % bpc
+            out.append((pos, blocks, rows))
+        return out
+
+    # ------------------------------------------------------------------ transfers
+
+    def _run(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool) -> None:
+        t0 = time.perf_counter()
+        moved = 0
+        try:
+            for pos, blocks, rows in self._rows(gpu, host):
+                if store:
+                    gather_blocks(self.planes[pos], blocks, self.host[pos], self.impl, row_ids=rows)
+                else:
+                    scatter_blocks(
+                        self.planes[pos], blocks, self.host[pos], self.impl, row_ids=rows
+                    )
+                moved += len(blocks) * self.plan.block_bytes[pos]
+            if self.planes and self.planes[0].device.type != "cpu":  # pragma: no cover - GPU
+                torch.accelerator.synchronize()
+        except Exception as exc:  # reported, never raised into the engine
+            logger.warning(
+                "kvforge offload %s job %d failed: %s", "store" if store else "load", job_id, exc
+            )
+            self._finished.append(TransferResult(job_id, False))
+            return
+        self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - t0))
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        self._run(job_id, src_spec, dst_spec, store=True)
+        return True
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        self._run(job_id, dst_spec, src_spec, store=False)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._finished = self._finished, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Transfers complete when submitted: nothing to wait for."""
+        return None
+
+    def page_bytes(self, position: int, page: int) -> bytes:
+        """The bytes of host page ``page`` (from 1) of group position ``position``."""
+        bpc = self.plan.blocks_per_chunk
+        return self.host[position][(page - 1) * bpc : page * bpc].numpy().tobytes()
+
+
+def block_bytes_of(planes: PlaneSet, block: int) -> bytes:
+    """One device block of a group, its layers' unpadded pages back to back (what a host row
+    holds)."""
+    return b"".join(p[block].cpu().numpy().tobytes() for p in planes)
