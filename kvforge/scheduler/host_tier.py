@@ -454,6 +454,17 @@ class HostTier:
                 pool.share([page])
                 pool.release([page])
 
+    def forget(self, group: str, keys: Sequence[bytes]) -> int:
+        """Evict the pages of ``keys`` now (their bytes are suspect: a copy from them failed);
+        pinned pages and keys not held are left. Returns how many went."""
+        name = self._group(group)
+        pool, index = self._pools[name], self._index[name]
+        pages = [index[k] for k in dict.fromkeys(keys) if k in index]
+        gone = [p for p in pages if pool.ref_count(p) == 0]
+        if gone:
+            pool.evict(block_ids=gone)
+        return len(gone)
+
     def unpin(self, group: str, pages: np.ndarray) -> None:
         """Undo :meth:`pin` (nothing was queued)."""
         self._pools[self._group(group)].release(pages)

@@ -87,7 +87,8 @@ class KVForgeWorkerMetadata(OffloadingWorkerMetadata):
 
 class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
     """vLLM's offloading scheduler; a store a worker reported failed is forgotten when it
-    completes, never served."""
+    completes, never served, and so are the pages of a failed load (vLLM recomputes the request
+    and stores it again; a page that failed once is not offered again)."""
 
     def _update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -97,7 +98,7 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
         ):
             for job_id in sorted(meta.failed_jobs):
                 status = self._jobs.get(job_id)
-                if job_id >= self._stale_job_threshold and status is not None and status.is_store:
+                if job_id >= self._stale_job_threshold and status is not None:
                     manager.mark_failed(status.keys)
         super()._update_connector_output(connector_output)
 

@@ -88,6 +88,8 @@ class KVForgeOffloadingManager(OffloadingManager):
         self._storing: dict[OffloadKey, tuple[str, int, int]] = {}
         #: keys a worker reported failed while their job was still counting workers
         self._failed: set[OffloadKey] = set()
+        #: keys whose load failed: their pages go once no load pins them
+        self._suspect: set[OffloadKey] = set()
         #: (request id, key) -> pins that request holds for its loads
         self._pins: Counter[tuple[str, OffloadKey]] = Counter()
         self._evicted_now: list[OffloadKey] = []
@@ -187,6 +189,12 @@ class KVForgeOffloadingManager(OffloadingManager):
                     del self._pins[(req_context.req_id, key)]
             if mine:
                 self._tier.unpin(name, np.array([self._tier.page_of(name, k) for k in mine]))
+            suspect = [k for k in mine if k in self._suspect]
+            if suspect:
+                self._tier.forget(name, suspect)
+                self._suspect.difference_update(
+                    k for k in suspect if self._tier.page_of(name, k) is None
+                )
 
     # ------------------------------------------------------------------ stores
 
@@ -241,9 +249,11 @@ class KVForgeOffloadingManager(OffloadingManager):
         )
 
     def mark_failed(self, keys: Iterable[OffloadKey]) -> None:
-        """A worker reported the store of ``keys`` failed: when the store completes, its pages
-        are forgotten, whatever ``complete_store`` says."""
-        self._failed.update(k for k in keys if k in self._storing)
+        """A worker reported a transfer of ``keys`` failed. A store's pages are forgotten when
+        it completes, whatever ``complete_store`` says; a load's pages once no load pins them,
+        so the request's recompute stores fresh bytes instead of failing on them again."""
+        for key in keys:
+            (self._failed if key in self._storing else self._suspect).add(key)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -285,6 +295,7 @@ class KVForgeOffloadingManager(OffloadingManager):
             self._tier.filled(self._names[pos], [page], [False])
         self._storing.clear()
         self._failed.clear()
+        self._suspect.clear()
         for (_, key), n in self._pins.items():
             pos = self._position(key)
             assert pos is not None

@@ -30,8 +30,8 @@ class HostPagePlan:
     Attributes:
         group_ids: vLLM's KV cache group index of each position (the index an ``OffloadKey``
             carries).
-        block_bytes: ``block_bytes[i]``: one block of group ``i``, its layers' unpadded pages
-            summed.
+        block_bytes: ``block_bytes[i]``: one block of group ``i`` as vLLM's scheduler sees it
+            (its spec's unpadded page times its layers); the page count is planned from it.
         blocks_per_chunk: blocks in one offload chunk (one page).
         num_pages: usable pages per group, the same for every group: one page of every group
             holds one chunk of a full prefix.

@@ -52,20 +52,22 @@ def layer_unpadded_bytes(spec: Any) -> int:
 
 
 def group_block_bytes(kv_cache_config: KVCacheConfig, group_ids: Sequence[int]) -> list[int]:
-    """Per offloaded group: its layers' unpadded pages summed (one block of the group).
+    """Per offloaded group, the bytes per block the page count is planned with: the group's
+    spec, unpadded, times its layers.
 
-    A worker's config lists each layer's spec (``UniformTypeKVCacheSpecs``); the scheduler's
-    keeps one spec per group, which every layer of the group shares.
+    vLLM's scheduler sees one spec per group (``generate_scheduler_kv_cache_config`` keeps the
+    first layer's spec of a ``UniformTypeKVCacheSpecs``), so a group whose layers' pages differ
+    (DeepSeek-V4's compressor states) is planned from the first layer's page; a worker plans
+    from the same spec (same pages on both sides) and its rows hold each layer's own unpadded
+    bytes (:class:`~kvforge.integrations.vllm.worker.KVForgeOffloadingWorker`).
     """
     out = []
     for gid in group_ids:
         group = kv_cache_config.kv_cache_groups[gid]
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
-            per_layer = spec.kv_cache_specs
-            out.append(sum(layer_unpadded_bytes(per_layer[n]) for n in group.layer_names))
-        else:
-            out.append(layer_unpadded_bytes(spec) * len(group.layer_names))
+            spec = next(iter(spec.kv_cache_specs.values()))
+        out.append(layer_unpadded_bytes(spec) * len(group.layer_names))
     return out
 
 

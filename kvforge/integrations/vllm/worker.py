@@ -61,13 +61,15 @@ class KVForgeOffloadingWorker(OffloadingWorker):
 
     Args:
         kv_caches: vLLM's registered caches; ``group_data_refs[i]`` is group position ``i``.
-        plan: the page spaces; ``plan.block_bytes[i]`` must equal group ``i``'s unpadded
-            layer pages summed (checked).
+        plan: the page spaces: their page count (the scheduler's). A row holds group ``i``'s
+            layers' own unpadded pages (:attr:`block_bytes`), which differ from
+            ``plan.block_bytes[i]`` only where vLLM's scheduler sees one page for unequal
+            layers.
         impl: the gather/scatter implementation (``"auto"``: :func:`kvforge.ops.resolve_impl`).
         pin_memory: page-lock the host pages (``None``: when CUDA is available).
 
     Raises:
-        TransferError: the caches do not match the plan (group count or bytes per block).
+        TransferError: the caches do not match the plan (the number of groups).
     """
 
     def __init__(
@@ -85,21 +87,27 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 f"vLLM registered {len(self.planes)} offloaded groups, the host plan has "
                 f"{len(plan.block_bytes)}"
             )
-        for i, (planes, want) in enumerate(zip(self.planes, plan.block_bytes, strict=True)):
-            if planes.row_bytes != want:
-                raise TransferError(
-                    f"group {plan.group_ids[i]}: its layers' unpadded pages sum to "
-                    f"{planes.row_bytes} B per block, the host plan says {want} B"
-                )
+        #: per group position: one block's bytes in a host row, every layer's unpadded page
+        self.block_bytes = [planes.row_bytes for planes in self.planes]
+        host_bytes = plan.num_pages * plan.blocks_per_chunk * sum(self.block_bytes)
+        if host_bytes > plan.host_bytes:
+            logger.warning(
+                "kvforge host pages take %d B, above the %d B planned: vLLM's scheduler sees one "
+                "page for layers whose pages differ", host_bytes, plan.host_bytes
+            )
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         bpc = plan.blocks_per_chunk
         #: per group position: ``uint8 [num_pages * blocks_per_chunk, block_bytes]``
         self.host = [
             torch.empty((plan.num_pages * bpc, b), dtype=torch.uint8, pin_memory=pin_memory)
-            for b in plan.block_bytes
+            for b in self.block_bytes
         ]
         self._finished: list[TransferResult] = []
+        #: bytes moved by successful stores and loads, and transfers that failed
+        self.bytes_stored = 0
+        self.bytes_loaded = 0
+        self.failed_transfers = 0
 
     # ------------------------------------------------------------------ mapping
 
@@ -163,7 +171,7 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                     scatter_blocks(
                         self.planes[pos], blocks, self.host[pos], self.impl, row_ids=rows
                     )
-                moved += len(blocks) * self.plan.block_bytes[pos]
+                moved += len(blocks) * self.block_bytes[pos]
             if self.planes and self.planes[0].device.type != "cpu":  # pragma: no cover - GPU
                 torch.accelerator.synchronize()
         except Exception as exc:  # reported, never raised into the engine
@@ -171,7 +179,12 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 "kvforge offload %s job %d failed: %s", "store" if store else "load", job_id, exc
             )
             self._finished.append(TransferResult(job_id, False))
+            self.failed_transfers += 1
             return
+        if store:
+            self.bytes_stored += moved
+        else:
+            self.bytes_loaded += moved
         self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - t0))
 
     def submit_store(
