@@ -165,15 +165,15 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         moved = 0
         try:
             for pos, blocks, rows in self._rows(gpu, host):
-                if store:
-                    gather_blocks(self.planes[pos], blocks, self.host[pos], self.impl, row_ids=rows)
-                else:
-                    scatter_blocks(
-                        self.planes[pos], blocks, self.host[pos], self.impl, row_ids=rows
-                    )
+                planes = self.planes[pos]
+                if planes.device.type == "cpu":  # straight into / out of the host rows
+                    if store:
+                        gather_blocks(planes, blocks, self.host[pos], self.impl, row_ids=rows)
+                    else:
+                        scatter_blocks(planes, blocks, self.host[pos], self.impl, row_ids=rows)
+                else:  # pragma: no cover - accelerators only: no GPU or NPU in CI
+                    self._staged(pos, blocks, rows, store)
                 moved += len(blocks) * self.block_bytes[pos]
-            if self.planes and self.planes[0].device.type != "cpu":  # pragma: no cover - GPU
-                torch.accelerator.synchronize()
         except Exception as exc:  # reported, never raised into the engine
             logger.warning(
                 "kvforge offload %s job %d failed: %s", "store" if store else "load", job_id, exc
@@ -186,6 +186,24 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         else:
             self.bytes_loaded += moved
         self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - t0))
+
+    def _staged(  # pragma: no cover - accelerators only: no GPU or NPU in CI
+        self, pos: int, blocks: np.ndarray, rows: np.ndarray, store: bool
+    ) -> None:
+        """On an accelerator the kernels read and write device memory: a store gathers into a
+        device staging buffer, then copies it to the host rows; a load copies the rows to
+        the device, then scatters. Synchronous: the transfer is done when this returns."""
+        planes = self.planes[pos]
+        idx = torch.from_numpy(rows)
+        if store:
+            staging = torch.empty((len(blocks), planes.row_bytes), dtype=torch.uint8,
+                                  device=planes.device)
+            gather_blocks(planes, blocks, staging, self.impl)
+            self.host[pos].index_copy_(0, idx, staging.cpu())
+        else:
+            staging = self.host[pos].index_select(0, idx).to(planes.device, non_blocking=True)
+            scatter_blocks(planes, blocks, staging, self.impl)
+        torch.accelerator.synchronize()
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
