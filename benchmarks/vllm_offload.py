@@ -80,7 +80,6 @@ def host_bytes_per_token(model: str, blocks: int = 3) -> dict[str, Any]:
             total = sum(held[g] * bpc * rows[g] for g in held)
             out["kvforge_rows"] = [rows[g] for g in manager.plan.group_ids]
         else:
-            spec = eng.scheduler_connector.scheduler.manager  # noqa: F841 - same object
             chunks = manager._num_allocated_chunks - len(manager._free_list)
             per_chunk = eng.worker_connector.connector_worker.spec.kv_bytes_per_chunk
             total = chunks * per_chunk
@@ -103,7 +102,8 @@ def throughput(model: str, blocks: int, repeats: int) -> dict[str, Any]:
     n_groups = len(worker.block_bytes)
     num_blocks = eng.kv_cache_config.num_blocks
     rng = np.random.default_rng(0)
-    ids = [rng.choice(np.arange(1, num_blocks), size=blocks, replace=False) for _ in range(n_groups)]
+    pool = np.arange(1, num_blocks)
+    ids = [rng.choice(pool, size=blocks, replace=False) for _ in range(n_groups)]
     gpu = GPULoadStoreSpec(np.concatenate(ids).tolist(), [blocks] * n_groups, [0] * n_groups)
     host = KVForgeHostSpec([np.arange(1, blocks + 1, dtype=np.int32)] * n_groups)
     nbytes = blocks * sum(worker.block_bytes)

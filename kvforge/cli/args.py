@@ -336,6 +336,13 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
         default=parse_size("8GiB"),
         help="device memory budget, e.g. 60GiB (default 8GiB)",
     )
+    plan.add_argument(
+        "--vllm-specs",
+        default=None,
+        metavar="PATH",
+        help="plan a vLLM model instead: a JSON file of its per-layer KV cache specs, as "
+        "kvforge.integrations.vllm.specs.dump_vllm_specs writes it (needs kvforge[vllm])",
+    )
     plan.add_argument("--host-memory", type=_size, default=None, help="host budget, e.g. 32GiB")
     plan.add_argument(
         "--own-pools",

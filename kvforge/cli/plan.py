@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
-from kvforge.cli.args import build_backends, list_models
+from kvforge.cli.args import MODEL_OPTIONS, build_backends, flag, list_models
 from kvforge.cli.formatting import (
     UsageError,
     check_output_path,
@@ -43,6 +43,39 @@ def _layer_ranges(layers: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def _vllm_backends(args: argparse.Namespace) -> tuple[str, Any]:
+    """``--vllm-specs PATH``: the backends of a vLLM model's dumped specs. vLLM is imported
+    here, on use only."""
+    path = args.vllm_specs
+    others = [d for d in ("model", "config", "backend", *MODEL_OPTIONS) if getattr(args, d)]
+    if others:
+        raise UsageError(
+            f"{', '.join(flag(d) for d in others)} cannot be combined with --vllm-specs: the "
+            "specs give every layer's cache"
+        )
+    try:
+        from kvforge.integrations.vllm.specs import from_vllm_specs, load_vllm_specs
+    except ImportError as exc:
+        raise UsageError(
+            "--vllm-specs needs vLLM: install the extra kvforge[vllm] "
+            f"(pip install 'kvforge[vllm]'); importing it failed: {exc}"
+        ) from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise UsageError(f"cannot read --vllm-specs {path!r}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--vllm-specs {path!r} is not JSON: {exc}") from None
+    try:
+        backends = from_vllm_specs(load_vllm_specs(data))
+    except ValueError as exc:
+        raise UsageError(f"--vllm-specs {path!r}: {exc}") from None
+    return f"vLLM specs {path}", backends
+
+
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``kvforge plan`` prints, as plain data."""
     from kvforge.core.flow import plan_with_arena
@@ -64,7 +97,10 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
             "--own-pools does not apply with --num-blocks: --num-blocks already gives "
             "every group its own pool of that many blocks"
         )
-    description, backends = build_backends(args)
+    if getattr(args, "vllm_specs", None) is not None:
+        description, backends = _vllm_backends(args)
+    else:
+        description, backends = build_backends(args)
     if args.tp_size is not None and args.rank >= args.tp_size:
         raise UsageError(
             f"--rank {args.rank} is out of range for --tp-size {args.tp_size} "
@@ -299,6 +335,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """``kvforge plan``: tables on stdout; ``--json`` prints JSON instead, ``--json PATH``
     writes it there as well."""
     if args.list_models:
+        if getattr(args, "vllm_specs", None) is not None:
+            raise UsageError("--list-models lists the bundled configs; drop --vllm-specs")
         return list_models(args)
     to_file = args.json not in (None, "-")
     if to_file:

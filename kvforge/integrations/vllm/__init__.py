@@ -8,6 +8,9 @@ factory): an offloading backend whose host pages are kvforge's per-group compact
   host tier) and worker (:mod:`.worker`, kvforge's gather/scatter).
 - :class:`KVForgeOffloadOptions` (:mod:`.config`): the ``"kvforge"`` object of
   ``kv_connector_extra_config``.
+- :func:`to_vllm_specs` / :func:`from_vllm_specs` (:mod:`.specs`): kvforge backends described
+  to vLLM as ``KVCacheSpec``s, and a vLLM model's specs as kvforge backends
+  (``kvforge plan --vllm-specs``), bytes per block equal both ways.
 
 Importing this package imports vLLM (install the extra: ``pip install 'kvforge[vllm]'``, or on
 CPU the recipe in docs/integrations/vllm.md). Guide: docs/integrations/vllm.md.
@@ -18,6 +21,15 @@ from kvforge.integrations.vllm.connector import KVForgeConnector
 from kvforge.integrations.vllm.manager import KVForgeOffloadingManager
 from kvforge.integrations.vllm.pages import HostPagePlan, plan_host_pages
 from kvforge.integrations.vllm.spec import KVForgeOffloadingSpec
+from kvforge.integrations.vllm.specs import (
+    VllmSpecBackend,
+    VllmSpecBackends,
+    dump_vllm_specs,
+    from_vllm_specs,
+    layer_page_bytes,
+    load_vllm_specs,
+    to_vllm_specs,
+)
 from kvforge.integrations.vllm.worker import KVForgeOffloadingWorker
 
 __all__ = [
@@ -27,5 +39,12 @@ __all__ = [
     "KVForgeOffloadingManager",
     "KVForgeOffloadingSpec",
     "KVForgeOffloadingWorker",
+    "VllmSpecBackend",
+    "VllmSpecBackends",
+    "dump_vllm_specs",
+    "from_vllm_specs",
+    "layer_page_bytes",
+    "load_vllm_specs",
     "plan_host_pages",
+    "to_vllm_specs",
 ]
