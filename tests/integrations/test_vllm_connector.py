@@ -188,3 +188,33 @@ def test_a_store_that_does_not_fit_stores_nothing():
     eng.run_until_done()
     assert manager.allocation_failures >= 1
     assert manager.held() == {0: 0} and worker.bytes_stored == 0
+
+
+@pytest.mark.parametrize(
+    ("connector", "extra", "message"),
+    [
+        ("KVForgeConnector", {"kvforge": {"host_bytes": 1}}, "host_bytes=1 holds no chunk"),
+        ("KVForgeConnector", {"kvforge": {"nope": 1}},
+         r"\['kvforge'\]\['nope'\]: Extra inputs are not permitted"),
+        ("KVForgeConnector", {"spec_name": "CPUOffloadingSpec"},
+         r"\['spec_name'\] must be 'KVForgeOffloadingSpec' .* got 'CPUOffloadingSpec'"),
+        ("KVForgeConnector", {"canonical_layout": True}, r"\['canonical_layout'\] must be false"),
+        ("KVForgeConnector", {"sync_load_budget_bytes": 1 << 20},
+         r"\['sync_load_budget_bytes'\] must be 0 with kvforge: .* got 1048576"),
+        ("KVForgeConnector", {"sync_load_budget_bytes": "lots"}, r"must be 0 .* got 'lots'"),
+        ("OffloadingConnector",
+         {"spec_name": "KVForgeOffloadingSpec", "spec_module_path": "kvforge.integrations.vllm.spec"},
+         "needs each group's unpadded block bytes, which vLLM's OffloadingConnector does not pass"),
+    ],
+)
+def test_bad_configurations_are_refused_with_the_key_and_value(connector, extra, message):
+    from kvforge._checks import ArgumentError
+
+    with pytest.raises(ArgumentError, match=message):
+        build_offload_engine(
+            "llama", num_gpu_blocks=64, kv_connector=connector,
+            kv_connector_module_path=(
+                "kvforge.integrations.vllm" if connector == "KVForgeConnector" else None
+            ),
+            extra_config=extra,
+        )

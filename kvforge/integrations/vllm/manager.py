@@ -141,8 +141,8 @@ class KVForgeOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         pos = self._position(key)
-        if pos is None or self._tier.page_of(self._names[pos], key) is None:
-            return LookupResult.MISS
+        if pos is None or key in self._suspect or self._tier.page_of(self._names[pos], key) is None:
+            return LookupResult.MISS  # a page a load failed on is not offered again
         if key in self._storing:
             return LookupResult.HIT_PENDING
         return LookupResult.HIT
@@ -192,9 +192,10 @@ class KVForgeOffloadingManager(OffloadingManager):
             suspect = [k for k in mine if k in self._suspect]
             if suspect:
                 self._tier.forget(name, suspect)
-                self._suspect.difference_update(
-                    k for k in suspect if self._tier.page_of(name, k) is None
-                )
+                gone = [k for k in suspect if self._tier.page_of(name, k) is None]
+                self._suspect.difference_update(gone)
+                if gone and self.events is not None:  # published stored: publish the removal
+                    self.events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True))
 
     # ------------------------------------------------------------------ stores
 

@@ -110,11 +110,12 @@ class KVForgeOffloadingSpec(OffloadingSpec):
                 f"block_bytes has {len(block_bytes)} entries, vLLM offloads "
                 f"{len(config.groups)} groups"
             )
-        if int(self.extra_config.get("sync_load_budget_bytes", 0) or 0) > 0:
+        sync_budget = self.extra_config.get("sync_load_budget_bytes", 0)
+        if sync_budget not in (0, None) or isinstance(sync_budget, bool):
             raise ArgumentError(
                 "kv_connector_extra_config['sync_load_budget_bytes'] must be 0 with kvforge: "
                 "a failed in-step load cannot be recomputed for a hybrid model in vLLM 0.33, "
-                f"got {self.extra_config['sync_load_budget_bytes']!r}"
+                f"got {sync_budget!r}"
             )
         self.options, host_bytes = parse_options(self.extra_config)
         self.plan: HostPagePlan = plan_host_pages(

@@ -112,13 +112,14 @@ class KVForgeOffloadingWorker(OffloadingWorker):
     # ------------------------------------------------------------------ mapping
 
     def _rows(
-        self, gpu: GPULoadStoreSpec, host: LoadStoreSpec
+        self, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool
     ) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Per group with blocks: ``(position, device block ids, host rows)``.
 
         Block ``j`` of a group is logical block ``block_indices[g] + j`` of its request, in
         chunk ``(block_indices[g] % bpc + j) // bpc`` of the group's pages (vLLM lists a
-        transfer's blocks in prefix order, whole chunks for stores).
+        transfer's blocks in prefix order, whole chunks for stores: only the first may start
+        mid-chunk, where a sliding window's blocks are null; a store may skip whole chunks).
 
         Raises:
             TransferError: the specs disagree with each other or with the plan.
@@ -133,6 +134,11 @@ class KVForgeOffloadingWorker(OffloadingWorker):
             )
         bpc = self.plan.blocks_per_chunk
         ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        if len(ids) != sum(sizes):
+            raise TransferError(
+                f"a transfer names {len(ids)} device block ids, the group sizes {sizes} add up "
+                f"to {sum(sizes)}"
+            )
         out = []
         start = 0
         for pos, n in enumerate(sizes):
@@ -141,6 +147,11 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 if len(host.pages[pos]):
                     raise TransferError(f"group position {pos}: host pages but no blocks")
                 continue
+            if blocks.min() < 0:  # -1 would be "skip this row" to the gather/scatter
+                raise TransferError(
+                    f"group position {pos}: device block ids must be >= 0, got "
+                    f"{blocks[blocks < 0].tolist()}"
+                )
             first = int(gpu.block_indices[pos]) % bpc
             chunk = (first + np.arange(n)) // bpc
             pages = host.pages[pos].astype(np.int64)
@@ -148,6 +159,11 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 raise TransferError(
                     f"group position {pos}: {n} blocks span {int(chunk[-1]) + 1} chunks, "
                     f"the host spec names {len(pages)} pages"
+                )
+            if store and n != len(pages) * bpc - first:  # else rows of a later chunk shift
+                raise TransferError(
+                    f"group position {pos}: a store fills whole chunks: {n} blocks from offset "
+                    f"{first} in {len(pages)} pages"
                 )
             if pages.min() < 1 or pages.max() > self.plan.num_pages:
                 raise TransferError(
@@ -164,7 +180,7 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         t0 = time.perf_counter()
         moved = 0
         try:
-            for pos, blocks, rows in self._rows(gpu, host):
+            for pos, blocks, rows in self._rows(gpu, host, store):
                 planes = self.planes[pos]
                 if planes.device.type == "cpu":  # straight into / out of the host rows
                     if store:
