@@ -115,6 +115,9 @@ class _LastSteps:
     def note(self, step: StepAllocation) -> None:
         if not step.request_ids:
             return
+        if len(step.rows) == 1:  # one request (allocate): a plain item write
+            self.steps[int(step.rows[0])] = (step.request_ids, step.num_computed, step.num_new)
+            return
         record = np.empty((), dtype=object)  # one object, not a sequence to broadcast
         record[()] = (step.request_ids, step.num_computed, step.num_new)  # not the deltas
         self.steps[step.rows] = record
@@ -532,7 +535,8 @@ class CacheController:
             raise RequestStateError(f"request {request_id!r} is swapped out; swap_in it first")
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-        current = manager.num_tokens(request_id) if manager.is_running(request_id) else 0
+        row = manager._t.row_of.get(request_id)  # (swapped out was refused above)
+        current = int(manager._t.num_tokens[row]) if row is not None else 0
         if num_tokens < current:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than the {current} tokens request "

@@ -117,7 +117,7 @@ class ArenaBlockPool(BlockPool):
 
     def release(self, block_ids: Sequence[int] | np.ndarray) -> None:
         ids = self._check_ids(np.asarray(block_ids), "release")
-        super().release(ids)
+        self._release(ids)  # checked once
         if not len(ids):
             return
         gone = np.unique(ids)

@@ -20,13 +20,21 @@ __all__ = [
 ]
 
 
+_STR = {str}
+
+
 def batch_ids(request_ids: object) -> list[str]:
     if isinstance(request_ids, str) or not isinstance(request_ids, Sequence):
         raise TypeError(
             f"request_ids must be a sequence of request ids, got {type(request_ids).__name__}"
         )
-    ids = [check_request_id(r) for r in request_ids]
-    if len(set(ids)) != len(ids):
+    ids = list(request_ids)
+    if not set(map(type, ids)) <= _STR:  # every id a str: one type pass, no call per id
+        ids = [check_request_id(r) for r in ids]
+    uniq = set(ids)
+    if "" in uniq:
+        check_request_id("")  # raises, as the per-id check does for the first bad id
+    if len(uniq) != len(ids):
         seen: set[str] = set()
         for r in ids:
             if r in seen:
@@ -58,7 +66,7 @@ def new_token_counts(values: object, n: int) -> np.ndarray:
         raise ValueError(f"num_new_tokens must be integers, got dtype {arr.dtype}")
     if arr.shape != (n,):
         raise ValueError(f"num_new_tokens has shape {arr.shape}, expected ({n},) like request_ids")
-    if n and int(arr.min()) < 0:
+    if n and int(np.minimum.reduce(arr)) < 0:
         raise ValueError(f"num_new_tokens must be >= 0, got {int(arr.min())}")
     return arr.astype(np.int64, copy=False)
 

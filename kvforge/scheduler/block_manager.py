@@ -350,29 +350,26 @@ class BlockManager:
         if prefix_matches is not None:
             check_matches(prefix_matches, len(ids))
         batch = len(ids)
-        rows = np.empty(batch, dtype=np.int64)
-        fresh = np.zeros(batch, dtype=bool)
-        row_of = self._t.row_of
-        for i, rid in enumerate(ids):
-            row = row_of.get(rid)
-            if row is None:
-                if rid in self._book.swapped:
+        row_of, swapped, busy = self._t.row_of, self._book.swapped, self._book.busy
+        rows = np.array([row_of.get(rid, -1) for rid in ids], dtype=np.int64)  # -1: new
+        fresh = rows < 0
+        # the refusals, in request order (nothing to refuse without swaps or matches)
+        for i, rid in enumerate(ids if swapped or busy or prefix_matches is not None else ()):
+            if fresh[i]:
+                if rid in swapped:
                     raise RequestStateError(
                         f"request {rid!r} is swapped out; swap it in before scheduling it"
                     )
-                if rid in self._book.busy:
+                if rid in busy:
                     raise RequestStateError(f"request {rid!r} has a swap in flight")
-                fresh[i] = True
-                rows[i] = -1
             else:
-                if rid in self._book.busy:
+                if rid in busy:
                     raise RequestStateError(f"request {rid!r} has a swap in flight")
                 if prefix_matches is not None and prefix_matches[i] is not None:
                     raise ValueError(
                         f"prefix_matches[{i}] is given for request {rid!r}, which is already "
                         "running; a match applies to a new request only"
                     )
-                rows[i] = row
         # Steps left open past MAX_OPEN_STEPS are dropped, oldest first: they share nothing
         # (their end_step is refused) and what they held goes back, so a caller that never
         # ends its steps cannot pin blocks without bound.
@@ -383,7 +380,7 @@ class BlockManager:
         work = self._prefix.work = StepWork()
         refused: list[Refusal] = []
         accept = np.ones(batch, dtype=bool)
-        n_fresh = int(fresh.sum())
+        n_fresh = np.count_nonzero(fresh)
         if n_fresh:
             fresh_idx = np.flatnonzero(fresh)
             if n_fresh > len(self._t.free_rows):
@@ -430,7 +427,7 @@ class BlockManager:
                 ids, safe_rows, fresh, before, after, plans, accept, refused
             )
         # rows taken for fresh requests that were refused go back
-        for i in np.flatnonzero(fresh & ~accept):
+        for i in (fresh & ~accept).nonzero()[0] if n_fresh else ():
             if int(i) in adopted:
                 self._prefix.unadopt(int(rows[i]), adopted.pop(int(i)))
             self._prefix.end_chain(ids[i])
@@ -440,7 +437,7 @@ class BlockManager:
         self._t.copies = []
         for i, match in adopted.items():
             copies_before += self._prefix.record_adoption(int(rows[i]), match)
-        for i in np.flatnonzero(fresh & accept):
+        for i in (fresh & accept).nonzero()[0] if n_fresh else ():
             row_of[ids[i]] = int(rows[i])
         if accept.all():
             kept_ids = tuple(ids)
@@ -638,12 +635,13 @@ class BlockManager:
                 changed).
         """
         ids = batch_ids(request_ids)
+        row_of, busy, swapped = self._t.row_of, self._book.busy, self._book.swapped
         for rid in ids:
-            if rid in self._book.busy:
+            if busy and rid in busy:
                 raise RequestStateError(f"request {rid!r} has a swap in flight")
-            if rid not in self._t.row_of and rid not in self._book.swapped:
+            if rid not in row_of and rid not in swapped:
                 raise self._book.not_resident(rid)
-        resident = [rid for rid in ids if rid in self._t.row_of]
+        resident = [rid for rid in ids if rid in row_of]
         if self._prefix.tracks_requests:  # per-request work only when there is any
             for rid in ids:
                 self._prefix.end_chain(rid)
@@ -651,7 +649,7 @@ class BlockManager:
             for rid in ids:
                 self._book.release_host(rid)
         if resident:
-            self._t.release_rows(np.array([self._t.row_of.pop(r) for r in resident]))
+            self._t.release_rows(np.array([row_of.pop(r) for r in resident]))
 
     @locked
     def truncate(self, request_id: str, num_tokens: int) -> None:

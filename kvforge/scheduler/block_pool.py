@@ -37,6 +37,8 @@ from kvforge.errors import OutOfBlocksError
 __all__ = ["NULL_BLOCK", "BlockPool"]
 
 NULL_BLOCK = 0
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # no Python-level wrappers per call
+_INTS = (int, np.integer)
 
 
 class BlockPool:
@@ -73,11 +75,13 @@ class BlockPool:
         self.kind = kind
         self._ref = np.zeros(num_blocks, dtype=np.int32)
         self._scratch = np.zeros(num_blocks, dtype=np.int32)  # release's repeat check
+        self._order = np.arange(num_blocks, dtype=np.int32)  # positions, for that check
         # The free stack: the top is at index _num_free - 1, so a fresh pool pops 1, 2, 3, ...
         self._stack = np.arange(num_blocks - 1, NULL_BLOCK, -1, dtype=np.int32)
         self._num_free = num_blocks - 1
         # blocks the prefix cache retains, and those of them at ref 0 in eviction order
         self._retained = np.zeros(num_blocks, dtype=bool)
+        self._ever_retained = False  # no block was ever retained: release skips the lookup
         self._evictable: dict[int, None] = {}
         self.on_evict = on_evict
         self.evictions = 0
@@ -124,7 +128,8 @@ class BlockPool:
             ValueError: ``count`` is not an int >= 0.
             OutOfBlocksError: fewer than ``count`` blocks are free (nothing changed).
         """
-        if not isinstance(count, int | np.integer) or isinstance(count, bool) or count < 0:
+        exact = type(count) is int  # the common case: one type test
+        if not (exact or (isinstance(count, _INTS) and not isinstance(count, bool))) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         if count > self.num_free:
             raise OutOfBlocksError(self.kind, self.name, int(count), self.num_free, "take")
@@ -165,8 +170,12 @@ class BlockPool:
             ValueError: an id is the null block, out of range, already free, or dropped more
                 times than it is referenced (nothing changed).
         """
-        block_ids = self._check_ids(np.asarray(block_ids), "release")
-        if not len(block_ids):
+        self._release(self._check_ids(np.asarray(block_ids), "release"))
+
+    def _release(self, block_ids: np.ndarray) -> None:
+        """:meth:`release` of ids :meth:`_check_ids` passed (the counts are checked here)."""
+        n = len(block_ids)
+        if not n:
             return
         if self._shared:  # a shared block may be dropped twice in one call
             uniq, counts = np.unique(block_ids, return_counts=True)
@@ -182,20 +191,26 @@ class BlockPool:
             held = self._ref[block_ids]
             # a repeated id: the later of two writes to one cell wins, so some position does
             # not read back its own index (O(n), no sort)
-            order = np.arange(len(block_ids), dtype=np.int32)
-            self._scratch[block_ids] = order
-            repeated = bool((self._scratch[block_ids] != order).any())
-            if (held < 1).any() or repeated:
+            if n <= 40:  # short: Python sets and min beat the array passes
+                repeated = len(set(block_ids.tolist())) != n
+                over = repeated or min(held.tolist()) < 1
+            else:
+                order = self._order[:n] if n <= len(self._order) else np.arange(n, dtype=np.int32)
+                self._scratch[block_ids] = order
+                repeated = bool((self._scratch[block_ids] != order).any())
+                over = repeated or _MIN(held) < 1
+            if over:
                 uniq, counts = np.unique(block_ids, return_counts=True)
                 bad = counts > self._ref[uniq]
                 self._over_release(int(uniq[bad][0]), int(counts[bad][0]))
             self._ref[block_ids] = held - 1
             zero = block_ids[held == 1]
-        keyed = self._retained[zero]
-        if keyed.any():
-            for b in reversed(zero[keyed].tolist()):
-                self._evictable[b] = None
-            zero = zero[~keyed]
+        if self._ever_retained:
+            keyed = self._retained[zero]
+            if keyed.any():
+                for b in reversed(zero[keyed].tolist()):
+                    self._evictable[b] = None
+                zero = zero[~keyed]
         top = self._num_free
         self._stack[top : top + len(zero)] = zero[::-1]
         self._num_free = top + len(zero)
@@ -214,6 +229,7 @@ class BlockPool:
         """Keep ``block_id`` (in use) evictable rather than free once its last holder
         releases it: the prefix cache registered its key."""
         self._retained[block_id] = True
+        self._ever_retained = True
 
     def forget(self, block_id: int) -> None:
         """Stop retaining ``block_id``; an evictable one goes back on the free stack. The
@@ -269,7 +285,11 @@ class BlockPool:
             raise TypeError(f"{action}: block id {bad!r} is not an int")
         if not block_ids.size:
             return block_ids.astype(np.int32)
-        low, high = int(block_ids.min()), int(block_ids.max())
+        if block_ids.size <= 40:  # a Python min / max of a short list beats two reductions
+            values = block_ids.tolist()
+            low, high = min(values), max(values)
+        else:
+            low, high = int(_MIN(block_ids)), int(_MAX(block_ids))
         if low < 0 or high >= self.num_blocks:
             i = low if low < 0 else high
             raise ValueError(

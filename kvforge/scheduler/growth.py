@@ -15,6 +15,8 @@ from kvforge.scheduler.arena import SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.tables import RequestTables, expand
 
+_SUM = np.add.reduce  # no Python-level wrapper per call
+
 __all__ = [
     "apply_growth",
     "fits_in_order",
@@ -29,6 +31,7 @@ def plan_growth(
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Per group: (blocks needed, release from, release to, first new column)."""
     plans = []
+    first_read = None  # the same for every group: computed once, when a group needs it
     for g in t.groups:
         if g.per_request:
             need = np.where(fresh, g.slots, 0).astype(np.int64)
@@ -36,14 +39,19 @@ def plan_growth(
             plans.append((need, zero, zero, zero))
             continue
         bs = g.block_size
-        old_len = -(-before // bs)
-        need = -(-after // bs) - old_len
+        old_len = (before + (bs - 1)) // bs  # cdiv (token counts are >= 0)
+        need = (after + (bs - 1)) // bs - old_len
         if g.history:
             plans.append((need, old_len, old_len, old_len))
             continue
         # the first scheduled token (a new request: token 0); a step that schedules
         # nothing keeps the resting window, the newest token's view (see live_start)
-        start = g.rule.live_starts(g.spec, before, after)
+        if g.plain_live:  # KindRule.live_starts, its first_read shared by the groups
+            if first_read is None:
+                first_read = np.where(after > before, before, np.maximum(before - 1, 0))
+            start = g.rule.window_start(g.spec, first_read)
+        else:
+            start = g.rule.live_starts(g.spec, before, after)
         lo = g.held_from[rows]  # 0 for a new row, the shared tail's start after a hit
         hi = np.maximum(lo, np.minimum(start // bs, old_len))
         plans.append((need, lo, hi, old_len))
@@ -68,8 +76,8 @@ def fits_in_order(
             cumulative[g.pool] = np.cumsum(left)
         return pool.fits_in_order(cumulative)
     free = pool.num_free
-    need = sum(plans[gi][0] for gi in members)
-    if int(need.sum()) <= free:
+    need = plans[members[0]][0] if len(members) == 1 else sum(plans[gi][0] for gi in members)
+    if int(_SUM(need)) <= free:
         return True
     credit = sum(_credits(t, gi, rows, plans) for gi in members)
     return bool((np.cumsum(need - credit) <= free).all())
@@ -133,7 +141,7 @@ def apply_growth(
         g_rows = rows
         if sel is not None:
             need, first_new, g_rows = need[sel], first_new[sel], rows[sel]
-        total = int(need.sum())
+        total = int(_SUM(need))
         if total:
             ids = g.pool.take(total)
             r, c = expand(g_rows, first_new, first_new + need)
@@ -158,13 +166,11 @@ def _prepare_arenas(
 ) -> None:
     """Move slabs to the arena groups this growth takes from, all groups at once (taking
     one group at a time could hand one group the slabs another was counted on)."""
-    for pool, members in t.capacity:
-        if not isinstance(pool, SlabArena):
-            continue
+    for pool, members in t.arenas:
         needs = {}
         for gi in members:
             need = plans[gi][0] if sel is None else plans[gi][0][sel]
-            needs[t.groups[gi].pool] = int(need.sum())
+            needs[t.groups[gi].pool] = int(_SUM(need))
         pool.prepare(needs)
 
 

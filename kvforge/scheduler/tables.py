@@ -43,6 +43,7 @@ class GroupTable:
     pool: BlockPool
     table: np.ndarray  # int32 [max_num_seqs, width]
     held_from: np.ndarray  # int64 [max_num_seqs]: first column that may hold a block
+    plain_live: bool = False  # the rule's live_starts is KindRule's (window_start of one read)
 
     @classmethod
     def create(cls, spec: CacheGroup, pool: BlockPool, rows: int, width: int) -> GroupTable:
@@ -59,6 +60,7 @@ class GroupTable:
             pool=pool,
             table=np.zeros((rows, width), dtype=np.int32),
             held_from=np.zeros(rows, dtype=np.int64),
+            plain_live=type(rule).live_starts is KindRule.live_starts,
         )
 
 
@@ -86,6 +88,7 @@ class RequestTables:
         pools: distinct pools, each with the indices of the groups that draw on it.
         capacity: what capacity checks count against: ``pools``, except that the member
             pools of one slab arena are one entry, the arena.
+        arenas: the slab arena entries of ``capacity`` (none without an arena).
         num_tokens: ``int64 [max_num_seqs]``: tokens each row holds.
         committed: ``int64 [groups, max_num_seqs]``: blocks of each row the prefix cache has
             seen completed (it registers each block once).
@@ -112,6 +115,7 @@ class RequestTables:
                     entries.append((pool, [gi]))
                 else:
                     known.append(gi)
+        self.arenas = [(p, m) for p, m in self.capacity if isinstance(p, SlabArena)]
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.committed = np.zeros((len(groups), max_num_seqs), dtype=np.int64)
         self.row_of: dict[str, int] = {}
@@ -134,14 +138,12 @@ class RequestTables:
     def take_pending(self) -> tuple[TableDelta, ...]:
         """Hand out the pending deltas, numbered in order (``TableDelta.seq``): a worker that
         mirrors them refuses a gap, a repeat or a reordering."""
-        deltas = tuple(self.pending)
-        seq = self.next_seq
-        for d in deltas:
-            # numbered in place: a pending delta is this object's alone until handed out
-            # (frozen for everyone after), and a copy per delta costs as much as the step
-            object.__setattr__(d, "seq", seq)
-            seq += 1
-        self.next_seq = seq
+        deltas, number = tuple(self.pending), object.__setattr__
+        # numbered in place: a pending delta is this object's alone until handed out (frozen
+        # for everyone after), and a copy per delta costs as much as the step
+        for seq, d in enumerate(deltas, self.next_seq):
+            number(d, "seq", seq)
+        self.next_seq += len(deltas)
         self.pending = []
         return deltas
 
@@ -152,10 +154,10 @@ class RequestTables:
         Cells outside what a row holds are null (a window's released blocks were cleared), so
         the non-null cells, row by row, are exactly its blocks in chain order."""
         tokens = self.num_tokens[rows]
-        longest = int(tokens.max()) if len(tokens) else 0
+        longest = int(np.maximum.reduce(tokens)) if len(tokens) else 0
         for g in self.groups:
             # a window group holds only its tail: start at the earliest block a row holds
-            first = int(g.held_from[rows].min()) if g.windowed and len(rows) else 0
+            first = int(np.minimum.reduce(g.held_from[rows])) if g.windowed and len(rows) else 0
             width = g.slots if g.per_request else -(-longest // g.block_size)
             cells = g.table[rows, first:width]
             held = cells[cells != NULL_BLOCK]
@@ -165,4 +167,4 @@ class RequestTables:
             self.pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
         self.num_tokens[rows] = 0
         self.committed[:, rows] = 0
-        self.free_rows.extend(int(r) for r in rows[::-1])
+        self.free_rows.extend(rows[::-1].tolist())

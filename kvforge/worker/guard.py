@@ -77,6 +77,13 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 _I32 = np.dtype(np.int32)
 _U32 = np.dtype(np.uint32)
 _MAX = np.maximum.reduce
+_SMALL = 40  # up to this many values, a Python max of the list beats a ufunc reduction
+
+
+def _top(arr: np.ndarray) -> int:
+    """The largest value of a non-empty int32 array read as uint32 (negatives read as huge)."""
+    u = arr.view(_U32)
+    return max(u.tolist()) if len(u) <= _SMALL else int(_MAX(u))
 
 
 def _ints(value: object, action: str, what: str) -> np.ndarray:
@@ -97,7 +104,7 @@ def _below(arr: np.ndarray, high: int) -> bool:
     if not len(arr):
         return True
     if arr.dtype is _I32:
-        return bool(_MAX(arr.view(_U32)) < high)
+        return _top(arr) < high
     unsigned = _UNSIGNED.get(arr.dtype)
     if unsigned is not None:
         return int(_MAX(arr.view(unsigned))) < high
@@ -130,6 +137,7 @@ def check_deltas(
     the batch (one reduction each), however many deltas it holds."""
     action = "apply_deltas"
     cells: dict[str, tuple[list[np.ndarray], ...]] = {}  # group -> clears, rows, cols, ids
+    all_rows: list[np.ndarray] = []  # every clear and written row, of every group
     for i, delta in enumerate(deltas):
         if type(delta) is not TableDelta:
             raise WorkerRefusedError(
@@ -146,13 +154,21 @@ def check_deltas(
                     f"table delta for unknown group {group!r}; nothing was mirrored"
                 )
             acc = cells[group] = ([], [], [], [])
-        if len(delta.clear_rows):
-            acc[0].append(_ints(delta.clear_rows, action, "clear_rows"))
-        n = len(delta.rows)
-        if n or len(delta.cols) or len(delta.block_ids):
-            rows = _ints(delta.rows, action, "rows")
-            cols = _ints(delta.cols, action, "cols")
-            ids = _ints(delta.block_ids, action, "block_ids")
+        clear = delta.clear_rows
+        if len(clear):
+            clear = _ints(clear, action, "clear_rows")
+            acc[0].append(clear)
+            all_rows.append(clear)
+        rows, cols, ids = delta.rows, delta.cols, delta.block_ids
+        n = len(rows)
+        if n or len(cols) or len(ids):
+            # the scheduler side's int32 arrays need no further look
+            if not (type(rows) is type(cols) is type(ids) is np.ndarray
+                    and rows.dtype is cols.dtype is ids.dtype is _I32
+                    and rows.ndim == cols.ndim == ids.ndim == 1):
+                rows = _ints(rows, action, "rows")
+                cols = _ints(cols, action, "cols")
+                ids = _ints(ids, action, "block_ids")
             if len(cols) != n or len(ids) != n:
                 raise WorkerRefusedError(
                     f"{action}: delta of group {group!r} has {n} rows, {len(cols)} cols and "
@@ -161,12 +177,34 @@ def check_deltas(
             acc[1].append(rows)
             acc[2].append(cols)
             acc[3].append(ids)
+            all_rows.append(rows)
+    # Every array listed is non-empty. The rows of all groups first, against the fewest rows
+    # of a table; only when that fails (or a dtype is not int32) per group, in order, which
+    # names the first bad value as the per-group checks always did.
+    rows_ok = True
+    if all_rows:
+        fewest = min(tables[group].shape[0] for group in cells)
+        for arr in all_rows:
+            if arr.dtype is not _I32 or _top(arr) >= fewest:
+                rows_ok = False
+                break
     for group, (clears, rows, cols, ids) in cells.items():
         num_rows, width = tables[group].shape
-        _range(_cat(clears), 0, num_rows, action, "row", group)
-        _range(_cat(rows), 0, num_rows, action, "row", group)
-        _range(_cat(cols), 0, width, action, "column", group)
-        _range(_cat(ids), 0, num_blocks[group], action, "block id", group)
+        if not rows_ok:
+            _within(clears, num_rows, "row", group)
+            _within(rows, num_rows, "row", group)
+        if cols:
+            _within(cols, width, "column", group)
+            _within(ids, num_blocks[group], "block id", group)
+
+
+def _within(arrays: list[np.ndarray], high: int, what: str, group: str) -> None:
+    """Refuse a value of ``arrays`` outside ``[0, high)``: an int32 array in range costs one
+    reduction; anything else goes through :func:`_range`, which names the bad value."""
+    if arrays:
+        arr = arrays[0] if len(arrays) == 1 else _cat(arrays)
+        if arr.dtype is not _I32 or _top(arr) >= high:
+            _range(arr, 0, high, "apply_deltas", what, group)
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
@@ -195,7 +233,7 @@ def check_step(step: StepAllocation, num_rows: int) -> None:
             f"{len(step.num_new)} num_new; nothing changed"
         )
     fast = type(rows) is np.ndarray and rows.dtype is _I32 and rows.ndim == 1
-    if fast and (not n or _MAX(rows.view(_U32)) < num_rows):  # one reduction, the common case
+    if fast and (not n or _top(rows) < num_rows):  # one reduction, the common case
         return
     _range(_ints(rows, "apply", "rows"), 0, num_rows, "apply", "row", "")
 
@@ -576,7 +614,7 @@ class Verifier:
         self.next_seq = 0
         self.plans = PlanLedger()
         self._stepped = np.zeros(self.num_rows, dtype=bool)
-        self._step_rows: list[np.ndarray] = []
+        self._step_rows: list[tuple[np.ndarray, bool]] = []
 
     def deltas(self, deltas: Sequence[TableDelta]) -> None:
         check_deltas(deltas, self.next_seq, self.tables, self.num_blocks)
@@ -587,15 +625,19 @@ class Verifier:
 
     def mirrored(self, deltas: Sequence[TableDelta]) -> None:
         """Deltas checked by :meth:`deltas` were mirrored: count them, forget emptied rows."""
-        for delta in deltas:
-            if len(delta.clear_rows):
-                self._fold()
-                self._stepped[delta.clear_rows] = False
+        clears = [delta.clear_rows for delta in deltas if len(delta.clear_rows)]
+        if clears:  # logged in order with the steps (a copy: the caller keeps its arrays)
+            self._log_rows(np.concatenate(clears), False)
         self.next_seq += len(deltas)
 
     def stepped(self, rows: np.ndarray) -> None:
         """A step (checked by :meth:`step`) will write ``rows``."""
-        self._step_rows.append(rows)
+        self._log_rows(rows, True)
+
+    def _log_rows(self, rows: np.ndarray, stepped: bool) -> None:
+        """Rows that stepped (True) or were emptied (False), folded into ``_stepped`` in
+        order when a plan is checked or the log grows long."""
+        self._step_rows.append((rows, stepped))
         if len(self._step_rows) >= 64:
             self._fold()
 
@@ -662,6 +704,11 @@ class Verifier:
         self.plans.record(plan.plan_id)
 
     def _fold(self) -> None:
-        if self._step_rows:
-            self._stepped[np.concatenate(self._step_rows).astype(np.intp)] = True
-            self._step_rows.clear()
+        log, i = self._step_rows, 0
+        while i < len(log):  # each run of one kind in one write, runs in log order
+            value, j = log[i][1], i + 1
+            while j < len(log) and log[j][1] is value:
+                j += 1
+            self._stepped[np.concatenate([r for r, _ in log[i:j]]).astype(np.intp)] = value
+            i = j
+        log.clear()

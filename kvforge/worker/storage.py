@@ -67,6 +67,7 @@ from kvforge.worker import guard
 from kvforge.worker.arena_views import arena_views, check_arena
 from kvforge.worker.host_pool import HostPools, HostViews
 from kvforge.worker.overlap import PoolMember, find_overlap, plane_extent
+from kvforge.worker.tokens import step_tokens
 from kvforge.worker.transfer import SwapStreams, move_pages, plane_bytes
 
 __all__ = ["CacheStorage", "StepInputs"]
@@ -139,6 +140,9 @@ class CacheStorage:
         self.device_id = _count("device_id", device_id)
         self.namer = StorageNamer(name_template, self.rank, self.device_id)
         self.names: list[str] = self.namer.check_unique(e.key for e in layout.buffers)
+        # a step's slot mappings, one per (group, compress ratio): listed once per layout
+        self._slot_plan = [(g.name, g.block_size, r) for g in layout.groups
+                           for r in layout.compress_ratios(g.name)]
         self._caches: list[torch.Tensor] | None = None
         self._planes: dict[str, PlaneSet] = {}
         self._num_blocks: dict[str, int] = {}
@@ -472,11 +476,11 @@ class CacheStorage:
     def _mirror(self, deltas: Sequence[TableDelta]) -> None:
         if not deltas:
             return
+        tables, device = self._tables, self._device_tables
         for delta in deltas:
-            delta.apply(self._tables[delta.group])
-            dev = self._device_tables.get(delta.group)
-            if dev is not None:  # pragma: no cover - accelerators only
-                _apply_on_device(dev, delta)
+            delta.apply(tables[delta.group])
+            if device:  # pragma: no cover - accelerators only
+                _apply_on_device(device[delta.group], delta)
         self._verify.mirrored(deltas)
 
     @property
@@ -502,15 +506,11 @@ class CacheStorage:
                 guard.tier_of(self).move(step.offloads, step.onloads)
             self._mirror(step.table_deltas)
             verify.stepped(step.rows)
-            index, positions = ops.token_positions(step.num_computed, step.num_new, check=False)
-            rows = step.rows[index]
-            slots: dict[tuple[str, int], Any] = {}
-            for g in self.layout.groups:
-                table = self._tables[g.name]
-                for ratio in self.layout.compress_ratios(g.name):
-                    slots[(g.name, ratio)] = ops.slot_mapping(
-                        table, rows, positions, g.block_size, ratio, check=False
-                    )
+            index, positions, rows = step_tokens(step)
+            slots: dict[tuple[str, int], Any] = {
+                (name, r): ops.slot_mapping(self._tables[name], rows, positions, bs, r, check=False)
+                for name, bs, r in self._slot_plan
+            }
             tables: dict[str, Any] = self._device_tables or self._tables
             return StepInputs(index, positions, slots, dict(tables))
 
