@@ -41,10 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integ
 SHAPES = {"llama": (16, 64, 256), "gpt-oss": (16, 64, 256), "deepseek-v4": (256, 480, 1024)}
 
 
-def _engine(model: str, vllm_spec: bool, host_bytes: int) -> Any:
+def _engine(model: str, vllm_spec: bool, host_bytes: int, min_blocks: int = 0) -> Any:
     from vllm_harness import build_offload_engine
 
     _, blocks, max_len = SHAPES[model]
+    blocks = max(blocks, min_blocks)
     if vllm_spec:
         return build_offload_engine(
             model, num_gpu_blocks=blocks, max_model_len=max_len,
@@ -97,7 +98,7 @@ def throughput(model: str, blocks: int, repeats: int) -> dict[str, Any]:
 
     from kvforge.integrations.vllm.manager import KVForgeHostSpec
 
-    eng = _engine(model, False, 1 << 30)
+    eng = _engine(model, False, 1 << 30, min_blocks=2 * blocks + 1)
     worker = eng.worker_connector.connector_worker.worker
     n_groups = len(worker.block_bytes)
     num_blocks = eng.kv_cache_config.num_blocks
