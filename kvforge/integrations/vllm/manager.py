@@ -110,16 +110,18 @@ class KVForgeOffloadingManager(OffloadingManager):
         except Exception:
             return None
 
-    def _by_group(self, keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
+    def _by_group(
+        self, keys: Iterable[OffloadKey], strict: bool = True
+    ) -> dict[int, list[OffloadKey]]:
+        """``keys`` (repeats dropped) by group position, in their order. A key of no offloaded
+        group is a ``KeyError`` (``strict``, nothing changed) or left out."""
         out: dict[int, list[OffloadKey]] = {}
-        seen: set[OffloadKey] = set()
-        for key in keys:
-            if key in seen:
-                continue
-            seen.add(key)
+        for key in dict.fromkeys(keys):
             pos = self._position(key)
             if pos is None:
-                raise KeyError(f"offload key {key!r} names no offloaded group")
+                if strict:
+                    raise KeyError(f"offload key {key!r} names no offloaded group")
+                continue
             out.setdefault(pos, []).append(key)
         return out
 
@@ -167,20 +169,12 @@ class KVForgeOffloadingManager(OffloadingManager):
         return self._spec(pages)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        for pos, gkeys in self._by_known_group(keys).items():
+        for pos, gkeys in self._by_group(keys, strict=False).items():
             self._tier.touch(self._names[pos], gkeys)
-
-    def _by_known_group(self, keys: Iterable[OffloadKey]) -> dict[int, list[OffloadKey]]:
-        out: dict[int, list[OffloadKey]] = {}
-        for key in dict.fromkeys(keys):
-            pos = self._position(key)
-            if pos is not None:
-                out.setdefault(pos, []).append(key)
-        return out
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Unpin what this request pinned for ``keys``; anything else is ignored."""
-        for pos, gkeys in self._by_known_group(keys).items():
+        for pos, gkeys in self._by_group(keys, strict=False).items():
             name = self._names[pos]
             mine = [k for k in gkeys if self._pins[(req_context.req_id, k)] > 0]
             for key in mine:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 
 import numpy as np
 
-from kvforge._checks import ArgumentError
+from kvforge._checks import ArgumentError, check_int
 
 __all__ = ["HostPagePlan", "plan_host_pages"]
 
@@ -74,10 +73,11 @@ class HostPagePlan:
             ) from None
 
 
+_POSITIVE = "{name} must be a positive int, got {value}"
+
+
 def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
-        raise ArgumentError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    return check_int(name, value, 1, type_message=_POSITIVE, range_message=_POSITIVE)
 
 
 def plan_host_pages(
@@ -98,7 +98,7 @@ def plan_host_pages(
             f"group_ids and block_bytes must be non-empty and of one length, got "
             f"{list(group_ids)!r} and {list(block_bytes)!r}"
         )
-    ids = tuple(_positive_or_zero("group_ids[]", g) for g in group_ids)
+    ids = tuple(check_int("group_ids[]", g) for g in group_ids)
     if len(set(ids)) != len(ids):
         raise ArgumentError(f"group_ids must be distinct, got {list(ids)}")
     sizes = tuple(_positive("block_bytes[]", b) for b in block_bytes)
@@ -111,12 +111,6 @@ def plan_host_pages(
             f"{chunk} B ({bpc} block(s) of {list(sizes)} B)"
         )
     return HostPagePlan(ids, sizes, bpc, budget // chunk)
-
-
-def _positive_or_zero(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
-        raise ArgumentError(f"{name} must be an int >= 0, got {value!r}")
-    return int(value)
 
 
 class HostPages:
