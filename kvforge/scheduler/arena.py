@@ -116,8 +116,10 @@ class ArenaBlockPool(BlockPool):
             np.subtract.at(self.cached, slabs, 1)
 
     def release(self, block_ids: Sequence[int] | np.ndarray) -> None:
-        ids = self._check_ids(np.asarray(block_ids), "release")
-        self._release(ids)  # checked once
+        self.release_held(self._check_ids(np.asarray(block_ids), "release"))
+
+    def release_held(self, ids: np.ndarray) -> None:
+        self._release(ids)
         if not len(ids):
             return
         gone = np.unique(ids)

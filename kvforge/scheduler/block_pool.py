@@ -172,6 +172,14 @@ class BlockPool:
         """
         self._release(self._check_ids(np.asarray(block_ids), "release"))
 
+    def release_held(self, block_ids: np.ndarray) -> None:
+        """:meth:`release` of ids read from the scheduler side's own table cells
+        (``int32 [n]``, the null block filtered out): a cell holds only ids :meth:`take` or
+        :meth:`share` handed out, so the id range check is skipped. The reference counts are
+        checked as in :meth:`release` (a repeat or an over-release raises, nothing changed):
+        they are what keeps one block from being handed out twice."""
+        self._release(block_ids)
+
     def _release(self, block_ids: np.ndarray) -> None:
         """:meth:`release` of ids :meth:`_check_ids` passed (the counts are checked here)."""
         n = len(block_ids)

@@ -128,7 +128,7 @@ def apply_growth(
         if g.windowed and (hi > lo).any():
             r, c = expand(g_rows, lo, hi)
             old = g.table[r, c]
-            g.pool.release(old[old != NULL_BLOCK])
+            g.pool.release_held(old[old != NULL_BLOCK])  # the table's own cells
             g.table[r, c] = NULL_BLOCK
             g.held_from[g_rows] = hi
             parts_r.append(r)

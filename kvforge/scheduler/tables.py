@@ -161,7 +161,7 @@ class RequestTables:
             width = g.slots if g.per_request else -(-longest // g.block_size)
             cells = g.table[rows, first:width]
             held = cells[cells != NULL_BLOCK]
-            g.pool.release(held)  # (release evicts the deepest first)
+            g.pool.release_held(held)  # the table's own cells (the deepest evicts first)
             g.table[rows, first:width] = NULL_BLOCK
             g.held_from[rows] = 0
             self.pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
