@@ -71,7 +71,14 @@ from kvforge.platform import Platform
 from kvforge.remote_tier import RemoteTier, layout_fingerprint
 from kvforge.scheduler import host_tier, tier_lookup
 from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
-from kvforge.scheduler.host_tier import HostTier, HostTierPolicy, check_host_tier_policy
+from kvforge.scheduler.host_tier import (
+    HostTier,
+    HostTierPolicy,
+    StatePolicy,
+    check_host_tier_policy,
+    check_state_policy,
+    declared_state_policy,
+)
 from kvforge.scheduler.prefix_cache import (
     DEFAULT_PREFIX_RETENTION,
     Retention,
@@ -718,13 +725,19 @@ class CacheController:
 
     @locked
     def initialize_host_tier(
-        self, num_pages: int | Mapping[str, int], policy: HostTierPolicy = "eviction"
+        self,
+        num_pages: int | Mapping[str, int],
+        policy: HostTierPolicy = "eviction",
+        state_policy: StatePolicy | None = None,
     ) -> dict[str, int]:
         """Keep the prefix blocks the device evicts in host tier pages: pinned, page-first,
         a pool of their own per group (apart from :meth:`initialize_host_cache`'s swap
         pages). ``num_pages``: pages per group (one count for all, or a mapping), the null
-        page included; per-request (state snapshot) groups get none (skipped by policy).
-        Returns the pages per group.
+        page included. ``state_policy``: what per-request (state snapshot) groups keep,
+        ``"skip"`` (no pages: a hit needing a snapshot the device lost is recomputed) or
+        ``"aligned"`` (pages for the snapshots taken at aligned boundaries); ``None``
+        (default) follows the backends' declared ``state_policy``. Returns the pages per
+        group.
 
         Every evicted cached block is offloaded before its device block is written again
         (slab moves of an arena included), and :meth:`lookup` brings back what only the tier
@@ -733,17 +746,22 @@ class CacheController:
 
         Raises:
             RuntimeError: prefix caching is off, or the tier exists already.
-            ArgumentError: a bad count or policy.
-            ValueError: no group can keep anything there.
+            ArgumentError: a bad count, ``policy`` or ``state_policy``.
+            ValueError: no group can keep anything there, or backends of per-request groups
+                declare different state policies and none was given.
         """
         manager = self._ready_manager()
         if not manager.prefix_caching:
             raise RuntimeError("the host tier keeps cached prefixes: enable_prefix_caching=True")
         check_host_tier_policy(policy)
+        if state_policy is None:
+            state_policy = declared_state_policy(self.layout.backends.values())
+        check_state_policy(state_policy)
         pages = {
             g: n
             for g, n in self._blocks_per_group(num_pages).items()
-            if self.layout.host_page_bytes(g) and not self.layout.group(g).rule.per_request
+            if self.layout.host_page_bytes(g)
+            and (state_policy == "aligned" or not self.layout.group(g).rule.per_request)
         }
         if not pages:
             raise ValueError(
@@ -751,7 +769,7 @@ class CacheController:
                 "offloaded role"
             )
         HostTierPages(self.storage, pages)  # the storage keeps it; raises if it has one
-        host_tier.attach(manager, pages, policy)
+        host_tier.attach(manager, pages, policy, state_policy)
         return pages
 
     @locked

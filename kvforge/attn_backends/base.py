@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -182,7 +182,17 @@ class AttentionBackend(ABC):
     - every role's ``compress_ratio`` divides its group's ``block_size``;
     - :meth:`cache_roles` returns the same list every call: its order is the per-layer order
       of the controller's cache list.
+
+    Attributes:
+        state_policy: what the host and remote tiers do with the snapshots of this backend's
+            per-request groups (ignored by a backend that declares none): ``"skip"``
+            (default: none kept; a hit whose snapshot the device lost is recomputed) or
+            ``"aligned"`` (the snapshots the prefix cache takes at aligned boundaries are
+            kept and brought back as any block). ``CacheController.initialize_host_tier``
+            follows it unless given one.
     """
+
+    state_policy: ClassVar[Literal["skip", "aligned"]] = "skip"
 
     @abstractmethod
     def cache_groups(self) -> list[CacheGroup]:

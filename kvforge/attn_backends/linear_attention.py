@@ -21,6 +21,12 @@ Both roles live in one ``per_request`` group (``linear_state``, block size 1,
 is freed. Invariants: the per-request bytes (:meth:`LinearAttentionBackend.state_bytes_per_request`)
 do not depend on the number of tokens; a swap, for preemption or for a prefix snapshot, moves the
 whole state (a partial state is useless: it sums up every token).
+
+The backend declares ``state_policy = "aligned"``: the host and remote tiers keep the state
+snapshots taken at aligned boundaries. Recomputing a lost snapshot means running the whole
+prefix again (the state sums up every token, no window of tokens rebuilds it), and the
+snapshot costs one fixed-size page, so without it a prefix whose snapshot the device evicted
+could not be reused at all, however many of its full-attention blocks a tier holds.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ LINEAR_STATE_GROUP = "linear_state"
 
 
 class LinearAttentionBackend(DeclaredBackend):
-    """Conv and recurrent state of one Gated DeltaNet layer.
+    """Conv and recurrent state of one Gated DeltaNet layer (its snapshots kept by the tiers:
+    ``state_policy = "aligned"``).
 
     Args:
         num_key_heads: q / k heads of the layer (``linear_num_key_heads``), before the
@@ -60,6 +67,8 @@ class LinearAttentionBackend(DeclaredBackend):
             unknown dtype; the message names the argument and its value. Everything is
             checked before anything is built.
     """
+
+    state_policy = "aligned"
 
     def __init__(
         self,

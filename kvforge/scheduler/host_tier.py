@@ -33,16 +33,26 @@ Invariants (tested): a page is in the index exactly when it is retained by its p
 whose offload or onload is queued is pinned (ref >= 1), so it is never evicted or reused
 before the worker ran the copy; every call checks its input in full before any state moves.
 
-Per-request (state snapshot) groups follow ``state_policy``: ``"skip"`` (the only policy so
-far) keeps none of them: a hit that needs a snapshot is recomputed, never guessed. Window
-groups keep only what the device prefix cache registered: the blocks of the tails a boundary
-needs, so a window group stores only its tail per chunk.
+Per-request (state snapshot) groups follow ``state_policy``, which their backend declares
+(``AttentionBackend.state_policy``, resolved by :func:`declared_state_policy`) and the caller
+may override:
+
+- ``"skip"`` keeps none of them: a hit that needs a snapshot the device no longer holds is
+  recomputed, never guessed (``stats.skipped`` counts the demotions refused);
+- ``"aligned"`` keeps the snapshots the device prefix cache registered, which it takes only at
+  ``snapshot_interval``-aligned boundaries: a snapshot block is demoted, indexed, pinned,
+  onloaded and evicted exactly as a window block is (one page per snapshot, the group's
+  unpadded page-first bytes, the unit record at its boundary kept with the page), so a hit may
+  end at an aligned boundary whose snapshot only the host (or a remote tier behind it) holds.
+
+Window groups keep only what the device prefix cache registered: the blocks of the tails a
+boundary needs, so a window group stores only its tail per chunk.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any, Literal, NamedTuple
@@ -59,11 +69,15 @@ BlockManager = Any
 
 __all__ = [
     "HOST_TIER_POLICIES",
+    "STATE_POLICIES",
     "HostTier",
     "HostTierPolicy",
     "HostTierStats",
+    "StatePolicy",
     "attach",
     "check_host_tier_policy",
+    "check_state_policy",
+    "declared_state_policy",
     "take_offloads",
     "tier_of",
 ]
@@ -71,7 +85,9 @@ __all__ = [
 HostTierPolicy = Literal["eviction", "write_through"]
 #: when a device block goes to the host tier: on its eviction (default) or once it completes
 HOST_TIER_POLICIES: tuple[str, ...] = ("eviction", "write_through")
-STATE_POLICIES: tuple[str, ...] = ("skip",)
+StatePolicy = Literal["skip", "aligned"]
+#: what the tiers do with per-request snapshots: recompute them, or keep the aligned ones
+STATE_POLICIES: tuple[str, ...] = ("skip", "aligned")
 
 
 def check_host_tier_policy(policy: object) -> HostTierPolicy:
@@ -84,6 +100,42 @@ def check_host_tier_policy(policy: object) -> HostTierPolicy:
     return policy  # type: ignore[return-value]
 
 
+def check_state_policy(policy: object) -> StatePolicy:
+    """``policy`` itself, refused (:class:`ArgumentError`) unless ``"skip"`` or
+    ``"aligned"``."""
+    if not isinstance(policy, str) or policy not in STATE_POLICIES:
+        raise ArgumentError(f"state_policy must be 'skip' or 'aligned', got {policy!r}")
+    return policy  # type: ignore[return-value]
+
+
+def declared_state_policy(backends: Iterable[Any]) -> StatePolicy:
+    """The ``state_policy`` the backends that declare a per-request group agree on
+    (``"skip"`` when none declares one). Each backend is asked once, however many layers it
+    serves.
+
+    Raises:
+        ValueError: two such backends declare different policies (pass one explicitly), or
+            a backend declares one that is not a state policy.
+    """
+    declared: dict[str, str] = {}
+    for backend in {id(b): b for b in backends}.values():
+        if not any(g.rule.per_request for g in backend.cache_groups()):
+            continue
+        policy = getattr(backend, "state_policy", "skip")
+        if policy not in STATE_POLICIES:
+            raise ValueError(
+                f"{backend!r} declares state_policy={policy!r}; a backend declares 'skip' or "
+                "'aligned'"
+            )
+        declared.setdefault(policy, repr(backend))
+    if len(declared) > 1:
+        raise ValueError(
+            "the backends of per-request groups declare different state policies "
+            f"({declared}); pass state_policy explicitly"
+        )
+    return next(iter(declared), "skip")  # type: ignore[return-value]
+
+
 @dataclass
 class HostTierStats:
     """Counters of the host tier, per group.
@@ -92,7 +144,8 @@ class HostTierStats:
         demotions: device blocks given a host page (an offload queued).
         repeats: demotions of a key the tier already held (no copy; the page is touched).
         dropped: demotions refused because every page was pinned by a queued copy.
-        skipped: demotions of per-request (state snapshot) blocks, skipped by policy.
+        skipped: demotions of per-request (state snapshot) blocks, skipped by policy
+            (``state_policy="skip"``).
         evictions: host pages evicted (least recently used first) for new demotions.
         hits: blocks onloaded back to the device.
         hit_tokens: prompt tokens lookups served past what the device held alone.
@@ -138,13 +191,15 @@ class HostTier:
         per_request: the per-request (state snapshot) groups among them.
         policy: ``"eviction"`` (default) or ``"write_through"``: when the caller demotes
             (the tier itself only records it).
-        state_policy: what happens to per-request snapshots: ``"skip"`` (recompute).
+        state_policy: what happens to the per-request groups' snapshots: ``"skip"``
+            (default: none kept, a hit that needs one is recomputed) or ``"aligned"`` (kept
+            as any block; the device prefix cache registers them only at aligned boundaries).
         on_evicted: called as ``on_evicted(group, keys)`` after pages are evicted (an owner
             that publishes removal events, as an engine's offloading manager does).
 
     Raises:
         ArgumentError: a bad ``num_pages`` (not a mapping of group names to ints >= 2), a
-            bad policy; nothing is created.
+            bad ``policy`` or ``state_policy``; nothing is created.
     """
 
     def __init__(
@@ -153,7 +208,7 @@ class HostTier:
         records: UnitRecordStore,
         per_request: Collection[str] = (),
         policy: HostTierPolicy = "eviction",
-        state_policy: Literal["skip"] = "skip",
+        state_policy: StatePolicy = "skip",
         on_evicted: Callable[[str, list[bytes]], None] | None = None,
     ) -> None:
         if not isinstance(num_pages, Mapping) or not num_pages:
@@ -171,12 +226,12 @@ class HostTier:
         if not isinstance(records, UnitRecordStore):
             raise ArgumentError(f"records must be a UnitRecordStore, got {type(records).__name__}")
         self.policy = check_host_tier_policy(policy)
-        if state_policy not in STATE_POLICIES:
-            raise ArgumentError(f"state_policy must be 'skip', got {state_policy!r}")
-        self.state_policy = state_policy
+        self.state_policy = check_state_policy(state_policy)
         self._on_evicted = on_evicted
         self.records = records
         self.per_request = frozenset(per_request) & set(num_pages)
+        #: the per-request groups whose snapshots are recomputed, never kept (``"skip"``)
+        self.recomputed = self.per_request if state_policy == "skip" else frozenset()
         self.stats = HostTierStats()
         self._pools: dict[str, BlockPool] = {}
         self._index: dict[str, dict[bytes, int]] = {}
@@ -233,18 +288,16 @@ class HostTier:
     ) -> int | None:
         """A page for ``key``, to be filled from a remote tier: indexed at once and pinned
         until :meth:`filled` says whether its bytes arrived. The tier takes over the reference
-        on ``ref`` in every case. ``None`` (reference released): the key is held already, or
-        every page is pinned."""
+        on ``ref`` in every case. ``None`` (reference released): the key is held already,
+        every page is pinned, or ``group`` is a per-request group under ``"skip"``."""
         name = self._group(group)
         pool, index = self._pools[name], self._index[name]
-        if key in index or pool.num_free == 0 or name in self.per_request:
+        if key in index or pool.num_free == 0 or name in self.recomputed:
             self._let_go(ref)
             return None
         return self._index_page(name, key, end, ref, proof)
 
-    def _index_page(
-        self, name: str, key: bytes, end: int, ref: bytes | None, proof: object
-    ) -> int:
+    def _index_page(self, name: str, key: bytes, end: int, ref: bytes | None, proof: object) -> int:
         """Take a page (evicting the least recently used one when none is free), pinned and
         retained, and index ``key`` to it with what the exact check reads."""
         [page] = self._pools[name].take(1).tolist()
@@ -290,7 +343,7 @@ class HostTier:
         unit record ``ref`` in every case (released here when the block is not kept).
 
         Returns:
-            the page, or ``None``: a per-request group (``state_policy="skip"``), or every
+            the page, or ``None``: a per-request group under ``state_policy="skip"``, or every
             page pinned by a queued copy (counted in ``dropped``). A key already held keeps
             its page (touched, no copy; counted in ``repeats``).
 
@@ -315,7 +368,7 @@ class HostTier:
                 f"device block {device_block} of group {name!r} has an offload queued already; "
                 "take_offloads() hands it to the worker before the block may be demoted again"
             )
-        if name in self.per_request:
+        if name in self.recomputed:
             _bump(self.stats.skipped, name)
             self._let_go(ref)
             return None
@@ -371,8 +424,8 @@ class HostTier:
         every key of every group is held (all or nothing), and the first one missing stops
         the count. Nothing changes.
 
-        A per-request group holds nothing (``state_policy="skip"``): a span that needs one of
-        its keys is not held.
+        A per-request group holds nothing under ``state_policy="skip"``: a span that needs
+        one of its keys is not held.
 
         Raises:
             ArgumentError: a group the tier does not keep, or a span that is not a mapping.
@@ -525,14 +578,17 @@ class HostTier:
 
     def __repr__(self) -> str:
         held = {g: len(ix) for g, ix in self._index.items()}
-        return f"HostTier({self.policy}, pages held {held})"
+        return f"HostTier({self.policy}, {self.state_policy}, pages held {held})"
 
 
 # ---------------------------------------------------------------------- wiring
 
 
 def attach(
-    manager: BlockManager, num_pages: Mapping[str, int], policy: HostTierPolicy = "eviction"
+    manager: BlockManager,
+    num_pages: Mapping[str, int],
+    policy: HostTierPolicy = "eviction",
+    state_policy: StatePolicy = "skip",
 ) -> HostTier:
     """Give ``manager`` a host tier: from now on every served prefix block one of its device
     pools evicts (a take that finds the free stack short, a slab move of an arena, a swap in's
@@ -543,8 +599,12 @@ def attach(
 
     Raises:
         RuntimeError: prefix caching is off, or the manager has a host tier already.
-        ArgumentError: a group ``num_pages`` names is not the manager's, a bad count or
-            policy.
+        ArgumentError: a group ``num_pages`` names is not the manager's, a bad count,
+            ``policy`` or ``state_policy``.
+
+    With ``state_policy="aligned"``, the per-request groups ``num_pages`` names keep the
+    snapshots the prefix cache registered (at ``snapshot_interval``-aligned boundaries) as
+    any other group keeps its blocks; under ``"skip"`` they keep none.
     With ``policy="write_through"``, every block a step registers is also demoted at once
     (its device copy stays cached): the page holds it from completion, so a remote tier behind
     the host tier can publish it while the device still serves it.
@@ -556,6 +616,7 @@ def attach(
         if manager._host_tier is not None:
             raise RuntimeError("this scheduler has a host tier already")
         check_host_tier_policy(policy)
+        check_state_policy(state_policy)
         if isinstance(num_pages, Mapping):
             unknown = sorted(set(num_pages) - set(manager.groups), key=str)
             if unknown:
@@ -564,7 +625,7 @@ def attach(
                 )
         tables = manager._t
         snapshots = {g.spec.name for g in tables.groups if g.per_request}
-        tier = HostTier(num_pages, prefix.records, snapshots, policy)
+        tier = HostTier(num_pages, prefix.records, snapshots, policy, state_policy)
         for pool, _ in tables.pools:
             pool.on_evict = functools.partial(_demote, manager, tier, pool, pool.on_evict)
         if policy == "write_through":
@@ -608,8 +669,9 @@ def _demote(
         if entry is None:
             continue  # a waiting copy: its key is served by another block
         name = groups[entry.group].spec.name
-        if name not in tier._pools or name in tier.per_request or b in tier._queued[name]:
+        if name not in tier._pools or b in tier._queued[name]:
             continue  # kept nowhere, or (never expected) its previous offload is still queued
+        # a snapshot under "skip" goes to demote too: counted as skipped, its reference let go
         if entry.ref is not None:  # the page's own reference: the prefix cache drops its own
             prefix.records.retain(entry.ref)
         tier.demote(name, entry.key, entry.end, b, entry.ref, entry.proof)

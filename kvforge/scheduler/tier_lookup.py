@@ -7,12 +7,16 @@ serves them as it serves any cached block.
 (:func:`kvforge.scheduler.host_tier.attach`). For each prompt it finds the longest boundary
 ``L`` whose blocks are all held on the device *or* the host (a full group every block of
 ``[0, L)``, a window or state group the tail the step after ``L`` reads, a per-request group
-a device snapshot at ``L``: the host keeps none). The blocks only the host holds get device
+a snapshot taken at exactly ``L``: on the device, or under the host tier's
+``state_policy="aligned"`` on the host too; under ``"skip"`` the host keeps none, so a
+snapshot the device lost is recomputed). The blocks only the host holds get device
 blocks (taken as any block is: free first, then the least recently used cached block, which
 is demoted in turn), their pages are pinned and their onloads queued, and the blocks are
 registered in the device prefix cache with the unit record and tail proof their page kept, so
-the device lookup confirms them exactly. When the device cannot give every block at ``L``,
-shorter boundaries are tried; the device part is never evicted to make room for the host part.
+the device lookup confirms them exactly (a snapshot's record is the one at ``L``: the chain's
+unit records up to ``L`` confirm it as they confirm a full block ending there). When the
+device cannot give every block at ``L``, shorter boundaries are tried; the device part is
+never evicted to make room for the host part.
 
 Invariants (``tests/scheduler/test_tier_lookup.py``):
 
@@ -85,6 +89,9 @@ class PromptPlan:
         self._tails: dict[int, tuple[bytes, bytes, bytes]] = {}
         self.groups: list[GroupTable] = manager._t.groups
         self.device = {g.spec.name: prefix._cached[g.spec.name] for g in self.groups}
+        tier = manager._host_tier
+        #: the per-request groups whose snapshots the tiers keep (``state_policy="aligned"``)
+        self.kept_snapshots = frozenset() if tier is None else tier.per_request - tier.recomputed
 
     def key_at(self, t: int) -> bytes:
         """The key of the block that ends at token ``t``."""
@@ -109,15 +116,18 @@ class PromptPlan:
         return key in self.device[g.spec.name]
 
     def needed(self, length: int) -> list[tuple[int, GroupTable, list[tuple[bytes, int]]]] | None:
-        """Per group, ``(key, end)`` of the blocks a hit of ``length`` reads (None: a
-        per-request group has no device snapshot there; the tiers keep none)."""
+        """Per group, ``(key, end)`` of the blocks a hit of ``length`` reads, a per-request
+        group's snapshot at ``length`` included (None: no snapshot can be there: ``length``
+        is not aligned, or the group's snapshots are recomputed and the device has none)."""
         out = []
         for gi, g in enumerate(self.groups):
             if g.per_request:
                 if g.slots != 1 or length % self.prefix.snapshot_interval:
                     return None
-                if not self.on_device(g, self.key_at(length)):
+                key = self.key_at(length)
+                if g.spec.name not in self.kept_snapshots and not self.on_device(g, key):
                     return None
+                out.append((gi, g, [(key, length)]))  # pinned with the device part
                 continue
             c0 = 0 if g.history else g.rule.tail_start(g.spec, length) // g.block_size
             ends = [(c + 1) * g.block_size for c in range(c0, length // g.block_size)]
@@ -179,7 +189,8 @@ def _restore(
         (
             g.pool,
             np.array(
-                [prefix._cached[g.spec.name][k] for k in ks if on_device(g, k)], dtype=np.int32
+                [prefix._cached[g.spec.name][k] for k, _ in ks if on_device(g, k)],
+                dtype=np.int32,
             ),
         )
         for _, g, ks in need

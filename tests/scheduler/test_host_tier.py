@@ -1,7 +1,8 @@
 """The host tier's scheduler side (``kvforge.scheduler.host_tier``): demotion queues an offload
 and keeps the exact check's record alive, lookups reach across held spans all or nothing,
 onloads pin their pages until handed out, the least recently used page goes when the pool is
-full (a shorter hit), per-request snapshots are skipped, and bad inputs change nothing."""
+full (a shorter hit), per-request snapshots are skipped under the default ``state_policy``
+(``"aligned"`` is tested in ``test_state_snapshots_tier.py``), and bad inputs change nothing."""
 
 from __future__ import annotations
 
@@ -255,7 +256,8 @@ BAD_TIERS = [
     ({"kv": True}, {}, r"num_pages\['kv'\] must be an int >= 2"),
     ({"": 4}, {}, "group names are non-empty str"),
     ({"kv": 4}, {"policy": "lazy"}, "host_tier_policy must be 'eviction' or 'write_through'"),
-    ({"kv": 4}, {"state_policy": "store"}, "state_policy must be 'skip'"),
+    ({"kv": 4}, {"state_policy": "store"}, "state_policy must be 'skip' or 'aligned', got 'store'"),
+    ({"kv": 4}, {"state_policy": None}, "state_policy must be 'skip' or 'aligned', got None"),
 ]
 
 
@@ -279,7 +281,8 @@ def test_policies():
     assert check_host_tier_policy("eviction") == "eviction"
     assert tier(policy="write_through")[0].policy == "write_through"
     assert tier()[0].policy == "eviction"
-    assert repr(tier()[0]).startswith("HostTier(eviction")
+    assert repr(tier()[0]).startswith("HostTier(eviction, skip")
+    assert tier(state_policy="aligned")[0].state_policy == "aligned"
 
 
 # ------------------------------------------------------------------ wired to a BlockManager
@@ -351,6 +354,7 @@ BAD_ATTACH = [
     ({}, {"nope": 4}, {}, ArgumentError, r"num_pages names groups \['nope'\]"),
     ({}, {"kv": 1}, {}, ArgumentError, r"num_pages\['kv'\] must be an int >= 2"),
     ({}, {"kv": 4}, {"policy": "lazy"}, ArgumentError, "host_tier_policy must be"),
+    ({}, {"kv": 4}, {"state_policy": "lazy"}, ArgumentError, "state_policy must be 'skip' or"),
 ]
 
 
