@@ -211,8 +211,9 @@ class BlockPool:
                 uniq, counts = np.unique(block_ids, return_counts=True)
                 bad = counts > self._ref[uniq]
                 self._over_release(int(uniq[bad][0]), int(counts[bad][0]))
-            self._ref[block_ids] = held - 1
-            zero = block_ids[held == 1]
+            # unshared, every held block has exactly one reference: all of them reach zero
+            self._ref[block_ids] = 0
+            zero = block_ids
         if self._ever_retained:
             keyed = self._retained[zero]
             if keyed.any():
