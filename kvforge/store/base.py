@@ -1,6 +1,10 @@
 """What both adapters share: argument checks, the registry of host buffers, server keys, the
 counters, the back-off after a client error, the bounded put queue and a close that returns.
 
+Batches: ``exists_prefix`` and ``batch_put`` send up to ``max_batch_keys`` keys per round trip;
+``batch_get_into`` also cuts at ``max_get_batch_bytes`` of payload (:meth:`StoreBase._get_batches`),
+so the client reads its replies a few MiB at a time.
+
 Invariants: the store object owns every piece of state here (one lock, ``_lock``, guards the
 registry, the counters and the back-off; the put queue guards itself). A client call is made
 only through the adapter's ``_exists`` / ``_put`` / ``_write_encoded`` / ``_get``, and any
@@ -85,6 +89,9 @@ class StoreBase:
     """The shared half of an adapter; subclasses implement the four client calls."""
 
     backend: ClassVar[str] = "base"
+    #: payload bytes per ``batch_get_into`` round trip when the config's
+    #: ``max_get_batch_bytes`` is None (None: only ``max_batch_keys`` limits a round trip)
+    default_get_batch_bytes: ClassVar[int | None] = None
 
     def __init__(self, config: StoreConfig, fingerprint: bytes) -> None:
         if not isinstance(config, StoreConfig):
@@ -187,6 +194,23 @@ class StoreBase:
     def _batches(self, n: int) -> list[range]:
         step = self._config.max_batch_keys
         return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+    def _get_batches(self, spans: Sequence[Span]) -> list[range]:
+        """The round trips of ``batch_get_into``: consecutive runs of ``spans`` of at most
+        ``max_batch_keys`` values and at most ``max_get_batch_bytes`` of payload (a value
+        larger than that is a round trip alone)."""
+        most = self._config.max_batch_keys
+        limit = self._config.max_get_batch_bytes or self.default_get_batch_bytes
+        batches, start, size = [], 0, 0
+        for i, span in enumerate(spans):
+            full = i - start >= most or (limit is not None and size + span.nbytes > limit)
+            if i > start and full:
+                batches.append(range(start, i))
+                start, size = i, 0
+            size += span.nbytes
+        if start < len(spans):
+            batches.append(range(start, len(spans)))
+        return batches
 
     def _name(self, key: bytes) -> str:
         return server_key(self._config.namespace, self._fingerprint, key)
@@ -311,7 +335,7 @@ class StoreBase:
         keys = _check_keys(keys, "batch_get_into")
         spans = self._spans(keys, destinations, "batch_get_into", "destinations", writable=True)
         reasons: list[MissReason | None] = [MissReason.UNAVAILABLE] * len(keys)
-        for part in self._batches(len(keys)):
+        for part in self._get_batches(spans):
             if not self._available():
                 break
             try:

@@ -101,6 +101,10 @@ class StoreConfig(BaseSettings):
     max_inflight_puts: int = Field(64, ge=1, le=1 << 20)
     #: keys sent in one round trip at most; larger batches are split
     max_batch_keys: int = Field(256, ge=1, le=1 << 16)
+    #: payload bytes one round trip of ``batch_get_into`` reads at most (a larger value is read
+    #: alone); None: the adapter's default (Redis 4 MiB, Mooncake no limit), see
+    #: ``docs/tiered_store.md``
+    max_get_batch_bytes: int | None = Field(None, ge=1, le=1 << 40)
     #: a value (header + payload) larger than this is not put (counted as ``too_large``)
     max_value_bytes: int = Field(64 << 20, ge=1)
 

@@ -1,10 +1,15 @@
 """The Redis adapter of the remote tier (redis-py): pipelined SET / GET / EXISTS, one round trip
-per batch of up to ``max_batch_keys`` keys, every socket bounded by the config's timeouts.
+per batch of up to ``max_batch_keys`` keys (a GET batch also up to ``max_get_batch_bytes`` of
+payload), every socket bounded by the config's timeouts. SET and GET are packed by hand, and
+GET's replies are read off the socket by the adapter, so payloads move in place.
 
 Invariants: redis-py's own retries are off (one attempt, then a miss and ``retry_after_s`` of
 back-off), so a down or frozen server costs at most ``op_timeout_s`` per back-off period, never a
-hang; a value read is checked whole (``kvforge.store.value.decode``) before one byte reaches a
-destination; ``redis`` is imported when a store is built, so ``kvforge.store`` imports without it.
+hang; a value read is a hit only once its header and checksum are checked against the bytes in
+the destination (``kvforge.store.value.check``; after a miss the destination's bytes are
+unspecified, as the protocol says); a connection whose replies were not all read is dropped,
+never returned to the pool; ``redis`` is imported when a store is built, so ``kvforge.store``
+imports without it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 
 from kvforge.store.base import Span, StoreBase
 from kvforge.store.config import StoreConfig
-from kvforge.store.value import MissReason, decode, encode_header
+from kvforge.store.value import HEADER_SIZE, MissReason, check, decode, encode_header
 
 __all__ = ["RedisStore"]
 
@@ -26,6 +31,9 @@ class RedisStore(StoreBase):
     """
 
     backend = "redis"
+    #: a get's replies 4 MiB at a time: 64 MiB of values came back in 35-37 ms here in round
+    #: trips of 2-8 MiB, 42-60 ms in one (``docs/performance.md``, Tiers)
+    default_get_batch_bytes = 4 << 20
 
     def __init__(self, config: StoreConfig, fingerprint: bytes) -> None:
         super().__init__(config, fingerprint)
@@ -88,9 +96,7 @@ class RedisStore(StoreBase):
         ok = [reply is True for reply in replies]
         refused = [reply for reply in replies if isinstance(reply, BaseException)]
         if refused:  # a live server said no (e.g. OOM under noeviction): no back-off
-            self._note_error(
-                f"put refused: {type(refused[0]).__name__}: {refused[0]}", trip=False
-            )
+            self._note_error(f"put refused: {type(refused[0]).__name__}: {refused[0]}", trip=False)
         return ok
 
     def _put(self, items: list[tuple[str, bytes, Span]]) -> list[bool]:
@@ -123,34 +129,65 @@ class RedisStore(StoreBase):
             pool.release(conn)
         refused = [r for r in replies if isinstance(r, BaseException)]
         if refused:  # a live server said no (e.g. OOM under noeviction): no back-off
-            self._note_error(
-                f"put refused: {type(refused[0]).__name__}: {refused[0]}", trip=False
-            )
+            self._note_error(f"put refused: {type(refused[0]).__name__}: {refused[0]}", trip=False)
         return [r == b"OK" for r in replies]
 
     def _write_encoded(self, items: list[tuple[str, bytes]]) -> list[bool]:
         return self._set_all([name for name, _ in items], [value for _, value in items])
 
     def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
-        pipe = self._pipeline()
+        """``GET`` each value, packed by hand, and read the replies off the socket without
+        redis-py's reply parser: a value of the expected size goes header-first straight into
+        the destination (``recv_into``, no copy), then is checked in place; any other value
+        is read whole and decoded, so it is the miss it was before. redis-py's parser read a
+        2 MiB value in 64 KiB pieces through a growing buffer and copied it three times, most
+        of a get's time (``docs/performance.md``, Tiers)."""
+        commands = []
         for name, _, _ in items:
-            pipe.get(name)
-        replies = pipe.execute(raise_on_error=False)
-        reasons: list[MissReason | None] = []
-        for (_, key, span), reply in zip(items, replies, strict=True):
-            if reply is None:
-                reasons.append(MissReason.ABSENT)
-            elif isinstance(reply, BaseException):
-                self._note_error(f"get refused: {type(reply).__name__}: {reply}", trip=False)
-                reasons.append(MissReason.STORE_ERROR)
-            else:
-                payload = decode(reply, key, self._fingerprint, expected_length=span.nbytes)
-                if isinstance(payload, MissReason):
-                    reasons.append(payload)
-                else:
-                    span.view[:] = payload
-                    reasons.append(None)
+            raw = name.encode()
+            commands.append(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw))
+        pool = self._client.connection_pool
+        conn = pool.get_connection()  # the pool checked it has nothing left unread
+        try:
+            conn.send_packed_command([b"".join(commands)])
+            replies = _Replies(conn._sock)
+            reasons = [self._read_value(replies, key, span) for _, key, span in items]
+        except BaseException:
+            conn.disconnect()  # unread replies must not reach the next caller
+            raise
+        finally:
+            pool.release(conn)
         return reasons
+
+    def _read_value(self, replies: _Replies, key: bytes, span: Span) -> MissReason | None:
+        """Read one ``GET`` reply: ``None`` once the value is in ``span`` and checked."""
+        line = replies.line()  # RESP2 or RESP3, whichever the connection speaks
+        if line.startswith((b"-", b"!")):  # an error, e.g. WRONGTYPE: the server said no
+            if line.startswith(b"!"):  # RESP3's bulk error: its text follows
+                text = bytearray(int(line[1:]))
+                replies.read_into(memoryview(text))
+                replies.end()
+                line = b"!" + bytes(text)
+            self._note_error(f"get refused: {line[1:].decode(errors='replace')}", trip=False)
+            return MissReason.STORE_ERROR
+        if line == b"_":  # RESP3's null
+            return MissReason.ABSENT
+        if not line.startswith(b"$"):
+            raise ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
+        length = int(line[1:])
+        if length < 0:  # RESP2's null
+            return MissReason.ABSENT
+        if length == HEADER_SIZE + span.nbytes:
+            header = bytearray(HEADER_SIZE)
+            replies.read_into(memoryview(header))
+            replies.read_into(span.view)
+            replies.end()
+            return check(header, span.view, key, self._fingerprint)
+        blob = bytearray(length)  # not this destination's size: a miss, as decode says why
+        replies.read_into(memoryview(blob))
+        replies.end()
+        reason = decode(blob, key, self._fingerprint, expected_length=span.nbytes)
+        return reason if isinstance(reason, MissReason) else MissReason.OTHER_LENGTH
 
     def _interrupt(self) -> None:
         # closing the pool's sockets makes a write blocked on a frozen server fail at once
@@ -159,3 +196,44 @@ class RedisStore(StoreBase):
     def _close_client(self, writer_stuck: bool) -> None:
         self._client.close()
         self._client.connection_pool.disconnect(inuse_connections=True)
+
+
+class _Replies:
+    """RESP2 replies read straight off a socket: lines through a small buffer, bulk payloads
+    into the caller's memory with ``recv_into`` (bytes already buffered are copied first)."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._pending = bytearray()
+
+    def _more(self) -> None:
+        chunk = self._sock.recv(256)  # a reply line is short; the rest stays for read_into
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self._pending += chunk
+
+    def line(self) -> bytes:
+        """The next line, without its CRLF."""
+        while (at := self._pending.find(b"\r\n")) < 0:
+            self._more()
+        line = bytes(self._pending[:at])
+        del self._pending[: at + 2]
+        return line
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill ``view`` with the next ``len(view)`` bytes."""
+        got = min(len(self._pending), view.nbytes)
+        view[:got] = self._pending[:got]
+        del self._pending[:got]
+        while got < view.nbytes:
+            n = self._sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError("the server closed the connection")
+            got += n
+
+    def end(self) -> None:
+        """Consume the CRLF that ends a bulk reply."""
+        crlf = bytearray(2)
+        self.read_into(memoryview(crlf))
+        if crlf != b"\r\n":
+            raise ConnectionError(f"a bulk reply did not end with CRLF: {bytes(crlf)!r}")

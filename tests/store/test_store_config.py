@@ -34,6 +34,9 @@ def test_the_environment_sets_fields(monkeypatch):
     monkeypatch.setenv("kvforge_store_op_timeout_s", "0.5")
     config = StoreConfig()
     assert (config.backend, config.redis_port, config.op_timeout_s) == ("redis", 6390, 0.5)
+    assert config.max_get_batch_bytes is None  # the adapter's default
+    monkeypatch.setenv("KVFORGE_STORE_MAX_GET_BATCH_BYTES", "1048576")
+    assert StoreConfig().max_get_batch_bytes == 1 << 20
 
 
 def test_arguments_beat_the_environment_which_beats_a_file(tmp_path, monkeypatch):
@@ -68,6 +71,10 @@ BAD = [
     ({"op_timeout_s": 0}, ["op_timeout_s", "input_value=0"]),
     ({"connect_timeout_s": -1.0}, ["connect_timeout_s", "-1.0"]),
     ({"max_value_bytes": 0}, ["max_value_bytes", "input_value=0"]),
+    ({"max_get_batch_bytes": 0}, ["max_get_batch_bytes", "input_value=0"]),
+    ({"max_get_batch_bytes": -4096}, ["max_get_batch_bytes", "-4096"]),
+    ({"max_get_batch_bytes": 1 << 41}, ["max_get_batch_bytes", str(1 << 41)]),
+    ({"max_get_batch_bytes": "2MiB"}, ["max_get_batch_bytes", "2MiB"]),
     ({"namespace": "a b"}, ["namespace", "a b"]),
     ({"namespace": ""}, ["namespace"]),
     ({"redis_host": " host"}, ["redis_host", "' host'"]),

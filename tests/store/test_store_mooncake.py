@@ -5,6 +5,8 @@ put, counted; never an exception, never wrong bytes, never a hang."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 import time
 
@@ -66,6 +68,30 @@ def test_put_then_get_is_byte_exact(mooncake_master, stores):
     assert store._client.get(name_of(store, ks[0])) == encode(ks[0], LAYOUT_A, src.page(0))
     stats = store.stats()
     assert (stats.puts_ok, stats.gets_hit, stats.gets_missed, stats.errors) == (8, 8, 0, 0)
+
+
+def counted(get, asked: list[int], items):
+    """A store's ``_get`` that also records how many values each round trip asked for."""
+    asked.append(len(items))
+    return get(items)
+
+
+def test_gets_cut_by_bytes_round_trip_exactly(mooncake_master, stores):
+    # Mooncake has no byte limit by default (each of its batches costs round trips to the
+    # master); a set max_get_batch_bytes cuts gets as for Redis, header slots reused per trip
+    sizes = [40 << 10, 24 << 10, 64 << 10, 8 << 10, 100 << 10]  # at 64 KiB: 2, 1, 1, 1 values
+    store = make(stores, mooncake_master, max_get_batch_bytes=64 << 10)
+    src, dst = Pages(1, sum(sizes), seed=21), Pages(1, sum(sizes), seed=22)
+    store.register_buffer(src.buf)
+    store.register_buffer(dst.buf)
+    at = list(itertools.pairwise([sum(sizes[:i]) for i in range(len(sizes) + 1)]))
+    ks = keys(len(sizes), tag=b"cut")
+    assert store.batch_put(ks, [src.buf[a:b] for a, b in at]) == [True] * 5
+    asked: list[int] = []
+    store._get = functools.partial(counted, store._get, asked)
+    assert store.batch_get_into(ks, [dst.buf[a:b] for a, b in at]) == sizes
+    assert asked == [2, 1, 1, 1] and bytes(dst.buf) == bytes(src.buf)
+    assert store.stats().gets_hit == 5 and store.stats().errors == 0
 
 
 def test_batches_are_split_and_exists_counts_leading_keys(mooncake_master, stores):
