@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -78,6 +79,24 @@ def mooncake_net() -> Iterator[Net]:
 _ports = iter(range(50051, 60000, 2))
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_pair() -> int:
+    """The next master port whose metrics port (``port + 1``) is free too: the clients of
+    earlier tests keep listeners on ports of their own choosing in the same namespace."""
+    for port in _ports:
+        if _bindable(port) and _bindable(port + 1):
+            return port
+    raise RuntimeError("no free pair of ports left in 50051..60000")
+
+
 @pytest.fixture
 def mooncake_master(mooncake_net: Net, tmp_path) -> Iterator[MooncakeMaster]:
     """A fresh master per test, on a port no earlier test's clients (some are left open on
@@ -86,7 +105,7 @@ def mooncake_master(mooncake_net: Net, tmp_path) -> Iterator[MooncakeMaster]:
         pytest.skip("mooncake-transfer-engine-non-cuda is not installed (.ci/run installs it)")
     if not mooncake_net.private:
         pytest.skip(f"Mooncake's listeners need a private network namespace: {mooncake_net.why}")
-    port = next(_ports)
+    port = _free_pair()
     master = MooncakeMaster(port, port + 1, tmp_path / "master.log")
     master.start()
     try:
