@@ -387,6 +387,11 @@ def _blake2b(data: bytes) -> bytes:
 _ALGORITHMS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "blake2b": _blake2b}
 
 
+_U4 = np.dtype("<u4")
+_NO_ITEMS = struct.pack("<I", 0)
+"""``u32 M`` of a payload without multimodal items (``M = 0``)."""
+
+
 @functools.lru_cache(maxsize=32)
 def _payload_dtype(unit: int) -> np.dtype:
     """One unit's payload without multimodal items, as a packed little-endian record."""
@@ -403,6 +408,8 @@ def _token_array(tokens: object) -> np.ndarray:
         raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype="<u4")
+    if arr.dtype == _U4:  # every unsigned 32-bit value is a token id
+        return arr
     if arr.dtype.kind == "O":
         for i, value in enumerate(arr.tolist()):
             if type(value) is not int:
@@ -414,7 +421,8 @@ def _token_array(tokens: object) -> np.ndarray:
         return arr.astype("<u4")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got an array of {arr.dtype}")
-    if arr.min() < 0 or arr.max() >= _TOKEN_LIMIT:
+    lo, hi = arr.min(), arr.max()
+    if lo < 0 or hi >= _TOKEN_LIMIT:
         i = int(np.flatnonzero((arr < 0) | (arr >= _TOKEN_LIMIT))[0])
         raise ValueError(
             f"token ids are unsigned 32-bit: tokens[{i}] = {int(arr[i])} is outside [0, 2**32)"
@@ -727,11 +735,14 @@ class PrefixHasher:
             tokens = self._pending[:n].astype("<u4").tobytes()
         index = (base - batch.start) // unit - 1
         parent = batch.parent if index < 0 else batch.keys[index]
-        items = [
-            self._mm_enc[i]
-            for i in np.flatnonzero((self._mm_ends > base) & (self._mm_starts < end)).tolist()
-        ]
-        body = struct.pack("<QI", base, n) + tokens + _U32(len(items)) + b"".join(items)
+        if self._mm_enc:
+            items = [
+                self._mm_enc[i]
+                for i in np.flatnonzero((self._mm_ends > base) & (self._mm_starts < end)).tolist()
+            ]
+            body = struct.pack("<QI", base, n) + tokens + _U32(len(items)) + b"".join(items)
+        else:  # no multimodal items: the same bytes without three array passes per tail
+            body = struct.pack("<QI", base, n) + tokens + _NO_ITEMS
         key = self._digest(parent + body)
         if type(key) is not bytes:
             raise TypeError(f"algorithm returned {type(key).__name__}, not bytes")

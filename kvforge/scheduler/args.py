@@ -109,9 +109,11 @@ def token_array(tokens: object, name: str) -> np.ndarray:
         isinstance(v, bool) or not isinstance(v, int) for v in arr.tolist()
     ):
         raise ValueError(f"{name} must be a 1-d sequence of int token ids, got {tokens!r:.80}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT):
-        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise ValueError(f"{name} holds token id {bad}, outside [0, 2**32)")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= TOKEN_LIMIT:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds token id {bad}, outside [0, 2**32)")
     return arr.astype(np.int64, copy=False)
 
 

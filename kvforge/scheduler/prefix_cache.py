@@ -222,16 +222,15 @@ class PrefixCache:
             raise TypeError(
                 f"queries must be a sequence of PrefixQuery, got {type(queries).__name__}"
             )
+        checked = []
         for i, q in enumerate(queries):  # every query checked before any counter moves
             if not isinstance(q, PrefixQuery):
                 raise TypeError(f"queries[{i}] is a {type(q).__name__}, not a PrefixQuery")
-            token_array(q.token_ids, f"queries[{i}].token_ids")
-        return [self._lookup_one(q, i) for i, q in enumerate(queries)]
+            checked.append(token_array(q.token_ids, f"queries[{i}].token_ids"))
+        return [self._lookup_one(q, t) for q, t in zip(queries, checked, strict=True)]
 
-    def _lookup_one(self, query: PrefixQuery, index: int) -> PrefixMatch:
-        if not isinstance(query, PrefixQuery):
-            raise TypeError(f"queries[{index}] is a {type(query).__name__}, not a PrefixQuery")
-        tokens = token_array(query.token_ids, f"queries[{index}].token_ids")
+    def _lookup_one(self, query: PrefixQuery, tokens: np.ndarray) -> PrefixMatch:
+        """One query whose ``tokens`` :func:`token_array` checked (ids in ``[0, 2**32)``)."""
         n = len(tokens)
         hasher = self._hasher(query)
         stats = self.stats
@@ -242,7 +241,8 @@ class PrefixCache:
         if not self.enabled or top == 0:
             return self._sealed(0, {}, {}, {}, hasher, n)
         unit = self.unit
-        keys = hasher.extend(tokens[:top])  # the key at every unit end up to top
+        # the key at every unit end up to top; ids were checked, so uint32 holds them exactly
+        keys = hasher.extend(tokens[:top].astype(np.uint32))
         self._collided = False
 
         tails: dict[int, tuple[bytes, bytes, bytes]] = {}
