@@ -18,6 +18,7 @@ from kvforge import CacheController, GQABackend
 from kvforge.core.values import PrefixQuery
 from kvforge.remote_tier import layout_fingerprint
 from kvforge.store import StoreConfig, open_store
+from kvforge.verify import token_seeds, verify_request
 
 pytestmark = pytest.mark.skipif(not HAVE_REDIS, reason="redis-server or redis-py missing")
 
@@ -28,7 +29,10 @@ def other_process(role: str, model: str, port: int) -> dict:
     """Run one engine in a fresh process (it inherits this thread's network namespace)."""
     out = subprocess.run(
         [sys.executable, str(HERE / "_remote_engine.py"), role, model, str(port)],
-        capture_output=True, text=True, timeout=300, cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=HERE,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -39,24 +43,24 @@ def other_process(role: str, model: str, port: int) -> dict:
 )
 def test_two_processes_share_a_prefix_byte_for_byte(redis_server, model, longest):
     wrote = engine.main("write", model, redis_server.port)  # this process writes
-    assert wrote["published"] > 0 and wrote["puts_ok"] == wrote["published"]
+    # every value queued and written, none dropped: else the reader's hit ends early
+    assert engine.all_landed(wrote), f"the writer's values did not all land: {wrote}"
     read = other_process("read", model, redis_server.port)  # another process reads
     # served to the prompt's last boundary, all of it from the store, every entry verified
-    assert read["hit_tokens"] == longest == read["reach_tokens"]
-    assert read["fetched"] > 0 and read["fetch_misses"] == 0
-    assert read["entries"] > 0 and read["mismatched"] == 0
+    assert engine.served_whole(read, longest), f"reader {read}; writer {wrote}"
 
 
-def gqa_controller(port: int, **remote) -> CacheController:
+def gqa_controller(port: int, rank: int = 0, **store) -> CacheController:
+    """A GQA engine (a window and a full group) whose remote tier is Redis at ``port``;
+    ``store``: fields of its StoreConfig other than the defaults here."""
     swa = GQABackend(2, 8, block_size=16, sliding_window=32)
     kv = GQABackend(2, 8, block_size=16)
     ctl = CacheController({0: swa, 1: kv, 2: swa, 3: kv}, enable_prefix_caching=True)
     ctl.initialize_kv_cache(num_blocks=32, max_num_seqs=2, max_model_len=512)
     ctl.initialize_host_tier(num_pages=64, policy="write_through")
-    ctl.initialize_remote_tier(
-        StoreConfig(backend="redis", redis_port=port, op_timeout_s=1.0, retry_after_s=0.1,
-                    close_timeout_s=1.0), **remote
-    )
+    base = dict(op_timeout_s=1.0, retry_after_s=0.1, close_timeout_s=1.0)
+    config = StoreConfig(backend="redis", redis_port=port, **{**base, **store})
+    ctl.initialize_remote_tier(config, rank=rank)
     return ctl
 
 
@@ -105,6 +109,56 @@ def test_a_store_that_is_down_costs_hits_only(redis_server):
         assert not ctl.remote_tier.store.stats().available
     finally:
         ctl.free()
+
+
+def test_a_writer_that_falls_behind_drops_pages_and_counts_them(redis_server):
+    """What once failed the two-process test on a loaded machine: pages published while the
+    writer's earlier puts have not landed fill the bounded queue, and ``put_async`` drops the
+    rest. The steps never wait for the store; ``published`` counts only the queued pages and
+    ``puts_dropped`` the others; a reader's hit ends before the first dropped page (512 of
+    1,280 tokens there, the first chunk; here 64 of 144), with the writer's bytes."""
+    toks = list(range(1, 161))
+    whole = gqa_controller(redis_server.port, namespace="whole")  # nothing dropped
+    try:
+        write_prompt(whole, toks)
+        assert whole.remote_tier.store.stats().puts_dropped == 0
+        pages = whole.remote_tier.stats.published
+    finally:
+        whole.free()
+    chunk = 64
+    bound = 2 * chunk // 16  # the pages of the first chunk: 4 blocks in each of 2 groups
+    writer = gqa_controller(
+        redis_server.port, namespace="behind", max_inflight_puts=bound, op_timeout_s=60.0
+    )
+    try:
+        redis_server.freeze()  # the writer takes its first value and waits on the server
+        try:
+            engine.run(writer, "a", toks, chunk)  # publishes chunk by chunk, never waits
+            writer.free_request("a")
+            behind = writer.remote_tier.store.stats()
+        finally:
+            redis_server.thaw()
+        assert writer.remote_tier.store.flush(30)
+        published = writer.remote_tier.stats.published
+        stats = writer.remote_tier.store.stats()
+        assert published == bound < pages, (published, pages, stats)
+        assert behind.inflight_puts == bound and behind.puts_ok == 0, behind
+        assert stats.puts_dropped == pages - bound and stats.puts_ok == bound, stats
+    finally:
+        writer.free()
+    hits = {}
+    for namespace in ("whole", "behind"):
+        reader = gqa_controller(redis_server.port, namespace=namespace)
+        try:
+            [match] = reader.lookup([PrefixQuery(toks)])
+            hits[namespace] = match.num_tokens
+            engine.run(reader, "b", toks, chunk, match)  # reuses what the store gave
+            check = verify_request(reader, "b", token_seeds(toks))
+            assert check.entries > 0 and check.mismatched == 0, (namespace, check)
+        finally:
+            reader.free()
+    # the first chunk's pages landed, the later ones were dropped: the hit ends there
+    assert hits == {"whole": 144, "behind": chunk}, hits
 
 
 def test_another_layouts_values_are_never_read(redis_server):
