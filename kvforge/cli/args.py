@@ -476,4 +476,13 @@ def _add_bench(bench: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="use this Mooncake master (default: start one)",
     )
+    tiers.add_argument(
+        "--mooncake-segment",
+        choices=["remote", "here"],
+        default=None,
+        help="who lends Mooncake the memory values live in: remote (default) a second "
+        "process, mooncake_client, started with the master (with --mooncake-master: the "
+        "cluster's own clients), so puts and gets cross TCP; here: the bench's own client, "
+        "so the raw put and get are a memcpy inside the process",
+    )
     add_plugin_option(bench, argparse.SUPPRESS)

@@ -424,7 +424,7 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
 #: ``kvforge bench`` flags that mean nothing with ``--tiers``, and their defaults.
 IGNORED_WITH_TIERS = {"step": False, "prefix": False, "warm_cache": False}
 #: flags that mean something only with ``--tiers``.
-TIERS_ONLY = {"redis": None, "mooncake_master": None, "remote": None}
+TIERS_ONLY = {"redis": None, "mooncake_master": None, "remote": None, "mooncake_segment": None}
 
 
 def check_tier_flags(args: argparse.Namespace) -> None:
@@ -472,6 +472,7 @@ def cmd_tiers(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.no_progress,
         notes=notes,
+        mooncake_segment=args.mooncake_segment or "remote",
     )
     print_records(records, notes)
     if args.json:

@@ -7,11 +7,14 @@ Three kinds of record (plain dicts; ``tier``, ``direction``, ``bytes``, ``gbps``
 - ``tier="host"``, ``put`` / ``get``: device blocks to host tier pages and back
   (:meth:`~kvforge.worker.host_tier.HostTierPages.move`, one gather or scatter per group),
   against one contiguous ``torch`` copy of as many bytes (``client_gbps``).
-- ``tier="redis"`` / ``"mooncake"``, ``put``: the gather into host pages, the value's
-  checksum and header, and the put through the kvforge adapter
-  (:func:`kvforge.store.open_store`), against the raw client putting the same number of
-  values, of the same sizes, from one pre-packed buffer (Redis: one pipeline of ``SET``;
-  Mooncake: ``batch_put_from`` out of a registered buffer). ``get``: the adapter's
+- ``tier="redis"`` / ``"mooncake"``, ``put``: the value's checksum and header and the put
+  through the kvforge adapter (:func:`kvforge.store.open_store`) from the device blocks,
+  against the raw client putting the same number of values, of the same sizes, from one
+  pre-packed buffer (Redis: one pipeline of ``SET``; Mooncake: ``batch_put_from`` out of a
+  registered buffer). Two ways of putting are timed (on CPU) and recorded
+  (``blocks_seconds``, ``gathered_seconds`` and their ratios): straight from the planes of the
+  device blocks (``batch_put_blocks``) and gathered into host pages first (``batch_put``);
+  the record's ``seconds`` is the one :data:`PUT_FROM` names (``put_from``). ``get``: the adapter's
   ``batch_get_into`` (checksums checked) and the scatter into device blocks, against the raw
   client's get of the same values into one buffer (Redis: a pipeline of ``GET``, each reply
   copied into the buffer; Mooncake: ``batch_get_into``).
@@ -20,6 +23,10 @@ Three kinds of record (plain dicts; ``tier``, ``direction``, ``bytes``, ``gbps``
   reuses (every block of a full group, the tail of a window group; compressor state is
   recomputed, so not moved), against one contiguous copy of the same bytes. ``bytes`` is
   checked to be the unpadded host page sum, and the restored blocks to equal the source.
+
+Mooncake's records carry ``segment``: who lent the memory values are stored in
+(:func:`run_tiers`, ``--mooncake-segment``); by default another process, so that the raw client
+and kvforge both cross TCP to it, as they would to another machine.
 
 Timings are the best of ``repeats`` runs; CPU caches are flushed before each as in
 ``kvforge bench`` (:func:`kvforge.cli.timing.cache_flusher`). Servers the command starts run in
@@ -52,10 +59,20 @@ from kvforge.platform import Platform, get_platform
 from kvforge.store.value import CHECKSUM, encode_header
 from kvforge.worker.host_tier import HostTierPages
 
-__all__ = ["REMOTES", "TierCase", "default_cases", "run_tiers"]
+__all__ = ["REMOTES", "SEGMENTS", "TierCase", "default_cases", "run_tiers"]
 
 Record = dict[str, Any]
 REMOTES = ("redis", "mooncake")
+#: what kvforge's put reads, per store (on CPU, where device blocks are host memory; on an
+#: accelerator always "pages"): "blocks" puts straight from the device blocks' planes
+#: (``batch_put_blocks``: no gather, the checksum fed plane by plane), "pages" gathers into
+#: host pages first (``batch_put``). Both are timed and recorded; Mooncake reports "pages"
+#: because each plane is a buffer of its own to its transfer engine, which over TCP to
+#: another process made a put from 65 buffers per value 2.2-2.7x slower than from 2
+#: (``docs/performance.md``, Tiers)
+PUT_FROM = {"redis": "blocks", "mooncake": "pages"}
+#: who lends Mooncake its segment (:func:`run_tiers`)
+SEGMENTS = ("remote", "here")
 MIB = 1 << 20
 #: how long a store may take to answer before its records are skipped
 READY_TIMEOUT_S = 30.0
@@ -87,12 +104,24 @@ def missing(remote: str) -> str | None:
 
 @contextlib.contextmanager
 def servers(
-    remotes: Sequence[str], given: Mapping[str, str], notes: list[str]
+    remotes: Sequence[str],
+    given: Mapping[str, str],
+    notes: list[str],
+    segment: str = "here",
+    segment_bytes: int = 0,
 ) -> Iterator[dict[str, str]]:
     """The address of each remote to measure: the one ``given`` for it, else a server started
     here on 127.0.0.1 (inside a private network namespace when no address was given and
-    ``unshare`` works) and stopped by its pid on exit. Remotes that cannot run get a note."""
-    from kvforge.store.servers import MooncakeMaster, RedisServer, free_port, private_net
+    ``unshare`` works) and stopped by its pid on exit. Remotes that cannot run get a note.
+    ``segment="remote"``: a Mooncake master started here gets a second process,
+    ``mooncake_client``, lending it ``segment_bytes`` (the bench's client lends none)."""
+    from kvforge.store.servers import (
+        MooncakeMaster,
+        MooncakeSegmentHost,
+        RedisServer,
+        free_port,
+        private_net,
+    )
 
     wanted = []
     for remote in remotes:
@@ -120,6 +149,13 @@ def servers(
             stack.callback(server.stop)
             try:
                 server.start()
+                if remote == "mooncake" and segment == "remote":
+                    at = 50061 if private else free_port()
+                    host = MooncakeSegmentHost(
+                        at, server.address, segment_bytes, log_dir / "segment.log"
+                    )
+                    stack.callback(host.stop)
+                    host.start()
             except (OSError, RuntimeError) as exc:
                 notes.append(f"{remote}: skipped, its server did not start: {exc}")
                 continue
@@ -148,7 +184,26 @@ def open_remote(remote: str, address: str, segment_bytes: int) -> Any:
     if not store.wait_ready(READY_TIMEOUT_S):
         store.close()
         raise RuntimeError(f"{remote} at {address} did not answer: {store.stats()}")
+    if remote == "mooncake" and not _segment_mounted(store, READY_TIMEOUT_S):
+        store.close()
+        raise RuntimeError(f"no Mooncake segment is mounted at {address} to put into")
     return store
+
+
+def _segment_mounted(store: Any, timeout: float) -> bool:
+    """Whether a put succeeds within ``timeout`` s: a segment lent by another process is
+    mounted a little after that process's port answers."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    client = store._client
+    while True:
+        if client.put("kvforge-bench-probe", b"x") == 0:
+            client.remove("kvforge-bench-probe")
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------- the copies
@@ -176,6 +231,18 @@ class _Model:
     def views(self) -> list[torch.Tensor]:
         """Every page measured, one contiguous uint8 row each (the store's sources)."""
         return [self.tier.groups[g].pages[int(p)] for g, ps in self.pages.items() for p in ps]
+
+    def allocations(self) -> list[torch.Tensor]:
+        """Each device allocation the measured planes lie in, once, as a flat uint8 tensor:
+        what a store registers to put straight from the planes (on CPU, host memory)."""
+        found: dict[int, torch.Tensor] = {}
+        for g in self.src:
+            for plane in self.ctl.storage.planes(g):
+                storage = plane.untyped_storage()
+                if storage.data_ptr() not in found:
+                    flat = torch.empty(0, dtype=torch.uint8, device=plane.device)
+                    found[storage.data_ptr()] = flat.set_(storage)
+        return list(found.values())
 
     def moved(self) -> list[torch.Tensor]:
         """The bytes the copies read and write, for the cache flush."""
@@ -312,7 +379,12 @@ def _record(
 
 
 def _measure(
-    case: TierCase, platform: Platform, stores: Mapping[str, Any], repeats: int, notes: list[str]
+    case: TierCase,
+    platform: Platform,
+    stores: Mapping[str, Any],
+    repeats: int,
+    notes: list[str],
+    segment: str = "remote",
 ) -> list[Record]:
     """Every record of one case: host put and get (or restore), then each store's."""
     m = _build(case, platform)
@@ -350,7 +422,10 @@ def _measure(
         ]
     for remote, store in stores.items():
         try:
-            records += _measure_remote(remote, store, case, m, timed, flush, t_up, cache, extra)
+            where = {"segment": segment} if remote == "mooncake" else {}
+            records += _measure_remote(
+                remote, store, case, m, timed, flush, t_up, cache, extra | where
+            )
         except RuntimeError as exc:  # a refused put or a miss: say so, measure the rest
             notes.append(f"{remote}: {case.name} not measured: {exc}")
     m.ctl.free()
@@ -381,21 +456,32 @@ def run_tiers(
     device: str | None = None,
     progress: bool = True,
     notes: list[str] | None = None,
+    mooncake_segment: str = "remote",
 ) -> list[Record]:
     """Every record of every case, host tier first, then each of ``remotes`` that can run
     (at ``addresses`` where given, else on a server started here); what was skipped, and why,
-    is appended to ``notes``."""
+    is appended to ``notes``.
+
+    ``mooncake_segment``: who lends Mooncake the memory values are stored in. ``"remote"``
+    (default): another process (``mooncake_client``, started here with the master; with a
+    master given, the cluster's own clients), the bench's client lends none, so every put and
+    get crosses TCP to another process as it would to another machine. ``"here"``: the bench's
+    client lends it, and Mooncake's raw put and get are a ``memcpy`` inside this process."""
+    if mooncake_segment not in SEGMENTS:
+        raise ValueError(f"mooncake_segment must be one of {SEGMENTS}, got {mooncake_segment!r}")
     platform = get_platform(device)
     notes = notes if notes is not None else []
     most = max((_case_bytes(c, platform) for c in cases), default=0)
     records: list[Record] = []
-    with servers(remotes, addresses or {}, notes) as found, contextlib.ExitStack() as stack:
+    segment = 2 * most + 64 * MIB  # one put at a time: the store is emptied before each
+    lent = servers(remotes, addresses or {}, notes, mooncake_segment, segment)
+    with lent as found, contextlib.ExitStack() as stack:
         stores: dict[str, Any] = {}
         for remote, address in found.items():
-            segment = 2 * most + 64 * MIB  # one put at a time: the store is emptied before each
+            ours = 0 if remote == "mooncake" and mooncake_segment == "remote" else segment
             try:
                 stores[remote] = stack.enter_context(
-                    contextlib.closing(open_remote(remote, address, segment))
+                    contextlib.closing(open_remote(remote, address, ours))
                 )
             except (ImportError, OSError, RuntimeError) as exc:
                 notes.append(f"{remote}: skipped, {exc}")
@@ -405,7 +491,7 @@ def run_tiers(
 
             chosen = track(cases, description="benchmarking tiers", transient=True)
         for case in chosen:
-            records += _measure(case, platform, stores, repeats, notes)
+            records += _measure(case, platform, stores, repeats, notes, mooncake_segment)
     return records
 
 
@@ -450,13 +536,22 @@ def _measure_remote(
     cache: str,
     extra: dict[str, Any],
 ) -> list[Record]:
-    """One store's records of ``case``: put and get against the raw client, or restore."""
+    """One store's records of ``case``: put and get against the raw client, or restore.
+    ``extra`` goes into every record (a restore's facts, Mooncake's ``segment``)."""
+    where = {k: v for k, v in extra.items() if k == "segment"}
     views, pools = m.views(), [m.tier.groups[g].pages for g in m.pages]
     for pool in pools:
         store.register_buffer(pool)
+    on_cpu = m.ctl.storage.platform.device.type == "cpu"
+    planes = m.allocations() if on_cpu else []  # device memory cannot be sent from in place
+    for allocation in planes:
+        store.register_buffer(allocation)
     raw = _Raw(store, [v.numel() for v in views])
     label = f"{case.name}/{case.tokens or case.target_bytes}/{remote}"
     keys = _keys(label, "kvforge", len(views))
+    # the keys of each group's blocks, in the order of its pages (views are page-ordered)
+    cut = np.cumsum([0, *(len(m.src[g]) for g in m.pages)]).tolist()
+    group_keys = {g: keys[a:b] for g, a, b in zip(m.pages, cut, cut[1:], strict=False)}
     # Mooncake keeps a key's first value: every timed put starts with the store emptied, which
     # also keeps both sides on segment memory already touched (Redis overwrites in place)
     mooncake = store.config.backend == "mooncake"
@@ -467,10 +562,17 @@ def _measure_remote(
         if flush is not None:
             flush()
 
-    def put() -> None:
+    def put_gathered() -> None:  # gather into host pages, then put the pages
         m.tier.move(offloads=m.copies(m.src))
         if not all(store.batch_put(keys, views)):
             raise RuntimeError(f"{remote}: a put was refused: {store.stats()}")
+
+    def put_blocks() -> None:  # put straight from the device blocks' planes
+        for g, ks in group_keys.items():
+            if not all(store.batch_put_blocks(ks, m.ctl.storage.planes(g), m.src[g])):
+                raise RuntimeError(f"{remote}: a put was refused: {store.stats()}")
+
+    put = put_blocks if on_cpu and PUT_FROM[remote] == "blocks" else put_gathered
 
     def get() -> None:
         if None in store.batch_get_into(keys, views):
@@ -489,6 +591,12 @@ def _measure_remote(
                 )
             ]
         t_put, t_get = timed(put, flush=before_put), timed(get)
+        t_other = (
+            timed(put_gathered if put is put_blocks else put_blocks, flush=before_put)
+            if on_cpu
+            else t_put
+        )
+        t_blocks, t_gathered = (t_put, t_other) if put is put_blocks else (t_other, t_put)
         t_raw_put = timed(lambda: raw.put(label), flush=before_put)
         t_raw_get = timed(lambda: raw.get(label))
         # the value's checksum alone (value.CHECKSUM, XXH3-128, over every payload): what a put
@@ -500,12 +608,19 @@ def _measure_remote(
             "checksum_seconds": t_sum,
             "checksum_gbps": round(m.nbytes / t_sum / 1e9, 3),
         }
+        how = {  # the put reported, and both ways of putting measured (PUT_FROM says why)
+            "put_from": "blocks" if put is put_blocks else "pages",
+            "blocks_seconds": t_blocks if on_cpu else None,
+            "blocks_ratio": round(t_raw_put / t_blocks, 3) if on_cpu else None,
+            "gathered_seconds": t_gathered,
+            "gathered_ratio": round(t_raw_put / t_gathered, 3),
+        }
         return [
-            _record(remote, "put", case, m, t_put, t_raw_put, cache, **why),
-            _record(remote, "get", case, m, t_get, t_raw_get, cache, **why),
+            _record(remote, "put", case, m, t_put, t_raw_put, cache, **why, **how, **where),
+            _record(remote, "get", case, m, t_get, t_raw_get, cache, **why, **where),
         ]
     finally:
-        for buf in (*pools, raw.buf):
+        for buf in (*pools, *planes, raw.buf):
             with contextlib.suppress(Exception):
                 store.unregister_buffer(buf)
         empty()

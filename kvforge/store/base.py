@@ -1,19 +1,22 @@
 """What both adapters share: argument checks, the registry of host buffers, server keys, the
 counters, the back-off after a client error, the bounded put queue and a close that returns.
 
-Batches: ``exists_prefix`` and ``batch_put`` send up to ``max_batch_keys`` keys per round trip;
-``batch_get_into`` also cuts at ``max_get_batch_bytes`` of payload (:meth:`StoreBase._get_batches`),
-so the client reads its replies a few MiB at a time.
+Batches: ``exists_prefix``, ``batch_put`` and ``batch_put_blocks`` send up to
+``max_batch_keys`` keys per round trip (an adapter may cut ``batch_put_blocks`` finer:
+:attr:`StoreBase.max_put_parts`); ``batch_get_into`` also cuts at ``max_get_batch_bytes`` of
+payload (:meth:`StoreBase._get_batches`), so the client reads its replies a few MiB at a time.
 
 Invariants: the store object owns every piece of state here (one lock, ``_lock``, guards the
 registry, the counters and the back-off; the put queue guards itself). A client call is made
-only through the adapter's ``_exists`` / ``_put`` / ``_write_encoded`` / ``_get``, and any
-exception out of one becomes misses or failed puts plus an error count: nothing the server
-does reaches the caller. Only a malformed argument raises (:class:`ArgumentError`).
+only through the adapter's ``_exists`` / ``_put`` / ``_put_blocks`` / ``_write_encoded`` /
+``_get``, and any exception out of one becomes misses or failed puts plus an error count:
+nothing the server does reaches the caller. Only a malformed argument raises
+(:class:`ArgumentError`).
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import Counter
@@ -29,7 +32,7 @@ from kvforge.store.protocol import StoreStats
 from kvforge.store.put_queue import PutQueue
 from kvforge.store.value import HEADER_SIZE, MissReason, encode, layout_digest
 
-__all__ = ["Span", "StoreBase", "server_key"]
+__all__ = ["PlaneSpan", "Span", "StoreBase", "server_key"]
 
 
 def server_key(namespace: str, fingerprint: bytes, key: bytes) -> str:
@@ -76,6 +79,86 @@ def span_of(obj: Any, name: str, *, writable: bool = False) -> Span:
     return Span(addr, view.nbytes, view)
 
 
+@dataclass(frozen=True)
+class PlaneSpan:
+    """One plane of a :meth:`StoreBase.batch_put_blocks`, inside a registered buffer: block
+    ``b`` is the ``block_bytes`` bytes at ``addr + b * block_stride``."""
+
+    addr: int
+    block_bytes: int
+    block_stride: int
+    num_blocks: int
+    #: the registered buffer the plane lies in
+    within: Span
+
+    def view(self, block: int) -> memoryview:
+        """Block ``block``'s bytes, a view of the registered buffer (no copy)."""
+        at = self.addr - self.within.addr + block * self.block_stride
+        return self.within.view[at : at + self.block_bytes]
+
+
+def plane_layout(obj: Any, name: str) -> tuple[int, int, int, int]:
+    """``(addr, block_bytes, block_stride, num_blocks)`` of a plane: a 2-D ``uint8`` CPU
+    ``torch`` tensor or numpy array ``[num_blocks, block_bytes]`` whose bytes within a block
+    are contiguous (strides ``(block_stride, 1)``, ``block_stride >= block_bytes``);
+    :class:`ArgumentError` naming ``name`` otherwise."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "stride"):  # a torch tensor
+        device, dtype = str(getattr(obj, "device", "cpu")), str(getattr(obj, "dtype", ""))
+        if device != "cpu" or dtype != "torch.uint8":
+            raise ArgumentError(
+                f"{name} must be a CPU torch.uint8 tensor, got dtype={dtype} device={device}"
+            )
+        shape, strides, addr = tuple(obj.shape), tuple(obj.stride()), int(obj.data_ptr())
+    elif isinstance(obj, np.ndarray):
+        if obj.dtype != np.uint8:
+            raise ArgumentError(f"{name} must be a uint8 array, got dtype={obj.dtype}")
+        shape, strides, addr = obj.shape, obj.strides, int(obj.ctypes.data)
+    else:
+        raise ArgumentError(
+            f"{name} must be a 2-D torch.uint8 tensor or numpy uint8 array, "
+            f"got {type(obj).__name__}"
+        )
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ArgumentError(
+            f"{name} must be 2-D [num_blocks, block_bytes] with at least one block of one "
+            f"byte, got shape {shape}"
+        )
+    num_blocks, block_bytes = int(shape[0]), int(shape[1])
+    stride = int(strides[0]) if num_blocks > 1 else block_bytes  # a lone block has no stride
+    if (block_bytes > 1 and strides[1] != 1) or stride < block_bytes:
+        raise ArgumentError(
+            f"{name} must hold each block's bytes contiguously (strides (block_stride >= "
+            f"{block_bytes}, 1)), got strides {strides}"
+        )
+    return addr, block_bytes, stride, num_blocks
+
+
+def _check_block_ids(block_ids: Any, n: int, limit: int, call: str) -> np.ndarray:
+    if isinstance(block_ids, bytes | str):
+        raise ArgumentError(f"{call}: block_ids must be integers, got {type(block_ids).__name__}")
+    try:
+        ids = np.asarray(block_ids)
+    except Exception:
+        raise ArgumentError(
+            f"{call}: block_ids must be a sequence of integers, got {type(block_ids).__name__}"
+        ) from None
+    if ids.ndim != 1 or (ids.size and (ids.dtype == np.bool_ or ids.dtype.kind not in "iu")):
+        raise ArgumentError(
+            f"{call}: block_ids must be a 1-D sequence of integers, got shape {ids.shape} "
+            f"dtype {ids.dtype}"
+        )
+    if len(ids) != n:
+        raise ArgumentError(f"{call}: {n} keys but {len(ids)} block_ids")
+    bad = np.flatnonzero((ids < 0) | (ids >= limit))
+    if bad.size:
+        i = int(bad[0])
+        raise ArgumentError(
+            f"{call}: block_ids[{i}] = {int(ids[i])} is out of range [0, {limit}) (the "
+            "fewest blocks of any plane)"
+        )
+    return ids.astype(np.int64, copy=False)
+
+
 def _check_keys(keys: Any, call: str) -> list[bytes]:
     if isinstance(keys, bytes | str) or not isinstance(keys, Sequence):
         raise ArgumentError(f"{call}: keys must be a sequence of bytes, got {type(keys).__name__}")
@@ -92,6 +175,9 @@ class StoreBase:
     #: payload bytes per ``batch_get_into`` round trip when the config's
     #: ``max_get_batch_bytes`` is None (None: only ``max_batch_keys`` limits a round trip)
     default_get_batch_bytes: ClassVar[int | None] = None
+    #: buffers (a header, then one per plane, per value) per ``_put_blocks`` call at most;
+    #: None: only ``max_batch_keys`` limits a call
+    max_put_parts: ClassVar[int | None] = None
 
     def __init__(self, config: StoreConfig, fingerprint: bytes) -> None:
         if not isinstance(config, StoreConfig):
@@ -107,6 +193,7 @@ class StoreBase:
         self._fingerprint = fingerprint
         self._lock = threading.Lock()
         self._buffers: dict[int, tuple[Span, Any]] = {}  # addr -> (span, the object kept alive)
+        self._starts: list[int] = []  # the keys of _buffers, sorted (they never overlap)
         self._counts: Counter[str] = Counter()
         self._misses: Counter[str] = Counter()
         self._last_error: str | None = None
@@ -129,6 +216,13 @@ class StoreBase:
         raise NotImplementedError
 
     def _put(self, items: list[tuple[str, bytes, Span]]) -> list[bool]:
+        raise NotImplementedError
+
+    def _put_blocks(
+        self, items: list[tuple[str, bytes, int]], planes: list[PlaneSpan]
+    ) -> list[bool]:
+        """Write (name, key, block) items: each value is the header, then block ``block`` of
+        every plane in order (:meth:`batch_put_blocks`)."""
         raise NotImplementedError
 
     def _write_encoded(self, items: list[tuple[str, bytes]]) -> list[bool]:
@@ -178,14 +272,22 @@ class StoreBase:
         with self._lock:
             self._misses.update(r.value for r in reasons)
 
+    def _within(self, addr: int, nbytes: int) -> Span | None:
+        """The registered buffer holding ``nbytes`` at ``addr``, if one does (caller locks):
+        buffers never overlap, so only the one starting last at or before ``addr`` can."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return None
+        base = self._buffers[self._starts[i]][0]
+        return base if addr + nbytes <= base.addr + base.nbytes else None
+
     def _located(self, obj: Any, name: str, *, writable: bool) -> Span:
         span = span_of(obj, name, writable=writable)
         if span.nbytes == 0:
             raise ArgumentError(f"{name} must hold at least one byte, got an empty buffer")
         with self._lock:
-            for base, _ in self._buffers.values():
-                if base.addr <= span.addr and span.addr + span.nbytes <= base.addr + base.nbytes:
-                    return span
+            if self._within(span.addr, span.nbytes) is not None:
+                return span
         raise ArgumentError(
             f"{name} ({span.nbytes} bytes at {span.addr:#x}) lies outside every registered "
             "buffer: register_buffer the host memory it is in first"
@@ -239,6 +341,7 @@ class StoreBase:
                         f"buffer ({other.nbytes} bytes at {other.addr:#x})"
                     )
             self._buffers[span.addr] = (span, buf)
+            bisect.insort(self._starts, span.addr)
         self._register_client(span)
 
     def unregister_buffer(self, buf: Any) -> None:
@@ -251,6 +354,7 @@ class StoreBase:
                     "never registered"
                 )
             del self._buffers[span.addr]
+            self._starts.remove(span.addr)
         self._unregister_client(known[0])
 
     def _registered(self) -> list[Span]:
@@ -299,6 +403,58 @@ class StoreBase:
             wrote = sum(map(bool, ok))
             self._count(puts_ok=wrote, puts_failed=len(todo) - wrote)
         return done
+
+    def batch_put_blocks(
+        self, keys: Sequence[bytes], planes: Sequence[Any], block_ids: Any
+    ) -> list[bool]:
+        keys = _check_keys(keys, "batch_put_blocks")
+        spans = self._planes(planes, "batch_put_blocks")
+        fewest = min(p.num_blocks for p in spans)
+        ids = _check_block_ids(block_ids, len(keys), fewest, "batch_put_blocks")
+        done = [False] * len(keys)
+        if HEADER_SIZE + sum(p.block_bytes for p in spans) > self._config.max_value_bytes:
+            self._count(puts_too_large=len(keys))
+            return done
+        step = self._config.max_batch_keys
+        if self.max_put_parts is not None:
+            step = max(1, min(step, self.max_put_parts // (len(spans) + 1)))
+        for start in range(0, len(keys), step):
+            part = range(start, min(len(keys), start + step))
+            if not self._available():
+                self._count(puts_failed=len(part))
+                continue
+            try:
+                items = [(self._name(keys[i]), keys[i], int(ids[i])) for i in part]
+                ok = self._put_blocks(items, spans)
+            except Exception as exc:
+                self._note_error(f"put: {type(exc).__name__}: {exc}", trip=True)
+                ok = [False] * len(part)
+            for i, flag in zip(part, ok, strict=True):
+                done[i] = bool(flag)
+            wrote = sum(map(bool, ok))
+            self._count(puts_ok=wrote, puts_failed=len(part) - wrote)
+        return done
+
+    def _planes(self, planes: Any, call: str) -> list[PlaneSpan]:
+        if isinstance(planes, bytes | str) or not isinstance(planes, Sequence):
+            raise ArgumentError(
+                f"{call}: planes must be a sequence of planes, got {type(planes).__name__}"
+            )
+        if len(planes) == 0:
+            raise ArgumentError(f"{call}: planes must name at least one plane, got none")
+        spans = []
+        for i, plane in enumerate(planes):
+            addr, block_bytes, stride, num_blocks = plane_layout(plane, f"planes[{i}]")
+            extent = (num_blocks - 1) * stride + block_bytes
+            with self._lock:
+                within = self._within(addr, extent)
+            if within is None:
+                raise ArgumentError(
+                    f"planes[{i}] ({extent} bytes at {addr:#x}) lies outside every registered "
+                    "buffer: register_buffer the host memory it is in first"
+                )
+            spans.append(PlaneSpan(addr, block_bytes, stride, num_blocks, within))
+        return spans
 
     def put_async(self, keys: Sequence[bytes], sources: Sequence[Any]) -> int:
         keys = _check_keys(keys, "put_async")

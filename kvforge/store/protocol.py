@@ -73,6 +73,17 @@ class RemoteStore(Protocol):
     def batch_put(self, keys: Sequence[bytes], sources: Sequence[Any]) -> list[bool]:
         """Write ``sources[i]`` under ``keys[i]`` now; ``True`` where the store took it."""
 
+    def batch_put_blocks(
+        self, keys: Sequence[bytes], planes: Sequence[Any], block_ids: Any
+    ) -> list[bool]:
+        """Write block ``block_ids[i]`` of every plane, in plane order, under ``keys[i]`` now,
+        straight from the planes: no packed page first. A plane is a 2-D ``uint8`` CPU tensor
+        or numpy array ``[num_blocks, block_bytes]`` with strides ``(block_stride, 1)``
+        (padding past ``block_bytes`` is never read), lying inside a registered buffer. The
+        value is byte for byte the one :meth:`batch_put` writes from the host page that packs
+        the same blocks, so :meth:`batch_get_into` reads it into a page. ``True`` where the
+        store took it."""
+
     def put_async(self, keys: Sequence[bytes], sources: Sequence[Any]) -> int:
         """Copy the values and queue them for a background writer; returns how many were
         queued (the rest are dropped and counted: the queue is bounded). The sources may be

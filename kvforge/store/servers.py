@@ -24,6 +24,7 @@ from pathlib import Path
 __all__ = [
     "LoopbackServer",
     "MooncakeMaster",
+    "MooncakeSegmentHost",
     "RedisServer",
     "free_port",
     "private_net",
@@ -111,8 +112,17 @@ class LoopbackServer:
 
     name = "server"
 
-    def __init__(self, argv: list[str], port: int, log: Path | None, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        log: Path | None,
+        host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+    ):
         self.argv, self.host, self.port, self.log = argv, host, port, log
+        #: variables set for the process on top of this process's environment
+        self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -133,7 +143,11 @@ class LoopbackServer:
         out = open(self.log, "ab") if self.log is not None else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env} if self.env else None,
             )
         finally:
             if out is not subprocess.DEVNULL:
@@ -190,8 +204,17 @@ class RedisServer(LoopbackServer):
 
     def __init__(self, port: int, log: Path | None = None, *, maxmemory: int | None = None):
         argv = [
-            "redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-            "--appendonly", "no", "--protected-mode", "yes",
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
         ]
         if maxmemory is not None:
             argv += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "noeviction"]
@@ -217,3 +240,25 @@ class MooncakeMaster(LoopbackServer):
             f"--default_kv_lease_ttl={lease_ms}",
         ]
         super().__init__(argv, port, log)
+
+
+class MooncakeSegmentHost(LoopbackServer):
+    """Mooncake's standalone client (``mooncake_client``, the wheel's binary) lending
+    ``segment_bytes`` of its memory to the master at ``master`` over TCP: another process
+    holding the store's bytes, as another machine would. Its RPC service listens on
+    127.0.0.1:``port``; its transfer engine binds 127.0.0.1 too (``MC_TCP_BIND_ADDRESS``). The
+    wheel's ``mooncake_client`` script ``exec``s the binary, so :attr:`pid` is the binary's."""
+
+    name = "mooncake_client"
+
+    def __init__(self, port: int, master: str, segment_bytes: int, log: Path | None = None):
+        argv = [
+            "mooncake_client",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            f"--master_server_address={master}",
+            "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp",
+            f"--global_segment_size={segment_bytes}",
+        ]
+        super().__init__(argv, port, log, env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"})

@@ -45,7 +45,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -67,6 +67,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_header",
+    "encode_header_of_parts",
     "key_digest",
     "layout_digest",
 ]
@@ -149,6 +150,29 @@ def encode_header(key: bytes, fingerprint: bytes, payload: Any) -> bytes:
         MAGIC, VERSION, HEADER_SIZE, key_digest(key), layout_digest(fingerprint), view.nbytes
     )
     return fixed + _CHECKSUM_OF[VERSION](fixed, view)
+
+
+def encode_header_of_parts(key: bytes, fingerprint: bytes, parts: Sequence[Any]) -> bytes:
+    """The header :func:`encode_header` gives for the payload ``b"".join(parts)``, without
+    joining: ``parts`` are 1-D byte buffers (``memoryview`` of format ``"B"``, ``bytes``), fed
+    to the checksum one after another. XXH3-128's streaming state hashes a sequence of
+    updates exactly as one call over their concatenation, so the value written header, then
+    parts, is byte for byte the one written from a packed page (``tests/store``)."""
+    fixed = _FIXED.pack(
+        MAGIC,
+        VERSION,
+        HEADER_SIZE,
+        key_digest(key),
+        layout_digest(fingerprint),
+        sum(map(len, parts)),
+    )
+    h = xxhash.xxh3_128(fixed)
+    for part in parts:
+        h.update(part)
+    return fixed + h.digest()
+
+
+assert VERSION == 2, "encode_header_of_parts streams XXH3-128, the checksum of version 2"
 
 
 def encode(key: bytes, fingerprint: bytes, payload: Any) -> bytes:
