@@ -204,6 +204,8 @@ class StoreBase:
             config.max_batch_keys,
             self._write_queued,
             name=f"kvforge-store-{self.backend}-put",
+            bound_bytes=config.max_inflight_put_bytes,
+            size=lambda item: len(item[1]),
         )
 
     # -- what an adapter implements ----------------------------------------------------------
@@ -541,6 +543,7 @@ class StoreBase:
                 last_error=self._last_error,
                 inflight_puts=self._queue.inflight,
                 peak_inflight_puts=self._queue.peak,
+                inflight_put_bytes=self._queue.inflight_bytes,
                 available=available,
                 closed=self._closed,
             )

@@ -98,7 +98,10 @@ class StoreConfig(BaseSettings):
     #: after a client error, seconds during which calls are misses without asking the server
     retry_after_s: float = Field(1.0, ge=0, le=3600)
     #: values queued or being written by ``put_async`` at most (back-pressure: more are dropped)
-    max_inflight_puts: int = Field(64, ge=1, le=1 << 20)
+    max_inflight_puts: int = Field(4096, ge=1, le=1 << 20)
+    #: bytes of the values queued or being written at most (one value alone may be larger):
+    #: the memory ``put_async`` holds, whatever the values' sizes
+    max_inflight_put_bytes: int = Field(256 << 20, ge=1, le=1 << 40)
     #: keys sent in one round trip at most; larger batches are split
     max_batch_keys: int = Field(256, ge=1, le=1 << 16)
     #: payload bytes one round trip of ``batch_get_into`` reads at most (a larger value is read

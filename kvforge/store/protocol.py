@@ -25,8 +25,9 @@ class StoreStats:
     puts_ok: int = 0
     #: values the server or client refused or lost (down, slow, full, restarting)
     puts_failed: int = 0
-    #: ``put_async`` values not queued: the queue held ``max_inflight_puts`` already, or the
-    #: store was closed or backing off; or queued values ``close()`` had no time to write
+    #: ``put_async`` values not queued: the queue held ``max_inflight_puts`` values or would
+    #: pass ``max_inflight_put_bytes`` with this one, or the store was closed or backing off;
+    #: or queued values ``close()`` had no time to write
     puts_dropped: int = 0
     #: values over ``max_value_bytes``, never sent
     puts_too_large: int = 0
@@ -39,6 +40,8 @@ class StoreStats:
     #: values queued or being written by ``put_async`` now, and at most so far
     inflight_puts: int = 0
     peak_inflight_puts: int = 0
+    #: bytes of the values queued or being written now
+    inflight_put_bytes: int = 0
     #: whether the client is set up and not backing off after an error
     available: bool = False
     closed: bool = False

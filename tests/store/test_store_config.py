@@ -67,6 +67,8 @@ BAD = [
     ({"redis_port": 0}, ["redis_port", "input_value=0"]),
     ({"redis_port": 70000}, ["redis_port", "70000"]),
     ({"max_inflight_puts": 0}, ["max_inflight_puts", "input_value=0"]),
+    ({"max_inflight_put_bytes": 0}, ["max_inflight_put_bytes", "input_value=0"]),
+    ({"max_inflight_put_bytes": 1 << 41}, ["max_inflight_put_bytes", str(1 << 41)]),
     ({"max_batch_keys": -1}, ["max_batch_keys", "-1"]),
     ({"op_timeout_s": 0}, ["op_timeout_s", "input_value=0"]),
     ({"connect_timeout_s": -1.0}, ["connect_timeout_s", "-1.0"]),

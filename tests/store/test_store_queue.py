@@ -74,3 +74,33 @@ def test_wait_idle_times_out_while_a_write_is_stuck():
     writer.release.set()
     assert q.wait_idle(10)
     q.close(5)
+
+
+def test_the_byte_bound_counts_queued_and_held_bytes():
+    """Items of 40 bytes under a 100-byte bound: two fit beside each other, a third waits
+    for room; one item larger than the bound is taken alone, when nothing else is in flight."""
+    writer = Writer()
+    q = PutQueue(bound=100, batch=1, write=writer, name="t", bound_bytes=100, size=lambda i: i)
+    assert q.offer([40]) == 1
+    assert writer.entered.wait(10)  # the writer holds 40 bytes
+    assert q.offer([40, 40, 10]) == 1  # 80 in flight; the next 40 would pass 100: stop there
+    assert (q.inflight, q.inflight_bytes) == (2, 80)
+    assert q.offer([10, 10]) == 2  # 100 exactly
+    assert q.offer([1]) == 0 and q.inflight_bytes == 100
+    writer.release.set()
+    assert q.wait_idle(10)
+    assert writer.written == [40, 40, 10, 10] and (q.inflight, q.inflight_bytes) == (0, 0)
+    assert q.offer([500]) == 1  # alone: taken, so no item is refused for its size alone
+    assert q.wait_idle(10) and writer.written[-1] == 500
+    assert q.close(5) == 0 and q.inflight_bytes == 0
+
+
+def test_close_returns_the_dropped_items_bytes():
+    writer = Writer()
+    q = PutQueue(bound=10, batch=1, write=writer, name="t", bound_bytes=1000, size=lambda i: i)
+    assert q.offer([7, 11, 13]) == 3
+    assert writer.entered.wait(10)
+    assert q.close(0.05) == 2  # 11 and 13 dropped; 7 still held by the stuck writer
+    assert (q.inflight, q.inflight_bytes) == (1, 7)
+    writer.release.set()
+    assert q.wait_idle(10) and q.inflight_bytes == 0

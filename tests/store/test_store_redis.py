@@ -352,6 +352,29 @@ def test_put_async_copies_the_source_and_writes_it(redis_server, stores):
     assert store.stats().puts_ok == 4
 
 
+def test_the_put_queue_never_holds_more_than_its_bytes(redis_server, stores):
+    """Values of 4,096 + 80 bytes (payload, header) under a 3-value byte bound: the fourth is
+    dropped however many values the count bound would allow, and nothing is lost after."""
+    value = 4096 + 80
+    store = make(
+        stores, redis_server, max_inflight_put_bytes=3 * value, op_timeout_s=30
+    )
+    assert store.config.max_inflight_puts == 4096  # the count bound is not what stops it
+    src = Pages(8, 4096, seed=23)
+    store.register_buffer(src.buf)
+    ks = keys(8)
+    redis_server.freeze()
+    accepted = [store.put_async([ks[i]], [src.page(i)]) for i in range(8)]
+    stats = store.stats()
+    assert accepted == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert (stats.inflight_puts, stats.inflight_put_bytes) == (3, 3 * value)
+    assert stats.puts_dropped == 5
+    redis_server.thaw()
+    assert store.flush(30)
+    assert store.stats().inflight_put_bytes == 0 and store.stats().puts_ok == 3
+    assert store.exists_prefix(ks[:3]) == 3
+
+
 def test_the_put_queue_never_grows_past_its_bound(redis_server, stores):
     bound = 5
     store = make(stores, redis_server, max_inflight_puts=bound, op_timeout_s=30)
