@@ -614,7 +614,12 @@ class PrefixHasher:
         return self._key
 
     # ----------------------------------------------------------------- hashing
-    def extend(self, tokens: Sequence[int] | np.ndarray, at: object = None) -> list[bytes]:
+    def extend(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        at: object = None,
+        known: Callable[[bytes, Sequence[bytes], bytes | None], list[bytes]] | None = None,
+    ) -> list[bytes]:
         """Append tokens; return the keys of the prefixes they complete.
 
         Tokens that do not complete a unit wait and are hashed with the unit they complete.
@@ -624,6 +629,13 @@ class PrefixHasher:
             at: prefix lengths whose keys to return, ascending, each a multiple of ``unit``
                 within ``(num_tokens_before, num_tokens_after]``; default every unit boundary
                 in that range.
+            known: ``known(last_key, payloads, root_preimage)`` returns the keys of the
+                leading units it already knows, each exactly the digest this hasher would
+                compute (``root_preimage`` is given when ``last_key`` is the root); the rest
+                are hashed. The prefix cache passes its stored unit records
+                (:meth:`UnitRecordStore.known_keys
+                <kvforge.scheduler.unit_records.UnitRecordStore.known_keys>`), so a cached
+                prefix costs a walk of its records instead of one digest per unit.
 
         Returns:
             One 32-byte key per entry of ``at``.
@@ -648,21 +660,26 @@ class PrefixHasher:
             )
             return []
         payloads = self._payloads(tok[: m * unit], u0, m)
-        keys: list[bytes] = []
         k = self._key
+        keys: list[bytes] = []
+        if known is not None:
+            keys = known(k, payloads, self._root_preimage if u0 == 0 else None)[:m]
+            if keys:
+                k = keys[-1]
+        rest = payloads[len(keys) :] if keys else payloads
         if self._digest is _sha256:
             sha = hashlib.sha256
-            for p in payloads:
+            for p in rest:
                 k = sha(k + p).digest()
                 keys.append(k)
         elif self._digest is _blake2b:
             blake = hashlib.blake2b
-            for p in payloads:
+            for p in rest:
                 k = blake(k + p, digest_size=32).digest()
                 keys.append(k)
         else:
             fn = self._digest
-            for p in payloads:
+            for p in rest:
                 k = fn(k + p)
                 if type(k) is not bytes:
                     raise TypeError(f"algorithm returned {type(k).__name__}, not bytes")

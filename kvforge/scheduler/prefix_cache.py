@@ -242,7 +242,17 @@ class PrefixCache:
             return self._sealed(0, {}, {}, {}, hasher, n)
         unit = self.unit
         # the key at every unit end up to top; ids were checked, so uint32 holds them exactly
-        keys = hasher.extend(tokens[:top].astype(np.uint32))
+        # a cached prefix's keys come from its stored records (no digest), the rest are hashed;
+        # the units found that way are exact by construction (UnitRecordStore.known_keys)
+        known_units = 0
+
+        def known(parent: bytes, payloads: Sequence[bytes], root: bytes | None) -> list[bytes]:
+            nonlocal known_units
+            found = self.records.known_keys(parent, payloads, root)
+            known_units = len(found)
+            return found
+
+        keys = hasher.extend(tokens[:top].astype(np.uint32), known=known)
         self._collided = False
 
         tails: dict[int, tuple[bytes, bytes, bytes]] = {}
@@ -276,7 +286,10 @@ class PrefixCache:
             # Exact by construction: the cached chain must equal this prompt's token ids,
             # multimodal items and extra keys for every unit up to L, byte for byte. A key
             # that names other content (a collision) shortens the hit: a counted miss.
-            exact = self.records.confirm(hasher.unit_records(), length // unit) * unit
+            need = length // unit
+            exact = length if known_units >= need else (
+                self.records.confirm(hasher.unit_records(), need) * unit
+            )
             if exact < length:
                 self._collided = True
                 length = (exact // step) * step

@@ -69,15 +69,46 @@ __all__ = ["Held", "UnitRecordStore"]
 
 
 class _Node:
-    """A stored unit record (or a root: ``parent is None``, ``payload`` the root preimage)."""
+    """A stored unit record (or a root: ``parent is None``, ``payload`` the root preimage).
 
-    __slots__ = ("count", "key", "parent", "payload")
+    ``kids`` links the records whose parent this is, so a lookup can walk a stored chain by
+    payload (:meth:`UnitRecordStore.known_keys`): ``None``, the one child, or a dict
+    ``payload -> child`` where the chain branches."""
+
+    __slots__ = ("count", "key", "kids", "parent", "payload")
 
     def __init__(self, key: bytes, parent: _Node | None, payload: bytes) -> None:
         self.key = key
         self.parent = parent
         self.payload = payload
         self.count = 0
+        self.kids: _Node | dict[bytes, _Node] | None = None
+
+    def kid(self, payload: bytes) -> _Node | None:
+        kids = self.kids
+        if kids is None:
+            return None
+        if type(kids) is _Node:
+            return kids if kids.payload == payload else None
+        return kids.get(payload)  # type: ignore[union-attr]
+
+    def link(self, child: _Node) -> None:
+        kids = self.kids
+        if kids is None:
+            self.kids = child
+        elif type(kids) is _Node:
+            self.kids = {kids.payload: kids, child.payload: child}
+        else:
+            kids[child.payload] = child  # type: ignore[index]
+
+    def unlink(self, child: _Node) -> None:
+        kids = self.kids
+        if kids is child:
+            self.kids = None
+        elif type(kids) is dict:
+            del kids[child.payload]
+            if len(kids) == 1:
+                self.kids = next(iter(kids.values()))
 
 
 _NODE_BYTES = sys.getsizeof(_Node(b"", None, b""))
@@ -176,6 +207,47 @@ class UnitRecordStore:
             prev = node
         return int(n)
 
+    def known_keys(
+        self, parent: bytes, payloads: Sequence[bytes], root_preimage: bytes | None = None
+    ) -> list[bytes]:
+        """The keys of the leading ``payloads`` that are stored under ``parent``, found by
+        walking the stored chain by payload instead of hashing: the hook of
+        :meth:`PrefixHasher.extend` (``known=``). ``parent`` is the hasher's last key; pass
+        ``root_preimage`` when it is the root (no unit hashed yet).
+
+        Each key returned is a stored record's: its parent is the previous key's record and
+        its payload is byte for byte the unit's, so it is the key the hasher would compute
+        (records are only ever stored from a hasher's own output, :meth:`hold`) and those
+        units are exact, as :meth:`confirm` would find. A root is followed only when its
+        stored preimage equals ``root_preimage``.
+
+        >>> import numpy as np
+        >>> from kvforge.core.prefix_keys import PrefixHasher
+        >>> store, h = UnitRecordStore(), PrefixHasher(unit=16)
+        >>> keys = h.extend(np.arange(64))
+        >>> _ = store.hold(h.unit_records(), at=[64])
+        >>> recs = h.unit_records()
+        >>> store.known_keys(recs.root, recs.payloads, recs.root_preimage) == keys
+        True
+        >>> store.known_keys(keys[1], recs.payloads[2:]) == keys[2:]
+        True
+        """
+        if root_preimage is not None:
+            node = self._roots.get(parent)
+            if node is None or node.payload != root_preimage:
+                return []
+        else:
+            node = self._records.get(parent)
+            if node is None:
+                return []
+        keys: list[bytes] = []
+        for payload in payloads:
+            node = node.kid(payload)
+            if node is None:
+                break
+            keys.append(node.key)
+        return keys
+
     # ---------------------------------------------------------------- updates
     def hold(
         self,
@@ -243,6 +315,7 @@ class UnitRecordStore:
                         self._roots[prev.key] = prev
                         added += self._size(prev)
                     prev.count += 1
+                    prev.link(node)
                     records_map[key] = node
                     added += len(key) + len(payload)
                     added += _NODE_FIXED
@@ -333,6 +406,7 @@ class UnitRecordStore:
                 del self._records[node.key]
                 removed += 1
                 parent.count -= 1
+                parent.unlink(node)
             self._object_bytes -= self._size(node)
             node = parent
         return removed

@@ -249,6 +249,64 @@ def test_refcounts_match_a_reference_model(prompts, ops):
             assert store._roots[r].count == sum(1 for k in live if parent[k] == r)
         nodes = [*store._records.values(), *store._roots.values()]
         assert store._object_bytes == sum(_NODE_FIXED + len(n.key) + len(n.payload) for n in nodes)
+        # the links a lookup walks are exactly the stored children
+        for n in nodes:
+            kids = n.kids if isinstance(n.kids, dict) else {} if n.kids is None else {
+                n.kids.payload: n.kids
+            }
+            assert {c.key for c in kids.values()} == {c for c in live if parent[c] == n.key}
+            assert all(c.payload == pay and c.parent is n for pay, c in kids.items())
+
+
+# ------------------------------------------------------------- known keys (lookups)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 2), max_size=12), min_size=1, max_size=6),
+    query=st.lists(st.integers(0, 2), max_size=14),
+    salt=st.sampled_from([None, "a"]),
+    drop=st.integers(0, 5),
+)
+def test_known_keys_are_the_stored_prefix_of_the_hashers_keys(prompts, query, salt, drop):
+    """Walking the stored records gives the keys the hasher computes, for exactly the units
+    whose prefix is stored (same extra keys, same tokens), before and after a release."""
+    unit = 2
+    store = UnitRecordStore()
+    cursors = []
+    for i, p in enumerate(prompts):
+        extra = ExtraKeys(cache_salt="a") if i % 2 else None
+        cursors.append(store.hold(prefix_records(p, unit, extra)).cursor)
+    if cursors[drop % len(cursors)] is not None:
+        store.release(cursors[drop % len(cursors)])
+    extra = ExtraKeys(cache_salt=salt) if salt else None
+    rec = prefix_records(query, unit, extra)
+    known = store.known_keys(rec.root, rec.payloads, rec.root_preimage)
+    assert known == list(rec.keys[: len(known)])
+    assert len(known) == store.confirm(rec)  # exactly the units the exact check confirms
+    # the hasher given the hook returns the same keys, whatever it knew
+    h = PrefixHasher(extra, unit=unit)
+    assert h.extend(np.asarray(query, dtype=np.int64), known=store.known_keys) == list(rec.keys)
+    assert h.unit_records() == rec
+
+
+def test_known_keys_follow_branches_and_stop_where_the_store_does():
+    store = UnitRecordStore()
+    a, b = hashed([1, 2, 3, 4, 5, 6, 7, 8]), hashed([1, 2, 3, 4, 9, 9, 9, 9])
+    ca = store.hold(a.unit_records()).cursor
+    cb = store.hold(b.unit_records()).cursor
+    ra, rb = a.unit_records(), b.unit_records()
+    assert store.known_keys(ra.root, ra.payloads, ra.root_preimage) == list(ra.keys)
+    assert store.known_keys(rb.root, rb.payloads, rb.root_preimage) == list(rb.keys)
+    assert store.known_keys(ra.keys[0], ra.payloads[1:]) == [ra.keys[1]]  # from a record
+    assert store.known_keys(ra.root, ra.payloads, b"other preimage") == []  # a root mismatch
+    assert store.known_keys(b"\0" * 32, ra.payloads) == []  # no such record
+    store.release(cb)  # b's second unit goes; the shared first unit stays
+    assert store.known_keys(rb.root, rb.payloads, rb.root_preimage) == [rb.keys[0]]
+    assert store._records[ra.keys[0]].kids is store._records[ra.keys[1]]
+    store.release(ca)
+    assert store.known_keys(ra.root, ra.payloads, ra.root_preimage) == []
+    assert store.num_records == 0 and store.num_roots == 0
 
 
 # ------------------------------------------------------------------------ bad input
