@@ -20,7 +20,7 @@ import bisect
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -392,19 +392,32 @@ class StoreBase:
             self._count(puts_too_large=len(part) - len(todo))
             if not todo:
                 continue
-            if not self._available():
-                self._count(puts_failed=len(todo))
-                continue
-            try:
-                ok = self._put([(self._name(keys[i]), keys[i], spans[i]) for i in todo])
-            except Exception as exc:
-                self._note_error(f"put: {type(exc).__name__}: {exc}", trip=True)
-                ok = [False] * len(todo)
-            for i, flag in zip(todo, ok, strict=True):
-                done[i] = bool(flag)
-            wrote = sum(map(bool, ok))
-            self._count(puts_ok=wrote, puts_failed=len(todo) - wrote)
+            items = [(self._name(keys[i]), keys[i], spans[i]) for i in todo]
+            self._put_part(todo, done, self._put, items)
         return done
+
+    def _put_part(
+        self,
+        todo: Sequence[int],
+        done: list[bool],
+        put: Callable[[list[Any]], list[bool]],
+        items: list[Any],
+    ) -> None:
+        """Run one round trip of puts (``put(items)`` writes the values ``todo``), record each
+        in ``done`` and count them; a store that is down or backing off fails them unasked,
+        and a client error fails them all and starts the back-off."""
+        if not self._available():
+            self._count(puts_failed=len(todo))
+            return
+        try:
+            ok = put(items)
+        except Exception as exc:
+            self._note_error(f"put: {type(exc).__name__}: {exc}", trip=True)
+            ok = [False] * len(todo)
+        for i, flag in zip(todo, ok, strict=True):
+            done[i] = bool(flag)
+        wrote = sum(map(bool, ok))
+        self._count(puts_ok=wrote, puts_failed=len(todo) - wrote)
 
     def batch_put_blocks(
         self, keys: Sequence[bytes], planes: Sequence[Any], block_ids: Any
@@ -422,19 +435,8 @@ class StoreBase:
             step = max(1, min(step, self.max_put_parts // (len(spans) + 1)))
         for start in range(0, len(keys), step):
             part = range(start, min(len(keys), start + step))
-            if not self._available():
-                self._count(puts_failed=len(part))
-                continue
-            try:
-                items = [(self._name(keys[i]), keys[i], int(ids[i])) for i in part]
-                ok = self._put_blocks(items, spans)
-            except Exception as exc:
-                self._note_error(f"put: {type(exc).__name__}: {exc}", trip=True)
-                ok = [False] * len(part)
-            for i, flag in zip(part, ok, strict=True):
-                done[i] = bool(flag)
-            wrote = sum(map(bool, ok))
-            self._count(puts_ok=wrote, puts_failed=len(part) - wrote)
+            items = [(self._name(keys[i]), keys[i], int(ids[i])) for i in part]
+            self._put_part(part, done, lambda batch: self._put_blocks(batch, spans), items)
         return done
 
     def _planes(self, planes: Any, call: str) -> list[PlaneSpan]:

@@ -14,8 +14,9 @@ imports without it.
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvforge.store.base import PlaneSpan, Span, StoreBase
@@ -108,6 +109,21 @@ class RedisStore(StoreBase):
             self._note_error(f"put refused: {type(refused[0]).__name__}: {refused[0]}", trip=False)
         return ok
 
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[Any]:
+        """A pooled connection (the pool checked it has nothing left unread) for commands
+        packed and read by hand; dropped, not returned, when anything fails: a half-written
+        command or unread replies must not reach the next caller."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            yield conn
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
     def _put(self, items: list[tuple[str, bytes, Span]]) -> list[bool]:
         """``SET`` each value as its header and the payload in place: the commands are packed
         by hand so the payload goes to the socket from the caller's pages, without the copy a
@@ -121,16 +137,9 @@ class RedisStore(StoreBase):
                 % (len(raw), raw, len(header) + span.nbytes)
             )
             chunks += [header, span.view, b"\r\n"]
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        try:
+        with self._connection() as conn:
             conn.send_packed_command(chunks)
             replies = self._read_set_replies(conn, len(items))
-        except BaseException:
-            conn.disconnect()  # a half-written command must not reach the next caller
-            raise
-        finally:
-            pool.release(conn)
         return self._set_outcome(replies)
 
     def _put_blocks(
@@ -139,9 +148,7 @@ class RedisStore(StoreBase):
         """``SET`` each value as its header, then its block of every plane in place, one value
         at a time: the checksum reads a value's blocks just before they are sent, so the send
         finds them in the CPU cache, and the server reads value i while the next is hashed."""
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        try:
+        with self._connection() as conn:
             sock = conn._sock
             for name, key, block in items:
                 parts = [plane.view(block) for plane in planes]
@@ -151,11 +158,6 @@ class RedisStore(StoreBase):
                 head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(raw), raw, size)
                 _send_all(sock, [head + header, *parts, b"\r\n"])
             replies = self._read_set_replies(conn, len(items))
-        except BaseException:
-            conn.disconnect()  # a half-written command must not reach the next caller
-            raise
-        finally:
-            pool.release(conn)
         return self._set_outcome(replies)
 
     def _read_set_replies(self, conn: Any, n: int) -> list[Any]:
@@ -187,18 +189,10 @@ class RedisStore(StoreBase):
         for name, _, _ in items:
             raw = name.encode()
             commands.append(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw))
-        pool = self._client.connection_pool
-        conn = pool.get_connection()  # the pool checked it has nothing left unread
-        try:
+        with self._connection() as conn:
             conn.send_packed_command([b"".join(commands)])
             replies = _Replies(conn._sock)
-            reasons = [self._read_value(replies, key, span) for _, key, span in items]
-        except BaseException:
-            conn.disconnect()  # unread replies must not reach the next caller
-            raise
-        finally:
-            pool.release(conn)
-        return reasons
+            return [self._read_value(replies, key, span) for _, key, span in items]
 
     def _read_value(self, replies: _Replies, key: bytes, span: Span) -> MissReason | None:
         """Read one ``GET`` reply: ``None`` once the value is in ``span`` and checked."""
