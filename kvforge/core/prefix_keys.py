@@ -388,8 +388,7 @@ _ALGORITHMS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "blake2b"
 
 
 _U4 = np.dtype("<u4")
-_NO_ITEMS = struct.pack("<I", 0)
-"""``u32 M`` of a payload without multimodal items (``M = 0``)."""
+_NO_ITEMS = struct.pack("<I", 0)  # ``u32 M`` of a payload without multimodal items
 
 
 @functools.lru_cache(maxsize=32)
@@ -629,13 +628,9 @@ class PrefixHasher:
             at: prefix lengths whose keys to return, ascending, each a multiple of ``unit``
                 within ``(num_tokens_before, num_tokens_after]``; default every unit boundary
                 in that range.
-            known: ``known(last_key, payloads, root_preimage)`` returns the keys of the
-                leading units it already knows, each exactly the digest this hasher would
-                compute (``root_preimage`` is given when ``last_key`` is the root); the rest
-                are hashed. The prefix cache passes its stored unit records
-                (:meth:`UnitRecordStore.known_keys
-                <kvforge.scheduler.unit_records.UnitRecordStore.known_keys>`), so a cached
-                prefix costs a walk of its records instead of one digest per unit.
+            known: ``known(last_key, payloads, root_preimage or None)``: the keys of the
+                leading units it knows, each exactly this hasher's digest; the rest are
+                hashed (the prefix cache passes ``UnitRecordStore.known_keys``).
 
         Returns:
             One 32-byte key per entry of ``at``.
@@ -752,14 +747,11 @@ class PrefixHasher:
             tokens = self._pending[:n].astype("<u4").tobytes()
         index = (base - batch.start) // unit - 1
         parent = batch.parent if index < 0 else batch.keys[index]
+        items = _NO_ITEMS  # without multimodal items, no array pass per tail
         if self._mm_enc:
-            items = [
-                self._mm_enc[i]
-                for i in np.flatnonzero((self._mm_ends > base) & (self._mm_starts < end)).tolist()
-            ]
-            body = struct.pack("<QI", base, n) + tokens + _U32(len(items)) + b"".join(items)
-        else:  # no multimodal items: the same bytes without three array passes per tail
-            body = struct.pack("<QI", base, n) + tokens + _NO_ITEMS
+            hits = np.flatnonzero((self._mm_ends > base) & (self._mm_starts < end)).tolist()
+            items = _U32(len(hits)) + b"".join(self._mm_enc[i] for i in hits)
+        body = struct.pack("<QI", base, n) + tokens + items
         key = self._digest(parent + body)
         if type(key) is not bytes:
             raise TypeError(f"algorithm returned {type(key).__name__}, not bytes")
