@@ -908,6 +908,10 @@ class PrefixRow:
     kvforge_pool_bytes: int | None = None
     kvforge_pools: dict[str, int] | None = None
     kvforge_plan: list[str] | None = None
+    #: slab arena only: slabs that changed hands, and cached blocks moved within a group
+    #: (one block copy each) to pack blocks in use into few slabs
+    kvforge_slab_moves: int | None = None
+    kvforge_moved_blocks: int | None = None
     prompt_tokens: int = 0
     vllm_default_hit_tokens: int | None = None
     vllm_dense_hit_tokens: int | None = None
@@ -1058,6 +1062,10 @@ def run_prefix_vs_vllm(
                 # (scheduler_reserve_full_isl), through BlockManager.prompt_fits
                 side = KvforgeSide(manager, gate_chunk=wl.chunk_size)
                 _record(row, "kvforge", run_conversations(wl, convs, side, tick))
+                arena = getattr(manager, "arena", None)
+                if arena is not None:
+                    row.kvforge_slab_moves = arena.moves
+                    row.kvforge_moved_blocks = getattr(arena, "moved_blocks", None)
             if progress is not None:
                 progress.advance()
             row.ratio_default = _ratio(row.kvforge_hit_tokens, row.vllm_default_hit_tokens)

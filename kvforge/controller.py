@@ -438,6 +438,11 @@ class CacheController:
 
     def _sync_tables(self) -> None:
         manager = self._ready_manager()
+        # moves a step recorded but could not hand out (it raised): before any offload reads
+        # their destinations (and every slot is settled once the deltas below are mirrored)
+        moves = manager.arena.take_moves() if manager.arena is not None else ()
+        if moves:
+            self.storage.copy_blocks(moves)
         # blocks evicted outside a step (a swap in's, a truncation's takes) before anything
         # writes them; blocks a lookup brought back before anything reads them
         offloads = host_tier.take_offloads(manager)
@@ -553,6 +558,8 @@ class CacheController:
         self._note_step(step)
         # no token ids: the step registers nothing and holds nothing, so it ends at once
         manager.end_step(step)
+        if step.moves:  # cached blocks the takes moved, before anything writes their sources
+            self.storage.copy_blocks(step.moves)
         if step.offloads or step.onloads:  # evicted blocks out, brought-back blocks in
             guard.tier_of(self.storage).move(step.offloads, step.onloads)
             self._publish(step.offloads)

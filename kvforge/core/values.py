@@ -183,6 +183,9 @@ class StepAllocation:
             the step may write those blocks again.
         onloads: copies of host tier pages back to device blocks that lookups brought back
             (one per group), to run after ``offloads`` and before the step's kernels.
+        moves: cached blocks the step's takes moved within their group (slab arena, one
+            :class:`BlockCopy` per group, ``row`` -1), to run first: a destination is a
+            block no table and no offload names, a source may be written by the step.
     """
 
     request_ids: tuple[str, ...]
@@ -196,6 +199,7 @@ class StepAllocation:
     step_id: int = 0
     offloads: tuple[PageCopy, ...] = ()
     onloads: tuple[PageCopy, ...] = ()
+    moves: tuple[BlockCopy, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

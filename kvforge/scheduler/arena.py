@@ -7,6 +7,18 @@ are taken it moves slabs to the groups that run short (:meth:`SlabArena.prepare`
 free slabs first, then from other groups' slabs that hold no block in use (their cached
 blocks are evicted, the prefix cache hears of it as of any eviction).
 
+With prefix caching on, once fewer slabs could change hands than one step needs
+(:attr:`SlabArena.pack_below`), a step's takes also *move cached blocks* within their group
+(:meth:`ArenaBlockPool._pack`): the blocks a take hands out go to the slabs with the most
+blocks in use, and the cached blocks there move to free slots of emptier slabs (one block
+copy each: :meth:`SlabArena.take_moves`, ``StepAllocation.moves``, which the worker runs
+before anything else of the step writes). Blocks in use then gather in few slabs, so others
+drain to cached blocks and can change hands, while every group still evicts least recently
+released first. Without moves, a group's blocks in use spread over all its slabs (each take
+lands where the oldest cached block was) and a group that must grow finds no slab it may
+take: a preemption where one pool of uniform blocks would have had room. Moves start only
+under that pressure because they cost copies and mix the ages of a slab's cached blocks.
+
 Invariants (``tests/scheduler/test_arena.py``):
 
 - a slab is free or owned by exactly one group; slab 0 (the null blocks and the home
@@ -18,23 +30,35 @@ Invariants (``tests/scheduler/test_arena.py``):
   ever addressed by another group;
 - capacity checks (:meth:`SlabArena.fits`, :meth:`SlabArena.fits_in_order`) and
   :meth:`SlabArena.prepare` count alike: whatever a check accepts, ``prepare`` then the
-  takes deliver; what it refuses changes nothing.
+  takes deliver; what it refuses changes nothing;
+- a move reads a block cached before it and writes only a free slot that no table has
+  addressed since the moves were last taken (so the worker's mirror shows no row holding
+  it) and, with a host tier, that no queued offload reads; moves taken together have
+  distinct destinations and each source holds its bytes from before the batch, so they run
+  as one batch that reads every source before it writes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from kvforge.core.arena import ArenaGeometry
+from kvforge.core.values import BlockCopy
 from kvforge.errors import OutOfBlocksError
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 
-__all__ = ["ArenaBlockPool", "SlabArena"]
+__all__ = ["PACK_TOKENS", "ArenaBlockPool", "SlabArena", "packing"]
 
 FREE = -1
 RESERVED = -2
+#: tokens of one step whose takes :attr:`SlabArena.pack_below` keeps room for: vLLM's
+#: default ``max_num_batched_tokens`` (``SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS``),
+#: one prefill chunk. Chosen by ``benchmarks/prefix_vs_vllm.py`` (``docs/vs_vllm.md``).
+PACK_TOKENS = 2048
 
 
 class ArenaBlockPool(BlockPool):
@@ -56,6 +80,15 @@ class ArenaBlockPool(BlockPool):
         self.live = np.zeros(n, dtype=np.int64)  # blocks in use, per slab
         self.cached = np.zeros(n, dtype=np.int64)  # evictable blocks, per slab
         self.released_at = np.zeros(self.num_blocks, dtype=np.int64)
+        #: told ``(src, dst)`` when cached blocks move (the prefix cache re-points its keys);
+        #: ``None`` (no prefix caching: nothing is cached) turns moves off
+        self.on_move: Callable[[np.ndarray, np.ndarray], None] | None = None
+        # slots freed or granted since the moves were last taken (and evicted, if the host
+        # tier offloads evicted blocks): a move may not write them, because the worker's
+        # mirror may still show a row holding them or a queued offload may still read them
+        self._unsettled = np.zeros(self.num_blocks, dtype=bool)
+        self.offloads_evicted = False  # set by kvforge.scheduler.host_tier.attach
+        self._moved: dict[int, int] = {}  # move destination -> the block its bytes come from
 
     # ------------------------------------------------------------------ capacity
 
@@ -86,6 +119,9 @@ class ArenaBlockPool(BlockPool):
             self.arena.prepare({self: count})
         if count > self._num_free:
             self.evict(count - self._num_free)
+        arena = self.arena
+        if count and arena.packing and arena.short_of_spare_slabs():
+            self._pack(count)
         top, k = self._num_free, self.blocks_per_slab
         stack = self._stack[:top]
         if 0 < count < top:
@@ -105,6 +141,80 @@ class ArenaBlockPool(BlockPool):
         self._ref[ids] = 1
         np.add.at(self.live, ids // k, 1)
         return ids
+
+    def _pack(self, count: int) -> None:
+        """Free slots for the next ``count`` takes in the slabs with the most blocks in use:
+        cached blocks there move to settled free slots of slabs with fewer blocks in use.
+
+        Worked example, ``blocks_per_slab = 4``, a take of 2: slab 1 holds 3 blocks in use
+        and 1 cached block (id 7), slab 2 one block in use and 3 free slots (9, 10, 11).
+        Without a move both blocks land in slab 2 (1 + 2 in use in slab 2, 3 in slab 1);
+        with one (7 -> 9: the cached bytes keep their key and their place in LRU order)
+        the take gets ids 7 and 10: slab 1 is full of blocks in use, slab 2 holds 2.
+        """
+        k, top = self.blocks_per_slab, self._num_free
+        stack = self._stack[:top]
+        slab_of = stack // k
+        free_per = np.bincount(slab_of, minlength=len(self.live))
+        owned = np.flatnonzero(self.arena.owner == self.index)
+        order = owned[np.lexsort((-free_per[owned], -self.live[owned]))]  # busiest first
+        need, srcs, busy = count, [], []
+        for s in order.tolist():
+            busy.append(s)
+            need -= int(free_per[s])
+            if need <= 0:
+                break
+            if self.cached[s]:
+                ids = np.arange(s * k, min(s * k + k, self.num_blocks))
+                cached = ids[self._retained[ids] & (self._ref[ids] == 0)][:need]
+                srcs.append(cached)
+                need -= len(cached)
+                if need <= 0:
+                    break
+        if not srcs:
+            return
+        src = np.concatenate(srcs).astype(np.int32)
+        # destinations: settled free slots outside the slabs the take fills, emptiest first
+        ok = ~np.isin(slab_of, busy) & ~self._unsettled[stack]
+        dst = stack[ok]
+        dst = dst[np.argsort(self.live[dst // k] * (k + 1) + self.cached[dst // k], kind="stable")]
+        n = min(len(src), len(dst))
+        src, dst = src[:n], dst[:n]
+        gain = self.live[src // k] > self.live[dst // k]  # only toward busier slabs
+        src, dst = src[gain], dst[gain]
+        if not len(src):
+            return
+        self._move(src, dst, stack, top)
+
+    def _move(self, src: np.ndarray, dst: np.ndarray, stack: np.ndarray, top: int) -> None:
+        """Cached blocks ``src`` move to free slots ``dst``; ``src`` become free slots."""
+        k = self.blocks_per_slab
+        to = dict(zip(src.tolist(), dst.tolist(), strict=True))
+        self._evictable = {to.get(b, b): None for b in self._evictable}  # same LRU order
+        self._retained[dst], self._retained[src] = True, False
+        self.released_at[dst] = self.released_at[src]
+        np.add.at(self.cached, dst // k, 1)
+        np.subtract.at(self.cached, src // k, 1)
+        rest = stack[~np.isin(stack, dst)]
+        self._stack[: len(rest)] = rest
+        self._stack[len(rest) : top] = src
+        self._unsettled[src] = True
+        moved = self._moved
+        for a, b in to.items():  # a block moved twice is copied once, from where it was
+            moved[b] = moved.pop(a, a)
+        self.arena.moved_blocks += len(src)
+        assert self.on_move is not None
+        self.on_move(src, dst)
+
+    def take_moves(self) -> BlockCopy | None:
+        """The moves since the last call, as one copy (``None``: none); settles every slot."""
+        self._unsettled[:] = False
+        if not self._moved:
+            return None
+        moved, self._moved = self._moved, {}
+        dst = np.fromiter(moved.keys(), dtype=np.int32, count=len(moved))
+        src = np.fromiter(moved.values(), dtype=np.int32, count=len(moved))
+        return BlockCopy(self.name, src, dst)
 
     def share(self, block_ids: Sequence[int] | np.ndarray) -> None:
         ids = self._check_ids(np.asarray(block_ids), "share")
@@ -126,6 +236,7 @@ class ArenaBlockPool(BlockPool):
         gone = gone[self._ref[gone] == 0]
         if len(gone):
             np.subtract.at(self.live, gone // self.blocks_per_slab, 1)
+            self._unsettled[gone] = True
             kept = gone[self._retained[gone]]
             if len(kept):
                 np.add.at(self.cached, kept // self.blocks_per_slab, 1)
@@ -137,6 +248,7 @@ class ArenaBlockPool(BlockPool):
         super().forget(block_id)
         if was_evictable:
             self.cached[block_id // self.blocks_per_slab] -= 1
+            self._unsettled[block_id] = True
 
     def evict(
         self, count: int | None = None, block_ids: Sequence[int] | None = None
@@ -144,6 +256,8 @@ class ArenaBlockPool(BlockPool):
         victims = super().evict(count, block_ids)
         if len(victims):
             np.subtract.at(self.cached, victims // self.blocks_per_slab, 1)
+            if self.offloads_evicted:  # (never clears the mark of a slot freed this period)
+                self._unsettled[victims] = True
         return victims
 
     # ------------------------------------------------------------------ slabs
@@ -156,6 +270,7 @@ class ArenaBlockPool(BlockPool):
         """Put the ids of ``slabs`` (just given to this group; or ``ids``) on the free
         stack."""
         ids = (self._slab_ids(slabs) if ids is None else ids)[::-1]
+        self._unsettled[ids] = True
         top = self._num_free
         self._stack[top : top + len(ids)] = ids
         self._num_free = top + len(ids)
@@ -185,6 +300,19 @@ class ArenaBlockPool(BlockPool):
         )
 
 
+@contextlib.contextmanager
+def packing(arena: SlabArena | None, on: bool) -> Iterator[None]:
+    """Within: ``arena``'s takes may move cached blocks (a step's growth, whose
+    ``StepAllocation.moves`` carries the copies)."""
+    if arena is not None:
+        arena.packing = on
+    try:
+        yield
+    finally:
+        if arena is not None:
+            arena.packing = False
+
+
 class SlabArena:
     """Which group owns which slab, and the moves that let a group grow.
 
@@ -192,14 +320,31 @@ class SlabArena:
         geometry: the arena's geometry (from :func:`kvforge.core.arena.plan_arena`).
     """
 
-    def __init__(self, geometry: ArenaGeometry) -> None:
+    def __init__(
+        self,
+        geometry: ArenaGeometry,
+        block_sizes: Sequence[int] | None = None,
+        pack_tokens: int = PACK_TOKENS,
+    ) -> None:
         self.geometry = geometry
+        #: takes move cached blocks (``_pack``) only inside a step's growth, whose
+        #: ``StepAllocation`` carries the copies to the worker (the manager sets it)
+        self.packing = False
+        #: ... and only while fewer slabs could change hands than one step of
+        #: ``pack_tokens`` tokens takes in its hungriest group (0, never, without
+        #: ``block_sizes``). V4-Flash at 3 GiB: ``c4_state`` takes 2,048 / 4 = 512 blocks,
+        #: 15 per slab: 35 slabs.
+        self.pack_below = 0
+        for b, k in zip(block_sizes or (), geometry.blocks_per_slab, strict=False):
+            blocks = math.ceil(pack_tokens / b)
+            self.pack_below = max(self.pack_below, math.ceil(blocks / k))
         n = geometry.num_slabs
         self.owner = np.full(n + 1, FREE, dtype=np.int64)  # index n: the tail
         self.pinned = np.zeros(n + 1, dtype=bool)  # the home group's for good
         self.pinned[[0, n]] = True
         self.clock = 0  # release order across every member (ages of cached blocks)
         self.moves = 0  # slabs that changed hands between groups
+        self.moved_blocks = 0  # cached blocks moved within their group (block copies)
         self.pools = [ArenaBlockPool(self, i, g) for i, g in enumerate(geometry.groups)]
         self.name = "+".join(geometry.groups)
         home = self.pools[geometry.home]
@@ -213,6 +358,11 @@ class SlabArena:
 
     def pool(self, group: str) -> ArenaBlockPool:
         return self.pools[self.geometry.index(group)]
+
+    def take_moves(self) -> tuple[BlockCopy, ...]:
+        """The block copies of every cached block moved since the last call (one per group
+        that moved some), to run before anything else of the step writes a block."""
+        return tuple(c for c in (p.take_moves() for p in self.pools) if c is not None)
 
     # ------------------------------------------------------------------ counting
 
@@ -231,6 +381,12 @@ class SlabArena:
             if p is not exclude:
                 spare += len(self.idle_slabs(p))
         return spare
+
+    def short_of_spare_slabs(self) -> bool:
+        """Whether fewer slabs could change hands than :attr:`pack_below` (free slabs are
+        counted first: one array pass decides while they are plenty)."""
+        free = int((self.owner == FREE).sum())
+        return free < self.pack_below and self.spare_slabs() < self.pack_below
 
     def _budget(
         self, needs: Mapping[ArenaBlockPool, int]
@@ -288,9 +444,11 @@ class SlabArena:
         and evictable blocks; the takes follow.
 
         A short group gets free slabs first, then other groups' idle slabs (those without
-        cached blocks first, then the least recently used). A group that has enough only
-        by evicting its own cached blocks also gets slabs when that costs no newer cached
-        block than its own least recently released one.
+        cached blocks first, then the least recently used). Then every group that would
+        evict its own cached blocks (a short one too, once it has its slabs) gets free
+        slabs instead, and other groups' idle slabs when that costs no newer cached block
+        than its own least recently released one: one least-recently-used order across
+        the groups, as far as whole slabs allow.
 
         Raises:
             OutOfBlocksError: the needs do not fit (nothing changed).
@@ -305,7 +463,7 @@ class SlabArena:
         for p in self.pools:  # optional: slabs instead of evicting own newer blocks
             need = int(needs.get(p, 0))
             short = need - p._num_free
-            if short <= 0 or p in must:
+            if short <= 0:
                 continue
             own_oldest = p.oldest_release()
             count = -(-short // p.blocks_per_slab)

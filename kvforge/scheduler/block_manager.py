@@ -71,7 +71,7 @@ from kvforge.core.values import (
 from kvforge.errors import OutOfBlocksError, RequestStateError, StepError
 from kvforge.kinds import live_start
 from kvforge.scheduler import tier_lookup
-from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
+from kvforge.scheduler.arena import ArenaBlockPool, SlabArena, packing
 from kvforge.scheduler.args import batch_ids, check_matches, check_token_ids, new_token_counts
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.growth import (
@@ -397,7 +397,7 @@ class BlockManager:
         if prefix_matches is not None or self._prefix.enabled:
             for i in np.flatnonzero(fresh & accept):
                 match = prefix_matches[i] if prefix_matches is not None else None
-                stale = self._prefix.adopt(ids[i], int(rows[i]), match)
+                stale, match = self._prefix.adopt(ids[i], int(rows[i]), match)
                 if stale is not None:
                     accept[i] = False
                     refused.append(Refusal(ids[i], "stale_prefix", stale, 0, 0))
@@ -417,15 +417,16 @@ class BlockManager:
                     Refusal(ids[i], "max_model_len", "", int(after[i]), self.max_model_len)
                 )
         plans = plan_growth(self._t, safe_rows, fresh, before, after)
-        if accept.all() and all(
-            fits_in_order(self._t, pool, members, safe_rows, plans)
-            for pool, members in self._t.capacity
-        ):
-            apply_growth(self._t, safe_rows, fresh, before, after, plans, None)
-        else:
-            accept = schedule_one_by_one(self._t,
-                ids, safe_rows, fresh, before, after, plans, accept, refused
-            )
+        with packing(self.arena, self._prefix.enabled):  # takes may move cached blocks
+            if accept.all() and all(
+                fits_in_order(self._t, pool, members, safe_rows, plans)
+                for pool, members in self._t.capacity
+            ):
+                apply_growth(self._t, safe_rows, fresh, before, after, plans, None)
+            else:
+                accept = schedule_one_by_one(self._t,
+                    ids, safe_rows, fresh, before, after, plans, accept, refused
+                )
         # rows taken for fresh requests that were refused go back
         for i in (fresh & ~accept).nonzero()[0] if n_fresh else ():
             if int(i) in adopted:
@@ -469,6 +470,7 @@ class BlockManager:
             copies_before=tuple(copies_before),
             copies_after=tuple(copies_after),
             step_id=step_id,
+            moves=self.arena.take_moves() if self.arena is not None else (),
             offloads=self._host_tier.take_offloads() if self._host_tier is not None else (),
             onloads=tier_lookup.take_onloads(self),
         )
@@ -814,4 +816,4 @@ def _check_arena(
                 f"it {want:,} (num_slabs {arena.num_slabs} x {arena.blocks_per_slab[i]} per "
                 f"slab{f', and {arena.tail_blocks} in the tail' if i == arena.home else ''})"
             )
-    return SlabArena(arena)
+    return SlabArena(arena, [layout.group(g).block_size for g in arena.groups])

@@ -61,6 +61,7 @@ import numpy as np
 
 from kvforge._checks import ArgumentError
 from kvforge.core.values import PageCopy
+from kvforge.scheduler.arena import ArenaBlockPool
 from kvforge.scheduler.block_pool import BlockPool
 from kvforge.scheduler.unit_records import UnitRecordStore
 
@@ -628,6 +629,8 @@ def attach(
         tier = HostTier(num_pages, prefix.records, snapshots, policy, state_policy)
         for pool, _ in tables.pools:
             pool.on_evict = functools.partial(_demote, manager, tier, pool, pool.on_evict)
+            if isinstance(pool, ArenaBlockPool):  # its moves leave evicted blocks alone
+                pool.offloads_evicted = True
         if policy == "write_through":
             prefix.on_store = functools.partial(_write_through, manager, tier)
         manager._host_tier = tier

@@ -19,7 +19,7 @@ Invariants (tested in ``tests/scheduler/test_prefix_cache.py`` and the prefix pr
   as a spare and takes the key over when the cached copy goes (evicted or rewritten), so a
   key lives as long as its most recently used copy, as LRU means it to
   (``tests/scheduler/test_newest_copy.py``);
-- a match shares only blocks that are still registered under the keys it was looked up with.
+- a match shares the blocks registered under its keys at adoption (moved or newer copies).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import numpy as np
 
 from kvforge.core.prefix_keys import Algorithm, PrefixHasher, unit_of
 from kvforge.core.values import BlockCopy, PrefixEvent, PrefixMatch, PrefixQuery, TableDelta
+from kvforge.scheduler.arena import ArenaBlockPool
 from kvforge.scheduler.args import token_array
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.retention import (
@@ -178,7 +179,6 @@ class PrefixCache:
         #: called with (pool, block) for each block a step registered (host_tier.attach)
         self.on_store: Callable[[BlockPool, int], None] | None = None
         self._cached: dict[str, dict[object, int]] = {g.spec.name: {} for g in tables.groups}
-        # per pool: block -> (key, end token, group index) of every registered block
         # per pool: block -> (key, end token, group index, the record it holds or None, the
         # tail proof (parent, payload, root preimage) of a key that ends inside a unit)
         self._owner: dict[BlockPool, dict[int, _Entry]] = {
@@ -193,6 +193,8 @@ class PrefixCache:
         if enabled:
             for pool, _ in tables.pools:
                 pool.on_evict = functools.partial(self._evicted, pool)
+                if isinstance(pool, ArenaBlockPool):
+                    pool.on_move = functools.partial(self._moved, pool)
 
     @property
     def snapshot_groups(self) -> list[GroupTable]:
@@ -397,13 +399,8 @@ class PrefixCache:
         return mac.digest()
 
     def _sealed(
-        self,
-        num_tokens: int,
-        first: dict[str, int],
-        blocks: dict[str, np.ndarray],
-        keys: dict[str, tuple[bytes, ...]],
-        hasher: PrefixHasher,
-        num_prompt_tokens: int = 0,
+        self, num_tokens: int, first: dict[str, int], blocks: dict[str, np.ndarray],
+        keys: dict[str, tuple[bytes, ...]], hasher: PrefixHasher, num_prompt_tokens: int = 0,
         junction: int = 0,
     ) -> PrefixMatch:
         seal = self._seal(num_tokens, first, blocks, keys, hasher, num_prompt_tokens, junction)
@@ -411,10 +408,12 @@ class PrefixCache:
             num_tokens, first, blocks, keys, hasher, seal, num_prompt_tokens, junction
         )
 
-    def adopt(self, request_id: str, row: int, match: PrefixMatch | None) -> str | None:
-        """Share a match's blocks into ``row``; the name of a group whose blocks were evicted
-        since the lookup, or ``""`` for a match this cache did not make as it stands (forged,
-        altered, or another controller's): nothing changed then. ``None`` on success."""
+    def adopt(
+        self, request_id: str, row: int, match: PrefixMatch | None
+    ) -> tuple[str | None, PrefixMatch | None]:
+        """Share into ``row`` the blocks that serve a match's keys now: ``(None, the match
+        adopted)``; or (a group whose keys were evicted since the lookup, or ``""`` for a match
+        this cache did not make as it stands: forged, altered, another's; None): no change."""
         if match is not None:
             m = match
             seal = self._seal(
@@ -422,7 +421,7 @@ class PrefixCache:
                 m.junction,
             )
             if not self.enabled or not hmac.compare_digest(m.seal, seal):
-                return ""
+                return "", None
         hasher = (
             match.hasher
             if match is not None
@@ -436,21 +435,26 @@ class PrefixCache:
                     match.num_prompt_tokens, match.junction, self.boundary
                 )
         if match is None or not match.num_tokens:
-            return None
+            return None, match
+        now: dict[str, np.ndarray] = {}
         for g in self._t.groups:
             keys = match.keys.get(g.spec.name, ())
             blocks = match.blocks.get(g.spec.name)
             if blocks is None or len(blocks) != len(keys):
-                return g.spec.name
-            cached = self._cached[g.spec.name]
-            if any(cached.get(k) != int(b) for k, b in zip(keys, blocks.tolist(), strict=True)):
+                return g.spec.name, None
+            served = [self._cached[g.spec.name].get(k) for k in keys]
+            if None in served:
                 self._hashers.pop(request_id, None)
-                return g.spec.name
+                return g.spec.name, None
+            now[g.spec.name] = np.array(served, dtype=blocks.dtype)
+        if any(not np.array_equal(now[n], b) for n, b in match.blocks.items()):
+            match = self._sealed(match.num_tokens, match.first_col, now, match.keys,
+                                 match.hasher, match.num_prompt_tokens, match.junction)
         assert isinstance(hasher, PrefixHasher)
         held = self.records.hold(hasher.unit_records())  # verifies units 0 .. L again
         if held.cursor is None:
             self._hashers.pop(request_id, None)
-            return next(iter(match.keys), "")
+            return next(iter(match.keys), ""), None
         self._cursors[request_id] = held.cursor
         for gi, g in enumerate(self._t.groups):
             blocks = match.blocks[g.spec.name]
@@ -463,7 +467,7 @@ class PrefixCache:
             g.held_from[row] = c0
             self._t.committed[gi, row] = match.num_tokens // g.block_size
         self._t.num_tokens[row] = match.num_tokens
-        return None
+        return None, match
 
     def unadopt(self, row: int, match: PrefixMatch) -> None:
         for gi, g in enumerate(self._t.groups):
@@ -764,6 +768,19 @@ class PrefixCache:
                 self.records.release(entry.ref)
             self._events.append(PrefixEvent("removed", g.spec.name, entry.key, entry.end))
             self._promote(g, entry.key)
+
+    def _moved(self, pool: BlockPool, src: np.ndarray, dst: np.ndarray) -> None:
+        """Cached blocks ``src`` moved to ``dst`` (a slab arena packing): keys follow."""
+        served, waiting = self._owner[pool], self._spare_owner[pool]
+        for a, b in zip(src.tolist(), dst.tolist(), strict=True):
+            owner = served if a in served else waiting
+            entry = owner[b] = owner.pop(a)
+            name = self._t.groups[entry.group].spec.name
+            if owner is waiting:
+                copies = self._spares[name][entry.key]
+                copies[copies.index(a)] = b
+            elif self._cached[name].get(entry.key) == a:
+                self._cached[name][entry.key] = b
 
     def served(self, pool: BlockPool, block: int) -> _Entry | None:
         """What the cache knows of ``block`` while it is the served copy of a key (``None``

@@ -489,21 +489,25 @@ class CacheStorage:
         return self._verify.next_seq
 
     def apply(self, step: StepAllocation) -> StepInputs:
-        """Mirror a step's table changes and compute its slot mappings.
-
-        Slot mappings are one ``int64`` array per ``(group, compress_ratio)`` over every token
-        of the step, in request order: vectorized numpy on CPU (no per-token Python).
+        """Run a step's moves, mirror its table changes and compute its slot mappings: one
+        ``int64`` array per ``(group, compress_ratio)`` over every token of the step, in
+        request order (vectorized numpy on CPU, no per-token Python).
 
         Raises:
-            WorkerRefusedError (and subclasses): as :meth:`apply_deltas`, or a step row
-                outside the tables; nothing is mirrored then.
+            WorkerRefusedError (and subclasses): as :meth:`apply_deltas` and
+                :meth:`copy_blocks`, or a step row outside the tables; nothing changed then.
         """
         with self._lock:
             self._ready()
             verify = self._verify
             verify.step(step)
-            if step.offloads or step.onloads:  # the host tier's, before the step's kernels
-                guard.tier_of(self).move(step.offloads, step.onloads)
+            tier = guard.tier_of(self) if step.offloads or step.onloads else None
+            if step.moves:  # first: the onloads and kernels may write their sources; all
+                if tier is not None:  # checked before a byte moves
+                    verify.page_copies(step.offloads, step.onloads, tier.num_pages)
+                self.copy_blocks(step.moves)
+            if tier is not None:  # the host tier's, before the step's kernels
+                tier.move(step.offloads, step.onloads)
             self._mirror(step.table_deltas)
             verify.stepped(step.rows)
             index, positions, rows = step_tokens(step)
@@ -607,12 +611,10 @@ class CacheStorage:
         that raises or a copy that fails is reported in the result (after every queued copy
         finished), never raised. Hand ``execution.result`` to the scheduler side's
         ``complete_swap``; keep ``execution.event`` / ``keep_alive`` until the copies are done.
-
         The plan is verified first (:func:`kvforge.worker.guard.check_plan`) against the
         mirror, so mirror ``take_table_deltas()`` after planning and before executing (a swap
-        in's new rows are such deltas). A refused plan raises before any hook or byte, and its
-        id is not spent: give the scheduler side a failed result for it (``complete_swap``)
-        when it is that side's plan, as the facade does.
+        in's new rows are such deltas). A refused plan raises before any hook or byte; its id
+        is not spent: give the scheduler side a failed result for it (``complete_swap``).
 
         Raises:
             PlanReplayError: the plan's id was executed already (a retry or a replay).

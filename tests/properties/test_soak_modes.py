@@ -250,6 +250,27 @@ def test_two_threads_on_a_slab_arena() -> None:
     assert not any(report.final_used_blocks.values())
 
 
+def test_two_threads_on_an_arena_that_moves_cached_blocks(monkeypatch) -> None:
+    """Every step's takes move cached blocks (as they do once slabs run short): every byte of
+    every request, prefix hits on moved blocks included, reads back as written."""
+    arenas = []
+    build = soak_threads.make_threads_controller
+
+    def packing(*args, **kwargs):
+        ctl = build(*args, **kwargs)
+        arena = ctl._manager.arena
+        arena.pack_below = arena.geometry.num_slabs + 1
+        arenas.append(arena)
+        return ctl
+
+    monkeypatch.setattr(soak_threads, "make_threads_controller", packing)
+    report = soak_threads.run_threads(240, 5, 2, arena=True)
+    assert report.ops == 240 and report.total("mismatches") == 0
+    assert report.total("prefix_hits") > 0 and report.total("entries_verified") > 0
+    assert arenas[0].moved_blocks > 0
+    assert not any(report.final_used_blocks.values())
+
+
 def test_arena_needs_threads() -> None:
     with pytest.raises(SystemExit):
         soak.parse_args(["--arena"])

@@ -18,7 +18,7 @@ from kvforge.core.values import PrefixQuery
 from kvforge.errors import OutOfBlocksError
 from kvforge.models import from_hf_config
 from kvforge.scheduler import BlockManager
-from kvforge.scheduler.arena import FREE, RESERVED, SlabArena
+from kvforge.scheduler.arena import FREE, RESERVED, ArenaBlockPool, SlabArena
 
 V4 = CacheLayout(from_hf_config("deepseek-v4-tiny"))
 
@@ -40,6 +40,117 @@ def owned_by_holder(m: BlockManager) -> None:
         held = m.table(p.name)
         held = held[held != 0]
         assert (arena.owner[held // p.blocks_per_slab] == p.index).all(), p.name
+
+
+def keys_follow_their_blocks(m: BlockManager) -> None:
+    """Every cached key names a block the cache registered under it, and a pool's evictable
+    blocks are exactly its registered blocks that no request holds."""
+    prefix = m._prefix
+    for g in m._t.groups:
+        for key, block in prefix._cached[g.spec.name].items():
+            assert prefix._owner[g.pool][block].key == key
+    for pool, _ in m._t.pools:
+        known = set(prefix._owner[pool]) | set(prefix._spare_owner[pool])
+        idle = {b for b in known if pool.ref_count(b) == 0}
+        assert set(pool._evictable) == idle, pool.name
+
+
+def packing_swa(settled: bool) -> tuple[SlabArena, ArenaBlockPool, int, int, list]:
+    """Group ``swa`` in two slabs: slab ``s1`` with ``k - 1`` blocks in use and one cached
+    block (returned), slab ``s2`` with one block in use and ``k - 1`` free slots (settled, or
+    freed since the moves were last taken)."""
+    m = manager(prefix=False)  # no prefix cache: the test hears the moves itself
+    arena = m.arena
+    assert arena is not None
+    p = arena.pool("swa")
+    k = p.blocks_per_slab
+    arena.prepare({p: 2 * k})
+    ids = p.take(2 * k)
+    s1, s2 = sorted({int(b) // k for b in ids})
+    in1, in2 = ids[ids // k == s1], ids[ids // k == s2]
+    cached = int(in1[-1])
+    p.retain(cached)
+    p.release(np.concatenate([in1[-1:], in2[1:]]))
+    heard: list = []
+    p.on_move = lambda src, dst: heard.append((src.tolist(), dst.tolist()))
+    arena.packing, arena.pack_below = True, arena.geometry.num_slabs + 1
+    if settled:
+        assert arena.take_moves() == ()  # settles every slot
+    return arena, p, s1, cached, heard
+
+
+def test_a_take_moves_a_cached_block_out_of_the_busiest_slab() -> None:
+    arena, p, s1, cached, heard = packing_swa(settled=True)
+    k = p.blocks_per_slab
+    age = int(p.released_at[cached])
+    [got] = p.take(1)
+    # the take lands in the busiest slab, where the cached block was; its bytes moved to a
+    # free slot of the other slab, with its age and its place in LRU order
+    assert int(got) == cached and int(got) // k == s1
+    [(src, [dst])] = heard
+    assert src == [cached] and dst // k != s1
+    assert list(p._evictable) == [dst] and int(p.released_at[dst]) == age
+    assert p.live[s1] == k and p.cached[s1] == 0 and p.cached[dst // k] == 1
+    [copy] = arena.take_moves()
+    assert (copy.group, copy.src.tolist(), copy.dst.tolist(), copy.row) == ("swa", [cached], [dst], -1)
+    assert arena.moved_blocks == 1 and arena.take_moves() == ()
+    arena.check()
+
+
+def test_no_move_writes_a_slot_freed_since_the_moves_were_taken() -> None:
+    arena, p, s1, cached, heard = packing_swa(settled=False)
+    [got] = p.take(1)  # the only free slots were released in this period: no move
+    assert int(got) // p.blocks_per_slab != s1 and heard == [] and arena.take_moves() == ()
+    assert list(p._evictable) == [cached]
+    arena.check()
+
+
+def test_no_move_writes_a_slot_freed_then_evicted_since_the_moves_were_taken() -> None:
+    """A block released this period (its row's clearing delta not mirrored yet) and then
+    evicted by the take stays unwritable, with or without a host tier."""
+    for host_tier in (False, True):
+        m = manager(prefix=False)
+        arena = m.arena
+        assert arena is not None
+        p = arena.pool("swa")
+        k = p.blocks_per_slab
+        arena.prepare({p: 2 * k})
+        ids = p.take(2 * k)
+        s1, s2 = sorted({int(b) // k for b in ids})
+        c, w, x = int(ids[ids // k == s1][-1]), *(int(b) for b in ids[ids // k == s2][-2:])
+        for b in (c, w, x):
+            p.retain(b)
+        heard: list = []
+        p.on_move = lambda src, dst, heard=heard: heard.append((src.tolist(), dst.tolist()))
+        p.offloads_evicted = host_tier
+        arena.packing, arena.pack_below = True, arena.geometry.num_slabs + 1
+        assert arena.take_moves() == ()
+        for b in (x, w, c):  # least recently released first: x
+            p.release([b])
+        [got] = p.take(1)  # evicts x; slab s1 (k - 1 in use, c cached) is the busiest
+        assert int(got) == x and heard == [] and arena.take_moves() == ()
+        assert list(p._evictable) == [w, c]
+        arena.check()
+
+
+def test_no_move_without_pressure_or_outside_a_step() -> None:
+    for packing, below in ((True, 0), (False, 10**6)):
+        arena, p, s1, _cached, heard = packing_swa(settled=True)
+        arena.packing, arena.pack_below = packing, below
+        [got] = p.take(1)
+        assert int(got) // p.blocks_per_slab != s1 and heard == []
+
+
+def test_pack_below_is_one_step_of_the_hungriest_group() -> None:
+    geometry = plan_arena(V4, 323_277_696)  # the prefix benchmark's quarter working set
+    assert geometry is not None
+    sizes = [V4.group(g).block_size for g in geometry.groups]
+    arena = SlabArena(geometry, sizes)
+    # c4_state: 2,048 tokens / 4 = 512 blocks, 56 per slab at this budget: 10 slabs
+    assert dict(zip(geometry.groups, geometry.blocks_per_slab, strict=True))["c4_state"] == 56
+    assert arena.pack_below == 10
+    assert SlabArena(geometry).pack_below == 0  # without block sizes: never
+    assert SlabArena(geometry, sizes, pack_tokens=4096).pack_below == 19
 
 
 def test_v4_groups_form_one_arena_and_others_do_not() -> None:
@@ -154,11 +265,14 @@ def test_cached_blocks_of_an_idle_slab_are_evicted_when_it_moves() -> None:
         max_size=40,
     ),
     budget=st.sampled_from([48 << 20, 96 << 20, 200 << 20]),
+    pack=st.booleans(),
 )
-def test_random_steps_keep_the_arena_invariants(ops, budget) -> None:
+def test_random_steps_keep_the_arena_invariants(ops, budget, pack) -> None:
     m = manager(budget=budget, prefix=True)
     arena = m.arena
     assert arena is not None
+    if pack:  # every step's takes move cached blocks, whatever the pressure
+        arena.pack_below = arena.geometry.num_slabs + 1
     prompts = {i: [1 + (i % 3)] * 200 + list(range(i * 1000, i * 1000 + 400)) for i in range(8)}
     live: set[str] = set()
     for op, i, n in ops:
@@ -178,6 +292,9 @@ def test_random_steps_keep_the_arena_invariants(ops, budget) -> None:
             live.discard(rid)
         arena.check()
         owned_by_holder(m)
+        keys_follow_their_blocks(m)
+        for copy in arena.take_moves():  # as the step's moves, drained again: none left
+            raise AssertionError(f"moves outside a step: {copy}")
     m.finish(sorted(live))
     arena.check()
     assert all(p.num_used == 0 for p in arena.pools)

@@ -297,6 +297,22 @@ def test_apply_refuses_a_step_row_outside_the_tables_before_mirroring_its_deltas
     np.testing.assert_array_equal(env.storage.block_table("kv"), env.manager.table("kv"))
 
 
+def test_apply_refuses_a_step_whose_move_writes_a_held_block_before_anything() -> None:
+    """``StepAllocation.moves`` run first, checked as copies into no row: a forged move that
+    writes a block some row holds refuses the whole step (nothing copied or mirrored)."""
+    env = Env()
+    step = env.manager.schedule(["a"], [16])
+    for dst, fragment in (
+        (env.blocks("b")[0], f"copy_blocks: block {env.blocks('b')[0]} of group 'kv' is held by "
+         f"row {env.row('b')} (column 0), which the copy does not write for"),
+        (BLOCKS, f"copy_blocks: block id {BLOCKS} of group 'kv' is outside [1, {BLOCKS})"),
+    ):
+        bad = dataclasses.replace(step, moves=(_copy([env.blocks("c")[0]], [dst]),))
+        refused(env, lambda bad=bad: env.storage.apply(bad), WorkerRefusedError, fragment)
+    env.storage.apply(step)  # the real one still applies
+    np.testing.assert_array_equal(env.storage.block_table("kv"), env.manager.table("kv"))
+
+
 # ====================================================================== copies
 
 
