@@ -302,8 +302,9 @@ def print_plan(report: dict[str, Any]) -> None:
         out.print(
             f"groups {', '.join(arena['groups'])} draw on one arena of {arena['num_slabs']:,} "
             f"slabs x {arena['slab_bytes']:,} B: a slab moves to the group that needs it once "
-            "none of its blocks is in use, so their bytes flow with the load (blocks: each "
-            "group's ids across the whole arena)"
+            "none of its blocks is in use, so their bytes flow with the load; under slab "
+            "pressure a step moves cached blocks out of busy slabs (blocks: each group's ids "
+            "across the whole arena)"
         )
         out.print(
             f"{arena['home']} keeps slab 0 past the null blocks and {arena['tail_blocks']:,} "

@@ -212,7 +212,7 @@ class MemoryPlan(BaseModel):
             lines.append(
                 f"Groups {', '.join(a.groups)} share one arena of {a.num_slabs:,} slabs x "
                 f"{a.slab_bytes:,} B: a slab moves to the group that needs it when none of "
-                "its blocks is in use, so their bytes flow with the load"
+                "its blocks is in use (cached ones move out of busy slabs under pressure)"
             )
             lines.append(
                 f"  {a.groups[a.home]} keeps slab 0 past the null blocks and "
