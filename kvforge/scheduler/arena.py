@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from kvforge._checks import ArgumentError, check_int
 from kvforge.core.arena import ArenaGeometry
 from kvforge.core.values import BlockCopy
 from kvforge.errors import OutOfBlocksError
@@ -326,6 +327,19 @@ class SlabArena:
         block_sizes: Sequence[int] | None = None,
         pack_tokens: int = PACK_TOKENS,
     ) -> None:
+        pack_tokens = check_int("pack_tokens", pack_tokens, minimum=1)
+        if block_sizes is not None:
+            if isinstance(block_sizes, str | bytes) or not isinstance(block_sizes, Sequence):
+                raise ArgumentError(
+                    f"block_sizes must be a sequence of ints, got {type(block_sizes).__name__}"
+                )
+            if len(block_sizes) != len(geometry.groups):
+                raise ArgumentError(
+                    f"block_sizes has {len(block_sizes)} sizes for the arena's "
+                    f"{len(geometry.groups)} groups {list(geometry.groups)}"
+                )
+            block_sizes = [check_int(f"block_sizes[{i}]", b, minimum=1)
+                           for i, b in enumerate(block_sizes)]
         self.geometry = geometry
         #: takes move cached blocks (``_pack``) only inside a step's growth, whose
         #: ``StepAllocation`` carries the copies to the worker (the manager sets it)

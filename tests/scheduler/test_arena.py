@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvforge._checks import ArgumentError
 from kvforge.core.arena import ArenaGeometry, arena_groups, plan_arena
 from kvforge.core.layout import CacheLayout
 from kvforge.core.values import PrefixQuery
@@ -151,6 +152,26 @@ def test_pack_below_is_one_step_of_the_hungriest_group() -> None:
     assert arena.pack_below == 10
     assert SlabArena(geometry).pack_below == 0  # without block sizes: never
     assert SlabArena(geometry, sizes, pack_tokens=4096).pack_below == 19
+
+
+BAD_PACKING = [
+    ({"pack_tokens": 0}, "pack_tokens must be"),
+    ({"pack_tokens": "2048"}, "pack_tokens must be"),
+    ({"pack_tokens": True}, "pack_tokens must be"),
+    ({"block_sizes": "4"}, "block_sizes must be a sequence of ints, got str"),
+    ({"block_sizes": [64, 256]}, "block_sizes has 2 sizes for the arena's 4 groups"),
+    ({"block_sizes": [64, 256, 0, 8]}, "block_sizes[2] must be"),
+    ({"block_sizes": [64, 256, 4.0, 8]}, "block_sizes[2] must be"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_PACKING)
+def test_bad_packing_arguments_refused(kwargs, message) -> None:
+    geometry = plan_arena(V4, 160 << 20)
+    assert geometry is not None
+    with pytest.raises(ArgumentError) as info:
+        SlabArena(geometry, **kwargs)
+    assert message in str(info.value), str(info.value)
 
 
 def test_v4_groups_form_one_arena_and_others_do_not() -> None:
