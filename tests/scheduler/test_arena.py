@@ -56,10 +56,9 @@ def keys_follow_their_blocks(m: BlockManager) -> None:
         assert set(pool._evictable) == idle, pool.name
 
 
-def packing_swa(settled: bool) -> tuple[SlabArena, ArenaBlockPool, int, int, list]:
-    """Group ``swa`` in two slabs: slab ``s1`` with ``k - 1`` blocks in use and one cached
-    block (returned), slab ``s2`` with one block in use and ``k - 1`` free slots (settled, or
-    freed since the moves were last taken)."""
+def two_full_swa_slabs() -> tuple[SlabArena, ArenaBlockPool, np.ndarray, np.ndarray, list]:
+    """Group ``swa`` holding two whole slabs of blocks in use (the ids of the lower slab, of
+    the upper), packing forced on, and the moves its pool makes heard in a list."""
     m = manager(prefix=False)  # no prefix cache: the test hears the moves itself
     arena = m.arena
     assert arena is not None
@@ -68,16 +67,23 @@ def packing_swa(settled: bool) -> tuple[SlabArena, ArenaBlockPool, int, int, lis
     arena.prepare({p: 2 * k})
     ids = p.take(2 * k)
     s1, s2 = sorted({int(b) // k for b in ids})
-    in1, in2 = ids[ids // k == s1], ids[ids // k == s2]
-    cached = int(in1[-1])
-    p.retain(cached)
-    p.release(np.concatenate([in1[-1:], in2[1:]]))
     heard: list = []
     p.on_move = lambda src, dst: heard.append((src.tolist(), dst.tolist()))
     arena.packing, arena.pack_below = True, arena.geometry.num_slabs + 1
+    return arena, p, ids[ids // k == s1], ids[ids // k == s2], heard
+
+
+def packing_swa(settled: bool) -> tuple[SlabArena, ArenaBlockPool, int, int, list]:
+    """Group ``swa`` in two slabs: slab ``s1`` with ``k - 1`` blocks in use and one cached
+    block (returned), slab ``s2`` with one block in use and ``k - 1`` free slots (settled, or
+    freed since the moves were last taken)."""
+    arena, p, in1, in2, heard = two_full_swa_slabs()
+    cached = int(in1[-1])
+    p.retain(cached)
+    p.release(np.concatenate([in1[-1:], in2[1:]]))
     if settled:
         assert arena.take_moves() == ()  # settles every slot
-    return arena, p, s1, cached, heard
+    return arena, p, int(in1[0]) // p.blocks_per_slab, cached, heard
 
 
 def test_a_take_moves_a_cached_block_out_of_the_busiest_slab() -> None:
@@ -110,21 +116,11 @@ def test_no_move_writes_a_slot_freed_then_evicted_since_the_moves_were_taken() -
     """A block released this period (its row's clearing delta not mirrored yet) and then
     evicted by the take stays unwritable, with or without a host tier."""
     for host_tier in (False, True):
-        m = manager(prefix=False)
-        arena = m.arena
-        assert arena is not None
-        p = arena.pool("swa")
-        k = p.blocks_per_slab
-        arena.prepare({p: 2 * k})
-        ids = p.take(2 * k)
-        s1, s2 = sorted({int(b) // k for b in ids})
-        c, w, x = int(ids[ids // k == s1][-1]), *(int(b) for b in ids[ids // k == s2][-2:])
+        arena, p, in1, in2, heard = two_full_swa_slabs()
+        c, w, x = int(in1[-1]), int(in2[-2]), int(in2[-1])
         for b in (c, w, x):
             p.retain(b)
-        heard: list = []
-        p.on_move = lambda src, dst, heard=heard: heard.append((src.tolist(), dst.tolist()))
         p.offloads_evicted = host_tier
-        arena.packing, arena.pack_below = True, arena.geometry.num_slabs + 1
         assert arena.take_moves() == ()
         for b in (x, w, c):  # least recently released first: x
             p.release([b])
