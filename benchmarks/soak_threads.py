@@ -8,8 +8,9 @@ rows and blocks for N threads. Each thread runs random operations on requests wh
 carry its index (``t1-7``):
 
 - ``admit``: look up a prompt that starts with one of a few heads every thread's prompts
-  share (so a thread hits blocks another thread wrote), schedule its first chunk with the
-  match and its token ids;
+  share (so a thread hits blocks another thread wrote; the main thread caches each head's
+  first 512 tokens before the threads start, so every run has hits), schedule its first
+  chunk with the match and its token ids;
 - ``step``: one batch of its resident requests, each a prefill chunk of its prompt (up to
   200 tokens) or a few decode tokens, with token ids;
 - ``swap`` (out or in), ``truncate`` and ``free``.
@@ -64,6 +65,7 @@ __all__ = [
     "Worker",
     "main_threads",
     "make_threads_controller",
+    "prime_heads",
     "run_threads",
     "threads_arg",
 ]
@@ -77,6 +79,8 @@ PER_THREAD = 2
 HEADS = [
     np.random.default_rng(1000 + h).integers(0, soak_setup.VOCAB, 560).tolist() for h in range(3)
 ]
+#: tokens of each head cached before the threads start (:func:`prime_heads`)
+PRIMED_TOKENS = 512
 #: requests stop decoding here (max_model_len is 768)
 MAX_TOKENS = soak_setup.MAX_MODEL_LEN - 8
 #: each thread's operations (``Worker.op_<name>``) and their weights
@@ -389,6 +393,24 @@ class Worker:
                 stop.set()
 
 
+def prime_heads(ctl: CacheController, chunk: int = 256) -> None:
+    """Before the threads start, write each head's first :data:`PRIMED_TOKENS` tokens in one
+    request, end its steps and free it: the heads are cached when the threads' first
+    admissions look them up, so every run has prefix hits however its threads interleave."""
+    for h, head in enumerate(HEADS):
+        rid, tokens = f"prime-{h}", head[:PRIMED_TOKENS]
+        seeds = token_seeds(tokens)
+        for start in range(0, len(tokens), chunk):
+            piece = tokens[start : start + chunk]
+            step = ctl.schedule([rid], [len(piece)], new_token_ids=[piece])
+            assert not step.allocation.refused, step.allocation.refused
+            write_step(ctl, step, {rid: seeds})
+            ctl.end_step(step)
+        got = verify_request(ctl, rid, seeds)
+        assert got.mismatched == 0, got
+        ctl.free_request(rid)
+
+
 def run_threads(
     num_ops: int,
     seed: int,
@@ -402,6 +424,7 @@ def run_threads(
     if not 2 <= threads <= MAX_THREADS:
         raise ValueError(f"threads must be from 2 to {MAX_THREADS}, got {threads}")
     ctl = make_threads_controller(threads, share_pools, arena)
+    prime_heads(ctl)
     shares = [num_ops // threads + (i < num_ops % threads) for i in range(threads)]
     workers = [Worker(ctl, i, seed, shares[i]) for i in range(threads)]
     lock = threading.Lock()
