@@ -30,7 +30,8 @@ from kvforge._checks import ArgumentError
 from kvforge.store.config import StoreConfig
 from kvforge.store.protocol import StoreStats
 from kvforge.store.put_queue import PutQueue
-from kvforge.store.value import HEADER_SIZE, MissReason, encode, layout_digest
+from kvforge.store.value import HEADER_SIZE, MissReason, encode_into, layout_digest
+from kvforge.store.value_buffers import ValueBuffers
 
 __all__ = ["PlaneSpan", "Span", "StoreBase", "server_key"]
 
@@ -199,13 +200,15 @@ class StoreBase:
         self._last_error: str | None = None
         self._down_until = 0.0
         self._closed = False
-        self._queue: PutQueue[tuple[str, bytes]] = PutQueue(
+        # the values put_async copies go into reused buffers (value_buffers: no page faults)
+        self._values = ValueBuffers(keep_bytes=config.max_inflight_put_bytes)
+        self._queue: PutQueue[tuple[str, np.ndarray]] = PutQueue(
             config.max_inflight_puts,
             config.max_batch_keys,
             self._write_queued,
             name=f"kvforge-store-{self.backend}-put",
             bound_bytes=config.max_inflight_put_bytes,
-            size=lambda item: len(item[1]),
+            size=lambda item: item[1].nbytes,
         )
 
     # -- what an adapter implements ----------------------------------------------------------
@@ -227,7 +230,8 @@ class StoreBase:
         every plane in order (:meth:`batch_put_blocks`)."""
         raise NotImplementedError
 
-    def _write_encoded(self, items: list[tuple[str, bytes]]) -> list[bool]:
+    def _write_encoded(self, items: list[tuple[str, np.ndarray]]) -> list[bool]:
+        """Write (name, value) items, each value a whole encoded value (``uint8`` array)."""
         raise NotImplementedError
 
     def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
@@ -468,26 +472,36 @@ class StoreBase:
             return 0
         fitting = [i for i in range(len(keys)) if self._fits(spans[i])]
         self._count(puts_too_large=len(keys) - len(fitting))
-        # encode one value at a time and stop at the bound, so a full queue costs no copies
+        # encode one value at a time and stop at the bound, so a full queue costs one copy
         queued = 0
         for i in fitting:
-            item = (self._name(keys[i]), encode(keys[i], self._fingerprint, spans[i].view))
-            if self._queue.offer([item]) == 0:
+            value = self._values.take(HEADER_SIZE + spans[i].nbytes)
+            encode_into(value, keys[i], self._fingerprint, spans[i].view)
+            if self._queue.offer([(self._name(keys[i]), value)]) == 0:
+                self._values.give(value)
                 break
             queued += 1
         self._count(puts_dropped=len(fitting) - queued)
         return queued
 
-    def _write_queued(self, items: list[tuple[str, bytes]]) -> None:
+    def _write_queued(self, items: list[tuple[str, np.ndarray]]) -> None:
         if not self._available():
             self._count(puts_failed=len(items))
+            self._give_back(items)
             return
         try:
             ok = self._write_encoded(items)
         except Exception as exc:
+            # not given back: a call abandoned on a timeout may still read them
             self._note_error(f"put: {type(exc).__name__}: {exc}", trip=True)
             ok = [False] * len(items)
+        else:
+            self._give_back(items)
         self._count(puts_ok=sum(map(bool, ok)), puts_failed=len(items) - sum(map(bool, ok)))
+
+    def _give_back(self, items: list[tuple[str, np.ndarray]]) -> None:
+        for _, value in items:
+            self._values.give(value)
 
     def batch_get_into(
         self, keys: Sequence[bytes], destinations: Sequence[Any]

@@ -287,9 +287,9 @@ class MooncakeStore(StoreBase):
             self._note_error(f"put refused: code {refused[0]}{full}", trip=False)
         return [c == OK for c in codes]
 
-    def _write_encoded(self, items: list[tuple[str, bytes]]) -> list[bool]:
+    def _write_encoded(self, items: list[tuple[str, np.ndarray]]) -> list[bool]:
         def job() -> list[int]:
-            return [int(self._client.put(name, value)) for name, value in items]
+            return [int(self._client.put(name, memoryview(value))) for name, value in items]
 
         return self._put_codes(self._call(job))
 

@@ -98,17 +98,6 @@ class RedisStore(StoreBase):
             pipe.exists(name)
         return [flag == 1 for flag in pipe.execute(raise_on_error=False)]
 
-    def _set_all(self, names: list[str], values: list[bytes]) -> list[bool]:
-        pipe = self._pipeline()
-        for name, value in zip(names, values, strict=True):
-            pipe.set(name, value)
-        replies = pipe.execute(raise_on_error=False)
-        ok = [reply is True for reply in replies]
-        refused = [reply for reply in replies if isinstance(reply, BaseException)]
-        if refused:  # a live server said no (e.g. OOM under noeviction): no back-off
-            self._note_error(f"put refused: {type(refused[0]).__name__}: {refused[0]}", trip=False)
-        return ok
-
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Any]:
         """A pooled connection (the pool checked it has nothing left unread) for commands
@@ -131,16 +120,8 @@ class RedisStore(StoreBase):
         chunks: list[Any] = []
         for name, key, span in items:
             header = encode_header(key, self._fingerprint, span.view)
-            raw = name.encode()
-            chunks.append(
-                b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n"
-                % (len(raw), raw, len(header) + span.nbytes)
-            )
-            chunks += [header, span.view, b"\r\n"]
-        with self._connection() as conn:
-            conn.send_packed_command(chunks)
-            replies = self._read_set_replies(conn, len(items))
-        return self._set_outcome(replies)
+            chunks += [_set_head(name, HEADER_SIZE + span.nbytes), header, span.view, b"\r\n"]
+        return self._send_sets(chunks, len(items))
 
     def _put_blocks(
         self, items: list[tuple[str, bytes, int]], planes: list[PlaneSpan]
@@ -153,11 +134,22 @@ class RedisStore(StoreBase):
             for name, key, block in items:
                 parts = [plane.view(block) for plane in planes]
                 header = encode_header_of_parts(key, self._fingerprint, parts)
-                raw = name.encode()
-                size = HEADER_SIZE + sum(map(len, parts))
-                head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(raw), raw, size)
+                head = _set_head(name, HEADER_SIZE + sum(map(len, parts)))
                 _send_all(sock, [head + header, *parts, b"\r\n"])
             replies = self._read_set_replies(conn, len(items))
+        return self._set_outcome(replies)
+
+    def _write_encoded(self, items: list[tuple[str, Any]]) -> list[bool]:
+        chunks: list[Any] = []
+        for name, value in items:
+            chunks += [_set_head(name, value.nbytes), memoryview(value), b"\r\n"]
+        return self._send_sets(chunks, len(items))
+
+    def _send_sets(self, chunks: list[Any], n: int) -> list[bool]:
+        """Send ``n`` packed ``SET`` commands (``chunks``, payloads in place), read the replies."""
+        with self._connection() as conn:
+            conn.send_packed_command(chunks)
+            replies = self._read_set_replies(conn, n)
         return self._set_outcome(replies)
 
     def _read_set_replies(self, conn: Any, n: int) -> list[Any]:
@@ -174,9 +166,6 @@ class RedisStore(StoreBase):
         if refused:  # a live server said no (e.g. OOM under noeviction): no back-off
             self._note_error(f"put refused: {type(refused[0]).__name__}: {refused[0]}", trip=False)
         return [r == b"OK" for r in replies]
-
-    def _write_encoded(self, items: list[tuple[str, bytes]]) -> list[bool]:
-        return self._set_all([name for name, _ in items], [value for _, value in items])
 
     def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
         """``GET`` each value, packed by hand, and read the replies off the socket without
@@ -231,6 +220,12 @@ class RedisStore(StoreBase):
     def _close_client(self, writer_stuck: bool) -> None:
         self._client.close()
         self._client.connection_pool.disconnect(inuse_connections=True)
+
+
+def _set_head(name: str, size: int) -> bytes:
+    """A ``SET`` command packed by hand up to its value, which is ``size`` bytes."""
+    raw = name.encode()
+    return b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(raw), raw, size)
 
 
 #: buffers per ``sendmsg`` call at most (Linux's ``IOV_MAX``)

@@ -68,6 +68,7 @@ __all__ = [
     "encode",
     "encode_header",
     "encode_header_of_parts",
+    "encode_into",
     "key_digest",
     "layout_digest",
 ]
@@ -178,6 +179,21 @@ assert VERSION == 2, "encode_header_of_parts streams XXH3-128, the checksum of v
 def encode(key: bytes, fingerprint: bytes, payload: Any) -> bytes:
     """A whole value: header then payload, as one ``bytes`` (one copy of the payload)."""
     return b"".join((encode_header(key, fingerprint, payload), memoryview(payload).cast("B")))
+
+
+def encode_into(out: Any, key: bytes, fingerprint: bytes, payload: Any) -> None:
+    """Write the value :func:`encode` gives into ``out``, a writable buffer of exactly
+    :data:`HEADER_SIZE` plus the payload's bytes: the payload first, then the header, whose
+    checksum then reads the payload from the CPU cache the copy just filled."""
+    dst = memoryview(out).cast("B")
+    src = memoryview(payload).cast("B")
+    if dst.nbytes != HEADER_SIZE + src.nbytes:
+        raise ValueError(
+            f"out must hold {HEADER_SIZE + src.nbytes} bytes (header and payload), "
+            f"got {dst.nbytes}"
+        )
+    dst[HEADER_SIZE:] = src
+    dst[:HEADER_SIZE] = encode_header(key, fingerprint, dst[HEADER_SIZE:])
 
 
 def check(header: Any, payload: Any, key: bytes, fingerprint: bytes) -> MissReason | None:

@@ -121,6 +121,13 @@ def test_put_async_copies_and_writes(mooncake_master, stores):
     assert store.flush(30)
     assert store.batch_get_into(keys(4), dst.pages(range(4))) == [8192] * 4
     assert [dst.bytes_of(i) for i in range(4)] == before
+    # the written values' buffers are kept, and the next put_async writes exactly from them
+    assert store._values.free_bytes == 4 * (8192 + HEADER_SIZE)
+    src.buf[:] = 7
+    assert store.put_async(keys(4, b"again"), src.pages(range(4))) == 4
+    assert store.flush(30)
+    assert store.batch_get_into(keys(4, b"again"), dst.pages(range(4))) == [8192] * 4
+    assert all(dst.bytes_of(i) == bytes([7]) * 8192 for i in range(4))
 
 
 def test_two_layouts_never_read_each_others_values(mooncake_master, stores):

@@ -328,6 +328,7 @@ def test_no_server_at_all_is_misses_and_failed_puts(net, stores):
     assert store.batch_put(ks, pages.pages([0, 1])) == [False, False]
     assert store.put_async(ks, pages.pages([0, 1])) == 2  # no back-off: retry_after_s=0
     assert store.flush(30)
+    assert store._values.free_bytes == 0  # a write that raised keeps its buffers from reuse
     assert store.exists_prefix(ks) == 0
     assert store.batch_get_into(ks, pages.pages([0, 1])) == [None, None]
     stats = store.stats()
@@ -350,6 +351,15 @@ def test_put_async_copies_the_source_and_writes_it(redis_server, stores):
     assert store.batch_get_into(ks, dst.pages(range(4))) == [8192] * 4
     assert [dst.bytes_of(i) for i in range(4)] == before
     assert store.stats().puts_ok == 4
+    # the written values' buffers are kept; the next put_async copies into them, exactly
+    assert store._values.free_bytes == 4 * (8192 + HEADER_SIZE)
+    src.buf[:] = np.random.default_rng(22).integers(0, 256, src.buf.size, dtype=np.uint8)
+    again = [src.bytes_of(i) for i in range(4)]
+    assert store.put_async(keys(4, b"again"), src.pages(range(4))) == 4
+    assert store.flush(10)
+    assert store.batch_get_into(keys(4, b"again"), dst.pages(range(4))) == [8192] * 4
+    assert [dst.bytes_of(i) for i in range(4)] == again != before
+    assert store._values.free_bytes == 4 * (8192 + HEADER_SIZE)
 
 
 def test_the_put_queue_never_holds_more_than_its_bytes(redis_server, stores):

@@ -1,0 +1,88 @@
+"""The reused value buffers of ``put_async`` (``kvforge.store.value_buffers``) and
+``encode_into``: a buffer goes to one value at a time, the free ones stay under their bound,
+and a value encoded into a reused buffer is byte for byte the one ``encode`` gives."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvforge.store.value import HEADER_SIZE, decode, encode, encode_into
+from kvforge.store.value_buffers import ValueBuffers
+
+KEY = bytes(range(32))
+LAYOUT = b"gqa|bf16|block=16|tp=0/1"
+
+
+def test_a_buffer_given_back_is_taken_again_by_its_size_only():
+    pool = ValueBuffers(keep_bytes=10_000)
+    a = pool.take(4096)
+    assert (a.dtype, a.shape) == (np.uint8, (4096,))
+    pool.give(a)
+    assert pool.free_bytes == 4096
+    b = pool.take(1024)  # another size: a new buffer, the 4,096-byte one stays free
+    assert b is not a and b.nbytes == 1024 and pool.free_bytes == 4096
+    assert pool.take(4096) is a and pool.free_bytes == 0
+
+
+def test_free_buffers_never_pass_keep_bytes():
+    pool = ValueBuffers(keep_bytes=10_000)
+    bufs = [pool.take(4096) for _ in range(3)]
+    for buf in bufs:
+        pool.give(buf)
+    assert pool.free_bytes == 8192  # the third would pass 10,000: dropped
+    assert pool.take(4096) is bufs[1] and pool.take(4096) is bufs[0]
+    assert pool.take(4096) is not bufs[2]
+
+
+def test_two_threads_never_hold_the_same_buffer():
+    pool = ValueBuffers(keep_bytes=1 << 20)
+    held: set[int] = set()
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def run() -> None:
+        for _ in range(2000):
+            buf = pool.take(512)
+            with lock:
+                if id(buf) in held:
+                    errors.append("a buffer was handed to two takers")
+                held.add(id(buf))
+            with lock:
+                held.discard(id(buf))
+            pool.give(buf)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert pool.free_bytes % 512 == 0 and 512 <= pool.free_bytes <= 1024
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 100_003])
+def test_encode_into_writes_the_value_encode_gives(size):
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    out = np.full(HEADER_SIZE + size, 0xEE, dtype=np.uint8)  # stale bytes of a reused buffer
+    encode_into(out, KEY, LAYOUT, payload)
+    assert out.tobytes() == encode(KEY, LAYOUT, payload)
+    assert bytes(decode(out, KEY, LAYOUT, expected_length=size)) == payload.tobytes()
+
+
+@pytest.mark.parametrize(
+    ("out_bytes", "message"),
+    [
+        (HEADER_SIZE + 99, f"out must hold {HEADER_SIZE + 100} bytes (header and payload), got "
+         f"{HEADER_SIZE + 99}"),
+        (100, f"out must hold {HEADER_SIZE + 100} bytes (header and payload), got 100"),
+    ],
+)
+def test_encode_into_a_buffer_of_another_size_is_refused_untouched(out_bytes, message):
+    out = np.full(out_bytes, 0xEE, dtype=np.uint8)
+    with pytest.raises(ValueError) as info:
+        encode_into(out, KEY, LAYOUT, bytes(100))
+    assert str(info.value) == message
+    assert (out == 0xEE).all()
