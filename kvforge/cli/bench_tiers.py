@@ -14,7 +14,10 @@ Three kinds of record (plain dicts; ``tier``, ``direction``, ``bytes``, ``gbps``
   registered buffer). Two ways of putting are timed (on CPU) and recorded
   (``blocks_seconds``, ``gathered_seconds`` and their ratios): straight from the planes of the
   device blocks (``batch_put_blocks``) and gathered into host pages first (``batch_put``);
-  the record's ``seconds`` is the one :data:`PUT_FROM` names (``put_from``). ``get``: the adapter's
+  the record's ``seconds`` is the one :data:`PUT_FROM` names (``put_from``). The remote
+  tier's own publish path is timed too (``async_seconds`` / ``async_ratio``): the gather into
+  host pages, ``put_async`` (each value copied into a reused buffer and checksummed) and the
+  background writer, until ``flush`` finds the queue drained. ``get``: the adapter's
   ``batch_get_into`` (checksums checked) and the scatter into device blocks, against the raw
   client's get of the same values into one buffer (Redis: a pipeline of ``GET``, each reply
   copied into the buffer; Mooncake: ``batch_get_into``).
@@ -521,6 +524,11 @@ def print_records(records: Sequence[Record], notes: Sequence[str]) -> None:
                 f"(unpadded host pages: {r['page_bytes_per_token']:,.1f}), blocks "
                 f"{r['groups']}, restored bytes identical: {r['identical']}"
             )
+        elif r.get("async_seconds") is not None:
+            out.print(
+                f"{r['tier']} publish (put_async, the remote tier's path) of {r['model']}: "
+                f"{r['async_seconds'] * 1e3:.2f} ms, ratio {r['async_ratio']:.2f}"
+            )
     for note in notes:
         out.print(f"note: {note}")
 
@@ -572,6 +580,14 @@ def _measure_remote(
             if not all(store.batch_put_blocks(ks, m.ctl.storage.planes(g), m.src[g])):
                 raise RuntimeError(f"{remote}: a put was refused: {store.stats()}")
 
+    def publish() -> None:  # the remote tier's path: gather, then put_async and its writer
+        failed = store.stats().puts_failed
+        m.tier.move(offloads=m.copies(m.src))
+        if store.put_async(keys, views) != len(keys) or not store.flush(120.0):
+            raise RuntimeError(f"{remote}: put_async dropped or did not drain: {store.stats()}")
+        if store.stats().puts_failed != failed:
+            raise RuntimeError(f"{remote}: a queued put failed: {store.stats()}")
+
     put = put_blocks if on_cpu and PUT_FROM[remote] == "blocks" else put_gathered
 
     def get() -> None:
@@ -597,6 +613,7 @@ def _measure_remote(
             else t_put
         )
         t_blocks, t_gathered = (t_put, t_other) if put is put_blocks else (t_other, t_put)
+        t_async = timed(publish, flush=before_put)
         t_raw_put = timed(lambda: raw.put(label), flush=before_put)
         t_raw_get = timed(lambda: raw.get(label))
         # the value's checksum alone (value.CHECKSUM, XXH3-128, over every payload): what a put
@@ -614,6 +631,8 @@ def _measure_remote(
             "blocks_ratio": round(t_raw_put / t_blocks, 3) if on_cpu else None,
             "gathered_seconds": t_gathered,
             "gathered_ratio": round(t_raw_put / t_gathered, 3),
+            "async_seconds": t_async,
+            "async_ratio": round(t_raw_put / t_async, 3),
         }
         return [
             _record(remote, "put", case, m, t_put, t_raw_put, cache, **why, **how, **where),

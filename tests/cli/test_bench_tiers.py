@@ -68,6 +68,9 @@ def check_records(records: list[dict], remotes: tuple[str, ...]) -> None:
             assert r["bytes"] == r["blocks"] * kv == (1 << 20) // kv * kv
         if r["tier"] != "host" and r["direction"] != "restore":
             assert r["checksum_gbps"] > 0 and r["checksum"] == "xxh3-128"
+        if r["tier"] != "host" and r["direction"] == "put":  # the remote tier's publish too
+            assert r["async_seconds"] > 0
+            assert r["async_ratio"] == round(r["client_seconds"] / r["async_seconds"], 3)
 
 
 def test_run_tiers_host_only_records_and_restored_bytes():
@@ -297,6 +300,7 @@ def test_a_given_server_that_does_not_answer_is_a_note(monkeypatch):
     [
         ("batch_put", lambda keys, sources: [False] * len(keys), "redis: a put was refused"),
         ("batch_get_into", lambda keys, dests: [None] * len(keys), "redis: a get missed"),
+        ("put_async", lambda keys, sources: len(keys) - 1, "redis: put_async dropped"),
     ],
 )
 def test_a_refused_put_or_a_miss_is_a_note_not_a_traceback(monkeypatch, call, reply, note):
