@@ -201,7 +201,7 @@ class StoreBase:
         self._down_until = 0.0
         self._closed = False
         # the values put_async copies go into reused buffers (value_buffers: no page faults)
-        self._values = ValueBuffers(keep_bytes=config.max_inflight_put_bytes)
+        self._values = ValueBuffers(config.max_inflight_put_bytes, self._values_dropped)
         self._queue: PutQueue[tuple[str, np.ndarray]] = PutQueue(
             config.max_inflight_puts,
             config.max_batch_keys,
@@ -236,6 +236,10 @@ class StoreBase:
 
     def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
         raise NotImplementedError
+
+    def _values_dropped(self, values: list[np.ndarray]) -> None:
+        """``put_async`` buffers that will not be reused (over the bound, or their write
+        raised): an adapter that registered them with its client forgets them."""
 
     def _register_client(self, span: Span) -> None:
         """Tell the client about a host buffer (Mooncake registers it for zero-copy)."""
@@ -494,6 +498,7 @@ class StoreBase:
         except Exception as exc:
             # not given back: a call abandoned on a timeout may still read them
             self._note_error(f"put: {type(exc).__name__}: {exc}", trip=True)
+            self._values_dropped([value for _, value in items])
             ok = [False] * len(items)
         else:
             self._give_back(items)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,7 +25,8 @@ __all__ = ["ValueBuffers"]
 
 
 class ValueBuffers:
-    """Free ``uint8`` buffers by exact size, at most ``keep_bytes`` of them kept.
+    """Free ``uint8`` buffers by exact size, at most ``keep_bytes`` of them kept; ``on_drop``
+    hears of each buffer given back but not kept.
 
     >>> pool = ValueBuffers(keep_bytes=1 << 20)
     >>> a = pool.take(4096)
@@ -33,8 +35,11 @@ class ValueBuffers:
     (True, 0)
     """
 
-    def __init__(self, keep_bytes: int) -> None:
+    def __init__(
+        self, keep_bytes: int, on_drop: Callable[[list[np.ndarray]], None] | None = None
+    ) -> None:
         self._keep_bytes = int(keep_bytes)
+        self._on_drop = on_drop
         self._lock = threading.Lock()
         self._free: defaultdict[int, list[np.ndarray]] = defaultdict(list)  # guarded by _lock
         self._free_bytes = 0  # guarded by _lock
@@ -57,8 +62,11 @@ class ValueBuffers:
 
     def give(self, buf: np.ndarray) -> None:
         """Keep ``buf`` for a later :meth:`take` of its size, unless that would pass
-        ``keep_bytes``."""
+        ``keep_bytes``: then it is dropped, and ``on_drop([buf])`` called."""
         with self._lock:
             if self._free_bytes + buf.nbytes <= self._keep_bytes:
                 self._free[buf.nbytes].append(buf)
                 self._free_bytes += buf.nbytes
+                return
+        if self._on_drop is not None:  # e.g. a store forgets its registration of ``buf``
+            self._on_drop([buf])

@@ -130,6 +130,68 @@ def test_put_async_copies_and_writes(mooncake_master, stores):
     assert all(dst.bytes_of(i) == bytes([7]) * 8192 for i in range(4))
 
 
+def on_client_thread(store, fn=lambda: None):
+    """Run ``fn`` on the store's client thread, after every call queued there before it."""
+    return store._calls.call(fn, 30)
+
+
+def test_put_async_writes_from_registered_buffers_and_forgets_those_it_drops(
+    mooncake_master, stores
+):
+    """The writer puts straight out of the value buffers, each registered once; a buffer the
+    pool does not keep (over ``max_inflight_put_bytes``) is unregistered and let go."""
+    small, large = 4096, 8192
+    store = make(stores, mooncake_master, max_inflight_put_bytes=small + HEADER_SIZE)
+    src, dst = Pages(2, large, seed=30), Pages(2, large, seed=31)
+    store.register_buffer(src.buf)
+    store.register_buffer(dst.buf)
+    short = memoryview(src.buf)[:small]
+    assert store.put_async(keys(1, b"s"), [short]) == 1 and store.flush(30)
+    on_client_thread(store)
+    [kept] = store._value_regs.values()  # registered on first use, kept free for reuse
+    assert kept.nbytes == small + HEADER_SIZE and store._values.free_bytes == kept.nbytes
+    assert store.put_async(keys(1, b"l"), [src.page(1)]) == 1 and store.flush(30)
+    on_client_thread(store)
+    # the large value's buffer would pass the bound: dropped and unregistered
+    assert list(store._value_regs.values()) == [kept]
+    assert store.put_async(keys(1, b"s2"), [short]) == 1 and store.flush(30)
+    on_client_thread(store)
+    assert list(store._value_regs.values()) == [kept]  # reused, not registered again
+    got = store.batch_get_into(
+        [*keys(1, b"s"), *keys(1, b"l")], [memoryview(dst.buf)[:small], dst.page(1)]
+    )
+    assert got == [small, large]
+    assert dst.bytes_of(1) == src.bytes_of(1) and bytes(dst.buf[:small]) == bytes(short)
+    assert store.stats().puts_ok == 3
+
+
+class RefusesRegistration:
+    """The Mooncake client, except that it refuses to register anything."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+
+    def register_buffer(self, addr, size):
+        return -600
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_value_buffer_the_client_will_not_register_is_put_by_copy(mooncake_master, stores):
+    store = make(stores, mooncake_master)
+    src, dst = Pages(2, 4096, seed=32), Pages(2, 4096, seed=33)
+    store.register_buffer(src.buf)
+    store.register_buffer(dst.buf)
+    store._client = RefusesRegistration(store._client)
+    assert store.put_async(keys(2), src.pages([0, 1])) == 2 and store.flush(30)
+    assert store.batch_get_into(keys(2), dst.pages([0, 1])) == [4096, 4096]
+    assert dst.bytes_of(0) == src.bytes_of(0) and dst.bytes_of(1) == src.bytes_of(1)
+    stats = store.stats()
+    assert stats.puts_ok == 2 and stats.last_error == f"register_buffer({4096 + HEADER_SIZE} bytes) returned -600"
+    assert store._value_regs == {}
+
+
 def test_two_layouts_never_read_each_others_values(mooncake_master, stores):
     a = make(stores, mooncake_master, LAYOUT_A)
     b = make(stores, mooncake_master, LAYOUT_B)

@@ -37,6 +37,16 @@ def test_free_buffers_never_pass_keep_bytes():
     assert pool.take(4096) is not bufs[2]
 
 
+def test_on_drop_hears_of_each_buffer_not_kept_and_of_no_other():
+    dropped: list[np.ndarray] = []
+    pool = ValueBuffers(keep_bytes=5000, on_drop=dropped.extend)
+    a, b = pool.take(4096), pool.take(4096)
+    pool.give(a)
+    pool.give(b)  # would pass 5,000 bytes
+    assert dropped == [b] and pool.free_bytes == 4096
+    assert pool.take(4096) is a and dropped == [b]
+
+
 def test_two_threads_never_hold_the_same_buffer():
     pool = ValueBuffers(keep_bytes=1 << 20)
     held: set[int] = set()
