@@ -579,6 +579,7 @@ class StoreBase:
             self._interrupt()  # a write stuck on a dead socket: break it, then wait a little
             dropped += self._queue.close(min(1.0, self._config.close_timeout_s))
         self._count(puts_dropped=dropped)
+        self._values.clear()  # no put_async after this: the buffers kept for reuse can go
         try:
             self._close_client(self._queue.writer_alive)
         except Exception as exc:

@@ -5,8 +5,10 @@ the 80-byte header in a small registered arena of the adapter's own, the payload
 Invariants: every client call runs on one daemon thread of the store's own, in order, so setup
 (which retries for about 90 s when no master answers) and a stuck call never block the caller
 past ``op_timeout_s`` for existence checks and puts; while a call is stuck, later calls are
-misses at once. A get is never abandoned (it writes into the caller's pages; a late write into
-a reused page would be wrong host state): it waits for Mooncake's own RPC timeout instead.
+misses at once; no job calls the client once it is closed (a call into a closed client
+crashes the process: a call queued before ``close`` fails instead). A get is never abandoned
+(it writes into the caller's pages; a late write into a reused page would be wrong host
+state): it waits for Mooncake's own RPC timeout instead.
 ``mooncake`` is imported when a store is built, so ``kvforge.store`` imports without it.
 """
 
@@ -158,8 +160,10 @@ class MooncakeStore(StoreBase):
         self._setup: Future[int] | None = None
         self._setup_ok = False
         # put_async's value buffers registered with the client, by address (kept alive here
-        # until unregistered); touched only on the client's thread
+        # until unregistered), and whether the client is closed: both touched only on the
+        # client's thread (a call into a closed client crashes the process)
         self._value_regs: dict[int, np.ndarray] = {}
+        self._client_closed = False
         self._start_setup()
 
     # -- setup --------------------------------------------------------------------------------
@@ -176,7 +180,6 @@ class MooncakeStore(StoreBase):
         if not wait_for_port(host, int(port), c.connect_timeout_s):
             self._note_error(f"setup: no master answers at {c.mooncake_master}", trip=True)
             return -1
-        self._value_regs.clear()  # a new setup has none registered
         rc = self._client.setup(
             c.mooncake_local_hostname,
             c.mooncake_metadata_server,
@@ -213,7 +216,12 @@ class MooncakeStore(StoreBase):
     # -- client calls -------------------------------------------------------------------------
 
     def _call(self, fn: Callable[[], _T], *, abandon: bool = True) -> _T:
-        return self._calls.call(fn, self._config.op_timeout_s if abandon else None)
+        def guarded() -> _T:
+            if self._client_closed:  # a call queued before close() reached the thread after it
+                raise RuntimeError("the Mooncake client is closed")
+            return fn()
+
+        return self._calls.call(guarded, self._config.op_timeout_s if abandon else None)
 
     def _trip_on(self, codes: list[int], what: str) -> None:
         bad = [c for c in codes if RPC_FAIL_FIRST <= c <= RPC_FAIL_LAST or c == -1]
@@ -328,14 +336,23 @@ class MooncakeStore(StoreBase):
         return True
 
     def _values_dropped(self, values: list[np.ndarray]) -> None:
+        if self._closed:  # the client is closing, and closing forgets every registration
+            return
+
         def job() -> None:  # after any call still reading them: the client runs calls in order
             for value in values:
                 addr = int(value.ctypes.data)
-                if self._value_regs.get(addr) is value:
+                if self._value_regs.get(addr) is value and not self._client_closed:
                     del self._value_regs[addr]
                     self._client.unregister_buffer(addr)
 
         self._calls.submit(job)
+
+    def _close_on_thread(self) -> None:
+        """Close the client (on its thread); later jobs see it closed and call nothing."""
+        self._client.close()
+        self._client_closed = True
+        self._value_regs.clear()
 
     def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
         base = self._config.max_batch_keys
@@ -403,7 +420,7 @@ class MooncakeStore(StoreBase):
                 except Exception as exc:
                     self._note_error(f"close: {type(exc).__name__}: {exc}", trip=False)
             if quick:
-                self._calls.call(self._client.close, None)
+                self._calls.call(self._close_on_thread, None)
             else:
                 self._note_error("close: the master did not answer; closing later", trip=False)
                 self._calls.submit(self._close_when_quick)
@@ -428,7 +445,7 @@ class MooncakeStore(StoreBase):
         while wait_for_port(host, int(port), 0.0):
             if RPC_TIMEOUT not in self._client.batch_is_exist(["-"]):
                 break
-        self._client.close()
+        self._close_on_thread()
 
     def _available(self) -> bool:
         return super()._available() and not self._calls.stuck

@@ -10,7 +10,8 @@ Invariants: a buffer is handed out by :meth:`ValueBuffers.take` to one value at 
 comes back through :meth:`ValueBuffers.give` only once no client call can still read it (the
 store gives back a batch's buffers only after its write returned: a call abandoned on a
 timeout may still read them, so those are left to the garbage collector). The free buffers
-kept never exceed ``keep_bytes`` in all; a buffer that would pass it is dropped.
+kept never exceed ``keep_bytes`` in all: to keep a buffer, free buffers of other sizes go
+first, then the buffer itself.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = ["ValueBuffers"]
 
 class ValueBuffers:
     """Free ``uint8`` buffers by exact size, at most ``keep_bytes`` of them kept; ``on_drop``
-    hears of each buffer given back but not kept.
+    hears of each buffer let go.
 
     >>> pool = ValueBuffers(keep_bytes=1 << 20)
     >>> a = pool.take(4096)
@@ -57,16 +58,39 @@ class ValueBuffers:
             free = self._free.get(nbytes)
             if free:
                 self._free_bytes -= nbytes
-                return free.pop()
+                buf = free.pop()
+                if not free:
+                    del self._free[nbytes]
+                return buf
         return np.empty(nbytes, dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
-        """Keep ``buf`` for a later :meth:`take` of its size, unless that would pass
-        ``keep_bytes``: then it is dropped, and ``on_drop([buf])`` called."""
+        """Keep ``buf`` for a later :meth:`take` of its size. Where that would pass
+        ``keep_bytes``, free buffers of other sizes are let go first, the sizes kept longest
+        first (a size no longer written must not hold the room for good); if it still does
+        not fit, or is alone larger than ``keep_bytes``, ``buf`` itself goes. ``on_drop``
+        hears of every buffer let go."""
+        dropped: list[np.ndarray] = []
         with self._lock:
+            for size in list(self._free):  # sizes in the order their lists were started
+                if buf.nbytes > self._keep_bytes or (
+                    self._free_bytes + buf.nbytes <= self._keep_bytes
+                ):
+                    break
+                if size != buf.nbytes:
+                    gone = self._free.pop(size)
+                    self._free_bytes -= size * len(gone)
+                    dropped += gone
             if self._free_bytes + buf.nbytes <= self._keep_bytes:
                 self._free[buf.nbytes].append(buf)
                 self._free_bytes += buf.nbytes
-                return
-        if self._on_drop is not None:  # e.g. a store forgets its registration of ``buf``
-            self._on_drop([buf])
+            else:
+                dropped.append(buf)
+        if dropped and self._on_drop is not None:  # e.g. a store forgets their registrations
+            self._on_drop(dropped)
+
+    def clear(self) -> None:
+        """Let every free buffer go (the store is closing; ``on_drop`` is not called)."""
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0

@@ -6,9 +6,11 @@ put, counted; never an exception, never wrong bytes, never a hang."""
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import threading
 import time
+import weakref
 
 import pytest
 from _store_helpers import Pages, keys, mooncake_config
@@ -190,6 +192,75 @@ def test_a_value_buffer_the_client_will_not_register_is_put_by_copy(mooncake_mas
     stats = store.stats()
     assert stats.puts_ok == 2 and stats.last_error == f"register_buffer({4096 + HEADER_SIZE} bytes) returned -600"
     assert store._value_regs == {}
+
+
+class SlowClose:
+    """The Mooncake client, whose ``close`` sets ``closed`` once done and then takes half a
+    second more (a master that is down takes seconds)."""
+
+    def __init__(self, client, closed: threading.Event) -> None:
+        self._client, self._closed_event = client, closed
+
+    def close(self):
+        rc = self._client.close()
+        self._closed_event.set()
+        time.sleep(0.5)
+        return rc
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_buffer_let_go_while_the_client_closes_calls_no_closed_client(mooncake_master, stores):
+    """A call into a closed Mooncake client crashes the process: a value buffer the pool lets
+    go while ``close`` runs (here: its writer hands the batch back during the close) must not
+    be unregistered after it, nor a write queued before it run after it."""
+    size = 4096
+    store = make(stores, mooncake_master, max_inflight_put_bytes=2 * (size + HEADER_SIZE))
+    src = Pages(2, 2 * size + HEADER_SIZE, seed=34)
+    store.register_buffer(src.buf)
+    assert store.put_async(keys(1, b"w"), [src.page(0)]) == 1 and store.flush(30)
+    assert store._values.free_bytes == 2 * (size + HEADER_SIZE)  # full, of another size
+    closed = threading.Event()
+    store._client = SlowClose(store._client, closed)
+    write = store._write_encoded
+
+    def slow_writer(items):
+        ok = write(items)  # the put returned: nothing reads the buffer any more
+        assert closed.wait(10)  # ... but the writer hands it back only once the client closed
+        return ok
+
+    store._write_encoded = slow_writer
+    assert store.put_async(keys(1, b"x"), [memoryview(src.page(1))[:size]]) == 1
+    time.sleep(0.2)
+    store.close()  # giving the batch back lets the other size's buffer go, after the close
+    assert store.wait_closed(10)
+    assert store._client_closed and store._value_regs == {}  # and the process is alive
+    assert store.stats().puts_ok == 2
+
+
+def test_a_store_closed_while_its_master_hangs_is_freed_once_closed(mooncake_master, stores):
+    """The writer's call times out after close() began: the buffers it drops queue no job
+    behind the client thread's stop, so nothing keeps the store alive once its client closed."""
+    store = MooncakeStore(
+        mooncake_config(mooncake_master, op_timeout_s=3.0, close_timeout_s=0.5), LAYOUT_A
+    )
+    assert store.wait_ready(30)
+    src = Pages(4, 4096, seed=35)
+    store.register_buffer(src.buf)
+    assert store.put_async(keys(4, b"a"), src.pages(range(4))) == 4 and store.flush(30)
+    mooncake_master.freeze()
+    assert store.put_async(keys(4, b"b"), src.pages(range(4))) == 4
+    time.sleep(0.2)
+    store.close()
+    time.sleep(4.0)  # the writer's call times out now, after close() returned
+    mooncake_master.thaw()
+    assert store.wait_closed(30)
+    assert store._calls._jobs.qsize() == 0 and store._value_regs == {}
+    ref = weakref.ref(store)
+    del store
+    gc.collect()
+    assert ref() is None
 
 
 def test_two_layouts_never_read_each_others_values(mooncake_master, stores):

@@ -47,6 +47,41 @@ def test_on_drop_hears_of_each_buffer_not_kept_and_of_no_other():
     assert pool.take(4096) is a and dropped == [b]
 
 
+def test_a_size_no_longer_written_gives_its_room_to_the_one_written_now():
+    dropped: list[np.ndarray] = []
+    pool = ValueBuffers(keep_bytes=3 * 4096, on_drop=dropped.extend)
+    old = [pool.take(4096) for _ in range(2)]
+    tiny = pool.take(1024)
+    for buf in (*old, tiny):
+        pool.give(buf)
+    assert pool.free_bytes == 2 * 4096 + 1024
+    big = pool.take(8192)
+    pool.give(big)  # the 4,096-byte list was started first: it goes, the 1,024 one stays
+    assert [id(b) for b in dropped] == [id(b) for b in old]
+    assert pool.free_bytes == 8192 + 1024
+    assert pool.take(8192) is big and pool.take(1024) is tiny and pool.free_bytes == 0
+
+
+def test_a_buffer_larger_than_the_bound_is_let_go_and_the_rest_kept():
+    dropped: list[np.ndarray] = []
+    pool = ValueBuffers(keep_bytes=4096, on_drop=dropped.extend)
+    small = pool.take(4096)
+    pool.give(small)
+    huge = pool.take(8192)
+    pool.give(huge)  # cannot fit even alone: it goes, and makes no other buffer go
+    assert [id(b) for b in dropped] == [id(huge)] and pool.free_bytes == 4096
+    assert pool.take(4096) is small
+
+
+def test_clear_lets_every_free_buffer_go_unannounced():
+    dropped: list[np.ndarray] = []
+    pool = ValueBuffers(keep_bytes=1 << 20, on_drop=dropped.extend)
+    a = pool.take(4096)
+    pool.give(a)
+    pool.clear()
+    assert pool.free_bytes == 0 and dropped == [] and pool.take(4096) is not a
+
+
 def test_two_threads_never_hold_the_same_buffer():
     pool = ValueBuffers(keep_bytes=1 << 20)
     held: set[int] = set()
