@@ -306,8 +306,9 @@ class MooncakeStore(StoreBase):
         with ``put`` (a copy)."""
 
         def job() -> list[int]:
+            registered = [self._value_registered(value) for _, value in items]
+            direct = [i for i, ok in enumerate(registered) if ok]
             codes = [OK] * len(items)
-            direct = [i for i, (_, value) in enumerate(items) if self._value_registered(value)]
             if direct:
                 names = [items[i][0] for i in direct]
                 addrs = [int(items[i][1].ctypes.data) for i in direct]
@@ -315,9 +316,9 @@ class MooncakeStore(StoreBase):
                 got = list(self._client.batch_put_from(names, addrs, sizes))
                 for i, code in zip(direct, got, strict=True):
                     codes[i] = int(code)
-            for i in sorted(set(range(len(items))) - set(direct)):
-                name, value = items[i]
-                codes[i] = int(self._client.put(name, memoryview(value)))
+            for i, ((name, value), ok) in enumerate(zip(items, registered, strict=True)):
+                if not ok:
+                    codes[i] = int(self._client.put(name, memoryview(value)))
             return codes
 
         return self._put_codes(self._call(job))
