@@ -119,6 +119,7 @@ def _scheduler(conn: Any) -> dict:
     import numpy as np
 
     from kvforge.core.layout import CacheLayout
+    from kvforge.core.swap_receipt import plan_receipt
     from kvforge.core.values import BlockCopy, RequestMove, SwapPlan, SwapResult, TableDelta
     from kvforge.scheduler import BlockManager
 
@@ -283,7 +284,8 @@ def _scheduler(conn: Any) -> dict:
     plan = other.plan_swap_out(["x"])
     attempt("another scheduler's plan 1 (id reused)", "execute", plan, "PlanReplayError")
     while plan.plan_id <= p_in.plan_id:  # advance its ids past this worker's
-        other.complete_swap(SwapResult(plan.plan_id))
+        # never executed: the scheduler side takes a success only with the plan's receipt
+        other.complete_swap(SwapResult(plan.plan_id, receipt=plan_receipt(plan)))
         other.take_table_deltas()
         plan = other.plan_swap_in(["x"]) if plan.direction == "out" else other.plan_swap_out(["x"])
     attempt(

@@ -35,7 +35,8 @@ from typing import Any, Literal
 import numpy as np
 
 from kvforge.core.layout import CacheLayout
-from kvforge.core.values import RequestMove, SwapPlan, SwapResult, TableDelta
+from kvforge.core.swap_receipt import check_receipt, new_token
+from kvforge.core.values import PageRelease, RequestMove, SwapPlan, SwapResult, TableDelta
 from kvforge.errors import OutOfBlocksError, RequestStateError
 from kvforge.kinds import live_start
 from kvforge.scheduler.arena import SlabArena
@@ -197,6 +198,10 @@ class SwapBook:
         self._host: dict[str, BlockPool] = {}
         self._page_bytes: dict[str, int] = {}
         self.stats = SwapStats()
+        # pages given back that the worker may not have heard of: each plan carries them
+        # until one that carries them completes with the worker's receipt
+        self._releases: list[PageRelease] = []
+        self._release_seq = 0
 
     def row(self, request_id: str) -> int:
         """The table row of a request that holds device blocks."""
@@ -222,6 +227,7 @@ class SwapBook:
         with _all_or_nothing() as undo:
             for name, pages in swapped.host_pages.items():
                 undo.release(self._host[name], pages)
+            self._note_release(undo, request_id, swapped.host_pages)
             undo.pop(self.swapped, request_id)
 
     def plans_in_flight(self) -> tuple[SwapPlan, ...]:
@@ -454,7 +460,14 @@ class SwapBook:
     ) -> SwapPlan:
         moved = {name for m in moves for name in m.device_blocks}
         groups = tuple(g.spec.name for g in self._t.groups if g.spec.name in moved)
-        plan = SwapPlan(next(self._plan_ids), direction, tuple(moves), groups)
+        plan = SwapPlan(
+            next(self._plan_ids),
+            direction,
+            tuple(moves),
+            groups,
+            released=tuple(self._releases),
+            token=new_token(),
+        )
         undo.put(self._in_flight, plan.plan_id, InFlight(plan, rows))
         for m in moves:
             undo.put(self.busy, m.request_id, plan.plan_id)
@@ -472,9 +485,15 @@ class SwapBook:
         every change is undone and the plan is still in flight, its requests busy, exactly as
         before the call; calling ``complete_swap`` again settles it.
 
+        A successful result is accepted only with the worker's receipt of this very plan
+        (:mod:`kvforge.core.swap_receipt`): a result the worker did not produce, or produced
+        for another plan under the same id, is refused. A failed result needs none.
+
         Raises:
             TypeError: ``result`` is not a :class:`SwapResult`.
             ValueError: ``result`` names no plan in flight.
+            SwapReceiptError: a successful result without this plan's receipt (nothing
+                changed: the plan is still in flight).
         """
         if not isinstance(result, SwapResult):
             raise TypeError(f"result must be a SwapResult, got {type(result).__name__}")
@@ -484,6 +503,8 @@ class SwapBook:
         if flight is None:
             raise ValueError(f"swap plan {plan_id!r} is not in flight")
         plan = flight.plan
+        if result.ok:
+            check_receipt(plan, result)
         self._check_flight(flight)
         try:
             self._settle(flight, result.ok)
@@ -516,6 +537,9 @@ class SwapBook:
             else:
                 rows = [flight.rows[m.request_id] for m in plan.requests]
                 self._release_rows(undo, np.array(rows, dtype=np.int64))
+            if ok and plan.released:  # the worker applied the releases the plan carried
+                last = plan.released[-1].seq
+                self._keep_releases(undo, [r for r in self._releases if r.seq > last])
             # the plan leaves flight last: until here a retry finds it as it was
             for m in plan.requests:
                 undo.pop(self.busy, m.request_id)
@@ -575,6 +599,26 @@ class SwapBook:
                 per_group.setdefault(name, []).append(pages)
         for name, pages in per_group.items():
             undo.release(self._host[name], np.concatenate(pages))
+        for m in moves:
+            self._note_release(undo, m.request_id, m.host_pages)
+
+    def _keep_releases(self, undo: _Undo, releases: list[PageRelease]) -> None:
+        """``self._releases = releases``, undoable (with the release counter)."""
+        saved, seq = list(self._releases), self._release_seq
+
+        def restore() -> None:
+            self._releases[:] = saved
+            self._release_seq = seq
+
+        undo.add(restore)
+        self._releases[:] = releases
+
+    def _note_release(self, undo: _Undo, request_id: str, pages: Mapping[str, np.ndarray]) -> None:
+        """Tell the worker (with the next plans) that ``pages`` no longer hold
+        ``request_id``'s data."""
+        release = PageRelease(self._release_seq, request_id, dict(pages))
+        self._keep_releases(undo, [*self._releases, release])
+        self._release_seq += 1
 
     def _count(
         self, undo: _Undo, moves: Sequence[RequestMove], direction: Literal["out", "in"]

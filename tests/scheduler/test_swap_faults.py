@@ -33,7 +33,8 @@ from _helpers import grow
 
 from kvforge import CacheController, GQABackend
 from kvforge.core.layout import CacheLayout
-from kvforge.core.values import PrefixQuery, SwapFailure, SwapResult
+from kvforge.core.swap_receipt import plan_receipt
+from kvforge.core.values import PrefixQuery, SwapFailure, SwapPlan, SwapResult
 from kvforge.models import from_hf_config
 from kvforge.scheduler import swap_book, tables
 from kvforge.scheduler.block_manager import BlockManager
@@ -230,10 +231,20 @@ def check_all_free(m: BlockManager) -> None:
     assert m.num_free_rows == m.max_num_seqs and m._book.plans_in_flight() == ()
 
 
-def settle(m: BlockManager, result: Callable[[int], SwapResult]) -> None:
+def settle(m: BlockManager, result: Callable[[SwapPlan], SwapResult]) -> None:
     """Complete every plan still in flight: what an engine does after an interrupt."""
     for plan in m._book.plans_in_flight():
-        m.complete_swap(result(plan.plan_id))
+        m.complete_swap(result(plan))
+
+
+def executed(plan: SwapPlan) -> SwapResult:
+    """The result a worker that executed ``plan`` answers (with its receipt): these tests
+    drive the scheduler side alone."""
+    return SwapResult(plan.plan_id, receipt=plan_receipt(plan))
+
+
+def failed(plan: SwapPlan) -> SwapResult:
+    return SwapResult(plan.plan_id, FAILED)
 
 
 # ------------------------------------------------------------------ the scheduler side alone
@@ -271,7 +282,7 @@ def _built(case: Case, swapped: tuple[str, ...], prefix: bool) -> BlockManager:
             m.end_step(step)
             done, match = done + int(step.num_new[0]), None
     if swapped:
-        m.complete_swap(SwapResult(m.plan_swap_out(list(swapped)).plan_id))
+        m.complete_swap(executed(m.plan_swap_out(list(swapped))))
     return m
 
 
@@ -289,7 +300,7 @@ def run_manager_swap(m, direction, batch, ok, inject=None, fault=None, states=No
     if states is not None:
         states.append(scheduler_state(m))
     with region():
-        m.complete_swap(SwapResult(plan.plan_id, None if ok else FAILED))
+        m.complete_swap(executed(plan) if ok else failed(plan))
 
 
 def sweep_manager(case: Case, swapped, direction, batch, inject, ok=True, prefix=False):
@@ -312,7 +323,7 @@ def sweep_manager(case: Case, swapped, direction, batch, inject, ok=True, prefix
             assert scheduler_state(m) == states[-1]
             if len(states) == 2:
                 assert [where[r] for r in batch] == [f"in flight {direction}"] * len(batch)
-                settle(m, lambda plan_id: SwapResult(plan_id, None if ok else FAILED))
+                settle(m, executed if ok else failed)
             else:
                 assert m._book.plans_in_flight() == ()
                 run_manager_swap(m, direction, batch, ok)
@@ -368,16 +379,16 @@ def test_retrying_with_a_failed_result_settles_too():
     plan = m.plan_swap_out(["a", "b"])
     fault = Interrupt(2)
     with pytest.raises(KeyboardInterrupt), on_call(BlockPool, "release_held", fault):
-        m.complete_swap(SwapResult(plan.plan_id))
+        m.complete_swap(executed(plan))
     assert check_books(m, ["a", "b", "c"]) == {
         "a": "in flight out",
         "b": "in flight out",
         "c": "running",
     }
-    m.complete_swap(SwapResult(plan.plan_id, FAILED))
+    m.complete_swap(failed(plan))
     assert check_books(m, ["a", "b", "c"]) == dict.fromkeys("abc", "running")
     with pytest.raises(ValueError, match=f"swap plan {plan.plan_id} is not in flight"):
-        m.complete_swap(SwapResult(plan.plan_id))
+        m.complete_swap(executed(plan))
     m.finish(["a", "b", "c"])
     check_all_free(m)
 
@@ -401,6 +412,14 @@ def controller_for(
     return ctl, written
 
 
+def check_resident_bytes(ctl: CacheController, written: dict[str, int]) -> None:
+    """Every resident request still holds its own bytes (nothing is swapped in for it)."""
+    for r in ctl.requests:
+        if r in written:
+            check = verify_request(ctl, r, seed=list(written).index(r))
+            assert (check.entries, check.mismatched) == (written[r], 0), r
+
+
 def check_bytes(ctl: CacheController, written: dict[str, int]) -> None:
     for r in ctl.requests + ctl.swapped_requests:
         if ctl.is_swapped(r):
@@ -421,20 +440,20 @@ def test_facade_interrupted_at_every_call(case, direction, swapped, batch, metho
         m = ctl.scheduler
         before = scheduler_state(m)
         swap = ctl.swap_out_many if direction == "out" else ctl.swap_in_many
+        target = "swapped" if direction == "out" else "running"
         try:
             with inject(fault):
                 swap(batch)
         except KeyboardInterrupt:
             fired += 1
-            check_books(m, requests)
-            if m._book.plans_in_flight():
-                # the worker moved the bytes; the scheduler side had not finished: complete it
-                settle(m, SwapResult)
-            else:
-                assert scheduler_state(m) == before
+            # complete or rolled back, never half done: no plan is left in flight
+            assert m._book.plans_in_flight() == ()
+            where = check_books(m, requests)
+            if not all(where[r] == target for r in batch):
+                assert scheduler_state(m) == before  # rolled back: as before the call
+                check_resident_bytes(ctl, written)
                 swap(batch)
         where = check_books(m, requests)
-        target = "swapped" if direction == "out" else "running"
         assert all(where[r] == target for r in batch), where
         check_bytes(ctl, written)
         ctl.free_requests(requests)
@@ -445,26 +464,27 @@ def test_facade_interrupted_at_every_call(case, direction, swapped, batch, metho
 
 def test_the_issue_example_loses_no_request_and_no_page():
     # a KeyboardInterrupt inside complete_swap during swap_out_many(["a", "b"]) made b vanish
-    # and leaked its 11 host pages
+    # and leaked its 11 host pages; then it left the plan in flight, so free_request was
+    # refused and the pages stayed held for good. Now the swap rolls back.
     ctl, written = controller_for(CASES["gqa"], [])
     m = ctl.scheduler
+    stats = ctl.stats.swaps_out
     with (
         pytest.raises(KeyboardInterrupt) as info,
         on_call(RequestTables, "release_rows", Interrupt(1)),
     ):
         ctl.swap_out_many(["a", "b"])
     assert "is still in flight, as it was before complete_swap" in info.value.__notes__[0]
-    assert check_books(m, ["a", "b", "c"]) == {
-        "a": "in flight out",
-        "b": "in flight out",
-        "c": "running",
-    }
-    [plan] = m._book.plans_in_flight()
-    assert ctl.host_pool_usage()["kv"] == (4 + 11, 39)  # reserved by the plan, not leaked
-    m.complete_swap(SwapResult(plan.plan_id))
-    assert ctl.swapped_requests == ["a", "b"] and ctl.requests == ["c"]
+    assert m._book.plans_in_flight() == ()
+    assert check_books(m, ["a", "b", "c"]) == dict.fromkeys("abc", "running")
+    assert ctl.host_pool_usage()["kv"] == (0, 39)  # the plan's 4 + 11 pages given back
+    assert ctl.stats.swaps_out == stats
+    check_resident_bytes(ctl, written)
+    ctl.free_request("b")  # refused while the plan was left in flight
+    ctl.swap_out_many(["a"])  # the worker heard of the released pages: a reuses them
+    assert ctl.swapped_requests == ["a"] and ctl.requests == ["c"]
     check_bytes(ctl, written)
-    ctl.free_requests(["a", "b", "c"])
+    ctl.free_requests(["a", "c"])
     check_all_free(m)
 
 
