@@ -218,17 +218,25 @@ class SwapBook:
             "or swapped out)"
         )
 
-    def release_host(self, request_id: str) -> None:
-        """Return the host pages of a swapped-out request that finishes: all of them and the
-        entry, or (on an exception) none."""
-        swapped = self.swapped.get(request_id)
-        if swapped is None:
-            return
+    def finish(self, request_ids: Sequence[str]) -> None:
+        """Free the rows and blocks of the resident requests among ``request_ids`` and the
+        host pages of the swapped ones (checked by the caller: each is one or the other and
+        none is busy), all or nothing: an exception midway, ``KeyboardInterrupt`` included,
+        undoes every change and propagates."""
+        row_of = self._t.row_of
+        resident = [rid for rid in request_ids if rid in row_of]
         with _all_or_nothing() as undo:
-            for name, pages in swapped.host_pages.items():
-                undo.release(self._host[name], pages)
-            self._note_release(undo, request_id, swapped.host_pages)
-            undo.pop(self.swapped, request_id)
+            for rid in request_ids if self.swapped else ():
+                swapped = self.swapped.get(rid)
+                if swapped is not None:
+                    for name, pages in swapped.host_pages.items():
+                        undo.release(self._host[name], pages)
+                    self._note_release(undo, rid, swapped.host_pages)
+                    undo.pop(self.swapped, rid)
+            if resident:
+                self._release_rows(undo, np.array([row_of[r] for r in resident], np.int64))
+                for rid in resident:
+                    undo.pop(row_of, rid)
 
     def plans_in_flight(self) -> tuple[SwapPlan, ...]:
         """The plans handed out and not yet completed, oldest first: an engine interrupted
@@ -236,8 +244,14 @@ class SwapBook:
         :meth:`complete_swap`."""
         return tuple(flight.plan for flight in self._in_flight.values())
 
-    def init_host(self, num_pages: Mapping[str, int]) -> None:
-        """Create the host page pools (ids only: the memory is on the worker side)."""
+    def init_host(
+        self, num_pages: Mapping[str, int], then: Callable[[], None] | None = None
+    ) -> None:
+        """Create the host page pools (ids only: the memory is on the worker side).
+
+        ``then``: called once the pools are built and before the book keeps them (the
+        facade allocates the worker's pages there): if it raises, the book has no host pages,
+        so a retry starts afresh."""
         if self._host:
             raise RuntimeError("host pages were already initialised for this BlockManager")
         pools, page_bytes_of = {}, {}
@@ -248,6 +262,8 @@ class SwapBook:
                     raise ValueError(f"num_pages has no count for group {g.name!r}")
                 pools[g.name] = BlockPool(num_pages[g.name], g.name, kind="host")
                 page_bytes_of[g.name] = page_bytes
+        if then is not None:
+            then()
         self._page_bytes = page_bytes_of
         self._host = pools  # last: until here the book has no host pages
 

@@ -1,0 +1,228 @@
+"""Every multi-step operation of the facade completes or rolls back under any exception
+(issue 32, class 11).
+
+For each operation (a batch swap out, a batch swap in, freeing a swapped and a running
+request together, allocating the host pages) a dry run lists its phases: every distinct
+kvforge function it calls, on either side (the scheduler side's books and pools, the worker's
+checks, ledgers and copies, the facade's glue). Then, once per phase, a fresh controller runs
+the operation with ``KeyboardInterrupt`` raised as that function is entered. After each
+interrupt:
+
+- no swap plan is left in flight, and every request is wholly running or wholly swapped out;
+- the operation either completed or changed nothing on the scheduler side (tables, pools,
+  host pages, rows, token counts);
+- every request still running holds its own bytes (``kvforge.verify``);
+- the operation can be run again (if it rolled back), the worker accepts what follows (a
+  swap round trip of every request), every byte comes back, and once every request is freed
+  every pool and page is free.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+from test_swap_faults import (
+    CASES,
+    check_all_free,
+    check_books,
+    check_bytes,
+    check_resident_bytes,
+    controller_for,
+    scheduler_state,
+)
+
+import kvforge
+from kvforge import CacheController
+from kvforge.errors import WorkerRefusedError
+
+ROOT = os.path.dirname(kvforge.__file__)
+#: frames that are not phases of their own: comprehensions, lambdas, generator expressions
+_INNER = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")
+REQUESTS = ["a", "b", "c"]
+
+
+def _phase(frame) -> tuple[str, str] | None:
+    code = frame.f_code
+    if not code.co_filename.startswith(ROOT) or code.co_name in _INNER:
+        return None
+    return code.co_filename, code.co_qualname
+
+
+@contextmanager
+def interrupt_at(k: int | None, seen: list[tuple[str, str]]) -> Iterator[None]:
+    """Record every phase entered into ``seen``; raise ``KeyboardInterrupt`` as the ``k``-th
+    is entered (never for ``None``). A trace function that raises is unset by Python, so it
+    fires once."""
+
+    def calls(frame, event, arg):
+        phase = _phase(frame)
+        if phase is not None:
+            seen.append(phase)
+            if len(seen) == k:
+                raise KeyboardInterrupt(f"phase {k}: {phase[1]}")
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def _mirroring(frame) -> bool:
+    """Whether ``frame`` runs inside the facade's ``_sync_tables`` (the worker catching up
+    with what the scheduler side already did)."""
+    while frame is not None:
+        if frame.f_code.co_name == "_sync_tables" and frame.f_code.co_filename.startswith(ROOT):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def phases(build: Callable[[], tuple], op: Callable, mirroring: bool = False) -> list[int]:
+    """The call index of the first entry into each distinct function the operation calls:
+    outside the facade's ``_sync_tables``, or (``mirroring``) inside it."""
+    env = build()
+    seen: list[tuple[str, str]] = []
+    inside: list[bool] = []
+
+    def calls(frame, event, arg):
+        phase = _phase(frame)
+        if phase is not None:
+            seen.append(phase)
+            inside.append(_mirroring(frame))
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        op(env[0])
+    finally:
+        sys.settrace(previous)
+    first: dict[tuple[str, str], int] = {}
+    for i, (phase, mirrored) in enumerate(zip(seen, inside, strict=True), 1):
+        if mirrored == mirroring:
+            first.setdefault(phase, i)
+    env[0].free()
+    return sorted(first.values())
+
+
+# ---------------------------------------------------------------------- the operations
+
+
+@dataclass(frozen=True)
+class Operation:
+    swapped: tuple[str, ...]  # swapped out before the operation
+    run: Callable[[CacheController], object]
+    done: Callable[[CacheController], bool]  # whether it completed
+
+
+OPERATIONS = {
+    "swap_out_many": Operation(
+        (),
+        lambda c: c.swap_out_many(["a", "b"]),
+        lambda c: c.swapped_requests == ["a", "b"],
+    ),
+    "swap_in_many": Operation(
+        ("a", "b"),
+        lambda c: c.swap_in_many(["b", "a"]),
+        lambda c: c.swapped_requests == [],
+    ),
+    "free_requests": Operation(
+        ("a",),
+        lambda c: c.free_requests(["a", "c"]),
+        lambda c: c.requests == ["b"] and c.swapped_requests == [],
+    ),
+}
+
+
+def build(op: Operation) -> Callable[[], tuple]:
+    return lambda: controller_for(CASES["gqa"], list(op.swapped))
+
+
+def sweep(name: str, mirroring: bool = False) -> dict[str, int]:
+    op = OPERATIONS[name]
+    points = phases(build(op), op.run, mirroring)
+    assert len(points) > (3 if mirroring else 20), points  # both sides' phases
+    outcomes = {"completed": 0, "rolled back": 0}
+    for k in points:
+        ctl, written = build(op)()
+        m = ctl.scheduler
+        before = scheduler_state(m)
+        seen: list[tuple[str, str]] = []
+        with pytest.raises(KeyboardInterrupt), interrupt_at(k, seen):
+            op.run(ctl)
+        assert m._book.plans_in_flight() == (), seen[-1]
+        where = check_books(m, [r for r in REQUESTS if m.is_running(r) or m.is_swapped(r)])
+        assert all(w in ("running", "swapped") for w in where.values()), (seen[-1], where)
+        if op.done(ctl):
+            outcomes["completed"] += 1
+        else:
+            assert scheduler_state(m) == before, seen[-1]
+            outcomes["rolled back"] += 1
+        check_resident_bytes(ctl, written)
+        if not op.done(ctl):
+            op.run(ctl)  # it runs again from where it was
+        assert op.done(ctl)
+        live = ctl.requests + ctl.swapped_requests
+        if ctl.requests:  # the worker accepts what follows: a round trip of every request
+            ctl.swap_out_many(ctl.requests)
+        check_bytes(ctl, written)  # the requests still there
+        ctl.free_requests(live)
+        check_all_free(m)
+        ctl.free()
+    return outcomes
+
+
+@pytest.mark.parametrize("name", sorted(OPERATIONS))
+def test_an_interrupt_at_every_phase_completes_or_rolls_back(name):
+    outcomes = sweep(name)
+    assert outcomes["rolled back"] > 0, outcomes
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=WorkerRefusedError,
+    reason="known gap (issue 32, class 11): an interrupt inside CacheController._sync_tables, "
+    "after BlockManager.take_effects handed the effects out and before the worker applied "
+    "them, loses them: every later step is refused as out of order",
+)
+def test_an_interrupt_while_the_worker_catches_up_loses_nothing():
+    sweep("free_requests", mirroring=True)
+
+
+def test_an_interrupt_while_allocating_host_pages_leaves_both_sides_or_neither():
+    def fresh() -> CacheController:
+        ctl = CacheController(CASES["gqa"].backends())
+        ctl.initialize_kv_cache(num_blocks=40, max_num_seqs=8, max_model_len=1024)
+        return ctl
+
+    def run(ctl: CacheController) -> object:
+        return ctl.initialize_host_cache(num_pages=40)
+
+    points = phases(lambda: (fresh(),), run)
+    assert len(points) > 5, points
+    for k in points:
+        ctl = fresh()
+        seen: list[tuple[str, str]] = []
+        with pytest.raises(KeyboardInterrupt), interrupt_at(k, seen):
+            run(ctl)
+        ready = (ctl.storage.host_ready, bool(ctl.scheduler.host_groups))
+        assert ready in ((True, True), (False, False)), (seen[-1], ready)
+        if ready == (False, False):
+            assert ctl.host_bytes == 0
+            run(ctl)  # a retry starts afresh
+        else:
+            with pytest.raises(RuntimeError, match="already called"):
+                run(ctl)
+        assert ctl.host_bytes > 0
+        assert all(used == 0 for used, _ in ctl.host_pool_usage().values())
+        ctl.allocate("a", 20)  # both sides' pages work: a swap round trip
+        ctl.swap_out("a")
+        ctl.swap_in("a")
+        ctl.free()
