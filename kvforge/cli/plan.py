@@ -44,8 +44,9 @@ def _layer_ranges(layers: Sequence[int]) -> str:
 
 
 def _vllm_backends(args: argparse.Namespace) -> tuple[str, Any]:
-    """``--vllm-specs PATH``: the backends of a vLLM model's dumped specs. vLLM is imported
-    here, on use only."""
+    """``--vllm-specs PATH``: the backends of a vLLM model's dumped specs
+    (:mod:`kvforge.cli.specs_file`: a malformed file is one line). vLLM is imported here, on
+    use only."""
     path = args.vllm_specs
     others = [d for d in ("model", "config", "backend", *MODEL_OPTIONS) if getattr(args, d)]
     if others:
@@ -53,26 +54,9 @@ def _vllm_backends(args: argparse.Namespace) -> tuple[str, Any]:
             f"{', '.join(flag(d) for d in others)} cannot be combined with --vllm-specs: the "
             "specs give every layer's cache"
         )
-    try:
-        from kvforge.integrations.vllm.specs import from_vllm_specs, load_vllm_specs
-    except ImportError as exc:
-        raise UsageError(
-            "--vllm-specs needs vLLM: install the extra kvforge[vllm] "
-            f"(pip install 'kvforge[vllm]'); importing it failed: {exc}"
-        ) from None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise UsageError(f"cannot read --vllm-specs {path!r}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--vllm-specs {path!r} is not JSON: {exc}") from None
-    try:
-        backends = from_vllm_specs(load_vllm_specs(data))
-    except ValueError as exc:
-        raise UsageError(f"--vllm-specs {path!r}: {exc}") from None
+    from kvforge.cli.specs_file import vllm_backends
+
+    backends = vllm_backends(path)
     return f"vLLM specs {path}", backends
 
 
