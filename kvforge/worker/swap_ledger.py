@@ -27,14 +27,14 @@ Costs: a dict lookup per page a plan names, on swaps only (never on a step).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from kvforge.core.values import PageRelease, SwapPlan
-from kvforge.errors import PageOwnershipError, WorkerRefusedError
+from kvforge.errors import BlockOwnershipError, PageOwnershipError, WorkerRefusedError
 
-__all__ = ["SwapLedger"]
+__all__ = ["SwapLedger", "check_swap_out_rows"]
 
 #: request -> group -> (block indices, host pages) of its swapped data
 Records = dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]
@@ -245,6 +245,40 @@ def _after(
             else:
                 del records[rid]
     return records, owner
+
+
+def check_swap_out_rows(
+    plan: SwapPlan, tables: Mapping[str, np.ndarray], row_request: Sequence[str | None]
+) -> None:
+    """A swap out reads its own request's row: among the mirrored rows that hold every block
+    of a move at its indices (several when blocks are shared), one serves the move's request,
+    or no request yet (``row_request[row]``, from the steps the worker applied). Run after
+    :func:`~kvforge.worker.guard.check_plan` (the arrays are in range)."""
+    for move in plan.requests:
+        candidates: np.ndarray | None = None
+        first = ""
+        for g, blocks in sorted(move.device_blocks.items()):
+            blocks = np.asarray(blocks)
+            if len(blocks):
+                cols = np.asarray(move.block_indices[g])
+                same = (tables[g][:, cols] == blocks).all(axis=1)
+                candidates = same if candidates is None else candidates & same
+                first = first or g
+        if candidates is None:
+            continue
+        rows = np.flatnonzero(candidates).tolist()
+        if not rows or any(row_request[r] in (None, move.request_id) for r in rows):
+            continue  # no row at all is check_plan's refusal
+        raise BlockOwnershipError(
+            f"execute: swap-out plan {plan.plan_id} reads the blocks of row {rows[0]} for "
+            f"request {move.request_id!r}, but that row serves request "
+            f"{row_request[rows[0]]!r}: another request's KV would be stored as this one's; "
+            "nothing moved",
+            first,
+            int(np.asarray(move.device_blocks[first])[0]),
+            -1,
+            rows[0],
+        )
 
 
 def _first_difference(pages: np.ndarray, mine: np.ndarray) -> int:

@@ -260,6 +260,14 @@ def swap_out_with_its_releases_stripped(env: Env) -> Attack:
     return (lambda: env.execute(forged)), (lambda: env.swap(plan))
 
 
+def swap_out_of_b_sent_as_c(env: Env) -> Attack:
+    # b's blocks stored as c's swapped data: c's swap in would then restore b's KV
+    plan = env.m.plan_swap_out(["b"])
+    env.sync()
+    forged = dataclasses.replace(move_of(plan, request_id="c"), plan_id=env.forged_id())
+    return (lambda: env.execute(forged)), (lambda: env.swap(plan))
+
+
 def swap_in_of_a_request_never_swapped(env: Env) -> Attack:
     plan = env.m.plan_swap_in(["a"])
     env.sync()
@@ -289,6 +297,7 @@ ATTACKS = [
     (swap_in_of_another_requests_pages, PageOwnershipError, "for request 'b'"),
     (release_gap, WorkerRefusedError, "releases 0..98 never arrived"),
     (swap_out_with_its_releases_stripped, PageOwnershipError, "whose swapped data this"),
+    (swap_out_of_b_sent_as_c, BlockOwnershipError, "that row serves request 'b'"),
     (swap_in_of_a_request_never_swapped, PageOwnershipError, "'zz', which has no swapped"),
     (forged_move_of_unknown_request, PageOwnershipError, "'zz', which has no swapped"),
 ]
