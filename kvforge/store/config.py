@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -36,6 +37,99 @@ MOONCAKE_MIN_SEGMENT_BYTES = 16 << 20
 
 #: the fields of the file ``StoreConfig.from_file`` is reading, while it builds the model
 _FILE_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_FILE_DATA", default=None)
+
+
+#: nesting a store file may have: ``[kvforge.store]`` holding fields, one of them a list
+_MAX_DEPTH = 4
+#: a store config is a few hundred bytes
+_MAX_FILE_BYTES = 1 << 20
+
+
+class _MissingFile(ValueError, FileNotFoundError):
+    """``StoreConfig.from_file`` of a path where nothing is: both kinds of error."""
+
+
+def _read_file(file: Path) -> Any:
+    """The data of a ``.toml`` or ``.json`` store file, or a ``ValueError`` naming the file
+    and what is wrong with it (the line and column of a syntax error)."""
+    where = f"StoreConfig.from_file: {str(file)!r}"
+    if file.suffix not in (".json", ".toml"):
+        raise ValueError(f"{where} must end in .toml or .json, got {file.suffix!r}")
+    try:
+        info = file.stat()
+        if stat.S_ISDIR(info.st_mode):
+            raise ValueError(f"{where} is a directory; give a .toml or .json file")
+        if not stat.S_ISREG(info.st_mode):  # a pipe or a device would block or never end
+            raise ValueError(f"{where} is not a regular file")
+        if info.st_size > _MAX_FILE_BYTES:
+            raise ValueError(
+                f"{where} has {info.st_size:,} bytes; a store config has {_MAX_FILE_BYTES:,} "
+                "at most"
+            )
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        raise _MissingFile(f"{where}: no such file") from None
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{where} is not UTF-8 text: byte {exc.start} is {raw[exc.start : exc.start + 1]!r}"
+        ) from None
+    kind = file.suffix[1:].upper()
+    try:
+        if file.suffix == ".json":
+            data = json.loads(text)
+        else:
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            data = tomllib.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:  # both parsers recurse once per nesting level
+        raise ValueError(
+            f"{where} nests arrays or tables too deeply to be a store config "
+            f"({_MAX_DEPTH} levels at most)"
+        ) from None
+    except ValueError as exc:  # TOMLDecodeError (it gives the line and column), huge integers
+        message = " ".join(str(exc).split("; use sys.")[0].split())[:300]
+        last = text.rsplit("\n", 1)[-1]
+        end = f"at end of document: line {text.count(chr(10)) + 1}, column {len(last) + 1}"
+        message = message.replace("at end of document", end)
+        raise ValueError(f"{where} is not valid {kind}: {message}") from None
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:  # deep nesting within the parser's limit, walked without recursion
+        value, depth = stack.pop()
+        if not isinstance(value, dict | list):
+            continue
+        children = value.values() if isinstance(value, dict) else value
+        if depth > _MAX_DEPTH:
+            raise ValueError(
+                f"{where} nests arrays or tables {depth} levels deep; a store config nests "
+                f"{_MAX_DEPTH} at most"
+            )
+        stack.extend((child, depth + 1) for child in children)
+    return data
+
+
+def _titled(exc: ValidationError, title: str) -> ValidationError:
+    """``exc``'s errors under ``title`` (the file they came from); ``exc`` itself should
+    pydantic not take an error back."""
+    details: list[Any] = []
+    for error in exc.errors():
+        detail = {"type": error["type"], "loc": error["loc"], "input": error.get("input")}
+        if "ctx" in error:
+            detail["ctx"] = error["ctx"]
+        details.append(detail)
+    try:
+        return ValidationError.from_exception_data(title, details)
+    except (KeyError, TypeError, ValueError):
+        return exc
 
 
 class _FileSource(PydanticBaseSettingsSource):
@@ -130,22 +224,16 @@ class StoreConfig(BaseSettings):
     def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> StoreConfig:
         """The settings a ``.toml`` or ``.json`` file gives (a flat table of fields, or the
         table ``[kvforge.store]`` / ``{"kvforge": {"store": {...}}}``), under the environment
-        and ``overrides``. An unknown field or file type is refused by name."""
+        and ``overrides``. An unknown field or file type is refused by name.
+
+        Raises:
+            ValueError: naming the file: it is missing (also a ``FileNotFoundError``), a
+                directory or unreadable, not UTF-8 (the byte), not TOML or JSON (the line and
+                column), nested deeper than a table of fields, or sets an unknown field; a
+                bad value is a ``pydantic.ValidationError`` naming the field, the value and
+                the file."""
         file = Path(path)
-        text = file.read_text()
-        if file.suffix == ".json":
-            data = json.loads(text)
-        elif file.suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-            data = tomllib.loads(text)
-        else:
-            raise ValueError(
-                f"StoreConfig.from_file: {str(file)!r} must end in .toml or .json, "
-                f"got {file.suffix!r}"
-            )
+        data = _read_file(file)
         if isinstance(data, dict) and isinstance(data.get("kvforge"), dict):
             data = data["kvforge"].get("store", data)
         if not isinstance(data, dict):
@@ -162,6 +250,8 @@ class StoreConfig(BaseSettings):
         token = _FILE_DATA.set(data)
         try:
             return cls(**overrides)
+        except ValidationError as exc:  # the same errors, titled with the file
+            raise _titled(exc, f"StoreConfig from {str(file)!r}") from None
         finally:
             _FILE_DATA.reset(token)
 

@@ -4,6 +4,7 @@ bad settings refused with a message that names the field and the value."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from pydantic import ValidationError
@@ -114,26 +115,81 @@ def test_a_config_is_frozen():
         config.backend = "redis"  # type: ignore[misc]
 
 
-# (file name, content, exception, message fragments)
+# (file name, content: str or bytes, exception, message fragments); every message also names
+# the file
 BAD_FILES = [
-    ("store.yaml", "backend: redis", ValueError, ["store.yaml", ".toml or .json", "'.yaml'"]),
+    ("store.yaml", "backend: redis", ValueError, [".toml or .json", "'.yaml'"]),
     ("store.json", "[1, 2]", ValueError, ["table of fields", "list"]),
     ("store.json", '{"backend": "redis", "port": 1}', ValueError, ["unknown field", "port"]),
+    ("store.json", '{"kvforge": {"store": 5}}', ValueError, ["table of fields", "int"]),
     ("store.toml", 'backend = "x"', ValidationError, ["backend", "'x'"]),
-    ("store.toml", "backend = ", Exception, ["Invalid"]),
-]
+    ("store.toml", "redis_port = 99999999999999999999999", ValidationError, ["redis_port", "99999999999999999999999"]),
+    ("store.json", '{"connect_timeout_s": NaN}', ValidationError, ["connect_timeout_s", "nan"]),
+    ("store.toml", "connect_timeout_s = inf", ValidationError, ["connect_timeout_s", "inf"]),
+    ("store.toml", 'backend = "mooncake"\nmooncake_global_segment_bytes = 1024', ValidationError, ["mooncake_global_segment_bytes", "1024"]),
+    # syntax errors: the line and the column
+    ("store.toml", "backend = ", ValueError, ["is not valid TOML: Invalid value (at end of document: line 1, column 11)"]),
+    ("store.toml", 'backend = "redis"\nredis_port = \n', ValueError, ["is not valid TOML", "line 2, column 14"]),
+    ("store.toml", "[kvforge.store\n", ValueError, ["is not valid TOML", "line 1"]),
+    ("store.json", '{"backend": "redis",\n "redis_port": }', ValueError, ["is not valid JSON: Expecting value at line 2 column 16"]),
+    ("store.json", "", ValueError, ["is not valid JSON: Expecting value at line 1 column 1"]),
+    ("store.json", "\ufeff{}", ValueError, ["is not valid JSON: Unexpected UTF-8 BOM"]),
+    # bytes that are not UTF-8: the offset
+    ("store.toml", b'backend = "r\xffedis"\n', ValueError, ["is not UTF-8 text: byte 12 is b'\\xff'"]),
+    ("store.json", b"\xff\xfe{}", ValueError, ["is not UTF-8 text: byte 0"]),
+    # nesting: past the parsers' recursion, and within it but deeper than a config
+    ("store.json", "[" * 100_000 + "]" * 100_000, ValueError, ["nests arrays or tables too deeply"]),
+    ("store.toml", "a = " + "[" * 100_000 + "]" * 100_000, ValueError, ["nests arrays or tables too deeply"]),
+    ("store.json", json.dumps({"backend": [[[["redis"]]]]}), ValueError, ["nests arrays or tables 5 levels deep"]),
+    ("store.toml", "a = " + "[" * 300 + "]" * 300, ValueError, ["nests arrays or tables"]),
+    # numbers past Python's digit limit for int()
+    ("store.json", '{"redis_port": ' + "9" * 5000 + "}", ValueError, ["is not valid JSON", "4300 digits"]),
+    ("store.toml", "redis_port = " + "9" * 5000, ValueError, ["is not valid TOML", "4300 digits"]),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "text", "kind", "named"), BAD_FILES, ids=[b[1] for b in BAD_FILES])
-def test_a_bad_file_is_refused_by_name(tmp_path, name, text, kind, named):
+@pytest.mark.parametrize(
+    ("name", "text", "kind", "named"), BAD_FILES, ids=[repr(b[1])[:40] for b in BAD_FILES]
+)
+def test_a_bad_file_is_refused_by_name(tmp_path, monkeypatch, name, text, kind, named):
     path = tmp_path / name
-    path.write_text(text)
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
     with pytest.raises(kind) as info:
         StoreConfig.from_file(path)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert repr(str(path)) in message, message
+    assert "Traceback" not in message and len(message) < 1000
+    if kind is ValueError:
+        assert type(info.value) is ValueError  # the parser's own error does not leak
+        assert len(message.splitlines()) == 1
     for fragment in named:
-        assert fragment in str(info.value), (fragment, str(info.value))
+        assert fragment in message, (fragment, message)
+    # a refused file changes nothing: the next config is built as if it was never read
+    assert StoreConfig().backend == "none"
+
+
+def test_paths_that_are_not_a_store_file(tmp_path):
+    directory = tmp_path / "store.toml"
+    directory.mkdir()
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # reading would block
+    big = tmp_path / "big.toml"
+    with open(big, "wb") as fh:
+        fh.truncate((1 << 20) + 1)
+    for path, fragment in [
+        (directory, "is a directory; give a .toml or .json file"),
+        (fifo, "is not a regular file"),
+        (big, "has 1,048,577 bytes; a store config has 1,048,576 at most"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            StoreConfig.from_file(path)
+        assert type(info.value) is ValueError
+        assert str(info.value) == f"StoreConfig.from_file: {str(path)!r} {fragment}"
 
 
 def test_a_missing_file_is_refused():
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError) as info:  # also a ValueError, as every bad file
         StoreConfig.from_file("/nonexistent/store.toml")
+    assert isinstance(info.value, ValueError)
+    assert str(info.value) == "StoreConfig.from_file: '/nonexistent/store.toml': no such file"
