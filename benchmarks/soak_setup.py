@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import soak_tiers
+
 from kvforge import CacheController, DeepseekV4Backend, GQABackend
 
 __all__ = [
@@ -22,8 +24,11 @@ __all__ = [
     "SHARED_HOST_PAGES",
     "SHARED_POOLS",
     "SHARED_POOL_BLOCKS",
+    "TIER_PAGES",
     "VOCAB",
     "make_controller",
+    "model_host_pages",
+    "model_num_blocks",
     "num_blocks_for",
 ]
 
@@ -44,6 +49,9 @@ HOST_PAGES = 40
 #: host pages per group with ``share_pools`` (a swapped ``gqa_full`` request keeps up to 48)
 SHARED_HOST_PAGES = 80
 VOCAB = 500  # token ids of the prefix soak
+#: host tier pages per group (``--host-tier`` on the default layout): fewer than the working
+#: set, so the tier evicts too
+TIER_PAGES = 64
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -69,6 +77,8 @@ def make_controller(
     max_num_seqs: int = MAX_SEQS,
     scale: int = 1,
     arena: bool = False,
+    model: str | None = None,
+    host_tier: str | None = None,
 ) -> CacheController:
     """DeepSeek-V4 layers of ratios 0, 4 and 128 (small heads) and a GQA sliding-window layer:
     full, sliding-window and state groups, compress ratios 1, 4 and 128; ``prefix`` turns
@@ -78,7 +88,11 @@ def make_controller(
     pages multiplied) size it for the threaded mode; the model assumes the defaults.
     ``arena`` (threaded mode only) gives the same device bytes as a ``memory_budget``, so the
     groups whose pages differ draw on one slab arena and their slabs change hands as the
-    threads load them."""
+    threads load them. ``model`` (a name of :data:`soak_tiers.MODELS`) builds that bundled
+    model at soak size instead, with its own pools; ``host_tier`` (a policy) attaches a host
+    tier of the model's tier pages (prefix caching must be on)."""
+    if model is not None:
+        return _model_controller(model, prefix, max_num_seqs, scale, host_tier)
     backends: dict[int, Any] = {
         i: DeepseekV4Backend(r, head_dim=64, qk_rope_head_dim=16, index_head_dim=16)
         for i, r in enumerate((0, 4, 128))
@@ -105,4 +119,37 @@ def make_controller(
         )
     host = SHARED_HOST_PAGES if share_pools else HOST_PAGES
     ctl.initialize_host_cache(num_pages=(host - 1) * scale + 1)
+    if host_tier is not None:
+        ctl.initialize_host_tier(num_pages=(TIER_PAGES - 1) * scale + 1, policy=host_tier)
+    return ctl
+
+
+def _scaled(counts: dict[str, int], scale: int) -> dict[str, int]:
+    return {g: (n - 1) * scale + 1 for g, n in counts.items()}
+
+
+def model_num_blocks(model: str, prefix: bool = False, scale: int = 1) -> dict[str, int]:
+    """Device blocks per group of ``model`` at soak size."""
+    size = soak_tiers.MODELS[model]
+    return _scaled(size.prefix_blocks if prefix else size.num_blocks, scale)
+
+
+def model_host_pages(model: str, scale: int = 1) -> dict[str, int]:
+    """Swap pages per group of ``model`` at soak size."""
+    return _scaled(soak_tiers.MODELS[model].host_pages, scale)
+
+
+def _model_controller(
+    model: str, prefix: bool, max_num_seqs: int, scale: int, host_tier: str | None
+) -> CacheController:
+    ctl = CacheController(soak_tiers.model_backends(model), enable_prefix_caching=prefix)
+    ctl.initialize_kv_cache(
+        num_blocks=model_num_blocks(model, prefix, scale),
+        max_num_seqs=max_num_seqs,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    ctl.initialize_host_cache(num_pages=model_host_pages(model, scale))
+    if host_tier is not None:
+        tier = soak_tiers.MODELS[model].tier_pages
+        ctl.initialize_host_tier(num_pages=_scaled(tier, scale), policy=host_tier)
     return ctl

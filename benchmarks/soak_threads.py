@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import soak_setup
+import soak_tiers
 import torch
 
 from kvforge import CacheController, OutOfBlocksError, PrefixQuery
@@ -102,16 +103,23 @@ def threads_arg(text: str) -> int:
 
 
 def make_threads_controller(
-    threads: int, share_pools: bool = False, arena: bool = False
+    threads: int,
+    share_pools: bool = False,
+    arena: bool = False,
+    model: str | None = None,
+    host_tier: str | None = None,
 ) -> CacheController:
     """The soak's hybrid controller with prefix caching, rows and blocks for ``threads``
-    (``arena``: the same bytes as one slab arena)."""
+    (``arena``: the same bytes as one slab arena; ``model``: a bundled model at soak size,
+    :data:`soak_tiers.MODELS`; ``host_tier``: a host tier of that policy)."""
     return soak_setup.make_controller(
         prefix=True,
         share_pools=share_pools,
         max_num_seqs=PER_THREAD * threads,
         scale=math.ceil(threads / 2),
         arena=arena,
+        model=model,
+        host_tier=host_tier,
     )
 
 
@@ -130,6 +138,7 @@ class ThreadReport:
     in_flight_refused: int = 0  # truncations and swap outs refused while the step was open
     freed_in_flight: int = 0
     tolerated: Counter = field(default_factory=Counter)  # refusals other threads explain
+    snapshots_verified: int = 0  # state entries compared right after a hit was adopted
 
 
 @dataclass
@@ -141,6 +150,12 @@ class ThreadsReport:
     final_open_steps: list[int] = field(default_factory=list)
     final_used_blocks: dict[str, int] = field(default_factory=dict)
     final_host_pages: dict[str, int] = field(default_factory=dict)
+    # --host-tier / --remote: the tiers' counters at the end (hit tokens past the device by
+    # the host tier, remote fetches included; by the remote tier), the faults injected
+    host_tier: dict[str, object] = field(default_factory=dict)
+    remote: dict[str, object] = field(default_factory=dict)
+    faults: Counter = field(default_factory=Counter)
+    restarts: int = 0
 
     @property
     def ops(self) -> int:
@@ -165,6 +180,9 @@ class Worker:
         self.next_id = 0
         self.report = ThreadReport()
         self.error: BaseException | None = None
+        #: per-request (linear-attention state) groups: their slot holds the state after the
+        #: newest token (:func:`soak_tiers.write_state`)
+        self.per_request = frozenset(soak_tiers.per_request_groups(ctl))
 
     # ------------------------------------------------------------------ helpers
 
@@ -251,9 +269,14 @@ class Worker:
             self.tolerate(step.allocation.refused, matched=True)
             self.advance(step)
             return
+        n = int(step.allocation.num_new[0])  # (cut on a snapshot boundary)
         self.prompts[rid] = prompt
         self.set_tokens(rid, prompt[: hit + n])
-        write_step(self.ctl, step, {rid: self.seeds[rid]})
+        if self.per_request and hit:  # the snapshot at ``hit``, before the step writes
+            self.report.snapshots_verified += soak_tiers.check_snapshots(
+                self.ctl, rid, hit, self.seeds[rid]
+            )
+        self.write(step)
         self.advance(step)
         if hit:
             self.report.prefix_hits += 1
@@ -278,10 +301,22 @@ class Worker:
             ids, [len(new[r]) for r in ids], new_token_ids=[new[r] for r in ids]
         )
         self.tolerate(step.allocation.refused)
-        for rid in step.allocation.request_ids:
-            self.set_tokens(rid, self.tokens[rid] + new[rid])
-        write_step(self.ctl, step, {r: self.seeds[r] for r in step.allocation.request_ids})
+        got = step.allocation.num_new.tolist()  # (cut on a snapshot boundary)
+        for rid, n in zip(step.allocation.request_ids, got, strict=True):
+            self.set_tokens(rid, self.tokens[rid] + new[rid][:n])
+        self.write(step)
         self.advance(step)
+
+    def write(self, step: ScheduledStep) -> None:
+        """Write the step's tokens (its kernels), and each request's state after its newest
+        token into its per-request slots."""
+        ids = step.allocation.request_ids
+        write_step(self.ctl, step, {r: self.seeds[r] for r in ids})
+        if self.per_request:
+            for rid in ids:
+                if self.tokens[rid]:
+                    n = len(self.tokens[rid])
+                    soak_tiers.write_state(self.ctl, rid, self.seeds[rid], n - 1)
 
     def op_swap(self) -> None:
         if self.swapped and (not self.tokens or self.rng.random() < 0.6):
@@ -324,6 +359,8 @@ class Worker:
             self.report.tolerated["truncate OutOfBlocksError"] += 1
             return
         self.set_tokens(rid, self.tokens[rid][:keep])
+        if self.per_request:  # a state cannot be cut back: the engine recomputes it
+            soak_tiers.write_state(self.ctl, rid, self.seeds[rid], keep - 1)
 
     def op_free(self) -> None:
         pool = sorted(self.tokens) + sorted(self.swapped)
@@ -344,7 +381,11 @@ class Worker:
     def check(self) -> None:
         """Every byte of every resident request this thread owns reads back as written."""
         for rid in self.tokens:
-            got = verify_request(self.ctl, rid, self.seeds[rid])
+            got = verify_request(self.ctl, rid, self.seeds[rid], skip_groups=self.per_request)
+            if self.per_request and self.tokens[rid]:
+                got += soak_tiers.verify_state(
+                    self.ctl, rid, self.seeds[rid], len(self.tokens[rid]) - 1
+                )
             self.report.entries_verified += got.entries
             if got.mismatched:
                 self.report.mismatches += got.mismatched
@@ -383,6 +424,12 @@ class Worker:
                 except AssertionError as err:
                     message = f"thread {self.index}, operation {i} ({name}): {err}"
                     raise AssertionError(message) from err
+                except Exception as err:  # nothing a thread calls may raise unexpectedly
+                    message = (
+                        f"thread {self.index}, operation {i} ({name}): unexpected "
+                        f"{type(err).__name__}: {err}"
+                    )
+                    raise AssertionError(message) from err
                 self.report.ops[name] += 1
                 if tick is not None:
                     tick()
@@ -397,6 +444,7 @@ def prime_heads(ctl: CacheController, chunk: int = 256) -> None:
     """Before the threads start, write each head's first :data:`PRIMED_TOKENS` tokens in one
     request, end its steps and free it: the heads are cached when the threads' first
     admissions look them up, so every run has prefix hits however its threads interleave."""
+    state = frozenset(soak_tiers.per_request_groups(ctl))
     for h, head in enumerate(HEADS):
         rid, tokens = f"prime-{h}", head[:PRIMED_TOKENS]
         seeds = token_seeds(tokens)
@@ -404,9 +452,14 @@ def prime_heads(ctl: CacheController, chunk: int = 256) -> None:
             piece = tokens[start : start + chunk]
             step = ctl.schedule([rid], [len(piece)], new_token_ids=[piece])
             assert not step.allocation.refused, step.allocation.refused
+            assert int(step.allocation.num_new[0]) == len(piece)  # (512 is a snapshot boundary)
             write_step(ctl, step, {rid: seeds})
+            if state:
+                soak_tiers.write_state(ctl, rid, seeds, start + len(piece) - 1)
             ctl.end_step(step)
-        got = verify_request(ctl, rid, seeds)
+        got = verify_request(ctl, rid, seeds, skip_groups=state)
+        if state:
+            got += soak_tiers.verify_state(ctl, rid, seeds, len(tokens) - 1)
         assert got.mismatched == 0, got
         ctl.free_request(rid)
 
@@ -418,12 +471,41 @@ def run_threads(
     progress: Callable[[int], None] | None = None,
     share_pools: bool = False,
     arena: bool = False,
+    model: str | None = None,
+    host_tier: str | None = None,
+    remote: str | None = None,
+    fault_rate: float = 0.05,
+    restart_every: int = 0,
 ) -> ThreadsReport:
     """``num_ops`` operations split over ``threads`` threads on one controller; raise the
-    first thread's AssertionError (or any error) after all joined, and check the end state."""
+    first thread's AssertionError (or any error) after all joined, and check the end state.
+    ``model``, ``host_tier``, ``remote``, ``fault_rate``, ``restart_every``: as for
+    :func:`soak.run_soak` (the server is started in this thread's private network
+    namespace, which the threads inherit)."""
     if not 2 <= threads <= MAX_THREADS:
         raise ValueError(f"threads must be from 2 to {MAX_THREADS}, got {threads}")
-    ctl = make_threads_controller(threads, share_pools, arena)
+    if remote is not None and host_tier is None:
+        raise ValueError("a remote tier sits behind a host tier: give host_tier")
+    with soak_tiers.remote_run(remote, fault_rate, seed, restart_every) as run:
+        return _run_threads(
+            num_ops, seed, threads, progress, share_pools, arena, model, host_tier, run
+        )
+
+
+def _run_threads(
+    num_ops: int,
+    seed: int,
+    threads: int,
+    progress: Callable[[int], None] | None,
+    share_pools: bool,
+    arena: bool,
+    model: str | None,
+    host_tier: str | None,
+    remote: soak_tiers.RemoteRun | None,
+) -> ThreadsReport:
+    ctl = make_threads_controller(threads, share_pools, arena, model, host_tier)
+    if remote is not None:
+        remote.attach(ctl, model)
     prime_heads(ctl)
     shares = [num_ops // threads + (i < num_ops % threads) for i in range(threads)]
     workers = [Worker(ctl, i, seed, shares[i]) for i in range(threads)]
@@ -434,6 +516,8 @@ def run_threads(
     def tick() -> None:
         with lock:
             done[0] += 1
+        if remote is not None:
+            remote.tick()  # (a Redis restart now and then, under the other threads' calls)
 
     start = time.perf_counter()
     pool = [
@@ -465,6 +549,17 @@ def run_threads(
     report.final_host_pages = {g: used for g, (used, _) in ctl.host_pool_usage().items()}
     assert not any(report.final_used_blocks.values()), report.final_used_blocks
     assert not any(report.final_host_pages.values()), report.final_host_pages
+    if ctl.host_tier is not None:
+        stats = ctl.host_tier.stats
+        report.host_tier = {
+            k: getattr(stats, k)
+            for k in ("demotions", "evictions", "hits", "hit_tokens", "dropped", "skipped")
+        }
+        assert len(ctl.host_tier) == 0, len(ctl.host_tier)  # the reset forgot it too
+    if remote is not None:
+        report.remote = remote.finish()
+        report.faults = Counter(remote.faults.injected)
+        report.restarts = remote.restarts
     ctl.free()
     report.seconds = time.perf_counter() - start
     return report
@@ -492,6 +587,11 @@ def main_threads(args: argparse.Namespace) -> int:
             lambda n: bar.update(task, completed=n),
             share_pools=args.share_pools,
             arena=getattr(args, "arena", False),
+            model=getattr(args, "model", None),
+            host_tier=getattr(args, "host_tier", None),
+            remote=getattr(args, "remote", None),
+            fault_rate=getattr(args, "fault_rate", 0.05),
+            restart_every=getattr(args, "restart_every", 0),
         )
     title = f"soak: {args.threads} threads on one controller, {args.ops} operations"
     table = Table(title=f"{title}, seed {args.seed}")
@@ -506,6 +606,7 @@ def main_threads(args: argparse.Namespace) -> int:
         ("  reused tokens", lambda t: t.reused_tokens),
         ("refusals tolerated", lambda t: t.tolerated.total()),
         ("entries verified", lambda t: t.entries_verified),
+        ("  state snapshots on adoption", lambda t: t.snapshots_verified),
         ("bytes verified", lambda t: t.bytes_verified),
         ("mismatches", lambda t: t.mismatches),
     ]
@@ -520,6 +621,16 @@ def main_threads(args: argparse.Namespace) -> int:
     tolerated = sum((t.tolerated for t in report.threads), start=Counter())
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(tolerated.items()))
     console.print(f"refusals tolerated: {kinds or 'none'}")
+    if report.host_tier:
+        for name, value in report.host_tier.items():
+            shown = soak_tiers.counts(value) if isinstance(value, dict) else value
+            console.print(f"host tier {name}: {shown}")
+    if report.remote:
+        console.print(soak_tiers.remote_line(report.remote))
+        console.print(
+            f"store faults injected: {soak_tiers.counts(report.faults)}; server restarts: "
+            f"{report.restarts}"
+        )
     console.print(
         f"mismatches: {report.total('mismatches')}; time: {report.seconds:.1f} s; end state: "
         "every request freed, no step open, no block or host page in use"
