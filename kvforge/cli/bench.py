@@ -40,6 +40,14 @@ from kvforge.cli.formatting import (
     format_bytes,
     make_table,
 )
+from kvforge.cli.remotes import (
+    ADDRESS_FLAGS,
+    REMOTES,
+    StoreUnavailable,
+    check_available,
+    given_addresses,
+    parse_remotes,
+)
 from kvforge.cli.timing import cache_flusher
 from kvforge.cli.timing import timed as _timed
 from kvforge.controller import CacheController
@@ -413,14 +421,6 @@ def _moved_to_checkout(flag: str) -> UsageError:
     )
 
 
-def parse_address(text: str, flag: str) -> tuple[str, int]:
-    """``HOST:PORT`` -> ``(host, port)``; :class:`UsageError` naming ``flag`` otherwise."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"{flag} must be HOST:PORT with a port in 1..65535, got {text!r}")
-    return host, int(port)
-
-
 #: ``kvforge bench`` flags that mean nothing with ``--tiers``, and their defaults.
 IGNORED_WITH_TIERS = {"step": False, "prefix": False, "warm_cache": False}
 #: flags that mean something only with ``--tiers``.
@@ -437,43 +437,64 @@ def check_tier_flags(args: argparse.Namespace) -> None:
         used = [flag(n) for n, d in IGNORED_WITH_TIERS.items() if getattr(args, n) != d]
         if used:
             raise UsageError(f"--tiers does not take {', '.join(used)}")
-        for name in ("redis", "mooncake_master"):
-            if getattr(args, name) is not None:
-                parse_address(getattr(args, name), flag(name))
     else:
         used = [flag(n) for n, d in TIERS_ONLY.items() if getattr(args, n) != d]
         if used:
             raise UsageError(f"{', '.join(used)} only applies with --tiers")
 
 
+def tier_choice(args: argparse.Namespace) -> tuple[tuple[str, ...], dict[str, str], list[str]]:
+    """The remote tiers ``--tiers`` measures, their given addresses, and those that must run,
+    under the rules and messages of ``kvforge demo --tier`` (:mod:`kvforge.cli.remotes`).
+
+    A tier named by ``--remote`` or given an address must run here (else a usage error naming
+    it, before any work); the default, no ``--remote``, measures those of redis and mooncake
+    that can run and notes why the others were skipped.
+    """
+    value = ",".join(REMOTES) if args.remote is None else args.remote
+    remotes = REMOTES if args.remote is None else parse_remotes(args.remote)
+    given = {"redis": args.redis, "mooncake": args.mooncake_master}
+    addresses = given_addresses(given, remotes, "--remote", value)
+    if args.mooncake_segment is not None and "mooncake" not in remotes:
+        raise UsageError(f"--mooncake-segment applies with --remote mooncake, not --remote {value}")
+    required = list(remotes if args.remote is not None else addresses)
+    for remote in required:
+        try:
+            check_available(remote, addresses.get(remote))
+        except StoreUnavailable as exc:
+            raise UsageError(f"{_chose(args, remote, addresses)}: {exc}") from None
+    return remotes, addresses, required
+
+
+def _chose(args: argparse.Namespace, remote: str, addresses: dict[str, str]) -> str:
+    """The option that asked for ``remote``, for a message."""
+    if args.remote is None and remote in addresses:
+        return f"{ADDRESS_FLAGS[remote]} {addresses[remote]}"
+    return f"--remote {remote}"
+
+
 def cmd_tiers(args: argparse.Namespace) -> int:
     """``kvforge bench --tiers`` (after :func:`check_tier_flags`): see
     :mod:`kvforge.cli.bench_tiers`."""
-    from kvforge.cli.bench_tiers import REMOTES, default_cases, print_records, run_tiers
+    from kvforge.cli.bench_tiers import default_cases, print_records, run_tiers
 
-    remotes = REMOTES if args.remote is None else tuple(r for r in args.remote.split(",") if r)
-    bad = [r for r in remotes if r not in (*REMOTES, "none")]
-    if bad or not remotes:
-        raise UsageError(
-            f"--remote takes a comma list of redis, mooncake or none, got {args.remote!r}"
-        )
-    remotes = tuple(r for r in remotes if r != "none")
-    addresses = {r: a for r, a in (("redis", args.redis), ("mooncake", args.mooncake_master)) if a}
-    unused = [r for r in addresses if r not in remotes]
-    if unused:
-        raise UsageError(f"an address was given for {unused[0]}, which --remote leaves out")
+    remotes, addresses, required = tier_choice(args)
     notes: list[str] = []
     started = time.perf_counter()
-    records = run_tiers(
-        default_cases(args.quick),
-        remotes,
-        addresses,
-        repeats=args.repeats or (3 if args.quick else 5),
-        device=args.device,
-        progress=not args.no_progress,
-        notes=notes,
-        mooncake_segment=args.mooncake_segment or "remote",
-    )
+    try:
+        records = run_tiers(
+            default_cases(args.quick),
+            remotes,
+            addresses,
+            repeats=args.repeats or (3 if args.quick else 5),
+            device=args.device,
+            progress=not args.no_progress,
+            notes=notes,
+            mooncake_segment=args.mooncake_segment or "remote",
+            required=required,
+        )
+    except StoreUnavailable as exc:  # a tier asked for whose server did not start or answer
+        raise UsageError(f"{_chose(args, exc.remote or '', addresses)}: {exc}") from None
     print_records(records, notes)
     if args.json:
         report = {"records": records, "notes": notes, "seconds": time.perf_counter() - started}

@@ -41,8 +41,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.util
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +52,7 @@ import torch
 
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.cli.formatting import console, format_bytes, make_table
+from kvforge.cli.remotes import REMOTES, StoreUnavailable, missing
 from kvforge.cli.timing import cache_flusher
 from kvforge.cli.timing import timed as _timed
 from kvforge.controller import CacheController
@@ -62,10 +61,9 @@ from kvforge.platform import Platform, get_platform
 from kvforge.store.value import CHECKSUM, encode_header
 from kvforge.worker.host_tier import HostTierPages
 
-__all__ = ["REMOTES", "SEGMENTS", "TierCase", "default_cases", "run_tiers"]
+__all__ = ["REMOTES", "SEGMENTS", "TierCase", "default_cases", "missing", "run_tiers"]
 
 Record = dict[str, Any]
-REMOTES = ("redis", "mooncake")
 #: what kvforge's put reads, per store (on CPU, where device blocks are host memory; on an
 #: accelerator always "pages"): "blocks" puts straight from the device blocks' planes
 #: (``batch_put_blocks``: no gather, the checksum fed plane by plane), "pages" gathers into
@@ -93,16 +91,6 @@ class TierCase:
 
 
 # ----------------------------------------------------------------------------- servers
-
-
-def missing(remote: str) -> str | None:
-    """Why ``remote`` cannot be measured here (a client or server binary is missing), or None."""
-    module, binary = remote, {"redis": "redis-server", "mooncake": "mooncake_master"}[remote]
-    if importlib.util.find_spec(module) is None:
-        return f"the {module} client is not installed (pip install 'kvforge[{remote}]')"
-    if shutil.which(binary) is None:
-        return f"{binary} is not installed (see docs/tiered_store.md)"
-    return None
 
 
 @contextlib.contextmanager
@@ -460,6 +448,7 @@ def run_tiers(
     progress: bool = True,
     notes: list[str] | None = None,
     mooncake_segment: str = "remote",
+    required: Sequence[str] = (),
 ) -> list[Record]:
     """Every record of every case, host tier first, then each of ``remotes`` that can run
     (at ``addresses`` where given, else on a server started here); what was skipped, and why,
@@ -469,9 +458,15 @@ def run_tiers(
     (default): another process (``mooncake_client``, started here with the master; with a
     master given, the cluster's own clients), the bench's client lends none, so every put and
     get crosses TCP to another process as it would to another machine. ``"here"``: the bench's
-    client lends it, and Mooncake's raw put and get are a ``memcpy`` inside this process."""
+    client lends it, and Mooncake's raw put and get are a ``memcpy`` inside this process.
+
+    ``required``: remotes that must run: one that cannot (its server did not start or does
+    not answer) raises :class:`~kvforge.cli.remotes.StoreUnavailable` before anything is
+    measured, its servers stopped, instead of a note."""
     if mooncake_segment not in SEGMENTS:
         raise ValueError(f"mooncake_segment must be one of {SEGMENTS}, got {mooncake_segment!r}")
+    if any(r not in remotes for r in required):
+        raise ValueError(f"required must name remotes of {list(remotes)}, got {list(required)}")
     platform = get_platform(device)
     notes = notes if notes is not None else []
     most = max((_case_bytes(c, platform) for c in cases), default=0)
@@ -488,6 +483,12 @@ def run_tiers(
                 )
             except (ImportError, OSError, RuntimeError) as exc:
                 notes.append(f"{remote}: skipped, {exc}")
+        for remote in required:
+            if remote not in stores:
+                said = [n.replace(f"{remote}: skipped, ", f"{remote}: ") for n in notes]
+                said = [n for n in said if n.startswith(f"{remote}: ")]
+                why = "; ".join(said) or f"{remote}: its server did not start"
+                raise StoreUnavailable(why, remote)
         chosen: Any = cases
         if progress:
             from rich.progress import track

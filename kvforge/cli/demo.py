@@ -62,6 +62,7 @@ from kvforge.cli.demo_sizing import (
     size_host,
 )
 from kvforge.cli.formatting import UsageError, check_output_path, write_text
+from kvforge.cli.remotes import given_addresses
 from kvforge.controller import CacheController
 from kvforge.core.memory_plan import shared_pool_blocks
 from kvforge.errors import OutOfBlocksError
@@ -673,33 +674,21 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
 # ---------------------------------------------------------------------------------- command
 
 
-#: the address flag of each remote tier
-ADDRESS_FLAGS = {"redis": "--redis", "mooncake": "--mooncake-master"}
-
-
 Tier = Literal["device", "host", "redis", "mooncake"]
 
 
 def _tier(args: argparse.Namespace) -> tuple[Tier, str | None]:
     """``--tier`` and the store address given for it, refused where they cannot apply (a
-    usage error, never ignored)."""
-    from kvforge.cli.bench import parse_address
-
+    usage error, never ignored), under the rules ``kvforge bench --tiers`` shares
+    (:mod:`kvforge.cli.remotes`)."""
     tier = args.tier
     if tier != "device" and args.prefix_conversations == 0:
         raise UsageError(
             f"--tier {tier} applies to the prefix-reuse phase, which --prefix-conversations 0 skips"
         )
-    address = None
-    for remote, flag in ADDRESS_FLAGS.items():
-        given = getattr(args, flag[2:].replace("-", "_"))
-        if given is None:
-            continue
-        if remote != tier:
-            raise UsageError(f"{flag} applies with --tier {remote}, not --tier {tier}")
-        host, port = parse_address(given, flag)
-        address = f"{host}:{port}"
-    return tier, address
+    given = {"redis": args.redis, "mooncake": args.mooncake_master}
+    chosen = (tier,) if tier in REMOTE_TIERS else ()
+    return tier, given_addresses(given, chosen, "--tier", tier).get(tier)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from kvforge.cli import bench, bench_tiers
+from kvforge.cli import bench, bench_tiers, remotes
 from kvforge.cli.bench_tiers import TierCase, run_tiers
 from kvforge.cli.main import main
 from kvforge.controller import CacheController
@@ -114,8 +114,8 @@ def test_run_tiers_on_a_given_redis_server(tmp_path):
 
 
 def test_without_a_private_namespace_servers_run_on_loopback_with_a_note(monkeypatch):
-    real_which = bench_tiers.shutil.which
-    monkeypatch.setattr(bench_tiers.shutil, "which", lambda n: None if n == "ip" else real_which(n))
+    real_which = remotes.shutil.which
+    monkeypatch.setattr(remotes.shutil, "which", lambda n: None if n == "ip" else real_which(n))
     notes: list[str] = []
     records = run_tiers(tiny_cases()[:1], ("redis",), repeats=1, progress=False, notes=notes)
     if HAVE_REDIS:
@@ -138,11 +138,9 @@ def test_without_a_private_namespace_servers_run_on_loopback_with_a_note(monkeyp
     ],
 )
 def test_a_missing_server_binary_skips_its_records_with_a_note(monkeypatch, absent, note):
-    real_which = bench_tiers.shutil.which
-    monkeypatch.setattr(
-        bench_tiers.shutil, "which", lambda n: None if n == absent else real_which(n)
-    )
-    monkeypatch.setattr(bench_tiers.importlib.util, "find_spec", lambda name: object())
+    real_which = remotes.shutil.which
+    monkeypatch.setattr(remotes.shutil, "which", lambda n: None if n == absent else real_which(n))
+    monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: object())
     notes: list[str] = []
     remote = "redis" if absent == "redis-server" else "mooncake"
     records = run_tiers(tiny_cases()[:1], (remote,), repeats=1, progress=False, notes=notes)
@@ -151,7 +149,7 @@ def test_a_missing_server_binary_skips_its_records_with_a_note(monkeypatch, abse
 
 
 def test_a_missing_client_is_named(monkeypatch):
-    monkeypatch.setattr(bench_tiers.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: None)
     assert bench_tiers.missing("mooncake") == (
         "the mooncake client is not installed (pip install 'kvforge[mooncake]')"
     )
@@ -205,46 +203,186 @@ def test_cli_measures_mooncake_in_a_process_of_its_own(tmp_path):
     check_records(report["records"], ("mooncake",))
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--tiers", "--step"], "--tiers does not take --step"),
-        (["--tiers", "--prefix"], "--tiers does not take --prefix"),
-        (["--tiers", "--warm-cache", "--step"], "--tiers does not take --step, --warm-cache"),
-        (["--redis", "127.0.0.1:6379"], "--redis only applies with --tiers"),
-        (
-            ["--remote", "redis", "--mooncake-master", "h:1"],
-            "--mooncake-master, --remote only applies",
-        ),
-        (
-            ["--tiers", "--redis", "localhost"],
-            "--redis must be HOST:PORT with a port in 1..65535, got 'localhost'",
-        ),
-        (["--tiers", "--mooncake-master", "h:70000"], "--mooncake-master must be HOST:PORT"),
-        (["--tiers", "--redis", ":6379"], "--redis must be HOST:PORT"),
-        (
-            ["--tiers", "--remote", "memcached"],
-            "--remote takes a comma list of redis, mooncake or none, got 'memcached'",
-        ),
-        (["--tiers", "--remote", ","], "--remote takes a comma list"),
-        (
-            ["--tiers", "--remote", "mooncake", "--redis", "h:1"],
-            "an address was given for redis, which --remote leaves out",
-        ),
-        (["--tiers", "--json", "/"], "cannot write --json '/'"),
-    ],
-)
+# (argv, message): refused before anything runs, under demo's rules and messages
+BAD_INPUT = [
+    (["--tiers", "--step"], "--tiers does not take --step"),
+    (["--tiers", "--prefix"], "--tiers does not take --prefix"),
+    (["--tiers", "--warm-cache", "--step"], "--tiers does not take --step, --warm-cache"),
+    (["--redis", "127.0.0.1:6379"], "--redis only applies with --tiers"),
+    (["--remote", "redis", "--mooncake-master", "h:1"], "--mooncake-master, --remote only applies"),
+    (["--tiers", "--redis", "localhost"], "--redis must be HOST:PORT with a port in 1..65535, got 'localhost'"),
+    (["--tiers", "--mooncake-master", "h:70000"], "--mooncake-master must be HOST:PORT"),
+    (["--tiers", "--redis", ":6379"], "--redis must be HOST:PORT"),
+    (["--tiers", "--remote", "memcached"], "--remote takes a comma list of redis, mooncake or none, got 'memcached': 'memcached' is not one of them"),
+    (["--tiers", "--remote", "Redis"], "got 'Redis': 'Redis' is not one of them"),
+    (["--tiers", "--remote", " redis"], "got ' redis': ' redis' is not one of them"),
+    # empty items, duplicates, none beside another name
+    (["--tiers", "--remote", ","], "got ',': item 1 is empty"),
+    (["--tiers", "--remote", ""], "got '': item 1 is empty"),
+    (["--tiers", "--remote", "redis,"], "got 'redis,': item 2 is empty"),
+    (["--tiers", "--remote", "redis,,redis"], "got 'redis,,redis': item 2 is empty"),
+    (["--tiers", "--remote", "redis,redis"], "got 'redis,redis': 'redis' is named twice"),
+    (["--tiers", "--remote", "none,none"], "'none' is named twice"),
+    (["--tiers", "--remote", "none,redis"], "got 'none,redis': none means no remote tier and stands alone"),
+    (["--tiers", "--remote", "mooncake,none"], "none means no remote tier and stands alone"),
+    # an address or an option for a tier --remote leaves out: demo's "--redis applies with --tier redis"
+    (["--tiers", "--remote", "mooncake", "--redis", "h:1"], "--redis applies with --remote redis, not --remote mooncake"),
+    (["--tiers", "--remote", "none", "--mooncake-master", "h:1"], "--mooncake-master applies with --remote mooncake, not --remote none"),
+    (["--tiers", "--remote", "redis", "--mooncake-segment", "here"], "--mooncake-segment applies with --remote mooncake, not --remote redis"),
+    (["--tiers", "--remote", "none", "--mooncake-segment", "remote"], "--mooncake-segment applies with --remote mooncake, not --remote none"),
+    (["--tiers", "--json", "/"], "cannot write --json '/'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUT)
 def test_bad_input_is_one_line_exit_2_before_any_work(capsys, monkeypatch, argv, message):
     def must_not_run(*args, **kwargs):
         raise AssertionError("the command ran before refusing its input")
 
     monkeypatch.setattr(bench_tiers, "run_tiers", must_not_run)
     monkeypatch.setattr(bench, "run_bench", must_not_run)
+    monkeypatch.setattr(bench, "check_available", must_not_run)
     code = main(["bench", *argv])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
     assert message in err and err.startswith("kvforge bench: error: ")
     assert len(err.strip().splitlines()) == 1
+
+
+def _patch(monkeypatch, patch: str | None) -> None:
+    if patch == "no-binary":
+        real_which = remotes.shutil.which
+        absent = {"redis-server", "mooncake_master"}
+        monkeypatch.setattr(
+            remotes.shutil, "which", lambda n: None if n in absent else real_which(n)
+        )
+    elif patch == "no-client":
+        monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: None)
+    elif patch == "client":  # a client that is installed, whatever this machine has
+        monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: object())
+
+
+def _closed_port() -> str:
+    from kvforge.store.servers import free_port
+
+    return f"127.0.0.1:{free_port()}"  # nothing listens there
+
+
+# (argv, patch, message after "kvforge bench: error: "): a tier asked for that cannot run here
+UNAVAILABLE = [
+    (["--remote", "redis"], "no-binary", "--remote redis: redis-server is not installed (see docs/tiered_store.md)"),
+    (["--remote", "mooncake"], "no-binary", "--remote mooncake: mooncake_master is not installed"),
+    (["--remote", "redis,mooncake"], "no-binary", "--remote redis: redis-server is not installed"),
+    (["--remote", "redis"], "no-client", "--remote redis: the redis client is not installed (pip install 'kvforge[redis]')"),
+    (["--remote", "mooncake"], "no-client", "--remote mooncake: the mooncake client is not installed (pip install 'kvforge[mooncake]')"),
+    (["--remote", "redis", "--redis", "127.0.0.1:1"], "no-client", "--remote redis: the redis client is not installed"),
+    (["--remote", "redis", "--redis", "{closed}"], "client", "--remote redis: nothing accepts a connection at {closed} (waited 3 s)"),
+    (["--remote", "mooncake", "--mooncake-master", "{closed}"], "client", "--remote mooncake: nothing accepts a connection at {closed}"),
+    # no --remote: the tier given an address is asked for
+    (["--redis", "{closed}"], "client", "--redis {closed}: nothing accepts a connection at {closed}"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "patch", "message"), UNAVAILABLE)
+def test_a_tier_asked_for_that_cannot_run_is_one_line_exit_2(
+    capsys, monkeypatch, tmp_path, argv, patch, message
+):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the command ran before refusing its input")
+
+    monkeypatch.setattr(bench_tiers, "run_tiers", must_not_run)
+    _patch(monkeypatch, patch)
+    closed = _closed_port()
+    path = tmp_path / "tiers.json"
+    argv = [a.format(closed=closed) for a in argv]
+    code = main(["bench", "--tiers", "--no-progress", "--json", str(path), *argv])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.startswith(f"kvforge bench: error: {message.format(closed=closed)}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("tier", "patch", "address"),
+    [("redis", "no-binary", None), ("mooncake", "no-client", None), ("redis", "client", "closed")],
+)
+def test_demo_and_bench_refuse_a_tier_with_the_same_words(
+    capsys, monkeypatch, tier, patch, address
+):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the command ran before refusing its input")
+
+    from kvforge.cli import demo
+
+    monkeypatch.setattr(bench_tiers, "run_tiers", must_not_run)
+    monkeypatch.setattr(demo, "_run", must_not_run)
+    _patch(monkeypatch, patch)
+    extra = [] if address is None else [remotes.ADDRESS_FLAGS[tier], _closed_port()]
+    code = main(["demo", "--no-progress", "--tier", tier, *extra])
+    said_demo = capsys.readouterr().err
+    code_bench = main(["bench", "--tiers", "--no-progress", "--remote", tier, *extra])
+    said_bench = capsys.readouterr().err
+    assert code == code_bench == 2
+    why_demo = said_demo.removeprefix(f"kvforge demo: error: --tier {tier}: ")
+    why_bench = said_bench.removeprefix(f"kvforge bench: error: --remote {tier}: ")
+    assert why_demo == why_bench and why_demo != said_demo and why_bench != said_bench
+
+
+@pytest.mark.skipif(not HAVE_REDIS, reason="redis-server or redis-py is not installed")
+def test_a_tier_asked_for_whose_server_does_not_start_is_exit_2_and_measures_nothing(
+    capsys, monkeypatch, tmp_path
+):
+    from kvforge.store import servers
+
+    started: list[servers.LoopbackServer] = []
+
+    def refuse(self, *args, **kwargs):
+        started.append(self)
+        raise RuntimeError("refused on purpose")
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("a case was measured")
+
+    monkeypatch.setattr(servers.LoopbackServer, "start", refuse)
+    monkeypatch.setattr(bench_tiers, "_measure", must_not_measure)
+    path = tmp_path / "tiers.json"
+    argv = ["bench", "--tiers", "--quick", "--no-progress", "--remote", "redis", "--json", path]
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err == (
+        "kvforge bench: error: --remote redis: redis: its server did not start: refused on purpose\n"
+    )
+    assert not path.exists()
+    assert started and all(s.proc is None or s.proc.poll() is not None for s in started)
+
+
+def test_without_remote_the_tiers_that_cannot_run_are_notes(capsys, monkeypatch, tmp_path):
+    # the default asks for no tier by name: it measures what can run, and says what did not
+    monkeypatch.setattr(bench_tiers, "default_cases", lambda quick: tiny_cases()[:1])
+    _patch(monkeypatch, "no-binary")
+    path = tmp_path / "tiers.json"
+    argv = ["bench", "--tiers", "--quick", "--repeats", "1", "--no-progress", "--json", path]
+    assert main([str(a) for a in argv]) == 0
+    report = json.loads(path.read_text())
+    assert {r["tier"] for r in report["records"]} == {"host"}
+    assert [n.split(",")[0] for n in report["notes"]] == ["redis: skipped", "mooncake: skipped"]
+
+
+def test_run_tiers_refuses_a_required_tier_it_is_not_given():
+    with pytest.raises(
+        ValueError, match=r"required must name remotes of \['redis'\], got \['mooncake'\]"
+    ):
+        run_tiers(tiny_cases()[:1], ("redis",), required=("mooncake",), progress=False)
+
+
+@pytest.mark.parametrize(
+    ("text", "remotes_named"),
+    [("redis", ("redis",)), ("mooncake,redis", ("mooncake", "redis")), ("none", ())],
+)
+def test_parse_remotes_keeps_the_order_given(text, remotes_named):
+    assert remotes.parse_remotes(text) == remotes_named
 
 
 def test_default_cases_are_the_issues_shapes():

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from kvforge.cli import bench_tiers, demo
+from kvforge.cli import bench_tiers, demo, remotes
 from kvforge.cli.main import main
 from kvforge.store import servers
 
@@ -143,13 +143,13 @@ def test_bad_input_and_missing_servers_are_one_line_exit_2(
 
     monkeypatch.setattr(demo, "_run", must_not_run)
     if patch == "no-binary":
-        real_which = bench_tiers.shutil.which
+        real_which = remotes.shutil.which
         absent = {"redis-server", "mooncake_master"}
         monkeypatch.setattr(
-            bench_tiers.shutil, "which", lambda n: None if n in absent else real_which(n)
+            remotes.shutil, "which", lambda n: None if n in absent else real_which(n)
         )
     elif patch == "no-client":
-        monkeypatch.setattr(bench_tiers.importlib.util, "find_spec", lambda name: None)
+        monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: None)
     elif patch == "no-start":
         if not HAVE_REDIS:
             pytest.skip("redis-server or redis-py is not installed")
