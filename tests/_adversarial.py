@@ -121,6 +121,7 @@ def _scheduler(conn: Any) -> dict:
     from kvforge.core.layout import CacheLayout
     from kvforge.core.swap_receipt import plan_receipt
     from kvforge.core.values import BlockCopy, RequestMove, SwapPlan, SwapResult, TableDelta
+    from kvforge.errors import SwapReceiptError
     from kvforge.scheduler import BlockManager
 
     def send(op: str, payload: Any = None) -> tuple[str, Any]:
@@ -375,6 +376,25 @@ def _scheduler(conn: Any) -> dict:
         "BlockOwnershipError",
     )
 
+    # --- swap messages against the worker's own swap ledger (issue 32, class 10): d's swap
+    # in sent as a swap out would overwrite d's swapped pages; a success the worker never
+    # reported is refused by the scheduler side
+    assert swap(sched.plan_swap_out(["d"])).ok
+    d_in = sched.plan_swap_in(["d"])
+    call("deltas", sched.take_table_deltas())
+    flipped = dataclasses.replace(d_in, direction="out")
+    attempt("d's swap in with its direction flipped", "execute", flipped, "PageOwnershipError")
+    result = call("execute", d_in)
+    sched.complete_swap(result)
+    call("deltas", sched.take_table_deltas())
+    a_out = sched.plan_swap_out(["a"])
+    try:
+        sched.complete_swap(SwapResult(a_out.plan_id))  # never executed
+        receipt_refused = False
+    except SwapReceiptError:
+        receipt_refused = True
+    assert swap(a_out).ok and swap(sched.plan_swap_in(["a"])).ok
+
     # --- after all of it the protocol goes on: a swap round trip, every byte checked
     assert swap(sched.plan_swap_out(["b"])).ok
     assert swap(sched.plan_swap_in(["b"])).ok
@@ -383,6 +403,7 @@ def _scheduler(conn: Any) -> dict:
     call("deltas", sched.take_table_deltas())
     return {
         "cases": cases,
+        "receipt_refused": receipt_refused,
         "reused": reused,
         "final": final,
         "pools_full": all(sched.num_used_blocks(g) == 0 for g in sched.groups),

@@ -3,7 +3,8 @@
 The scheduler process drives the worker process over a pipe, as ``test_two_sides.py`` does,
 with: replayed swap plans (after completion, once the blocks belong to another request),
 reordered, skipped and repeated deltas and steps, deltas and plans of another scheduler, null
-and out-of-range block ids, rows and host pages, and copies aimed at another request's blocks.
+and out-of-range block ids, rows and host pages, copies aimed at another request's blocks, a
+swap in sent with its direction flipped, and a success the worker never reported.
 Each is refused with a typed error (``kvforge.errors.WorkerRefusedError`` subclasses, carried
 back as their names) before anything moved: a SHA-256 of every cache byte, host page and
 mirrored table is the same before and after, and every live entry of every resident request
@@ -46,6 +47,7 @@ def test_a_worker_in_its_own_process_refuses_what_it_must_not_trust():
         "null",
         "-1",
         "b's block",
+        "direction flipped",
     ):
         assert word in kinds, word
     for case in cases:
@@ -54,5 +56,6 @@ def test_a_worker_in_its_own_process_refuses_what_it_must_not_trust():
         assert case["unchanged"], case  # not a byte, page or table cell moved
         assert case["entries"] > 0 and case["bad"] == 0, case  # every request's bytes intact
     assert result["reused"]  # the replayed swap in would have landed in d's blocks
+    assert result["receipt_refused"]  # a success the worker never reported
     assert all(bad == 0 and total > 0 for total, bad in result["final"])
     assert result["pools_full"]

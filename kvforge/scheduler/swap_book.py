@@ -20,7 +20,16 @@ included) between any two statements undoes the steps taken, newest first, and p
 So a plan is either made in full or not at all, and a completion either settles the plan in
 full or leaves it in flight exactly as it was: calling :meth:`SwapBook.complete_swap` again
 (with the same result, or a failed one) settles it. A plan leaves flight as the last step of
-its completion.
+its completion. (The facade settles such a plan as failed at once: its swaps roll back.)
+
+What the worker is told. Each plan carries a random ``token``: the worker answers a plan it
+executed with a receipt keyed by it (:mod:`kvforge.core.swap_receipt`), and
+:meth:`SwapBook.complete_swap` accepts a success only with the receipt of the plan it issued.
+Each plan also carries the host pages the book gave back since the last plan that completed
+with a receipt (:class:`~kvforge.core.values.PageRelease`, numbered): a request freed while
+swapped out, one swapped back in, a swap out that failed. The worker's swap ledger
+(:mod:`kvforge.worker.swap_ledger`) forgets those pages' data only then, so it can refuse a
+plan that would overwrite swapped data or read another request's pages.
 """
 
 from __future__ import annotations
