@@ -127,9 +127,10 @@ class _Undo:
 
     def guard(self, pool: BlockPool, block_ids: np.ndarray) -> None:
         """Let the references that ``pool`` drops on ``block_ids`` from now on be undone."""
-        ids = np.unique(np.asarray(block_ids, dtype=np.int64))
+        ids = np.sort(block_ids)  # unique, without np.unique's overhead (a free is hot)
         if len(ids):
-            before = pool.ref_counts[ids].copy()
+            ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
+            before = pool.ref_counts[ids]  # a fancy index: a copy
             self.add(lambda: _take_back(pool, ids, before))
 
     def release(self, pool: BlockPool, block_ids: np.ndarray) -> None:
@@ -587,18 +588,26 @@ class SwapBook:
                     f"the plan left it (busy with plan, running, swapped = {where})"
                 )
 
-    def _save_rows(self, undo: _Undo, rows: np.ndarray) -> None:
-        """Let every change to table rows ``rows`` be undone: their cells, extents, token
-        counts and commits, the free rows and the pending deltas."""
+    def _save_rows(
+        self, undo: _Undo, rows: np.ndarray, widths: Sequence[int] | None = None
+    ) -> None:
+        """Let every change to table rows ``rows`` be undone: their cells (of each group's
+        first ``widths[i]`` columns: those a change may touch; all by default), extents,
+        token counts and commits, the free rows and the pending deltas."""
         t = self._t
-        saved = [(g, g.table[rows].copy(), g.held_from[rows].copy()) for g in t.groups]
+        if widths is None:
+            widths = [g.table.shape[1] for g in t.groups]
+        saved = [
+            (g, w, g.table[rows, :w].copy(), g.held_from[rows].copy())
+            for g, w in zip(t.groups, widths, strict=True)
+        ]
         tokens, committed = t.num_tokens[rows].copy(), t.committed[:, rows].copy()
         free_rows, pending = list(t.free_rows), t.pending
         num_pending = len(pending)
 
         def restore() -> None:
-            for g, table, held_from in saved:
-                g.table[rows] = table
+            for g, w, table, held_from in saved:
+                g.table[rows, :w] = table
                 g.held_from[rows] = held_from
             t.num_tokens[rows] = tokens
             t.committed[:, rows] = committed
@@ -610,11 +619,16 @@ class SwapBook:
     def _release_rows(self, undo: _Undo, rows: np.ndarray) -> None:
         """``tables.release_rows(rows)``, undoable: the rows and every reference their
         blocks drop."""
-        self._save_rows(undo, rows)
-        for pool, members in self._t.pools:
-            held = np.concatenate([self._t.groups[gi].table[rows].ravel() for gi in members])
+        t = self._t
+        # the cells the rows can hold (as release_rows reads them): beyond, every cell is null
+        longest = int(t.num_tokens[rows].max()) if len(rows) else 0
+        widths = [g.slots if g.per_request else -(-longest // g.block_size) for g in t.groups]
+        self._save_rows(undo, rows, widths)
+        for pool, members in t.pools:
+            cells = [t.groups[gi].table[rows, : widths[gi]].ravel() for gi in members]
+            held = cells[0] if len(cells) == 1 else np.concatenate(cells)
             undo.guard(pool, held[held != NULL_BLOCK])
-        self._t.release_rows(rows)
+        t.release_rows(rows)
 
     def _release_pages(self, undo: _Undo, moves: Sequence[RequestMove]) -> None:
         """Give back the host pages of ``moves``: one release per group."""
