@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_vllm_manager import HIT, MISS, ctx, key, manager, states, store
 from test_vllm_worker import NUM_BLOCKS, blocks, worker
 
+from kvforge.integrations.vllm.checks import TransferRefusedError
 from kvforge.integrations.vllm.manager import KVForgeHostSpec
 
 
@@ -99,7 +100,7 @@ def test_a_failed_load_page_is_not_offered_again_while_another_request_reads_it(
     list(m.take_events())
     m.prepare_load([key(1)], ctx("A"))
     m.prepare_load([key(1)], ctx("B"))
-    m.mark_failed([key(1)])  # A's load failed
+    m.mark_failed([key(1)], ctx("A"))  # A's load failed
     m.complete_load([key(1)], ctx("A"))
     # B still reads the page, so it stays; but no new request may start on it
     assert states(m, [key(1)]) == [MISS]
@@ -120,13 +121,15 @@ def test_a_failed_load_page_nobody_else_reads_goes_at_once_with_an_event():
     store(m, [key(1), key(2)])
     list(m.take_events())
     m.prepare_load([key(1), key(2)], ctx("A"))
-    m.mark_failed([key(1), key(2)])
+    m.mark_failed([key(1), key(2)], ctx("A"))
     m.complete_load([key(1), key(2)], ctx("A"))
     assert states(m, [key(1), key(2)]) == [MISS, MISS]
     [event] = list(m.take_events())
     assert event.removed and not event.metadata_only and sorted(event.keys) == [key(1), key(2)]
-    # replayed completion and failure reports change nothing
-    m.complete_load([key(1), key(2)], ctx("A"))
-    m.mark_failed([key(1)])
+    # replayed completion and failure reports are refused and change nothing
+    with pytest.raises(TransferRefusedError):
+        m.complete_load([key(1), key(2)], ctx("A"))
+    with pytest.raises(TransferRefusedError):
+        m.mark_failed([key(1)], ctx("A"))
     assert list(m.take_events()) == []
     assert m.prepare_store([key(3), key(4), key(5)], ctx()).evicted_keys == []

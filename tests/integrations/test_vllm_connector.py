@@ -195,7 +195,7 @@ def test_a_store_that_does_not_fit_stores_nothing():
     [
         ("KVForgeConnector", {"kvforge": {"host_bytes": 1}}, "host_bytes=1 holds no chunk"),
         ("KVForgeConnector", {"kvforge": {"nope": 1}},
-         r"\['kvforge'\]\['nope'\]: Extra inputs are not permitted"),
+         r"kvforge option 'nope'=1: no such option; kvforge's options are 'host_bytes'"),
         ("KVForgeConnector", {"spec_name": "CPUOffloadingSpec"},
          r"\['spec_name'\] must be 'KVForgeOffloadingSpec' .* got 'CPUOffloadingSpec'"),
         ("KVForgeConnector", {"canonical_layout": True}, r"\['canonical_layout'\] must be false"),

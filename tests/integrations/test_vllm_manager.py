@@ -17,6 +17,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 
 from kvforge._checks import ArgumentError  # noqa: E402
+from kvforge.integrations.vllm.checks import TransferRefusedError  # noqa: E402
 from kvforge.integrations.vllm.config import (  # noqa: E402
     DEFAULT_HOST_BYTES,
     parse_options,
@@ -112,16 +113,20 @@ def test_a_page_in_flight_is_never_evicted():
 def test_completions_count_only_for_their_request_once():
     m = manager(pages=2)
     out = m.prepare_store([key(1)], ctx("A"))
-    m.complete_store(out.keys_to_store, ctx("B"))  # foreign: ignored
+    with pytest.raises(TransferRefusedError, match="request 'A' reserved its store"):
+        m.complete_store(out.keys_to_store, ctx("B"))  # foreign: refused
     assert states(m, [key(1)]) == [PENDING]
     m.complete_store(out.keys_to_store, ctx("A"))
-    m.complete_store(out.keys_to_store, ctx("A", {}), success=False)  # replayed: ignored
-    assert states(m, [key(1)]) == [HIT]
+    with pytest.raises(TransferRefusedError, match="no store of it outstanding"):
+        m.complete_store(out.keys_to_store, ctx("A", {}), success=False)  # replayed: refused
+    assert states(m, [key(1)]) == [HIT] and m.stores_failed == 0
     store(m, [key(2)])
     m.prepare_load([key(1)], ctx("A"))
     m.prepare_load([key(1)], ctx("B"))
-    for _ in range(3):  # A's completion replayed: B's pin still holds
-        m.complete_load([key(1)], ctx("A"))
+    m.complete_load([key(1)], ctx("A"))
+    for _ in range(3):  # A's completion replayed: refused, B's pin still holds
+        with pytest.raises(TransferRefusedError, match="request 'A' has no load of it"):
+            m.complete_load([key(1)], ctx("A"))
     assert m.prepare_store([key(3)], ctx()).evicted_keys == [key(2)]
     m.complete_load([key(1)], ctx("B"))
     m.complete_store([key(3)], ctx())
@@ -135,7 +140,7 @@ def test_a_failed_store_is_forgotten_and_counted(how):
     if how == "success_false":
         m.complete_store(out.keys_to_store, ctx(), success=False)
     else:
-        m.mark_failed([key(1)])
+        m.mark_failed([key(1)], ctx())
         m.complete_store(out.keys_to_store, ctx())
     lost = [key(1), key(2)] if how == "success_false" else [key(1)]
     assert all(m.lookup(k, ctx()) == MISS for k in lost)
@@ -153,7 +158,8 @@ def test_reset_forgets_everything_in_flight_or_not():
     m.reset_cache()
     assert states(m, [key(1), key(2)]) == [MISS, MISS]
     assert m.held() == {0: 0, 2: 0}
-    m.complete_load([key(1)], ctx("B"))  # a completion from before the reset: ignored
+    with pytest.raises(TransferRefusedError):  # a completion from before the reset: refused
+        m.complete_load([key(1)], ctx("B"))
     assert m.prepare_store([key(3), key(4)], ctx()).keys_to_store == [key(3), key(4)]
 
 
@@ -217,13 +223,13 @@ def test_plan_counts_unpadded_pages_per_group():
     ("extra", "message"),
     [
         ({"kvforge": [1]}, r"\['kvforge'\] must be an object, got \[1\]"),
-        ({"kvforge": {"host_byte": 1}}, r"\['host_byte'\]: Extra inputs are not permitted"),
-        ({"kvforge": {"host_bytes": 0}}, r"\['host_bytes'\]: Input should be greater than 0"),
-        ({"kvforge": {"host_bytes": "8G"}}, r"\['host_bytes'\]: .* \(got '8G'\)"),
-        ({"kvforge": {"gather_impl": "cuda"}}, r"\['gather_impl'\]: .* \(got 'cuda'\)"),
-        ({"kvforge": {"pin_memory": 1}}, r"\['pin_memory'\]"),
-        ({"cpu_bytes_to_use": -5}, r"\['cpu_bytes_to_use'\] must be a positive int, got -5"),
-        ({"cpu_bytes_to_use": 1.5}, r"must be a positive int, got 1.5"),
+        ({"kvforge": {"host_byte": 1}}, r"^kvforge option 'host_byte'=1: no such option; "),
+        ({"kvforge": {"host_bytes": 0}}, r"^kvforge option 'host_bytes'=0: must be a positive"),
+        ({"kvforge": {"host_bytes": "8G"}}, r"^kvforge option 'host_bytes'='8G': must be a"),
+        ({"kvforge": {"gather_impl": "cuda"}}, r"^kvforge option 'gather_impl'='cuda': must be"),
+        ({"kvforge": {"pin_memory": 1}}, r"^kvforge option 'pin_memory'=1: must be true, false"),
+        ({"cpu_bytes_to_use": -5}, r"option 'cpu_bytes_to_use'=-5: must be a positive whole"),
+        ({"cpu_bytes_to_use": 1.5}, r"option 'cpu_bytes_to_use'=1.5: must be a positive whole"),
     ],
 )
 def test_options_refuse_bad_input(extra, message):

@@ -13,8 +13,10 @@ Invariants (tests/integrations/test_vllm_manager.py):
 - keys of the same call that are held already are never evicted to make room for the others;
 - a page being written (store in flight) or read (load in flight) is pinned: never evicted,
   never handed to another key; ``lookup`` answers ``HIT_PENDING`` while its store runs;
-- completions count only for the request that made the reservation or pin, once: a replayed,
-  foreign or unknown completion changes nothing;
+- a report (``complete_store``, ``complete_load``, ``mark_failed``) counts only for the request
+  that made the reservation or pin, once: a replayed, foreign or unknown report raises
+  :class:`~kvforge.integrations.vllm.checks.TransferRefusedError` and changes nothing (a
+  failure report for a key never held cannot block that key's later store);
 - a failed store (``success=False``, or a job the worker reported failed) forgets its pages:
   a later lookup misses, it never reads what the failed copy left behind.
 """
@@ -44,6 +46,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvforge._checks import check_bool
+from kvforge.integrations.vllm.checks import TransferRefusedError
 from kvforge.integrations.vllm.pages import HostPagePlan, HostPages
 from kvforge.scheduler.host_tier import HostTier
 from kvforge.scheduler.unit_records import UnitRecordStore
@@ -125,6 +129,34 @@ class KVForgeOffloadingManager(OffloadingManager):
             out.setdefault(pos, []).append(key)
         return out
 
+    def _outstanding(
+        self, what: str, keys: Iterable[OffloadKey], req_id: str, stores: bool, loads: bool
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """``keys`` (repeats dropped) split into ``(stores, loads)`` this request has
+        outstanding: a store it reserved (``stores``) or a load it pinned (``loads``).
+
+        Raises:
+            TransferRefusedError: a key with neither (never held, already completed, or
+                another request's); nothing changed.
+        """
+        stored: list[OffloadKey] = []
+        loaded: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            entry = self._storing.get(key) if isinstance(key, bytes) else None
+            if stores and entry is not None and entry[0] == req_id:
+                stored.append(key)
+            elif loads and isinstance(key, bytes) and self._pins[(req_id, key)] > 0:
+                loaded.append(key)
+            else:
+                kinds = " or ".join(
+                    k for k, on in (("store", stores), ("load", loads)) if on
+                )
+                owner = f" (request {entry[0]!r} reserved its store)" if entry is not None else ""
+                raise TransferRefusedError(
+                    what, key, f"request {req_id!r} has no {kinds} of it outstanding{owner}"
+                )
+        return stored, loaded
+
     def _spec(self, by_pos: dict[int, list[int]]) -> KVForgeHostSpec:
         return KVForgeHostSpec(
             [np.asarray(by_pos.get(i, ()), dtype=np.int32) for i in range(len(self._names))]
@@ -173,10 +205,18 @@ class KVForgeOffloadingManager(OffloadingManager):
             self._tier.touch(self._names[pos], gkeys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Unpin what this request pinned for ``keys``; anything else is ignored."""
-        for pos, gkeys in self._by_group(keys, strict=False).items():
+        """Unpin what this request pinned for ``keys``.
+
+        Raises:
+            TransferRefusedError: a key this request holds no pin on (a replayed, foreign or
+                unknown completion); nothing changed.
+        """
+        _, mine_all = self._outstanding(
+            "complete_load", keys, req_context.req_id, stores=False, loads=True
+        )
+        for pos, gkeys in self._by_group(mine_all).items():
             name = self._names[pos]
-            mine = [k for k in gkeys if self._pins[(req_context.req_id, k)] > 0]
+            mine = gkeys
             for key in mine:
                 self._pins[(req_context.req_id, key)] -= 1
                 if not self._pins[(req_context.req_id, key)]:
@@ -243,26 +283,41 @@ class KVForgeOffloadingManager(OffloadingManager):
             keys_to_store=stored, store_spec=self._spec(pages), evicted_keys=evicted
         )
 
-    def mark_failed(self, keys: Iterable[OffloadKey]) -> None:
-        """A worker reported a transfer of ``keys`` failed. A store's pages are forgotten when
-        it completes, whatever ``complete_store`` says; a load's pages once no load pins them,
-        so the request's recompute stores fresh bytes instead of failing on them again."""
-        for key in keys:
-            (self._failed if key in self._storing else self._suspect).add(key)
+    def mark_failed(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """A worker reported that this request's transfer of ``keys`` failed. A store's pages
+        are forgotten when it completes, whatever ``complete_store`` says; a load's pages once
+        no load pins them, so the request's recompute stores fresh bytes instead of failing on
+        them again.
+
+        Raises:
+            TransferRefusedError: a key this request has no store or load of outstanding (a
+                key never held, one already completed, another request's); nothing changed.
+        """
+        stored, loaded = self._outstanding(
+            "mark_failed", keys, req_context.req_id, stores=True, loads=True
+        )
+        self._failed.update(stored)
+        self._suspect.update(loaded)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         """The stores this request reserved for ``keys`` are done: written pages become
-        loadable (most recently used), failed ones are forgotten. Other keys are ignored."""
+        loadable (most recently used), failed ones are forgotten.
+
+        Raises:
+            TransferRefusedError: a key this request has no store of outstanding (a replayed,
+                foreign or unknown completion); nothing changed.
+        """
+        success = check_bool("complete_store: success", success)
+        mine, _ = self._outstanding(
+            "complete_store", keys, req_context.req_id, stores=True, loads=False
+        )
         stored: list[OffloadKey] = []
         removed: list[OffloadKey] = []
-        for key in dict.fromkeys(keys):
-            entry = self._storing.get(key)
-            if entry is None or entry[0] != req_context.req_id:
-                continue
-            del self._storing[key]
-            ok = bool(success) and key not in self._failed
+        for key in mine:
+            entry = self._storing.pop(key)
+            ok = success and key not in self._failed
             self._failed.discard(key)
             _, pos, page = entry
             self._tier.filled(self._names[pos], [page], [ok])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvforge._checks import ArgumentError, check_int
+from kvforge.integrations.vllm.checks import int_array
 
 __all__ = ["HostPagePlan", "plan_host_pages"]
 
@@ -115,7 +116,8 @@ def plan_host_pages(
 
 class HostPages:
     """The host side of one transfer: per group position, the pages of its chunks in chunk
-    order (``pages[i]``: ``int32 [chunks of group i]``, page ids from 1; 0 is no page).
+    order (``pages[i]``: ``int32 [chunks of group i]``, page ids from 1; 0 is no page). Page ids
+    must be ints (a float or a bool is refused with an ``ArgumentError``, never truncated).
 
     It is what :class:`~kvforge.integrations.vllm.manager.KVForgeOffloadingManager` hands
     vLLM's scheduler as a ``LoadStoreSpec`` and what the worker reads; the subclass that is
@@ -125,7 +127,10 @@ class HostPages:
     __slots__ = ("pages",)
 
     def __init__(self, pages: Sequence[np.ndarray]) -> None:
-        self.pages = tuple(np.asarray(p, dtype=np.int32) for p in pages)
+        # ints only: a float page id is refused, never truncated to a page
+        self.pages = tuple(
+            int_array(f"pages[{i}]", p, 0, 1 << 31).astype(np.int32) for i, p in enumerate(pages)
+        )
 
     @property
     def num_chunks(self) -> int:

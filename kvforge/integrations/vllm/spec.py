@@ -32,7 +32,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
 from kvforge._checks import ArgumentError
-from kvforge.integrations.vllm.config import parse_options
+from kvforge.integrations.vllm.config import MachineFacts, parse_options
 from kvforge.integrations.vllm.manager import KVForgeOffloadingManager
 from kvforge.integrations.vllm.pages import HostPagePlan, plan_host_pages
 from kvforge.integrations.vllm.worker import KVForgeOffloadingWorker
@@ -80,12 +80,15 @@ _METRICS = {
 
 class KVForgeOffloadingSpec(OffloadingSpec):
     """kvforge's offloading spec. ``block_bytes``: each offloaded group's unpadded bytes per
-    block, in ``config.groups`` order (given by ``KVForgeConnector``).
+    block, in ``config.groups`` order (given by ``KVForgeConnector``). ``device_type``: where
+    the engine's KV caches live (vLLM's ``DeviceConfig.device_type``; ``None``: vLLM's
+    platform, else the best device here): the options are checked against it.
 
     Raises:
         ArgumentError: ``block_bytes`` missing (loaded into vLLM's plain connector) or of the
-            wrong length, a bad ``kvforge`` option, ``sync_load_budget_bytes`` > 0, or a host
-            budget below one chunk of every group.
+            wrong length, a bad ``kvforge`` option (its type, or a value this machine cannot
+            run: :mod:`kvforge.integrations.vllm.config`), ``sync_load_budget_bytes`` > 0, or a
+            host budget below one chunk of every group.
     """
 
     @classmethod
@@ -97,7 +100,12 @@ class KVForgeOffloadingSpec(OffloadingSpec):
             for name, what in _METRICS.items()
         }
 
-    def __init__(self, config: OffloadingConfig, block_bytes: Sequence[int] | None = None):
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        block_bytes: Sequence[int] | None = None,
+        device_type: str | None = None,
+    ):
         super().__init__(config)
         if block_bytes is None:
             raise ArgumentError(
@@ -117,7 +125,13 @@ class KVForgeOffloadingSpec(OffloadingSpec):
                 "a failed in-step load cannot be recomputed for a hybrid model in vLLM 0.33, "
                 f"got {sync_budget!r}"
             )
-        self.options, host_bytes = parse_options(self.extra_config)
+        if device_type is None:  # vLLM's platform, else the best device here
+            from vllm.platforms import current_platform
+
+            device_type = getattr(current_platform, "device_type", None)
+        #: this machine's facts, every ``kvforge`` option checked against them (engine start)
+        self.machine = MachineFacts.detect(device_type)
+        self.options, host_bytes = parse_options(self.extra_config, self.machine)
         self.plan: HostPagePlan = plan_host_pages(
             [g.group_id for g in config.groups], block_bytes, self.blocks_per_chunk, host_bytes
         )

@@ -13,7 +13,12 @@ group moves a transfer.
 Transfers run when submitted and are reported by the next :meth:`get_finished`. A transfer
 that raises (a bad spec, a failed copy) is reported with ``success=False``, never raised into
 the engine: the connector turns a failed load into a recompute and a failed store into a
-dropped, counted store.
+dropped, counted store. A spec's ids must be ints in range (block ids below the caches' block
+count, page ids in the plan): a float is never truncated to a block.
+
+The options are checked against the caches at construction (engine start): ``impl`` must run
+where the caches live, ``pin_memory=True`` needs an accelerator, and the host pages must fit in
+this machine's memory; each refusal is one error naming the option and the value.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvforge.integrations.vllm.checks import int_array, int_id
+from kvforge.integrations.vllm.config import (
+    MACHINE_RULES,
+    MachineFacts,
+    check_gather_impl,
+    option_error,
+)
 from kvforge.integrations.vllm.pages import HostPagePlan, HostPages
 from kvforge.ops import PlaneSet, gather_blocks, scatter_blocks
 
@@ -65,11 +77,17 @@ class KVForgeOffloadingWorker(OffloadingWorker):
             layers' own unpadded pages (:attr:`block_bytes`), which differ from
             ``plan.block_bytes[i]`` only where vLLM's scheduler sees one page for unequal
             layers.
-        impl: the gather/scatter implementation (``"auto"``: :func:`kvforge.ops.resolve_impl`).
-        pin_memory: page-lock the host pages (``None``: when CUDA is available).
+        impl: the gather/scatter implementation (``"auto"``: :func:`kvforge.ops.resolve_impl`),
+            resolved once here for the caches' device (:attr:`impls`).
+        pin_memory: page-lock the host pages (``None``: when the caches are on an
+            accelerator).
+        machine: this machine's facts (``None``: detected for the caches' device).
 
     Raises:
         TransferError: the caches do not match the plan (the number of groups).
+        ArgumentError: ``impl`` cannot run where the caches live, ``pin_memory=True`` on a
+            machine with no accelerator, or host pages beyond this machine's memory (or that
+            it fails to allocate); the message names the option and the value.
     """
 
     def __init__(
@@ -78,6 +96,7 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         plan: HostPagePlan,
         impl: str = "auto",
         pin_memory: bool | None = None,
+        machine: MachineFacts | None = None,
     ) -> None:
         self.plan = plan
         self.impl = impl
@@ -87,6 +106,19 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 f"vLLM registered {len(self.planes)} offloaded groups, the host plan has "
                 f"{len(plan.block_bytes)}"
             )
+        device = self.planes[0].device
+        machine = machine or MachineFacts.detect(device.type)
+        if not isinstance(impl, str):
+            raise option_error(
+                "gather_impl", impl, "must be one of 'auto', 'torch', 'cpu', 'triton'"
+            )
+        #: per group position: the concrete gather/scatter implementation for its planes
+        self.impls = [check_gather_impl(impl, p.device) for p in self.planes]
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise option_error("pin_memory", pin_memory, "must be true, false or null")
+        why = MACHINE_RULES["pin_memory"](pin_memory, machine)
+        if why is not None:
+            raise option_error("pin_memory", pin_memory, why)
         #: per group position: one block's bytes in a host row, every layer's unpadded page
         self.block_bytes = [planes.row_bytes for planes in self.planes]
         host_bytes = plan.num_pages * plan.blocks_per_chunk * sum(self.block_bytes)
@@ -95,14 +127,28 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 "kvforge host pages take %d B, above the %d B planned: vLLM's scheduler sees one "
                 "page for layers whose pages differ", host_bytes, plan.host_bytes
             )
+        why = MACHINE_RULES["host_bytes"](host_bytes, machine)
+        if why is not None:
+            raise option_error(
+                "host_bytes", plan.host_bytes, f"its pages take {host_bytes:,} B; {why}"
+            )
         if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
+            pin_memory = device.type != "cpu"
+        self.pin_memory = pin_memory
         bpc = plan.blocks_per_chunk
-        #: per group position: ``uint8 [num_pages * blocks_per_chunk, block_bytes]``
-        self.host = [
-            torch.empty((plan.num_pages * bpc, b), dtype=torch.uint8, pin_memory=pin_memory)
-            for b in self.block_bytes
-        ]
+        try:
+            #: per group position: ``uint8 [num_pages * blocks_per_chunk, block_bytes]``
+            self.host = [
+                torch.empty((plan.num_pages * bpc, b), dtype=torch.uint8, pin_memory=pin_memory)
+                for b in self.block_bytes
+            ]
+        except (RuntimeError, MemoryError) as exc:
+            raise option_error(
+                "host_bytes",
+                plan.host_bytes,
+                f"allocating {host_bytes:,} B of {'pinned ' if pin_memory else ''}host pages "
+                f"failed on this machine ({machine.host_memory or 0:,} bytes of memory): {exc}",
+            ) from None
         self._finished: list[TransferResult] = []
         #: bytes moved by successful stores and loads, and transfers that failed
         self.bytes_stored = 0
@@ -133,7 +179,13 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 f"{len(self.planes)} are offloaded"
             )
         bpc = self.plan.blocks_per_chunk
-        ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        sizes = int_array("group_sizes", sizes, 0).tolist()
+        starts = int_array("block_indices", gpu.block_indices, 0)
+        if len(starts) != len(sizes):
+            raise TransferError(
+                f"a transfer names {len(starts)} block indices for {len(sizes)} groups"
+            )
+        ids = int_array("device block ids", gpu.block_ids, None)  # ints; ranges per group below
         if len(ids) != sum(sizes):
             raise TransferError(
                 f"a transfer names {len(ids)} device block ids, the group sizes {sizes} add up "
@@ -152,9 +204,15 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                     f"group position {pos}: device block ids must be >= 0, got "
                     f"{blocks[blocks < 0].tolist()}"
                 )
-            first = int(gpu.block_indices[pos]) % bpc
+            limit = self.planes[pos].min_blocks
+            if blocks.max() >= limit:  # past the caches: another allocation's memory
+                raise TransferError(
+                    f"group position {pos}: device block ids must be below {limit}, got "
+                    f"{blocks[blocks >= limit].tolist()}"
+                )
+            first = int(starts[pos]) % bpc
             chunk = (first + np.arange(n)) // bpc
-            pages = host.pages[pos].astype(np.int64)
+            pages = int_array(f"group position {pos}: host pages", host.pages[pos], None)
             if len(pages) != int(chunk[-1]) + 1:
                 raise TransferError(
                     f"group position {pos}: {n} blocks span {int(chunk[-1]) + 1} chunks, "
@@ -177,16 +235,18 @@ class KVForgeOffloadingWorker(OffloadingWorker):
     # ------------------------------------------------------------------ transfers
 
     def _run(self, job_id: int, gpu: GPULoadStoreSpec, host: LoadStoreSpec, store: bool) -> None:
+        job_id = int_id("job_id", job_id)  # a report must name the job exactly
         t0 = time.perf_counter()
         moved = 0
         try:
             for pos, blocks, rows in self._rows(gpu, host, store):
                 planes = self.planes[pos]
+                impl = self.impls[pos]
                 if planes.device.type == "cpu":  # straight into / out of the host rows
                     if store:
-                        gather_blocks(planes, blocks, self.host[pos], self.impl, row_ids=rows)
+                        gather_blocks(planes, blocks, self.host[pos], impl, row_ids=rows)
                     else:
-                        scatter_blocks(planes, blocks, self.host[pos], self.impl, row_ids=rows)
+                        scatter_blocks(planes, blocks, self.host[pos], impl, row_ids=rows)
                 else:  # pragma: no cover - accelerators only: no GPU or NPU in CI
                     self._staged(pos, blocks, rows, store)
                 moved += len(blocks) * self.block_bytes[pos]
@@ -214,11 +274,11 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         if store:
             staging = torch.empty((len(blocks), planes.row_bytes), dtype=torch.uint8,
                                   device=planes.device)
-            gather_blocks(planes, blocks, staging, self.impl)
+            gather_blocks(planes, blocks, staging, self.impls[pos])
             self.host[pos].index_copy_(0, idx, staging.cpu())
         else:
             staging = self.host[pos].index_select(0, idx).to(planes.device, non_blocking=True)
-            scatter_blocks(planes, blocks, staging, self.impl)
+            scatter_blocks(planes, blocks, staging, self.impls[pos])
         torch.accelerator.synchronize()
 
     def submit_store(
