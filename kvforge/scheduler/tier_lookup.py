@@ -15,8 +15,10 @@ is demoted in turn), their pages are pinned and their onloads queued, and the bl
 registered in the device prefix cache with the unit record and tail proof their page kept, so
 the device lookup confirms them exactly (a snapshot's record is the one at ``L``: the chain's
 unit records up to ``L`` confirm it as they confirm a full block ending there). When the
-device cannot give every block at ``L``, shorter boundaries are tried; the device part is
-never evicted to make room for the host part.
+device cannot give every block at ``L``, shorter boundaries are tried, each only when every
+group holds what it needs there (its window tail and snapshot differ from ``L``'s: a page can
+leave the tier on its own); the device part is never evicted to make room for the host part.
+Under any pressure the answer is a shorter hit or a miss, never an exception.
 
 Invariants (``tests/scheduler/test_tier_lookup.py``):
 
@@ -26,7 +28,9 @@ Invariants (``tests/scheduler/test_tier_lookup.py``):
   offloaded first;
 - the pages an onload reads are pinned before any device block is taken, so the demotions
   those takes cause cannot evict them;
-- a host hit is all or nothing per prompt: either every block at ``L`` is queued, or none.
+- a host hit is all or nothing per prompt: either every block at ``L`` is queued, or none;
+- a lookup never raises for lack of room or of a page, and pins nothing it does not queue
+  (``tests/scheduler/test_tier_lookup_pressure.py``, a property test under random pressure).
 """
 
 from __future__ import annotations
@@ -168,8 +172,11 @@ def _bring_back(manager: BlockManager, query: PrefixQuery, index: int) -> None:
     on_device_only = plan.reach(plan.on_device)
     length = plan.reach(anywhere)
     while length > on_device_only:
+        # a shorter boundary needs other window tails and snapshots than the longest one:
+        # offered only when every group holds what it needs there, on the device or the host
         need = plan.needed(length)
-        if need is not None and _restore(manager, need, plan.on_device):
+        held = need is not None and all(anywhere(g, k) for _, g, ks in need for k, _ in ks)
+        if held and _restore(manager, need, plan.on_device):
             tier.stats.hit_tokens += length - on_device_only
             return
         length -= plan.step  # the device cannot give every block: a shorter host hit
@@ -180,10 +187,18 @@ def _restore(
     need: list[tuple[int, GroupTable, list[tuple[bytes, int]]]],
     on_device: Callable[[GroupTable, bytes], bool],
 ) -> bool:
-    """Bring back every host-only block of ``need``, or nothing (False)."""
+    """Bring back every host-only block of ``need``, or nothing (False): also when a block
+    is neither on the device nor in the tier (never an exception, nothing pinned)."""
     prefix, tier = manager._prefix, manager._host_tier
     missing = [(gi, g, [k for k, _ in ks if not on_device(g, k)]) for gi, g, ks in need]
     missing = [(gi, g, ks) for gi, g, ks in missing if ks]
+    kept_groups = set(tier.groups)
+    if any(
+        g.spec.name not in kept_groups or tier.page_of(g.spec.name, k) is None
+        for _, g, ks in missing
+        for k in ks
+    ):
+        return False
     # the device part stays: pinned while the takes evict, touched as a hit touches it
     kept = [
         (
@@ -203,8 +218,10 @@ def _restore(
             per_pool[g.pool] = per_pool.get(g.pool, 0) + len(ks)
         if not _fits(per_pool):
             return False
-        pages = {g.spec.name: tier.pin(g.spec.name, ks) for _, g, ks in missing}
+        pages: dict[str, np.ndarray] = {}
         try:
+            for _, g, ks in missing:  # all held (checked above): no pin can fail halfway
+                pages[g.spec.name] = tier.pin(g.spec.name, ks)
             arenas = {p.arena for p in per_pool if isinstance(p, ArenaBlockPool)}
             for arena in arenas:
                 arena.prepare({p: n for p, n in per_pool.items() if p in arena.pools})
