@@ -659,6 +659,22 @@ class Soak:
             self.report.in_flight_refused[verb] += 1
         self.end_open_step()
 
+    def forget_released(self) -> None:
+        """After requests of the open step were freed (aborts): the blocks it completed that
+        it will not register (a window's or a state's blocks past the tail it keeps) are
+        released at once, no longer the step's, and may be taken again (a host tier lookup
+        brings pages back into them) before it ends. Those the step still holds stay, and so
+        do any the prefix cache retains."""
+        if not self.pinnable:
+            return
+        manager = self.ctl.scheduler
+        for g, blocks in self.pinnable.items():
+            pool = manager.pool(g)
+            refs = pool.ref_counts
+            # a block cached (retained) before its step ended stays: a match of it is the
+            # early registration the check is there to catch
+            self.pinnable[g] = {b for b in blocks if refs[b] > 0 or pool.is_retained(b)}
+
     def settled(self) -> dict[str, ModelRequest]:
         """Resident requests not in the step in flight (every resident one when synchronous):
         those a truncation or swap out may name without waiting for it."""
@@ -854,6 +870,7 @@ class Soak:
         # stays held until it ends)
         self.report.freed_in_flight += len(self.open_ids.intersection(rids))
         self.ctl.free_requests(rids)
+        self.forget_released()
         for rid in rids:
             self.model.resident.pop(rid, None)
             self.model.swapped.pop(rid, None)
@@ -896,6 +913,7 @@ class Soak:
             done = self.pick(self.model.resident, 1)
             self.report.freed_in_flight += len(self.open_ids.intersection(done))
             self.ctl.free_requests(done)
+            self.forget_released()
             self.prompts = [*self.prompts[-31:], self.model.resident.pop(done[0]).tokens or []]
         prompt = self.new_prompt()
         tiers = self.tiercounts()

@@ -86,6 +86,9 @@ PRIMED_TOKENS = 512
 MAX_TOKENS = soak_setup.MAX_MODEL_LEN - 8
 #: each thread's operations (``Worker.op_<name>``) and their weights
 OPERATIONS = {"admit": 3, "step": 8, "swap": 2, "truncate": 2, "free": 2}
+#: with a remote tier, one more: ``reset`` forgets the device's and the host tier's cached
+#: prefixes (``reset_prefix_cache``), so later admissions find them in the store only
+REMOTE_OPERATIONS = {**OPERATIONS, "reset": 1}
 
 
 def threads_arg(text: str) -> int:
@@ -362,6 +365,11 @@ class Worker:
         if self.per_request:  # a state cannot be cut back: the engine recomputes it
             soak_tiers.write_state(self.ctl, rid, self.seeds[rid], keep - 1)
 
+    def op_reset(self) -> None:
+        """Forget every cached prefix of the device and the host tier (the store keeps its
+        values): another thread's match made before it is refused as stale, tolerated."""
+        self.ctl.scheduler.reset_prefix_cache()
+
     def op_free(self) -> None:
         pool = sorted(self.tokens) + sorted(self.swapped)
         if not pool:
@@ -411,8 +419,9 @@ class Worker:
     ) -> None:
         """Run the thread's operations, checking after each; an error is kept for the main
         thread and sets ``stop``, which ends the other threads' runs early."""
-        names = list(OPERATIONS)
-        weights = list(OPERATIONS.values())
+        table = REMOTE_OPERATIONS if self.ctl.remote_tier is not None else OPERATIONS
+        names = list(table)
+        weights = list(table.values())
         try:
             for i in range(self.ops):
                 if stop is not None and stop.is_set():
@@ -597,7 +606,7 @@ def main_threads(args: argparse.Namespace) -> int:
     table = Table(title=f"{title}, seed {args.seed}")
     rows: list[tuple[str, Callable[[ThreadReport], object]]] = [
         ("operations", lambda t: t.ops.total()),
-        *((f"  {name}", lambda t, n=name: t.ops[n]) for name in OPERATIONS),
+        *((f"  {name}", lambda t, n=name: t.ops[n]) for name in REMOTE_OPERATIONS),
         ("steps", lambda t: t.steps),
         ("  ended one step late", lambda t: t.steps_ended_late),
         ("refused in flight", lambda t: t.in_flight_refused),
