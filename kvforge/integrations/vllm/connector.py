@@ -153,6 +153,22 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
             )
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int, max_num_new_tokens: int | None = None
+    ) -> tuple[int | None, bool]:
+        int_id("get_num_new_matched_tokens: num_computed_tokens", num_computed_tokens)
+        if max_num_new_tokens is not None:
+            int_id("get_num_new_matched_tokens: max_num_new_tokens", max_num_new_tokens)
+        return super().get_num_new_matched_tokens(
+            request, num_computed_tokens, max_num_new_tokens=max_num_new_tokens
+        )
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        int_id("get_external_cache_hit_sources: num_external_tokens", num_external_tokens)
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
+
     def check_finished_block_ids(self, block_ids: object) -> None:
         """``request_finished``'s block ids (one list, or a tuple of one per group) are ints
         in range, else ``ArgumentError``."""
