@@ -58,11 +58,17 @@ class StoreUnavailable(RuntimeError):
         self.remote = remote
 
 
+def _shown(text: str) -> str:
+    """``repr(text)``, cut to a line's worth (a value typed may be megabytes)."""
+    return repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text):,} characters)"
+
+
 def parse_address(text: str, flag: str) -> tuple[str, int]:
     """``HOST:PORT`` -> ``(host, port)``; :class:`UsageError` naming ``flag`` otherwise."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"{flag} must be HOST:PORT with a port in 1..65535, got {text!r}")
+    digits = port.isascii() and port.isdigit() and len(port) <= 5  # int() takes other scripts
+    if not (sep and host and digits and 0 < int(port) < 65536):
+        raise UsageError(f"{flag} must be HOST:PORT with a port in 1..65535, got {_shown(text)}")
     return host, int(port)
 
 
@@ -76,7 +82,8 @@ def parse_remotes(text: str, option: str = "--remote") -> tuple[str, ...]:
 
     def refuse(why: str) -> UsageError:
         return UsageError(
-            f"{option} takes a comma list of {', '.join(REMOTES)} or none, got {text!r}: {why}"
+            f"{option} takes a comma list of {', '.join(REMOTES)} or none, got {_shown(text)}: "
+            + why
         )
 
     items = text.split(",")
@@ -85,7 +92,7 @@ def parse_remotes(text: str, option: str = "--remote") -> tuple[str, ...]:
         if not item:
             raise refuse(f"item {position} is empty")
         if item not in (*REMOTES, "none"):
-            raise refuse(f"{item!r} is not one of them")
+            raise refuse(f"{_shown(item)} is not one of them")
         if item in seen:
             raise refuse(f"{item!r} is named twice")
         seen.add(item)

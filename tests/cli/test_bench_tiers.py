@@ -213,6 +213,9 @@ BAD_INPUT = [
     (["--tiers", "--redis", "localhost"], "--redis must be HOST:PORT with a port in 1..65535, got 'localhost'"),
     (["--tiers", "--mooncake-master", "h:70000"], "--mooncake-master must be HOST:PORT"),
     (["--tiers", "--redis", ":6379"], "--redis must be HOST:PORT"),
+    (["--tiers", "--redis", "h:\u0661\u0662"], "--redis must be HOST:PORT with a port in 1..65535, got 'h:\u0661\u0662'"),
+    (["--tiers", "--redis", "h:" + "9" * 5000], "got 'h:999"),
+    (["--tiers", "--remote", "x" * 5000], "... (5,000 characters): "),
     (["--tiers", "--remote", "memcached"], "--remote takes a comma list of redis, mooncake or none, got 'memcached': 'memcached' is not one of them"),
     (["--tiers", "--remote", "Redis"], "got 'Redis': 'Redis' is not one of them"),
     (["--tiers", "--remote", " redis"], "got ' redis': ' redis' is not one of them"),
@@ -246,7 +249,7 @@ def test_bad_input_is_one_line_exit_2_before_any_work(capsys, monkeypatch, argv,
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
     assert message in err and err.startswith("kvforge bench: error: ")
-    assert len(err.strip().splitlines()) == 1
+    assert len(err.strip().splitlines()) == 1 and len(err) < 800
 
 
 def _patch(monkeypatch, patch: str | None) -> None:
