@@ -15,6 +15,10 @@ interrupt:
 - the operation can be run again (if it rolled back), the worker accepts what follows (a
   swap round trip of every request), every byte comes back, and once every request is freed
   every pool and page is free.
+
+Interrupts inside the facade's ``_sync_tables`` (the worker catching up with what the
+scheduler side already did) are swept apart, by an expected failure that records the gap
+still open there.
 """
 
 from __future__ import annotations
