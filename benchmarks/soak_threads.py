@@ -13,7 +13,15 @@ carry its index (``t1-7``):
   chunk with the match and its token ids;
 - ``step``: one batch of its resident requests, each a prefill chunk of its prompt (up to
   200 tokens) or a few decode tokens, with token ids;
-- ``swap`` (out or in), ``truncate`` and ``free``.
+- ``swap`` (out or in), ``truncate`` and ``free``;
+- with a remote tier (``--remote``), ``reset``: forget the device's and the host tier's cached
+  prefixes, so later admissions are served by the store (another thread's match made before
+  it is refused as stale, which is tolerated).
+
+With ``--model`` the controller is that bundled model at soak size (:mod:`soak_tiers`), and
+with ``--host-tier`` / ``--remote`` the tiers are attached as in the single-thread soak; a
+per-request state slot is written with the state after the request's newest token and a
+restored snapshot is checked before the admitting step writes.
 
 A step's tokens are written when it is scheduled (its kernels run), and the step ends either
 at once or one step late (the thread's next step is scheduled first, an asynchronous engine's
