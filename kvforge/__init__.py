@@ -24,6 +24,8 @@ _EXPORTS: dict[str, str] = {
     "LinearAttentionBackend": "kvforge.attn_backends.linear_attention",
     "PrefixQuery": "kvforge.core.values",
     "PrefixMatch": "kvforge.core.values",
+    "ModelIdentity": "kvforge.core.model_identity",
+    "config_digest": "kvforge.core.model_identity",
     "from_hf_config": "kvforge.models.hf_config",
     "register_backend": "kvforge.models.registry",
     "register_model_type": "kvforge.models.registry",

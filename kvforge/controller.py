@@ -68,7 +68,7 @@ from kvforge.errors import (
 )
 from kvforge.kinds import live_start
 from kvforge.platform import Platform
-from kvforge.remote_tier import RemoteTier, layout_fingerprint
+from kvforge.remote_tier import RemoteTier, check_model_identity, layout_fingerprint
 from kvforge.scheduler import host_tier, tier_lookup
 from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
 from kvforge.scheduler.host_tier import (
@@ -91,6 +91,7 @@ from kvforge.worker.storage import CacheStorage, StepInputs, SwapExecution
 from kvforge.worker.transfer import SwapHandle
 
 if TYPE_CHECKING:
+    from kvforge.core.model_identity import ModelIdentity
     from kvforge.store import StoreConfig
     from kvforge.store.protocol import RemoteStore
 
@@ -781,20 +782,23 @@ class CacheController:
 
     @locked
     def initialize_remote_tier(
-        self, store: StoreConfig | RemoteStore, rank: int = 0
+        self, store: StoreConfig | RemoteStore, model: ModelIdentity | None = None
     ) -> RemoteTier:
         """Put a remote store (Redis, Mooncake Store) behind the host tier: pages the host
         tier fills are published to it, and lookups fetch from it what the device and host
         lack (:mod:`kvforge.remote_tier`). ``store``: a :class:`~kvforge.store.StoreConfig`
-        (opened here with this layout's fingerprint and ``rank``, closed by :meth:`free`) or
-        an open store whose fingerprint is :func:`~kvforge.remote_tier.layout_fingerprint`
-        of this layout and ``rank``.
+        (opened here with the fingerprint of this layout and ``model``, closed by
+        :meth:`free`) or an open store whose fingerprint is
+        :func:`~kvforge.remote_tier.layout_fingerprint` of this layout and ``model``.
+        ``model`` (required): the :class:`~kvforge.ModelIdentity` of the engine (its
+        tensor-parallel rank included), in every key and value header.
 
         Raises:
             RuntimeError: no host tier yet (:meth:`initialize_host_tier` first), or a remote
                 tier exists already.
-            ValueError: a store of another layout's fingerprint, or a config whose backend
-                is ``"none"``.
+            ArgumentError: ``model`` missing or not a ModelIdentity (there is no default).
+            ValueError: a store of another layout's or model's fingerprint, or a config whose
+                backend is ``"none"``.
         """
         from kvforge.store import StoreConfig, open_store
 
@@ -805,8 +809,8 @@ class CacheController:
             )
         if self._remote is not None:
             raise RuntimeError("this controller has a remote tier already")
-        check_int("rank", rank, minimum=0)
-        fingerprint = layout_fingerprint(self.layout, rank)
+        model = check_model_identity(model, "initialize_remote_tier")
+        fingerprint = layout_fingerprint(self.layout, model)
         owned = None
         if isinstance(store, StoreConfig):
             if store.backend == "none":
@@ -815,10 +819,10 @@ class CacheController:
         elif getattr(store, "fingerprint", None) != fingerprint:
             raise ValueError(
                 "initialize_remote_tier: the store was opened with another layout fingerprint "
-                f"than this layout's at rank {rank} (open it with "
-                "kvforge.remote_tier.layout_fingerprint(layout, rank))"
+                f"than this layout's for model {model} (open it with "
+                "kvforge.remote_tier.layout_fingerprint(layout, model))"
             )
-        self._remote = RemoteTier(manager, guard.tier_of(self.storage), store)
+        self._remote = RemoteTier(manager, guard.tier_of(self.storage), store, model)
         self._owned_store = owned
         return self._remote
 

@@ -15,20 +15,32 @@ worker's host pages), as :class:`~kvforge.controller.CacheController` does:
   asked of the store (``exists_prefix``: a full group's chain, a window group's tail at the
   boundary, a per-request group's snapshot at it where the host tier's ``state_policy`` is
   ``"aligned"``); the blocks found get host pages (:meth:`HostTier.reserve`), the unit records of
-  this prompt's tokens (so the exact check confirms them as any cached block) and their tail
-  proofs, and are read into the pages (``batch_get_into``). A value that does not arrive
-  whole (down, corrupted, truncated, another layout) is a miss: its page is forgotten. The
-  host tier's lookup then brings them to the device (:mod:`kvforge.scheduler.tier_lookup`).
+  this prompt's tokens and their tail proofs, and are read into the pages
+  (``batch_get_into``) with this prompt's content proofs. A value that does not arrive whole
+  (down, corrupted, truncated, another layout or model) or whose proof names other content
+  (a key collision) is a miss: its page is forgotten before anything reads it. The host
+  tier's lookup then brings the rest to the device (:mod:`kvforge.scheduler.tier_lookup`).
 
-Keys carry everything that makes bytes differ: the prefix key (token ids, multimodal items,
-the request's extra keys: salt, adapter), the group, and the store's layout fingerprint
+What makes bytes differ is in the key: the prefix key (token ids, multimodal items, the
+request's extra keys: salt, adapter), the group, and the store's fingerprint
 (:func:`layout_fingerprint`: every buffer's role, entry shape, dtype, order, block size and
-group, plus the tensor-parallel rank), which every value's header repeats and every read
-checks (:mod:`kvforge.store.value`).
+group, plus the :class:`~kvforge.core.model_identity.ModelIdentity`: the effective model
+config's digest, revision or weights digest, dtype, quantization, tensor- and
+pipeline-parallel rank and size), which every value's header repeats and every read checks
+(:mod:`kvforge.store.value`).
 
-Invariants (``tests/store/test_remote_tier.py``): a fetched block is indexed only once its
-value arrived whole; a store that fails costs hits, never device or host state; nothing here
-holds the controller's lock while waiting for the network except the synchronous fetch.
+A remote hit is exact under every key algorithm, as a local one: each value carries its
+block's content proof (:func:`content_proofs`: the SHA-256 chain over the block's prefix, its
+tokens and extra keys, in the canonical encoding of ``docs/prefix_keys.md``), computed by the
+writer from the unit records its page keeps, and the reader compares it with the proof of its
+own prompt before the page is indexed as filled. The proof is hashed with ``hashlib``'s SHA-256
+on both sides whatever digest the prefix keys use (``blake2b``, an injected fast one), so a key
+collision is a counted miss (``other_content``), never another prompt's KV.
+
+Invariants (``tests/store/test_remote_tier.py``, ``tests/store/test_remote_identity.py``): a
+fetched block is indexed only once its value arrived whole with this prompt's proof; a store
+that fails costs hits, never device or host state; nothing here holds the controller's lock
+while waiting for the network except the synchronous fetch.
 """
 
 from __future__ import annotations
@@ -39,30 +51,56 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvforge._checks import ArgumentError
 from kvforge.core.layout import CacheLayout
+from kvforge.core.model_identity import ModelIdentity
+from kvforge.core.prefix_keys import PrefixHasher
 from kvforge.core.values import PageCopy, PrefixQuery
 from kvforge.scheduler.args import token_array
 from kvforge.scheduler.tier_lookup import PromptPlan
+from kvforge.scheduler.unit_records import UnitRecordStore
 
 if TYPE_CHECKING:
     from kvforge.store.protocol import RemoteStore
 
-__all__ = ["RemoteTier", "RemoteTierStats", "layout_fingerprint"]
+__all__ = ["RemoteTier", "RemoteTierStats", "check_model_identity", "layout_fingerprint"]
 
 
-def layout_fingerprint(layout: CacheLayout, rank: int = 0) -> bytes:
+def check_model_identity(model: object, call: str) -> ModelIdentity:
+    """``model`` itself, or an :class:`ArgumentError` that says a remote tier needs one:
+    there is no shared default identity."""
+    if not isinstance(model, ModelIdentity):
+        raise ArgumentError(
+            f"{call}: model must be a ModelIdentity (the model's name, config digest, "
+            "revision or weights digest, dtype, quantization and parallel ranks: what makes "
+            "its KV bytes differ; kvforge.ModelIdentity, or "
+            "kvforge.integrations.vllm.identity.model_identity(vllm_config) in vLLM), got "
+            f"{type(model).__name__} {model!r:.60}"
+        )
+    return model
+
+
+def layout_fingerprint(layout: CacheLayout, model: ModelIdentity) -> bytes:
     """What makes two engines' page bytes comparable: per buffer its group (kind, block size,
     window), role (entry shape, dtype, head- or token-major order, scale), layer and bytes,
-    and the tensor-parallel ``rank``, hashed (BLAKE2b-256).
+    and the ``model``'s identity (:attr:`ModelIdentity.digest <kvforge.core.model_identity.
+    ModelIdentity.digest>`: config digest, revision or weights digest, dtype, quantization,
+    tensor- and pipeline-parallel rank and size), hashed (BLAKE2b-256). A missing identity
+    is an :class:`ArgumentError`: there is no shared default.
 
     >>> from kvforge.models import from_hf_config
-    >>> a = layout_fingerprint(CacheLayout(from_hf_config("llama-3-8b")))
-    >>> b = layout_fingerprint(CacheLayout(from_hf_config("llama-3-8b")), rank=1)
-    >>> len(a), a == b
-    (32, False)
+    >>> from kvforge.core.model_identity import config_digest
+    >>> m = ModelIdentity(name="llama-3-8b", config_digest=config_digest({}), dtype="bfloat16")
+    >>> layout = CacheLayout(from_hf_config("llama-3-8b"))
+    >>> a = layout_fingerprint(layout, m)
+    >>> b = layout_fingerprint(layout, m.model_copy(update={"tp_rank": 1, "tp_size": 2}))
+    >>> c = layout_fingerprint(layout, m.model_copy(update={"revision": "0123abc"}))
+    >>> len(a), a == b, a == c
+    (32, False, False)
     """
+    model = check_model_identity(model, "layout_fingerprint")
     h = hashlib.blake2b(digest_size=32, person=b"kvforge-layout")
-    h.update(f"rank={int(rank)}\n".encode())
+    h.update(b"model=" + model.digest + b"\n")
     for e in layout.buffers:
         g, r = e.group, e.role
         h.update(
@@ -70,6 +108,57 @@ def layout_fingerprint(layout: CacheLayout, rank: int = 0) -> bytes:
             f"{e.block_bytes}\n".encode()
         )
     return h.digest()
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+class _PageProofs:
+    """The content proofs of host pages, from the unit records they keep: the SHA-256 chain
+    over the canonical encoding up to each page's end, hashed with ``hashlib`` whatever digest
+    the prefix keys use (:meth:`UnitRecordStore.sha256_chain
+    <kvforge.scheduler.unit_records.UnitRecordStore.sha256_chain>`, kept on each record while it
+    lives, so a chain is hashed once however many of its blocks are published)."""
+
+    def __init__(self, records: UnitRecordStore) -> None:
+        self._records = records
+
+    def of(self, ref: bytes | None, tail: Any) -> bytes | None:
+        """The proof of a page that keeps the record ``ref`` and the tail proof ``tail``
+        (``(parent, payload, root preimage or b"")``, ``None`` on a unit end), or ``None``
+        when nothing it keeps proves its content (it is then never published)."""
+        try:
+            if tail is None:
+                return None if ref is None else self._records.sha256_chain(ref)
+            _, payload, root_preimage = tail
+            if root_preimage:
+                base = _sha256(root_preimage)
+            elif ref is not None:
+                base = self._records.sha256_chain(ref)
+            else:
+                return None
+        except KeyError:  # its record went (never expected: the page holds it)
+            return None
+        return _sha256(base + payload)
+
+
+class _PromptProofs:
+    """The content proofs of one prompt's blocks, what the values the reader asks for must
+    carry: the SHA-256 chain of its own tokens, extra keys and multimodal items, hashed with
+    ``hashlib`` whatever digest the prefix keys use."""
+
+    def __init__(self, plan: PromptPlan, tokens: np.ndarray) -> None:
+        h = plan.hasher
+        self._unit = plan.unit
+        self._hasher = PrefixHasher(h.extra_keys, h.mm_keys, h.unit, _sha256)
+        self._keys = self._hasher.extend(tokens[: plan.top])
+
+    def at(self, end: int) -> bytes:
+        """The proof of the block that ends at token ``end``."""
+        if end % self._unit == 0:
+            return self._keys[end // self._unit - 1]
+        return self._hasher.tail_key(end)[0]
 
 
 class RemoteTierStats:
@@ -97,10 +186,12 @@ class RemoteTier:
         manager: the controller's scheduler side, with a host tier attached.
         pages: the worker's :class:`~kvforge.worker.host_tier.HostTierPages`.
         store: an open :class:`~kvforge.store.protocol.RemoteStore` whose fingerprint is
-            :func:`layout_fingerprint` of this layout (the caller opens it).
+            :func:`layout_fingerprint` of this layout and ``model`` (the caller opens it).
+        model: the :class:`~kvforge.core.model_identity.ModelIdentity` of the engine.
     """
 
-    def __init__(self, manager: Any, pages: Any, store: RemoteStore) -> None:
+    def __init__(self, manager: Any, pages: Any, store: RemoteStore, model: ModelIdentity) -> None:
+        self.model = check_model_identity(model, "RemoteTier")
         self.manager, self.pages, self.store = manager, pages, store
         self.stats = RemoteTierStats()
         for g in pages.groups.values():
@@ -113,17 +204,21 @@ class RemoteTier:
     def publish(self, offloads: Sequence[PageCopy]) -> None:
         """Queue the pages ``offloads`` just filled (call after the worker ran them)."""
         tier = self.manager._host_tier
+        proofs = _PageProofs(tier.records)
         for copy in offloads:
             name = copy.group
             pages = self.pages.groups[name].pages
-            keys, sources = [], []
+            keys, sources, proved = [], [], []
             for page in np.asarray(copy.host_pages).tolist():
                 key = tier.page_key(name, page)
-                if key is not None:
+                entry = None if key is None else tier.entry(name, key)
+                proof = None if entry is None else proofs.of(entry[1], entry[2])
+                if proof is not None:
                     keys.append(self._key(name, key))
                     sources.append(pages[page])
+                    proved.append(proof)
             if keys:
-                self.stats.published += self.store.put_async(keys, sources)
+                self.stats.published += self.store.put_async(keys, sources, proved)
 
     def fetch(self, queries: Sequence[PrefixQuery]) -> None:
         """Read into host pages what each prompt's longest prefix needs past the device and
@@ -138,7 +233,8 @@ class RemoteTier:
     def _fetch_one(self, query: PrefixQuery, index: int) -> None:
         manager, store = self.manager, self.store
         tier = manager._host_tier
-        plan = PromptPlan(manager, token_array(query.token_ids, f"queries[{index}]"), query)
+        tokens = token_array(query.token_ids, f"queries[{index}]")
+        plan = PromptPlan(manager, tokens, query)
         if plan.top == 0:
             return
         host = {g: tier._index[g] for g in tier.groups}
@@ -188,11 +284,14 @@ class RemoteTier:
             for k, end in ks
             if not local(g, k)
         ]
-        if self._read(plan, wanted):
+        if self._read(plan, wanted, _PromptProofs(plan, tokens)):
             self.stats.reach_tokens += length - here
 
-    def _read(self, plan: PromptPlan, wanted: list[tuple[str, bytes, int]]) -> bool:
-        """Reserve host pages for ``wanted`` (group, key, end), read them, keep what arrived."""
+    def _read(
+        self, plan: PromptPlan, wanted: list[tuple[str, bytes, int]], proofs: _PromptProofs
+    ) -> bool:
+        """Reserve host pages for ``wanted`` (group, key, end), read them with this prompt's
+        content ``proofs``, keep what arrived (a value of other content is a miss)."""
         manager, tier, unit = self.manager, self.manager._host_tier, plan.unit
         records = manager._prefix.records
         # the unit records this prompt's tokens make, referenced where each block ends
@@ -203,22 +302,24 @@ class RemoteTier:
         refs = dict(zip(((n, k) for n, k, _ in with_ref), held.keys, strict=True))
         if held.cursor is not None:
             records.release(held.cursor)
-        reserved: dict[str, list[tuple[bytes, int]]] = {}
+        reserved: dict[str, list[tuple[bytes, int, int]]] = {}
         for name, key, end in wanted:
             ref = refs.get((name, key))
             if end >= unit and ref is None:
                 continue  # the held chain names other content: never fetched
             page = tier.reserve(name, key, end, ref, plan.proof(end))
             if page is not None:
-                reserved.setdefault(name, []).append((key, page))
+                reserved.setdefault(name, []).append((key, page, end))
         complete = True
         for name, got in reserved.items():
             pages = self.pages.groups[name].pages
             sizes = self.store.batch_get_into(
-                [self._key(name, k) for k, _ in got], [pages[p] for _, p in got]
+                [self._key(name, k) for k, _, _ in got],
+                [pages[p] for _, p, _ in got],
+                [proofs.at(e) for _, _, e in got],
             )
             arrived = [s is not None for s in sizes]
-            tier.filled(name, [p for _, p in got], arrived)
+            tier.filled(name, [p for _, p, _ in got], arrived)
             self.stats.fetched += sum(arrived)
             self.stats.fetch_misses += len(arrived) - sum(arrived)
             complete = complete and all(arrived)

@@ -258,8 +258,17 @@ def _remote(ctl: CacheController, tier: str, address: str) -> None:
         config = StoreConfig(backend="redis", redis_host=host, redis_port=int(port), **common)
     else:
         config = StoreConfig(backend="mooncake", mooncake_master=address, **common)
+    from kvforge.core.model_identity import ModelIdentity, config_digest
+
+    # the demo's engines write synthetic KV, a function of the tokens (kvforge.verify): one
+    # "model" for both, in every key and value header as a real engine's identity would be
+    model = ModelIdentity(
+        name="kvforge-demo/synthetic-kv",
+        config_digest=config_digest({"kv": "kvforge.verify.token_seeds", "version": 1}),
+        dtype="synthetic",
+    )
     try:
-        store = ctl.initialize_remote_tier(config).store
+        store = ctl.initialize_remote_tier(config, model=model).store
     except ModuleNotFoundError as exc:
         raise StoreUnavailable(str(exc)) from None
     if not store.wait_ready(READY_TIMEOUT_S):

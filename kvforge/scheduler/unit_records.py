@@ -57,6 +57,7 @@ dict slot; about 18 bytes per token at unit 16 and 5 at unit 256 (4 of them toke
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -75,13 +76,15 @@ class _Node:
     payload (:meth:`UnitRecordStore.known_keys`): ``None``, the one child, or a dict
     ``payload -> child`` where the chain branches."""
 
-    __slots__ = ("count", "key", "kids", "parent", "payload")
+    __slots__ = ("count", "key", "kids", "parent", "payload", "proof")
 
     def __init__(self, key: bytes, parent: _Node | None, payload: bytes) -> None:
         self.key = key
         self.parent = parent
         self.payload = payload
         self.count = 0
+        #: the SHA-256 chain up to here, once computed (UnitRecordStore.sha256_chain)
+        self.proof: bytes | None = None
         self.kids: _Node | dict[bytes, _Node] | None = None
 
     def kid(self, payload: bytes) -> _Node | None:
@@ -248,6 +251,33 @@ class UnitRecordStore:
             keys.append(node.key)
         return keys
 
+    def sha256_chain(self, key: bytes) -> bytes:
+        """The SHA-256 chain over the stored bytes up to the record ``key``: ``d = SHA-256(root
+        preimage)``, then ``d = SHA-256(d ‖ payload)`` for every unit from unit 0 to ``key``,
+        which is the ``sha256`` prefix key of that content whatever digest the keys use (a
+        remote tier's content proof, ``docs/tiered_store.md``). Each record keeps its digest
+        once computed, so a chain is hashed once while its records live; a record made again
+        under the same key (a weak digest's collision) is a new record and is hashed anew.
+
+        Raises:
+            KeyError: ``key`` is not a held record.
+        """
+        node: _Node | None = self._records.get(key) if isinstance(key, bytes) else None
+        if node is None:
+            shown = key.hex()[:16] + "..." if isinstance(key, bytes) else repr(key)
+            raise KeyError(f"sha256_chain({shown}): no such record is held")
+        path: list[_Node] = []
+        while node is not None and node.proof is None:
+            path.append(node)
+            node = node.parent
+        digest = b"" if node is None else node.proof
+        for n in reversed(path):
+            data = n.payload if n.parent is None else digest + n.payload
+            digest = hashlib.sha256(data).digest()
+            n.proof = digest
+            self._object_bytes += _BYTES_HEADER + len(digest)
+        return digest  # type: ignore[return-value]
+
     # ---------------------------------------------------------------- updates
     def hold(
         self,
@@ -375,7 +405,8 @@ class UnitRecordStore:
     # --------------------------------------------------------------- internals
     @staticmethod
     def _size(node: _Node) -> int:
-        return _NODE_FIXED + len(node.key) + len(node.payload)
+        proof = 0 if node.proof is None else _BYTES_HEADER + len(node.proof)
+        return _NODE_FIXED + len(node.key) + len(node.payload) + proof
 
     @staticmethod
     def _check_at(at: object, rec: UnitRecords) -> list[int]:

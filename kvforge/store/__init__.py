@@ -32,9 +32,10 @@ __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 
 def open_store(config: StoreConfig, fingerprint: bytes) -> RemoteStore | None:
-    """The adapter ``config.backend`` names, for values of layout ``fingerprint``; ``None`` for
-    ``backend="none"`` (the embedded default: no remote tier). Connecting happens in the
-    background: calls before the server answers are misses."""
+    """The adapter ``config.backend`` names, for values of layout ``fingerprint`` (for a remote
+    tier, :func:`kvforge.remote_tier.layout_fingerprint` of the layout and the model's
+    identity); ``None`` for ``backend="none"`` (the embedded default: no remote tier).
+    Connecting happens in the background: calls before the server answers are misses."""
     if config.backend == "redis":
         from kvforge.store.redis_store import RedisStore
 

@@ -30,7 +30,14 @@ from kvforge._checks import ArgumentError
 from kvforge.store.config import StoreConfig
 from kvforge.store.protocol import StoreStats
 from kvforge.store.put_queue import PutQueue
-from kvforge.store.value import HEADER_SIZE, MissReason, encode_into, layout_digest
+from kvforge.store.value import (
+    HEADER_SIZE,
+    NO_PROOF,
+    PROOF_SIZE,
+    MissReason,
+    encode_into,
+    layout_digest,
+)
 from kvforge.store.value_buffers import ValueBuffers
 
 __all__ = ["PlaneSpan", "Span", "StoreBase", "server_key"]
@@ -160,6 +167,26 @@ def _check_block_ids(block_ids: Any, n: int, limit: int, call: str) -> np.ndarra
     return ids.astype(np.int64, copy=False)
 
 
+def _check_proofs(proofs: Any, n: int, call: str) -> list[bytes]:
+    """``proofs`` (one content proof of :data:`PROOF_SIZE` bytes per key), or
+    :data:`NO_PROOF` for every key when ``None``."""
+    if proofs is None:
+        return [NO_PROOF] * n
+    if isinstance(proofs, bytes | str) or not isinstance(proofs, Sequence):
+        raise ArgumentError(
+            f"{call}: proofs must be a sequence of bytes or None, got {type(proofs).__name__}"
+        )
+    if len(proofs) != n:
+        raise ArgumentError(f"{call}: {n} keys but {len(proofs)} proofs")
+    for i, proof in enumerate(proofs):
+        if not isinstance(proof, bytes) or len(proof) != PROOF_SIZE:
+            raise ArgumentError(
+                f"{call}: proofs[{i}] must be {PROOF_SIZE} bytes (a content proof), got "
+                f"{proof!r:.60}"
+            )
+    return list(proofs)
+
+
 def _check_keys(keys: Any, call: str) -> list[bytes]:
     if isinstance(keys, bytes | str) or not isinstance(keys, Sequence):
         raise ArgumentError(f"{call}: keys must be a sequence of bytes, got {type(keys).__name__}")
@@ -220,13 +247,14 @@ class StoreBase:
     def _exists(self, names: list[str]) -> list[bool]:
         raise NotImplementedError
 
-    def _put(self, items: list[tuple[str, bytes, Span]]) -> list[bool]:
+    def _put(self, items: list[tuple[str, bytes, bytes, Span]]) -> list[bool]:
+        """Write (name, key, proof, source) items: each value is the header, then the source."""
         raise NotImplementedError
 
     def _put_blocks(
-        self, items: list[tuple[str, bytes, int]], planes: list[PlaneSpan]
+        self, items: list[tuple[str, bytes, bytes, int]], planes: list[PlaneSpan]
     ) -> list[bool]:
-        """Write (name, key, block) items: each value is the header, then block ``block`` of
+        """Write (name, key, proof, block) items: each value is the header, then block ``block`` of
         every plane in order (:meth:`batch_put_blocks`)."""
         raise NotImplementedError
 
@@ -234,7 +262,8 @@ class StoreBase:
         """Write (name, value) items, each value a whole encoded value (``uint8`` array)."""
         raise NotImplementedError
 
-    def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
+    def _get(self, items: list[tuple[str, bytes, bytes, Span]]) -> list[MissReason | None]:
+        """Read (name, key, proof, destination) items; ``None`` where the value is a hit."""
         raise NotImplementedError
 
     def _values_dropped(self, values: list[np.ndarray]) -> None:
@@ -391,16 +420,19 @@ class StoreBase:
     def _fits(self, span: Span) -> bool:
         return HEADER_SIZE + span.nbytes <= self._config.max_value_bytes
 
-    def batch_put(self, keys: Sequence[bytes], sources: Sequence[Any]) -> list[bool]:
+    def batch_put(
+        self, keys: Sequence[bytes], sources: Sequence[Any], proofs: Sequence[bytes] | None = None
+    ) -> list[bool]:
         keys = _check_keys(keys, "batch_put")
         spans = self._spans(keys, sources, "batch_put", "sources", writable=False)
+        proved = _check_proofs(proofs, len(keys), "batch_put")
         done = [False] * len(keys)
         for part in self._batches(len(keys)):
             todo = [i for i in part if self._fits(spans[i])]
             self._count(puts_too_large=len(part) - len(todo))
             if not todo:
                 continue
-            items = [(self._name(keys[i]), keys[i], spans[i]) for i in todo]
+            items = [(self._name(keys[i]), keys[i], proved[i], spans[i]) for i in todo]
             self._put_part(todo, done, self._put, items)
         return done
 
@@ -428,12 +460,17 @@ class StoreBase:
         self._count(puts_ok=wrote, puts_failed=len(todo) - wrote)
 
     def batch_put_blocks(
-        self, keys: Sequence[bytes], planes: Sequence[Any], block_ids: Any
+        self,
+        keys: Sequence[bytes],
+        planes: Sequence[Any],
+        block_ids: Any,
+        proofs: Sequence[bytes] | None = None,
     ) -> list[bool]:
         keys = _check_keys(keys, "batch_put_blocks")
         spans = self._planes(planes, "batch_put_blocks")
         fewest = min(p.num_blocks for p in spans)
         ids = _check_block_ids(block_ids, len(keys), fewest, "batch_put_blocks")
+        proved = _check_proofs(proofs, len(keys), "batch_put_blocks")
         done = [False] * len(keys)
         if HEADER_SIZE + sum(p.block_bytes for p in spans) > self._config.max_value_bytes:
             self._count(puts_too_large=len(keys))
@@ -443,7 +480,7 @@ class StoreBase:
             step = max(1, min(step, self.max_put_parts // (len(spans) + 1)))
         for start in range(0, len(keys), step):
             part = range(start, min(len(keys), start + step))
-            items = [(self._name(keys[i]), keys[i], int(ids[i])) for i in part]
+            items = [(self._name(keys[i]), keys[i], proved[i], int(ids[i])) for i in part]
             self._put_part(part, done, lambda batch: self._put_blocks(batch, spans), items)
         return done
 
@@ -468,9 +505,12 @@ class StoreBase:
             spans.append(PlaneSpan(addr, block_bytes, stride, num_blocks, within))
         return spans
 
-    def put_async(self, keys: Sequence[bytes], sources: Sequence[Any]) -> int:
+    def put_async(
+        self, keys: Sequence[bytes], sources: Sequence[Any], proofs: Sequence[bytes] | None = None
+    ) -> int:
         keys = _check_keys(keys, "put_async")
         spans = self._spans(keys, sources, "put_async", "sources", writable=False)
+        proved = _check_proofs(proofs, len(keys), "put_async")
         if not self._available():
             self._count(puts_dropped=len(keys))
             return 0
@@ -480,7 +520,7 @@ class StoreBase:
         queued = 0
         for i in fitting:
             value = self._values.take(HEADER_SIZE + spans[i].nbytes)
-            encode_into(value, keys[i], self._fingerprint, spans[i].view)
+            encode_into(value, keys[i], self._fingerprint, spans[i].view, proved[i])
             if self._queue.offer([(self._name(keys[i]), value)]) == 0:
                 self._values.give(value)
                 break
@@ -509,16 +549,20 @@ class StoreBase:
             self._values.give(value)
 
     def batch_get_into(
-        self, keys: Sequence[bytes], destinations: Sequence[Any]
+        self,
+        keys: Sequence[bytes],
+        destinations: Sequence[Any],
+        proofs: Sequence[bytes] | None = None,
     ) -> list[int | None]:
         keys = _check_keys(keys, "batch_get_into")
         spans = self._spans(keys, destinations, "batch_get_into", "destinations", writable=True)
+        proved = _check_proofs(proofs, len(keys), "batch_get_into")
         reasons: list[MissReason | None] = [MissReason.UNAVAILABLE] * len(keys)
         for part in self._get_batches(spans):
             if not self._available():
                 break
             try:
-                got = self._get([(self._name(keys[i]), keys[i], spans[i]) for i in part])
+                got = self._get([(self._name(keys[i]), keys[i], proved[i], spans[i]) for i in part])
             except Exception as exc:
                 self._note_error(f"get: {type(exc).__name__}: {exc}", trip=True)
                 got = [MissReason.STORE_ERROR] * len(part)

@@ -33,6 +33,7 @@ from kvforge.store.value import (
     HEADER_SIZE,
     MissReason,
     check,
+    decode,
     encode_header,
     encode_header_of_parts,
 )
@@ -251,40 +252,40 @@ class MooncakeStore(StoreBase):
         self._trip_on(codes, "exists")
         return [code == 1 for code in codes]
 
-    def _put(self, items: list[tuple[str, bytes, Span]]) -> list[bool]:
+    def _put(self, items: list[tuple[str, bytes, bytes, Span]]) -> list[bool]:
         def job() -> list[int]:
             ptrs, sizes = [], []
-            for slot, (_, key, span) in enumerate(items):
+            for slot, (_, key, proof, span) in enumerate(items):
                 at = slot * HEADER_SIZE
                 self._arena[at : at + HEADER_SIZE] = np.frombuffer(
-                    encode_header(key, self._fingerprint, span.view), dtype=np.uint8
+                    encode_header(key, self._fingerprint, span.view, proof), dtype=np.uint8
                 )
                 ptrs.append([self._arena_addr + at, span.addr])
                 sizes.append([HEADER_SIZE, span.nbytes])
-            names = [name for name, _, _ in items]
+            names = [name for name, _, _, _ in items]
             return list(self._client.batch_put_from_multi_buffers(names, ptrs, sizes))
 
         return self._put_codes(self._call(job))
 
     def _put_blocks(
-        self, items: list[tuple[str, bytes, int]], planes: list[PlaneSpan]
+        self, items: list[tuple[str, bytes, bytes, int]], planes: list[PlaneSpan]
     ) -> list[bool]:
         addrs = np.array([p.addr for p in planes], dtype=np.int64)
         strides = np.array([p.block_stride for p in planes], dtype=np.int64)
         sizes = [HEADER_SIZE, *(p.block_bytes for p in planes)]
 
         def job() -> list[int]:
-            blocks = np.array([block for _, _, block in items], dtype=np.int64)
+            blocks = np.array([block for _, _, _, block in items], dtype=np.int64)
             starts = (addrs[None, :] + blocks[:, None] * strides[None, :]).tolist()
             ptrs = []
-            for slot, (_, key, block) in enumerate(items):
+            for slot, (_, key, proof, block) in enumerate(items):
                 at = slot * HEADER_SIZE
                 parts = [plane.view(block) for plane in planes]
                 self._arena[at : at + HEADER_SIZE] = np.frombuffer(
-                    encode_header_of_parts(key, self._fingerprint, parts), dtype=np.uint8
+                    encode_header_of_parts(key, self._fingerprint, parts, proof), dtype=np.uint8
                 )
                 ptrs.append([self._arena_addr + at, *starts[slot]])
-            names = [name for name, _, _ in items]
+            names = [name for name, _, _, _ in items]
             return list(
                 self._client.batch_put_from_multi_buffers(names, ptrs, [sizes] * len(items))
             )
@@ -355,27 +356,28 @@ class MooncakeStore(StoreBase):
         self._client_closed = True
         self._value_regs.clear()
 
-    def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
+    def _get(self, items: list[tuple[str, bytes, bytes, Span]]) -> list[MissReason | None]:
         base = self._config.max_batch_keys
 
         def job() -> list[MissReason | None]:
             ptrs, sizes = [], []
-            for slot, (_, _, span) in enumerate(items):
+            for slot, (_, _, _, span) in enumerate(items):
                 ptrs.append([self._arena_addr + (base + slot) * HEADER_SIZE, span.addr])
                 sizes.append([HEADER_SIZE, span.nbytes])
-            names = [name for name, _, _ in items]
+            names = [name for name, _, _, _ in items]
             codes = list(self._client.batch_get_into_multi_buffers(names, ptrs, sizes))
             self._trip_on(codes, "get")
             reasons: list[MissReason | None] = []
-            for slot, ((name, key, span), code) in enumerate(zip(items, codes, strict=True)):
+            for slot, (item, code) in enumerate(zip(items, codes, strict=True)):
+                _, key, proof, span = item
                 at = (base + slot) * HEADER_SIZE
                 if code == HEADER_SIZE + span.nbytes:
                     header = self._arena[at : at + HEADER_SIZE]
-                    reasons.append(check(header, span.view, key, self._fingerprint))
+                    reasons.append(check(header, span.view, key, self._fingerprint, proof))
                 elif code == OBJECT_NOT_FOUND:
                     reasons.append(MissReason.ABSENT)
                 elif code in (INVALID_PARAMS, TRANSFER_FAIL):
-                    reasons.append(self._why_other_size(name, HEADER_SIZE + span.nbytes))
+                    reasons.append(self._why_other_size(item))
                 else:
                     reasons.append(MissReason.STORE_ERROR)
             return reasons
@@ -383,11 +385,23 @@ class MooncakeStore(StoreBase):
         # never abandoned: it writes into the caller's pages (module docstring)
         return self._call(job, abandon=False)
 
-    def _why_other_size(self, name: str, wanted: int) -> MissReason:
-        """A value whose size is not the header plus the destination: shorter is truncated."""
+    def _why_other_size(self, item: tuple[str, bytes, bytes, Span]) -> MissReason:
+        """A value whose size is not the header plus the destination: read whole (a value of
+        at most ``max_value_bytes``) and decoded, so an old-format value is counted as one;
+        else shorter is truncated."""
+        name, key, proof, span = item
+        wanted = HEADER_SIZE + span.nbytes
         size = int(self._client.get_size(name))
         if size < 0:
             return MissReason.ABSENT if size == OBJECT_NOT_FOUND else MissReason.STORE_ERROR
+        if size <= self._config.max_value_bytes:
+            blob = self._client.get(name)
+            if isinstance(blob, bytes | bytearray | memoryview) and len(blob) == size:
+                reason = decode(
+                    blob, key, self._fingerprint, expected_length=span.nbytes, proof=proof
+                )
+                if isinstance(reason, MissReason):
+                    return reason
         return MissReason.TRUNCATED if size < wanted else MissReason.OTHER_LENGTH
 
     # -- close --------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Redis), and the counters every adapter keeps.
 Invariants every adapter keeps: a call never raises for anything the server or the network
 does (down, slow, restarting, full, corrupted values): that is a miss or a failed put, counted
 in :class:`StoreStats`; only a malformed argument raises (``kvforge._checks.ArgumentError``).
-A hit's bytes are exactly the bytes put under that key and layout (``kvforge.store.value``).
+A hit's bytes are exactly the bytes put under that key and layout with that content proof
+(``kvforge.store.value``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class RemoteStore(Protocol):
     arrays or CPU ``torch.uint8`` tensors) inside buffers given to :meth:`register_buffer`,
     so a store that reads host memory directly (Mooncake) needs no copy. A destination's
     length is the payload length expected: a value of another length is a miss.
+
+    ``proofs`` (every put and get): one content proof per key, :data:`~kvforge.store.value.
+    PROOF_SIZE` bytes (the remote tier's SHA-256 chain over the block's tokens and extra keys,
+    ``docs/tiered_store.md``). A value is read only by a get whose proof equals the one it
+    was put with (else :attr:`~kvforge.store.value.MissReason.OTHER_CONTENT`); ``None``
+    writes and expects :data:`~kvforge.store.value.NO_PROOF`.
     """
 
     def register_buffer(self, buf: Any) -> None:
@@ -73,11 +80,17 @@ class RemoteStore(Protocol):
         """How many leading ``keys`` the store holds (0 on any error). A hint: a value that
         exists may still be a miss when read (corrupted, evicted meanwhile)."""
 
-    def batch_put(self, keys: Sequence[bytes], sources: Sequence[Any]) -> list[bool]:
+    def batch_put(
+        self, keys: Sequence[bytes], sources: Sequence[Any], proofs: Sequence[bytes] | None = None
+    ) -> list[bool]:
         """Write ``sources[i]`` under ``keys[i]`` now; ``True`` where the store took it."""
 
     def batch_put_blocks(
-        self, keys: Sequence[bytes], planes: Sequence[Any], block_ids: Any
+        self,
+        keys: Sequence[bytes],
+        planes: Sequence[Any],
+        block_ids: Any,
+        proofs: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """Write block ``block_ids[i]`` of every plane, in plane order, under ``keys[i]`` now,
         straight from the planes: no packed page first. A plane is a 2-D ``uint8`` CPU tensor
@@ -87,13 +100,18 @@ class RemoteStore(Protocol):
         the same blocks, so :meth:`batch_get_into` reads it into a page. ``True`` where the
         store took it."""
 
-    def put_async(self, keys: Sequence[bytes], sources: Sequence[Any]) -> int:
+    def put_async(
+        self, keys: Sequence[bytes], sources: Sequence[Any], proofs: Sequence[bytes] | None = None
+    ) -> int:
         """Copy the values and queue them for a background writer; returns how many were
         queued (the rest are dropped and counted: the queue is bounded). The sources may be
         reused as soon as this returns."""
 
     def batch_get_into(
-        self, keys: Sequence[bytes], destinations: Sequence[Any]
+        self,
+        keys: Sequence[bytes],
+        destinations: Sequence[Any],
+        proofs: Sequence[bytes] | None = None,
     ) -> list[int | None]:
         """Read ``keys[i]``'s payload into ``destinations[i]``: its byte count on a hit,
         ``None`` on a miss. After a miss the destination's bytes are unspecified."""

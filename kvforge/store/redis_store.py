@@ -113,27 +113,27 @@ class RedisStore(StoreBase):
         finally:
             pool.release(conn)
 
-    def _put(self, items: list[tuple[str, bytes, Span]]) -> list[bool]:
+    def _put(self, items: list[tuple[str, bytes, bytes, Span]]) -> list[bool]:
         """``SET`` each value as its header and the payload in place: the commands are packed
         by hand so the payload goes to the socket from the caller's pages, without the copy a
         joined ``bytes`` value costs (which was most of a put's time on loopback)."""
         chunks: list[Any] = []
-        for name, key, span in items:
-            header = encode_header(key, self._fingerprint, span.view)
+        for name, key, proof, span in items:
+            header = encode_header(key, self._fingerprint, span.view, proof)
             chunks += [_set_head(name, HEADER_SIZE + span.nbytes), header, span.view, b"\r\n"]
         return self._send_sets(chunks, len(items))
 
     def _put_blocks(
-        self, items: list[tuple[str, bytes, int]], planes: list[PlaneSpan]
+        self, items: list[tuple[str, bytes, bytes, int]], planes: list[PlaneSpan]
     ) -> list[bool]:
         """``SET`` each value as its header, then its block of every plane in place, one value
         at a time: the checksum reads a value's blocks just before they are sent, so the send
         finds them in the CPU cache, and the server reads value i while the next is hashed."""
         with self._connection() as conn:
             sock = conn._sock
-            for name, key, block in items:
+            for name, key, proof, block in items:
                 parts = [plane.view(block) for plane in planes]
-                header = encode_header_of_parts(key, self._fingerprint, parts)
+                header = encode_header_of_parts(key, self._fingerprint, parts, proof)
                 head = _set_head(name, HEADER_SIZE + sum(map(len, parts)))
                 _send_all(sock, [head + header, *parts, b"\r\n"])
             replies = self._read_set_replies(conn, len(items))
@@ -167,7 +167,7 @@ class RedisStore(StoreBase):
             self._note_error(f"put refused: {type(refused[0]).__name__}: {refused[0]}", trip=False)
         return [r == b"OK" for r in replies]
 
-    def _get(self, items: list[tuple[str, bytes, Span]]) -> list[MissReason | None]:
+    def _get(self, items: list[tuple[str, bytes, bytes, Span]]) -> list[MissReason | None]:
         """``GET`` each value, packed by hand, and read the replies off the socket without
         redis-py's reply parser: a value of the expected size goes header-first straight into
         the destination (``recv_into``, no copy), then is checked in place; any other value
@@ -175,15 +175,17 @@ class RedisStore(StoreBase):
         2 MiB value in 64 KiB pieces through a growing buffer and copied it three times, most
         of a get's time (``docs/performance.md``, Tiers)."""
         commands = []
-        for name, _, _ in items:
+        for name, _, _, _ in items:
             raw = name.encode()
             commands.append(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw))
         with self._connection() as conn:
             conn.send_packed_command([b"".join(commands)])
             replies = _Replies(conn._sock)
-            return [self._read_value(replies, key, span) for _, key, span in items]
+            return [self._read_value(replies, key, proof, span) for _, key, proof, span in items]
 
-    def _read_value(self, replies: _Replies, key: bytes, span: Span) -> MissReason | None:
+    def _read_value(
+        self, replies: _Replies, key: bytes, proof: bytes, span: Span
+    ) -> MissReason | None:
         """Read one ``GET`` reply: ``None`` once the value is in ``span`` and checked."""
         line = replies.line()  # RESP2 or RESP3, whichever the connection speaks
         if line.startswith((b"-", b"!")):  # an error, e.g. WRONGTYPE: the server said no
@@ -206,11 +208,11 @@ class RedisStore(StoreBase):
             replies.read_into(memoryview(header))
             replies.read_into(span.view)
             replies.end()
-            return check(header, span.view, key, self._fingerprint)
+            return check(header, span.view, key, self._fingerprint, proof)
         blob = bytearray(length)  # not this destination's size: a miss, as decode says why
         replies.read_into(memoryview(blob))
         replies.end()
-        reason = decode(blob, key, self._fingerprint, expected_length=span.nbytes)
+        reason = decode(blob, key, self._fingerprint, expected_length=span.nbytes, proof=proof)
         return reason if isinstance(reason, MissReason) else MissReason.OTHER_LENGTH
 
     def _interrupt(self) -> None:

@@ -3,7 +3,11 @@ tier and a remote tier (Redis, or Mooncake Store with ``--mooncake HOST:PORT``) 
 writes a prompt (``write``; ``serve`` also keeps its process, and so its share of Mooncake's
 segments, alive until stdin closes) or looks it up, reuses what the store gives and verifies
 every entry (``read``). Prints one JSON line: what the tests check, and the store's counters
-(puts queued, dropped, failed; misses by reason), so a failed check says why."""
+(puts queued, dropped, failed; misses by reason), so a failed check says why.
+
+The engine's :class:`~kvforge.ModelIdentity` is :func:`identity` of its ``revision`` (an
+optional fourth argument, default ``"rev-a"``): engines of one model path at two revisions
+have equal layouts and must never share bytes."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import sys
 
 import numpy as np
 
-from kvforge import CacheController
+from kvforge import CacheController, ModelIdentity, config_digest
 from kvforge.core.values import PrefixQuery
 from kvforge.models import from_hf_config
 from kvforge.store.config import StoreConfig
@@ -57,7 +61,22 @@ def store_config(address: str) -> StoreConfig:
     )
 
 
-def controller(model: str, port: int | str) -> CacheController:
+def identity(model: str, revision: str = "rev-a", **fields) -> ModelIdentity:
+    """The identity of an engine serving ``model`` at ``revision``: one path for every
+    revision (a path alone never identifies weights), the config's digest, bfloat16."""
+    kw = MODELS[model][0]
+    return ModelIdentity(
+        **{
+            "name": f"/models/{kw['config']}",
+            "config_digest": config_digest(kw),
+            "revision": revision,
+            "dtype": "bfloat16",
+            **fields,
+        }
+    )
+
+
+def controller(model: str, port: int | str, revision: str = "rev-a") -> CacheController:
     kw, budget, _, _ = MODELS[model]
     backends = from_hf_config(kw["config"], **{k: v for k, v in kw.items() if k != "config"})
     ctl = CacheController(backends, enable_prefix_caching=True)
@@ -68,7 +87,7 @@ def controller(model: str, port: int | str) -> CacheController:
             memory_budget=budget, max_num_seqs=2, max_model_len=4096, max_num_batched_tokens=512
         )
     ctl.initialize_host_tier(num_pages=HOST_PAGES, policy="write_through")
-    ctl.initialize_remote_tier(store_config(str(port)))
+    ctl.initialize_remote_tier(store_config(str(port)), model=identity(model, revision))
     if not ctl.remote_tier.store.wait_ready(60.0):
         raise RuntimeError(f"the store is not ready: {ctl.remote_tier.store.stats()}")
     return ctl
@@ -97,8 +116,8 @@ def run(ctl: CacheController, rid: str, toks: np.ndarray, chunk: int, match=None
         first = False
 
 
-def main(role: str, model: str, port: int | str) -> dict:
-    ctl = controller(model, port)
+def main(role: str, model: str, port: int | str, revision: str = "rev-a") -> dict:
+    ctl = controller(model, port, revision)
     toks, chunk = prompt(model), MODELS[model][3]
     try:
         if role in ("write", "serve"):
@@ -157,4 +176,4 @@ def served_whole(read: dict, longest: int) -> bool:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], sys.argv[3])))
+    print(json.dumps(main(*sys.argv[1:5])))

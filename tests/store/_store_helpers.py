@@ -1,5 +1,5 @@
 """Helpers the remote tier's tests share: configs for the loopback servers, registered pages of
-random bytes, 32-byte keys, and values as an older kvforge wrote them."""
+random bytes, 32-byte keys, and values as older kvforge wrote them (versions 1 and 2)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hashlib
 import struct
 
 import numpy as np
+import xxhash
 
 from kvforge.store.config import StoreConfig
 from kvforge.store.servers import MooncakeMaster, RedisServer
@@ -67,3 +68,28 @@ def encode_v1(key: bytes, layout: bytes, payload) -> bytes:
         len(payload),
     )
     return fixed + hashlib.blake2b(fixed + payload, digest_size=16).digest() + payload
+
+
+def encode_v2(key: bytes, layout: bytes, payload) -> bytes:
+    """A value in format version 2 (XXH3-128 checksum, no content proof), as kvforge wrote it
+    before version 3, built from the documented format alone (``docs/tiered_store.md``)."""
+    payload = bytes(payload)
+    fixed = struct.pack(
+        "<4sHH32s16sQ",
+        b"KVFV",
+        2,
+        80,
+        hashlib.blake2b(key, digest_size=32, person=b"kvforge-key").digest(),
+        hashlib.blake2b(layout, digest_size=16, person=b"kvforge-layout").digest(),
+        len(payload),
+    )
+    return fixed + xxhash.xxh3_128(fixed + payload).digest() + payload
+
+
+def as_version_2(value: bytes) -> bytes:
+    """A version 3 ``value`` rewritten as kvforge wrote values before the content proof: the
+    same key and layout digests and payload, an 80-byte header with an XXH3-128 checksum."""
+    magic, _, _, kd, ld, _, length = struct.unpack_from("<4sHH32s16s32sQ", value)
+    payload = bytes(value[112:])
+    fixed = struct.pack("<4sHH32s16sQ", magic, 2, 80, kd, ld, length)
+    return fixed + xxhash.xxh3_128(fixed + payload).digest() + payload

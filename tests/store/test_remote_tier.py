@@ -14,7 +14,8 @@ import _remote_engine as engine
 import pytest
 from conftest import HAVE_REDIS
 
-from kvforge import CacheController, GQABackend
+from kvforge import CacheController, GQABackend, ModelIdentity, config_digest
+from kvforge._checks import ArgumentError
 from kvforge.core.values import PrefixQuery
 from kvforge.remote_tier import layout_fingerprint
 from kvforge.store import StoreConfig, open_store
@@ -50,7 +51,13 @@ def test_two_processes_share_a_prefix_byte_for_byte(redis_server, model, longest
     assert engine.served_whole(read, longest), f"reader {read}; writer {wrote}"
 
 
-def gqa_controller(port: int, rank: int = 0, **store) -> CacheController:
+def gqa_identity(**fields) -> ModelIdentity:
+    """The identity of the GQA engine below; ``fields`` change it (another rank, revision)."""
+    base = dict(name="/models/gqa-test", config_digest=config_digest({"layers": 4}), dtype="bf16")
+    return ModelIdentity(**{**base, **fields})
+
+
+def gqa_controller(port: int, model: ModelIdentity | None = None, **store) -> CacheController:
     """A GQA engine (a window and a full group) whose remote tier is Redis at ``port``;
     ``store``: fields of its StoreConfig other than the defaults here."""
     swa = GQABackend(2, 8, block_size=16, sliding_window=32)
@@ -60,7 +67,7 @@ def gqa_controller(port: int, rank: int = 0, **store) -> CacheController:
     ctl.initialize_host_tier(num_pages=64, policy="write_through")
     base = dict(op_timeout_s=1.0, retry_after_s=0.1, close_timeout_s=1.0)
     config = StoreConfig(backend="redis", redis_port=port, **{**base, **store})
-    ctl.initialize_remote_tier(config, rank=rank)
+    ctl.initialize_remote_tier(config, model=model or gqa_identity())
     return ctl
 
 
@@ -163,7 +170,8 @@ def test_a_writer_that_falls_behind_drops_pages_and_counts_them(redis_server):
 
 def test_another_layouts_values_are_never_read(redis_server):
     toks = list(range(1, 161))
-    writer = gqa_controller(redis_server.port, rank=1)  # another tensor-parallel rank
+    other = gqa_identity(tp_rank=1, tp_size=2)  # another tensor-parallel rank
+    writer = gqa_controller(redis_server.port, other)
     try:
         write_prompt(writer, toks)
     finally:
@@ -184,11 +192,16 @@ def bare(**host) -> CacheController:
     return ctl
 
 
+MODEL = {"model": gqa_identity()}
 BAD = [
-    ({}, StoreConfig(backend="redis"), {}, RuntimeError, "call initialize_host_tier first"),
-    ({"num_pages": 4}, StoreConfig(), {}, ValueError, "backend is 'none'"),
-    ({"num_pages": 4}, StoreConfig(backend="redis"), {"rank": -1}, ValueError, "rank"),
-    ({"num_pages": 4}, "fingerprint", {}, ValueError, "another layout fingerprint"),
+    ({}, StoreConfig(backend="redis"), MODEL, RuntimeError, "call initialize_host_tier first"),
+    ({"num_pages": 4}, StoreConfig(), MODEL, ValueError, "backend is 'none'"),
+    ({"num_pages": 4}, "fingerprint", MODEL, ValueError, "another layout fingerprint"),
+    # no model identity: a clear error, never a shared default
+    ({"num_pages": 4}, StoreConfig(backend="redis"), {}, ArgumentError, "model must be a Model"),
+    ({"num_pages": 4}, StoreConfig(backend="redis"), {"model": None}, ArgumentError, "got NoneT"),
+    ({"num_pages": 4}, StoreConfig(backend="redis"), {"model": "/models/x"}, ArgumentError, "str"),
+    ({"num_pages": 4}, StoreConfig(backend="redis"), {"rank": 1}, TypeError, "rank"),
 ]
 
 
@@ -210,6 +223,6 @@ def test_a_second_remote_tier_is_refused(redis_server):
     try:
         with pytest.raises(RuntimeError, match="has a remote tier already"):
             ctl.initialize_remote_tier(StoreConfig(backend="redis", redis_port=redis_server.port))
-        assert ctl.remote_tier.store.fingerprint == layout_fingerprint(ctl.layout)
+        assert ctl.remote_tier.store.fingerprint == layout_fingerprint(ctl.layout, gqa_identity())
     finally:
         ctl.free()

@@ -1,7 +1,11 @@
 """The remote tier on Mooncake Store: two controllers in two processes share a prefix byte for
 byte through a real ``mooncake_master``. Both engines run in processes of their own (Mooncake's
 client keeps process-wide state), the writer kept alive while the reader reads: a Mooncake
-value lives in the segments its clients lend."""
+value lives in the segments its clients lend.
+
+Issue 32, class 2: an engine of the same model path at another revision (equal layout, the
+default namespace, the same master) reads nothing of the writer's; the same identity reads it
+all."""
 
 from __future__ import annotations
 
@@ -36,15 +40,23 @@ def test_two_processes_share_a_prefix_through_mooncake(mooncake_master, model, l
         wrote = json.loads(line)
         # every value queued and written, none dropped: else the reader's hit ends early
         assert engine.all_landed(wrote), f"the writer's values did not all land: {wrote}"
-        read = subprocess.run(
-            [*engine_argv, "read", model, address],
-            cwd=HERE,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert read.returncode == 0, read.stderr[-3000:]
-        got = json.loads(read.stdout.strip().splitlines()[-1])
+
+        def read(revision: str) -> dict:
+            run = subprocess.run(
+                [*engine_argv, "read", model, address, revision],
+                cwd=HERE,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert run.returncode == 0, run.stderr[-3000:]
+            return json.loads(run.stdout.strip().splitlines()[-1])
+
+        if model == "gqa":  # another model (same path, other revision): nothing crosses
+            other = read("rev-b")
+            assert other["hit_tokens"] == other["fetched"] == other["fetch_misses"] == 0, other
+            assert not other["store"]["misses"] and other["mismatched"] == 0, other
+        got = read("rev-a")
         # served to the prompt's last boundary, all of it from the store, every entry verified
         assert engine.served_whole(got, longest), f"reader {got}; writer {wrote}"
     finally:

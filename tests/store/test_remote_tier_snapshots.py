@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import HAVE_REDIS
 
-from kvforge import CacheController, GQABackend
+from kvforge import CacheController, GQABackend, ModelIdentity, config_digest
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.core.values import PrefixQuery
 from kvforge.store import StoreConfig
@@ -49,7 +49,12 @@ def hybrid(port: int, state_policy: str | None) -> CacheController:
             op_timeout_s=2.0,
             retry_after_s=0.1,
             close_timeout_s=1.0,
-        )
+        ),
+        model=ModelIdentity(
+            name="/models/qwen3-next-like",
+            config_digest=config_digest({"linear": 2, "full": 2}),
+            dtype="bfloat16",
+        ),
     )
     return ctl
 

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 import pytest
-from _store_helpers import keys, redis_config
+from _store_helpers import encode_v2, keys, redis_config
 
 from kvforge.store.base import server_key, span_of
 from kvforge.store.config import StoreConfig
@@ -137,7 +137,10 @@ def test_a_failed_round_trip_costs_its_values_and_the_later_ones_only(redis_serv
 
 # (what the server sent, the reason) for one GET reply read off the socket by hand
 VALUE = np.arange(64, dtype=np.uint8)
-GOOD = encode(b"k" * 32, LAYOUT, VALUE)
+PROOF = b"p" * 32
+GOOD = encode(b"k" * 32, LAYOUT, VALUE, PROOF)
+OTHER = encode(b"k" * 32, LAYOUT, VALUE, b"q" * 32)  # another prompt's value under this key
+OLD = encode_v2(b"k" * 32, LAYOUT, VALUE)  # as kvforge wrote it before the content proof
 REPLIES = [
     ("RESP2 null", b"$-1\r\n", MissReason.ABSENT),
     ("RESP3 null", b"_\r\n", MissReason.ABSENT),
@@ -156,6 +159,8 @@ REPLIES = [
         MissReason.CORRUPTED,
     ),
     ("an empty value", b"$0\r\n\r\n", MissReason.TRUNCATED),
+    ("another prompt's proof", b"$%d\r\n%s\r\n" % (len(OTHER), OTHER), MissReason.OTHER_CONTENT),
+    ("an old-format value", b"$%d\r\n%s\r\n" % (len(OLD), OLD), MissReason.OLD_FORMAT),
 ]
 
 
@@ -168,7 +173,8 @@ def test_a_reply_read_by_hand_is_the_hit_or_miss_it_was(sent, reason):
         # the reply, then a second one that must still be read whole after it (no desync)
         left.sendall(sent + b"$-1\r\n")
         replies = _Replies(right)
-        assert store._read_value(replies, b"k" * 32, span_of(dst, "dst", writable=True)) == reason
+        span = span_of(dst, "dst", writable=True)
+        assert store._read_value(replies, b"k" * 32, PROOF, span) == reason
         assert replies.line() == b"$-1"
         if reason is None:
             assert np.array_equal(dst, VALUE)

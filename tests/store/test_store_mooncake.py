@@ -13,7 +13,7 @@ import time
 import weakref
 
 import pytest
-from _store_helpers import Pages, keys, mooncake_config
+from _store_helpers import Pages, as_version_2, keys, mooncake_config
 
 from kvforge.store import open_store
 from kvforge.store.base import server_key
@@ -287,7 +287,10 @@ TAMPERING = [
     ("flip a checksum byte", lambda v: v[:66] + bytes([v[66] ^ 1]) + v[67:], "corrupted"),
     ("cut the last byte", lambda v: v[:-1], "truncated"),
     ("cut to a header", lambda v: v[:HEADER_SIZE], "truncated"),
-    ("a byte appended", lambda v: v + b"\0", "other_length"),
+    # a value of another size is read whole and decoded: the reason is the exact one
+    ("a byte appended", lambda v: v + b"\0", "corrupted"),
+    ("flip a proof byte", lambda v: v[:70] + bytes([v[70] ^ 1]) + v[71:], "corrupted"),
+    ("the older format (no proof)", as_version_2, "old_format"),
 ]
 
 
@@ -301,6 +304,19 @@ def test_a_tampered_value_is_a_miss(mooncake_master, stores, what, tamper, reaso
     overwrite(store, key, tamper(encode(key, LAYOUT_A, pages.page(0))))
     assert store.batch_get_into([key], [pages.page(1)]) == [None]
     assert store.stats().misses == {reason: 1}
+
+
+def test_a_value_is_read_only_with_the_proof_it_was_put_with(mooncake_master, stores):
+    store = make(stores, mooncake_master)
+    pages = Pages(3, 4096, seed=12)
+    store.register_buffer(pages.buf)
+    key = keys(1, b"proof")[0]
+    assert store.batch_put([key], [pages.page(0)], [b"m" * 32]) == [True]
+    assert store.batch_get_into([key], [pages.page(1)], [b"o" * 32]) == [None]
+    assert store.batch_get_into([key], [pages.page(1)]) == [None]  # no proof: NO_PROOF
+    assert store.stats().misses == {"other_content": 2}
+    assert store.batch_get_into([key], [pages.page(2)], [b"m" * 32]) == [4096]
+    assert pages.bytes_of(2) == pages.bytes_of(0)
 
 
 def test_a_value_of_another_key_or_layout_is_a_miss(mooncake_master, stores):

@@ -6,13 +6,14 @@ exception, never wrong bytes, never a hang."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from _store_helpers import Pages, encode_v1, keys, redis_config
+from _store_helpers import Pages, encode_v1, encode_v2, keys, redis_config
 
 from kvforge.store import open_store
 from kvforge.store.base import server_key
@@ -146,7 +147,8 @@ def _get_one(store, pages: Pages, key: bytes, page: int = 1):
 # (what is done to the stored value, the miss reason)
 TAMPERING = [
     ("flip a payload byte", lambda v: v[:HEADER_SIZE + 100] + bytes([v[HEADER_SIZE + 100] ^ 1]) + v[HEADER_SIZE + 101:], "corrupted"),
-    ("flip a checksum byte", lambda v: v[:70] + bytes([v[70] ^ 0x80]) + v[71:], "corrupted"),
+    ("flip a checksum byte", lambda v: v[:100] + bytes([v[100] ^ 0x80]) + v[101:], "corrupted"),
+    ("flip a proof byte", lambda v: v[:70] + bytes([v[70] ^ 0x80]) + v[71:], "corrupted"),
     ("flip a key-digest byte", lambda v: v[:9] + bytes([v[9] ^ 1]) + v[10:], "corrupted"),
     ("wrong magic", lambda v: b"XXXX" + v[4:], "corrupted"),
     ("other version", lambda v: v[:4] + (VERSION + 1).to_bytes(2, "little") + v[6:], "other_version"),
@@ -173,21 +175,69 @@ def test_a_tampered_value_is_a_miss(redis_server, stores, what, tamper, reason):
     assert store.exists_prefix([key]) == 1  # it exists; reading it is what misses
 
 
-def test_a_version_1_value_in_the_server_is_still_a_hit(redis_server, stores):
-    """A store may hold values an older kvforge wrote (BLAKE2b checksum): they are verified
-    and read; a corrupted one is still a miss."""
+@pytest.mark.parametrize("old", [encode_v1, encode_v2], ids=["version-1", "version-2"])
+@pytest.mark.parametrize("length", [4096, 4096 + 32], ids=["same-payload", "read-as-v3-size"])
+def test_a_value_of_an_older_format_is_an_old_format_miss(redis_server, stores, old, length):
+    """A store may hold values an older kvforge wrote, without a content proof: whatever
+    their checksum, they are counted misses (``old_format``), never read; a value whose total
+    size equals this format's (a payload 32 bytes longer) is cut at 112 bytes and still
+    recognised."""
     store = make(stores, redis_server)
     pages = Pages(3, 4096, seed=10)
     store.register_buffer(pages.buf)
-    key, bad = keys(2, b"v1")
-    raw_client(store).set(_stored(store, key), encode_v1(key, store.fingerprint, pages.page(0)))
-    old = encode_v1(bad, store.fingerprint, pages.page(0))
-    raw_client(store).set(_stored(store, bad), old[:-1] + bytes([old[-1] ^ 1]))
+    key = keys(1, b"old")[0]
+    payload = bytes(range(256)) * (length // 256)
+    raw_client(store).set(_stored(store, key), old(key, store.fingerprint, payload[:length - 32 * (length > 4096)]))
+    before = pages.bytes_of(0)
     got, new = _get_one(store, pages, key)
-    assert (got, new) == ([4096], {})
+    assert (got, new) == ([None], {"old_format": 1})
+    assert store.stats().gets_hit == 0 and store.stats().errors == 0
+    assert pages.bytes_of(0) == before  # the source page is untouched
+
+
+def test_a_value_is_read_only_with_the_proof_it_was_put_with(redis_server, stores):
+    store = make(stores, redis_server)
+    pages = Pages(3, 4096, seed=12)
+    store.register_buffer(pages.buf)
+    key = keys(1, b"proof")[0]
+    mine, other = b"m" * 32, b"o" * 32
+    assert store.batch_put([key], [pages.page(0)], [mine]) == [True]
+    assert store.batch_get_into([key], [pages.page(1)], [other]) == [None]
+    assert store.batch_get_into([key], [pages.page(2)]) == [None]  # no proof: NO_PROOF
+    assert store.stats().misses == {"other_content": 2}
+    assert store.batch_get_into([key], [pages.page(1)], [mine]) == [4096]
     assert pages.bytes_of(1) == pages.bytes_of(0)
-    got, new = _get_one(store, pages, bad, page=2)
-    assert (got, new) == ([None], {"corrupted": 1})
+
+
+# (call, exception type, message): a malformed proofs argument, refused before anything moves
+BAD_PROOFS = [
+    ("batch_put", lambda s, p, k: s.batch_put(k, p.pages([0, 1]), [b"x" * 32]), "2 keys but 1 proofs"),
+    ("batch_put", lambda s, p, k: s.batch_put(k, p.pages([0, 1]), [b"x" * 32, b"y"]), "proofs[1] must be 32 bytes"),
+    ("put_async", lambda s, p, k: s.put_async(k, p.pages([0, 1]), b"x" * 64), "proofs must be a sequence"),
+    ("put_async", lambda s, p, k: s.put_async(k, p.pages([0, 1]), ["x" * 32] * 2), "proofs[0] must be 32 bytes"),
+    ("batch_put_blocks", lambda s, p, k: s.batch_put_blocks(k, [p.buf.reshape(4, -1)], [0, 1], [None, None]), "proofs[0]"),
+    ("batch_get_into", lambda s, p, k: s.batch_get_into(k, p.pages([2, 3]), [b"x" * 33] * 2), "proofs[0] must be 32 bytes"),
+]
+
+
+@pytest.mark.parametrize(("call", "bad", "message"), BAD_PROOFS, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(BAD_PROOFS)])
+def test_malformed_proofs_are_refused_with_nothing_changed(redis_server, stores, call, bad, message):
+    from kvforge._checks import ArgumentError
+
+    store = make(stores, redis_server)
+    pages = Pages(4, 4096, seed=13)
+    store.register_buffer(pages.buf)
+    before = pages.buf.copy()
+    ks = keys(2, b"bad-proof")
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        bad(store, pages, ks)
+    assert store.flush(5)
+    assert raw_client(store).keys("*") == []  # nothing written
+    assert (pages.buf == before).all()  # nothing read into the destinations
+    stats = store.stats()
+    assert (stats.puts_ok, stats.puts_failed, stats.puts_dropped, stats.gets_hit, stats.misses) == (
+        0, 0, 0, 0, {}
+    )
 
 
 def test_a_byte_overwritten_in_the_server_is_a_miss(redis_server, stores):
@@ -363,9 +413,9 @@ def test_put_async_copies_the_source_and_writes_it(redis_server, stores):
 
 
 def test_the_put_queue_never_holds_more_than_its_bytes(redis_server, stores):
-    """Values of 4,096 + 80 bytes (payload, header) under a 3-value byte bound: the fourth is
+    """Values of 4,096 + 112 bytes (payload, header) under a 3-value byte bound: the fourth is
     dropped however many values the count bound would allow, and nothing is lost after."""
-    value = 4096 + 80
+    value = 4096 + HEADER_SIZE
     store = make(
         stores, redis_server, max_inflight_put_bytes=3 * value, op_timeout_s=30
     )

@@ -6,6 +6,8 @@ factory): an offloading backend whose host pages are kvforge's per-group compact
   ``"kv_connector_module_path": "kvforge.integrations.vllm"``).
 - :class:`KVForgeOffloadingSpec` (:mod:`.spec`), its manager (:mod:`.manager`, on kvforge's
   host tier) and worker (:mod:`.worker`, kvforge's gather/scatter).
+- :func:`model_identity` (:mod:`.identity`): the engine's :class:`~kvforge.ModelIdentity`
+  from its ``VllmConfig`` (also ``KVForgeConnector.model_identity``), for a remote tier.
 - :class:`KVForgeOffloadOptions` (:mod:`.config`): the ``"kvforge"`` object of
   ``kv_connector_extra_config``.
 - :func:`to_vllm_specs` / :func:`from_vllm_specs` (:mod:`.specs`): kvforge backends described
@@ -18,6 +20,7 @@ CPU the recipe in docs/integrations/vllm.md). Guide: docs/integrations/vllm.md.
 
 from kvforge.integrations.vllm.config import KVForgeOffloadOptions
 from kvforge.integrations.vllm.connector import KVForgeConnector
+from kvforge.integrations.vllm.identity import model_identity
 from kvforge.integrations.vllm.manager import KVForgeOffloadingManager
 from kvforge.integrations.vllm.pages import HostPagePlan, plan_host_pages
 from kvforge.integrations.vllm.spec import KVForgeOffloadingSpec
@@ -45,6 +48,7 @@ __all__ = [
     "from_vllm_specs",
     "layer_page_bytes",
     "load_vllm_specs",
+    "model_identity",
     "plan_host_pages",
     "to_vllm_specs",
 ]

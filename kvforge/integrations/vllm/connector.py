@@ -26,6 +26,7 @@ alone cannot do.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -73,8 +74,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvforge._checks import ArgumentError
+from kvforge.core.model_identity import ModelIdentity
 from kvforge.errors import RequestStateError
 from kvforge.integrations.vllm.checks import int_id, req_ids
+from kvforge.integrations.vllm.identity import model_identity
 from kvforge.integrations.vllm.manager import KVForgeOffloadingManager
 from kvforge.integrations.vllm.pages import HostPages
 from kvforge.integrations.vllm.spec import (
@@ -554,6 +557,12 @@ class KVForgeConnector(OffloadingConnector):
             )
         self.connector_scheduler.check_finished_block_ids(block_ids)
         return super().request_finished_all_groups(request, block_ids)
+
+    @functools.cached_property
+    def model_identity(self) -> ModelIdentity:
+        """This engine's :class:`~kvforge.ModelIdentity` (:mod:`.identity`): what a remote tier
+        puts in every key and value header, so engines serving other weights never share."""
+        return model_identity(self._vllm_config)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         worker = self.connector_worker
