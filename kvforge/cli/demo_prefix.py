@@ -34,6 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.cli.remotes import REMOTES, StoreUnavailable, check_available
 from kvforge.controller import CacheController
 from kvforge.core.values import PrefixQuery
 from kvforge.verify import EntryCheck, token_seeds, verify_request, write_step
@@ -51,17 +52,11 @@ PREFILL_CHUNK = 256
 #: where cached prefixes may live in the demo: the device alone, the device and host pages,
 #: or those and a remote store
 TIERS: tuple[str, ...] = ("device", "host", "redis", "mooncake")
-REMOTE_TIERS: tuple[str, ...] = ("redis", "mooncake")
-#: how long a given address may take to accept a connection
-CONNECT_TIMEOUT_S = 3.0
+REMOTE_TIERS: tuple[str, ...] = REMOTES
 #: how long a store may take to answer before the demo gives up on it
 READY_TIMEOUT_S = 15.0
 #: how long engine A's queued puts may take to reach the store
 FLUSH_TIMEOUT_S = 60.0
-
-
-class StoreUnavailable(RuntimeError):
-    """The store server of a remote tier did not answer (or its client is not installed)."""
 
 
 class PrefixDemoResult(BaseModel):
@@ -215,32 +210,17 @@ def store_server(tier: str, address: str | None) -> Iterator[tuple[str, list[str
         StoreUnavailable: the client or the server binary is missing, the server did not
             start, or nothing accepts a connection at ``address``.
     """
-    import importlib.util
-
-    from kvforge.cli.bench_tiers import missing, servers
+    from kvforge.cli.bench_tiers import servers
 
     if tier not in REMOTE_TIERS:
         raise ValueError(f"tier must be one of {list(REMOTE_TIERS)}, got {tier!r}")
-    if address is not None and importlib.util.find_spec(tier) is None:
-        raise StoreUnavailable(
-            f"the {tier} client is not installed (pip install 'kvforge[{tier}]')"
-        )
-    why = None if address is not None else missing(tier)
-    if why:
-        raise StoreUnavailable(why)
-    if address is not None:  # before the serving loop runs: an address nothing answers on
-        from kvforge.store.servers import wait_for_port
-
-        host, _, port = address.rpartition(":")
-        if not wait_for_port(host, int(port), CONNECT_TIMEOUT_S):
-            raise StoreUnavailable(
-                f"nothing accepts a connection at {address} (waited {CONNECT_TIMEOUT_S:.0f} s)"
-            )
+    # before the serving loop runs: a missing client or binary, an address nothing answers on
+    check_available(tier, address)
     notes: list[str] = []
     with servers([tier], {tier: address} if address else {}, notes) as found:
         if tier not in found:
             said = [n.replace(f"{tier}: skipped, ", f"{tier}: ") for n in notes]
-            raise StoreUnavailable("; ".join(said) or f"{tier}: its server did not start")
+            raise StoreUnavailable("; ".join(said) or f"{tier}: its server did not start", tier)
         if address is None and not notes:
             notes.append(f"{tier} started in a private network namespace")
         yield found[tier], notes

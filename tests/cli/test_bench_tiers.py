@@ -157,7 +157,8 @@ def test_a_missing_client_is_named(monkeypatch):
 
 def test_identical_sees_one_changed_byte():
     model = bench_tiers._build(tiny_cases()[1], bench_tiers.get_platform("cpu"))
-    model.tier.move(offloads=model.copies(model.src), onloads=model.copies(model.dst))
+    model.tier.move(offloads=model.copies(model.src, True))  # each move numbered in turn
+    model.tier.move(onloads=model.copies(model.dst, False))
     assert model.identical()
     plane = model.ctl.storage.planes("swa")[0]
     plane[int(model.dst["swa"][0]), 0] ^= 1
