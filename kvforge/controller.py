@@ -29,8 +29,9 @@ locked method per verb; splitting it would split the one object a program calls.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,11 +66,13 @@ from kvforge.errors import (
     OutOfBlocksError,
     RequestStateError,
     StepError,
+    UnissuedCopyError,
+    WorkerRefusedError,
 )
 from kvforge.kinds import live_start
 from kvforge.platform import Platform
 from kvforge.remote_tier import RemoteTier, check_model_identity, layout_fingerprint
-from kvforge.scheduler import host_tier, tier_lookup
+from kvforge.scheduler import host_tier
 from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
 from kvforge.scheduler.host_tier import (
     HostTier,
@@ -85,7 +88,7 @@ from kvforge.scheduler.prefix_cache import (
     check_prefix_retention,
 )
 from kvforge.specs import SwapPurpose
-from kvforge.worker import guard
+from kvforge.worker import guard, host_memory
 from kvforge.worker.host_tier import HostTierPages
 from kvforge.worker.storage import CacheStorage, StepInputs, SwapExecution
 from kvforge.worker.transfer import SwapHandle
@@ -205,6 +208,9 @@ class CacheController:
         self._manager: BlockManager | None = None
         self._plan: MemoryPlan | None = None
         self._last_steps: _LastSteps | None = None
+        #: a step the scheduler side handed out that an interrupt kept from the worker: the
+        #: next call applies it first, so the worker's sequence of steps has no gap
+        self._unapplied: StepAllocation | None = None
         self._closed = False
         self._remote: RemoteTier | None = None  # initialize_remote_tier
         self._owned_store: Any = None  # a store the controller opened (closed by free)
@@ -438,22 +444,51 @@ class CacheController:
             )
 
     def _sync_tables(self) -> None:
-        manager = self._ready_manager()
-        # moves a step recorded but could not hand out (it raised): before any offload reads
-        # their destinations (and every slot is settled once the deltas below are mirrored)
-        moves = manager.arena.take_moves() if manager.arena is not None else ()
-        if moves:
-            self.storage.copy_blocks(moves)
-        # blocks evicted outside a step (a swap in's, a truncation's takes) before anything
-        # writes them; blocks a lookup brought back before anything reads them
-        offloads = host_tier.take_offloads(manager)
-        onloads = tier_lookup.take_onloads(manager)
-        if offloads or onloads:
-            guard.tier_of(self.storage).move(offloads, onloads)
-            self._publish(offloads)
-        deltas = manager.take_table_deltas()
-        if deltas:
-            self.storage.apply_deltas(deltas)
+        """Run on the worker what changed since the last step (finishes, swaps, truncations,
+        a lookup's onloads, evictions' offloads, arena moves): the scheduler side hands it out
+        as one numbered step of no request (``BlockManager.take_effects``), which the worker
+        checks and applies as it applies any step, once and in order."""
+        self._catch_up()
+        effects = self._unapplied = self._ready_manager().take_effects()
+        if effects is None:
+            return
+        self._apply(effects)  # with its copies on write, before anything writes their blocks
+        self._publish(effects.offloads)
+
+    def _apply(self, step: StepAllocation, slots: bool = False) -> StepInputs | None:
+        """The worker applies ``step`` (and computes its slots with ``slots``), then an
+        effects step's copies on write run. An interrupt before all of it happened leaves the
+        step to :meth:`_catch_up`; a refusal is the worker's answer and propagates."""
+        self._unapplied = step
+        try:
+            inputs = self.storage.apply(step) if slots else self.storage.apply_effects(step)
+        except WorkerRefusedError:
+            self._unapplied = None
+            raise
+        if step.copies_before and not step.request_ids:  # an effects step's copies on write
+            self.storage.copy_blocks(step.copies_before)
+        self._unapplied = None
+        return inputs
+
+    def _catch_up(self) -> None:
+        """Finish applying the step an interrupt kept from the worker, before anything newer:
+        the whole step, or (the worker numbered it already) its deltas not yet mirrored and
+        its copies on write not yet run."""
+        step = self._unapplied
+        if step is None:
+            return
+        storage = self.storage
+        if storage.next_step <= step.step_id:
+            self._apply(step)
+        else:
+            left = [d for d in step.table_deltas if d.seq >= storage.next_seq]
+            if left:
+                storage.apply_deltas(left)
+            if step.copies_before and not step.request_ids:
+                with contextlib.suppress(UnissuedCopyError):  # they ran before the interrupt
+                    storage.copy_blocks(step.copies_before)
+            self._unapplied = None
+        self._publish(step.offloads)
 
     # ================================================================== steps
 
@@ -469,11 +504,14 @@ class CacheController:
         compute the slot mappings and restore per-request state from prefix snapshots (worker
         side). See :meth:`BlockManager.schedule`. After the step's kernels ran, call
         :meth:`end_step` (it takes the per-request state snapshots the step is due)."""
+        self._catch_up()
         allocation = self._ready_manager().schedule(
             request_ids, num_new_tokens, new_token_ids, prefix_matches
         )
+        self._unapplied = allocation  # until the worker applied it (see _catch_up)
         self._note_step(allocation)
-        inputs = self.storage.apply(allocation)
+        inputs = self._apply(allocation, slots=True)
+        assert inputs is not None
         self._publish(allocation.offloads)
         if allocation.copies_before:
             self.storage.copy_blocks(allocation.copies_before)
@@ -555,17 +593,18 @@ class CacheController:
                 f"num_tokens={num_tokens} is less than the {current} tokens request "
                 f"{request_id!r} already holds; tables only grow (use truncate to roll back)"
             )
+        self._catch_up()
         step = manager.schedule([request_id], [num_tokens - current])
+        self._unapplied = step  # until the worker applied it (see _catch_up)
         self._note_step(step)
         # no token ids: the step registers nothing and holds nothing, so it ends at once
         manager.end_step(step)
-        if step.moves:  # cached blocks the takes moved, before anything writes their sources
-            self.storage.copy_blocks(step.moves)
-        if step.offloads or step.onloads:  # evicted blocks out, brought-back blocks in
-            guard.tier_of(self.storage).move(step.offloads, step.onloads)
-            self._publish(step.offloads)
-        if step.table_deltas:
-            self.storage.apply_deltas(step.table_deltas)
+        # moves, evicted blocks out, brought-back blocks in, table changes: checked and run
+        # by the worker as any step (slot_mapping computes this step's slots on demand)
+        self._apply(step)
+        self._publish(step.offloads)
+        if step.copies_before:
+            self.storage.copy_blocks(step.copies_before)
         if step.refused:
             refusal = step.refused[0]
             if refusal.reason == "out_of_blocks":
@@ -581,10 +620,7 @@ class CacheController:
         """Roll a request back to ``num_tokens`` tokens (rejected speculative tokens)."""
         manager = self._ready_manager()
         manager.truncate(request_id, num_tokens)
-        self._sync_tables()
-        copies = manager.take_copies()
-        if copies:  # a block shared with another request was copied before it is rewritten
-            self.storage.copy_blocks(copies)
+        self._sync_tables()  # with the copies on write of a block shared with another request
 
     @locked
     def free_request(self, request_id: str) -> None:
@@ -727,8 +763,8 @@ class CacheController:
         else:
             plan = plan_memory(self.layout, _count("memory_budget", memory_budget), host=True)
         pages = plan.num_blocks
-        self.storage.init_host(pages)
-        manager.init_host(pages)
+        # the worker's pages, then the scheduler side's ids: both or neither
+        manager.init_host(pages, then=lambda: self.storage.init_host(pages))
         return plan
 
     @locked
@@ -841,8 +877,11 @@ class CacheController:
     @property
     @locked
     def host_bytes(self) -> int:
-        """Bytes of host pages held (0 before initialisation and after :meth:`free`)."""
-        return self.storage.host_bytes
+        """Bytes of host memory held: swap pages, host tier pages, and the values a remote
+        tier is still writing (``kvforge.worker.host_memory``; 0 before initialisation and
+        after :meth:`free`)."""
+        store = self._remote.store if self._remote is not None else None
+        return host_memory.host_bytes(self.storage, store)
 
     @property
     @locked
@@ -894,8 +933,8 @@ class CacheController:
             ValueError: a request id appears twice, or an unknown purpose.
         """
         self.storage.host  # noqa: B018 - raises before initialize_host_cache
-        plan = self._ready_manager().plan_swap_out(request_ids, purpose)
-        return self._run(plan)
+        manager = self._ready_manager()
+        return self._run(lambda: manager.plan_swap_out(request_ids, purpose))
 
     def swap_in(self, request_id: str) -> SwapHandle:
         """Bring a swapped-out request back: new device blocks, scatter, free host pages.
@@ -915,20 +954,36 @@ class CacheController:
         propagates.
         """
         self.storage.host  # noqa: B018 - raises before initialize_host_cache
-        plan = self._ready_manager().plan_swap_in(request_ids)
-        return self._run(plan)
-
-    def _run(self, plan: SwapPlan) -> list[SwapHandle]:
-        """Execute a plan on the worker side and complete it on the scheduler side, always:
-        an interrupt between the two would otherwise leave the plan's pages reserved."""
         manager = self._ready_manager()
-        self._sync_tables()  # a swap in wrote new rows the copies do not read, but mirror now
+        return self._run(lambda: manager.plan_swap_in(request_ids))
+
+    def _run(self, make_plan: Callable[[], SwapPlan]) -> list[SwapHandle]:
+        """Plan a swap, execute it on the worker side and complete it on the scheduler side
+        with the worker's own result (its receipt), all or nothing: if any of it raises, an
+        interrupt included, a plan made is settled as failed (what it reserved is given
+        back, every request is where it was before the call) and the exception propagates."""
+        manager = self._ready_manager()
+        plan: SwapPlan | None = None
         execution: SwapExecution | None = None
         try:
+            plan = make_plan()
+            self._sync_tables()  # a swap in's new rows, mirrored before the worker checks it
             execution = self.storage.execute(plan)
-        finally:
-            manager.complete_swap(execution.result if execution is not None else _interrupted(plan))
-            self._sync_tables()
+            manager.complete_swap(execution.result)
+        except BaseException as exc:
+            if plan is not None:
+                try:
+                    if execution is not None:  # no copy may still touch what goes back
+                        self.storage.synchronize()
+                finally:
+                    _roll_back(manager, plan, exc)
+                try:
+                    self._sync_tables()
+                except BaseException as failure:
+                    exc.add_note(f"kvforge: mirroring the rollback failed: {failure!r}")
+            raise
+        assert execution is not None
+        self._sync_tables()
         if not execution.ok:
             assert execution.result.error is not None
             raise execution.result.error
@@ -946,15 +1001,26 @@ class CacheController:
 
     @locked
     def free(self) -> None:
-        """Free every device cache, host page and host view, once. Idempotent."""
+        """Free every device cache, host page (swap and host tier) and host view, once; a
+        remote tier's store forgets the tier's pages (and is closed if this controller opened
+        it). Idempotent."""
         if self._closed:
             return
-        if self._owned_store is not None:
-            self._owned_store.close()  # bounded by its close_timeout_s; never hangs
-        self._remote = None
-        self.storage.free()
-        self._manager = None
-        self._closed = True
+        store = self._remote.store if self._remote is not None else None
+        owned = self._owned_store
+        self._remote = self._owned_store = None
+        try:
+            host_memory.release_host_tier(self.storage, store)  # the store forgets them first
+            tier = host_tier.tier_of(self._manager) if self._manager is not None else None
+            if tier is not None:
+                tier.reset()  # its pages' keys and unit record references
+        finally:  # whatever raised above, every page still goes (a second release is a no-op)
+            host_memory.release_host_tier(self.storage)
+            if owned is not None:
+                owned.close()  # bounded by its close_timeout_s; never hangs
+            self.storage.free()
+            self._manager = None
+            self._closed = True
 
     @property
     @locked
@@ -975,9 +1041,21 @@ class CacheController:
         )
 
 
-def _interrupted(plan: SwapPlan) -> SwapResult:
-    """The result of a plan whose execution never returned (an interrupt on the way)."""
-    return SwapResult(plan.plan_id, SwapFailure("copy", "", "interrupted", "interrupted"))
+def _roll_back(manager: BlockManager, plan: SwapPlan, exc: BaseException) -> None:
+    """Settle ``plan`` as failed after ``exc`` struck while it was made, executed or
+    completed: a swap out keeps its requests resident and gives back its pages, a swap in
+    keeps them swapped out and gives back its rows and blocks. A plan that completed before
+    ``exc`` is left complete."""
+    failure = SwapFailure("copy", "", type(exc).__name__, f"rolled back: {exc}")
+    try:
+        manager.complete_swap(SwapResult(plan.plan_id, failure))
+    except ValueError:  # not in flight: it completed before the fault
+        return
+    except BaseException as again:
+        exc.add_note(
+            f"kvforge: settling swap plan {plan.plan_id} as failed raised {again!r}; it is "
+            "still in flight (BlockManager.complete_swap with a failed result settles it)"
+        )
 
 
 def _positions(positions: object) -> np.ndarray:

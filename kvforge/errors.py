@@ -8,9 +8,13 @@ __all__ = [
     "ControllerClosedError",
     "DeltaOrderError",
     "OutOfBlocksError",
+    "PageOwnershipError",
     "PlanReplayError",
     "RequestStateError",
     "StepError",
+    "StepOrderError",
+    "SwapReceiptError",
+    "UnissuedCopyError",
     "WorkerRefusedError",
 ]
 
@@ -131,3 +135,76 @@ class PlanReplayError(WorkerRefusedError):
     def __init__(self, plan_id: object, detail: str) -> None:
         self.plan_id = plan_id
         super().__init__(f"execute: swap plan {plan_id!r} {detail}; nothing moved")
+
+
+class StepOrderError(WorkerRefusedError):
+    """A step, an effects batch or a page copy arrived out of its sequence: a repeat (a retry
+    of one already applied), a gap, a reordering, or one never handed out. Applying it could
+    write blocks or pages that now belong to another request or prompt.
+
+    Attributes:
+        expected: the sequence number the worker applies next.
+        got: the value's number.
+    """
+
+    def __init__(
+        self, action: str, what: str, expected: int, got: object, sequence: str, first: int = 0
+    ) -> None:
+        self.expected, self.got = expected, got
+        if not isinstance(got, int) or isinstance(got, bool) or got < first:
+            why = "it was never handed out by the scheduler side"
+        elif got > expected:
+            why = f"a gap: {sequence} {expected}..{got - 1} never arrived"
+        else:
+            why = f"a repeat or a reordering: {sequence} {got} was already applied"
+        super().__init__(
+            f"{action}: {what} has {sequence} number {got!r}, expected {expected}: {why}; "
+            "nothing changed"
+        )
+
+
+class PageOwnershipError(WorkerRefusedError):
+    """A host tier page copy contradicts the worker's record of its pages: an offload into a
+    page that still holds a key, or an onload from a page that holds another key or none.
+
+    Attributes:
+        group: the page's group.
+        page: the page id.
+    """
+
+    def __init__(self, message: str, group: str, page: int) -> None:
+        self.group, self.page = group, page
+        super().__init__(message)
+
+
+class UnissuedCopyError(WorkerRefusedError):
+    """A block copy that no step this worker applied issued, or one that already ran: a
+    forged copy, or a retry. Running it could overwrite a block that only the prefix cache
+    holds, or one that belongs to another request by now.
+
+    Attributes:
+        group: the copy's group.
+        block: the first destination block not issued.
+    """
+
+    def __init__(self, message: str, group: str, block: int) -> None:
+        self.group, self.block = group, block
+        super().__init__(message)
+
+
+class SwapReceiptError(ValueError):
+    """The scheduler side refused a successful :class:`~kvforge.core.values.SwapResult`
+    whose receipt is not that of the plan it issued under that id: the worker never executed
+    the plan, or executed another one (a flipped direction, a changed move). Nothing changed:
+    the plan is still in flight; settle it with the worker's own result, or a failed one.
+
+    Attributes:
+        plan_id: the plan's id.
+    """
+
+    def __init__(self, plan_id: object, detail: str) -> None:
+        self.plan_id = plan_id
+        super().__init__(
+            f"complete_swap: swap plan {plan_id!r} {detail}; nothing changed, the plan is "
+            "still in flight"
+        )

@@ -55,7 +55,7 @@ from kvforge._checks import ArgumentError
 from kvforge.core.layout import CacheLayout
 from kvforge.core.model_identity import ModelIdentity
 from kvforge.core.prefix_keys import PrefixHasher
-from kvforge.core.values import PageCopy, PrefixQuery
+from kvforge.core.values import PageCopy, PrefixQuery, page_owner
 from kvforge.scheduler.args import token_array
 from kvforge.scheduler.tier_lookup import PromptPlan
 from kvforge.scheduler.unit_records import UnitRecordStore
@@ -313,6 +313,14 @@ class RemoteTier:
         complete = True
         for name, got in reserved.items():
             pages = self.pages.groups[name].pages
+            # the worker's record of its pages: these hold their keys from now on (a page
+            # whose bytes do not arrive is evicted below, and released in the next copy)
+            self.pages.claim(
+                name,
+                tier.take_released(name),
+                [p for _, p, _ in got],
+                [page_owner(k) for k, _, _ in got],
+            )
             sizes = self.store.batch_get_into(
                 [self._key(name, k) for k, _, _ in got],
                 [pages[p] for _, p, _ in got],

@@ -216,8 +216,15 @@ class _Model:
     def nbytes(self) -> int:
         return sum(len(b) * self.page_bytes[g] for g, b in self.src.items())
 
-    def copies(self, blocks: dict[str, np.ndarray]) -> list[PageCopy]:
-        return [PageCopy(g, b, self.pages[g]) for g, b in blocks.items()]
+    def copies(self, blocks: dict[str, np.ndarray], offload: bool) -> list[PageCopy]:
+        """One copy per group, numbered in the tier's sequence as a scheduler side numbers
+        them; page ``p`` holds key tag ``p + 1``, and an offload releases its pages first (the
+        bench writes the same pages again and again)."""
+        seq, none = self.tier.ledger.next_seq, np.zeros(0, dtype=np.int32)
+        return [
+            PageCopy(g, b, self.pages[g], self.pages[g] + 1, self.pages[g] if offload else none, s)
+            for s, (g, b) in enumerate(blocks.items(), seq)
+        ]
 
     def views(self) -> list[torch.Tensor]:
         """Every page measured, one contiguous uint8 row each (the store's sources)."""
@@ -382,9 +389,8 @@ def _measure(
     src = platform.empty((m.nbytes,), torch.uint8).fill_(0x5A)
     dst = platform.empty_host((m.nbytes,), torch.uint8).fill_(0xA5)
     flush, cache = cache_flusher(platform, [*m.moved(), src, dst])
-    out, back = m.copies(m.src), m.copies(m.dst)
-    offload = lambda: m.tier.move(offloads=out)  # noqa: E731
-    onload = lambda: m.tier.move(onloads=back)  # noqa: E731
+    offload = lambda: m.tier.move(offloads=m.copies(m.src, True))  # noqa: E731
+    onload = lambda: m.tier.move(onloads=m.copies(m.dst, False))  # noqa: E731
     offload(), onload()  # warm-up; the pages now hold the source blocks
     timed = functools.partial(_timed, platform, repeats=repeats, flush=flush)
     t_down, t_up = timed(lambda: dst.copy_(src)), timed(lambda: src.copy_(dst))
@@ -572,7 +578,7 @@ def _measure_remote(
             flush()
 
     def put_gathered() -> None:  # gather into host pages, then put the pages
-        m.tier.move(offloads=m.copies(m.src))
+        m.tier.move(offloads=m.copies(m.src, True))
         if not all(store.batch_put(keys, views)):
             raise RuntimeError(f"{remote}: a put was refused: {store.stats()}")
 
@@ -583,7 +589,7 @@ def _measure_remote(
 
     def publish() -> None:  # the remote tier's path: gather, then put_async and its writer
         failed = store.stats().puts_failed
-        m.tier.move(offloads=m.copies(m.src))
+        m.tier.move(offloads=m.copies(m.src, True))
         if store.put_async(keys, views) != len(keys) or not store.flush(120.0):
             raise RuntimeError(f"{remote}: put_async dropped or did not drain: {store.stats()}")
         if store.stats().puts_failed != failed:
@@ -594,7 +600,7 @@ def _measure_remote(
     def get() -> None:
         if None in store.batch_get_into(keys, views):
             raise RuntimeError(f"{remote}: a get missed: {store.stats()}")
-        m.tier.move(onloads=m.copies(m.dst))
+        m.tier.move(onloads=m.copies(m.dst, False))
 
     try:
         if case.tokens:

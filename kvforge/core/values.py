@@ -26,6 +26,7 @@ from kvforge.specs import SwapPurpose
 __all__ = [
     "BlockCopy",
     "PageCopy",
+    "PageRelease",
     "PrefixEvent",
     "PrefixMatch",
     "PrefixQuery",
@@ -36,9 +37,11 @@ __all__ = [
     "SwapPlan",
     "SwapResult",
     "TableDelta",
+    "page_owner",
 ]
 
 _EMPTY32 = np.zeros(0, dtype=np.int32)
+_EMPTY64 = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,15 +153,43 @@ class PageCopy:
     the prefix cache's host tier pages (``kvforge.scheduler.host_tier``): an offload copies
     ``device_blocks[i]`` to ``host_pages[i]``, an onload the other way.
 
+    The copy also carries the ownership of the pages it touches, so a worker checks it
+    against its own record of the pages (:mod:`kvforge.worker.page_ledger`) and never against
+    the sender's word: ``released`` pages no longer hold their key (the tier evicted them);
+    an offload writes only a released page, which then holds ``owners[i]``; an onload reads
+    only a page that holds ``owners[i]``. ``seq`` numbers the copies a tier hands out
+    (0, 1, 2, ... over all its groups), so a worker runs each once, in order.
+
     Attributes:
         group: the group.
         device_blocks: ``int32 [k]`` device block ids.
         host_pages: ``int32 [k]`` host tier page ids, same order.
+        owners: ``int64 [k]`` the :func:`page_owner` tag of the prefix key each page holds
+            (written by an offload, expected by an onload).
+        released: ``int32 [m]`` pages the tier released since its previous copy of this
+            group, applied before this copy's offloads.
+        seq: the copy's place in its tier's sequence (``-1``: never handed out).
     """
 
     group: str
     device_blocks: np.ndarray
     host_pages: np.ndarray
+    owners: np.ndarray = field(default_factory=lambda: _EMPTY64)
+    released: np.ndarray = field(default_factory=lambda: _EMPTY32)
+    seq: int = -1
+
+
+def page_owner(key: bytes) -> int:
+    """The tag a host page's ownership record keeps for the prefix key it holds: the key's
+    first 8 bytes as a signed little-endian int64 (``0`` is never a tag: it means "released").
+
+    >>> page_owner(bytes(range(1, 33)))
+    578437695752307201
+    >>> page_owner(bytes(32))  # all-zero bytes map to 1, not to "released"
+    1
+    """
+    tag = int.from_bytes(key[:8], "little", signed=True)
+    return tag or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +260,22 @@ class RequestMove:
 
 
 @dataclass(frozen=True, slots=True)
+class PageRelease:
+    """Swap pages the scheduler side gave back: they no longer hold ``request_id``'s data
+    (it finished while swapped out, came back, or its swap out failed).
+
+    Attributes:
+        seq: the release's place in the scheduler side's sequence of releases (0, 1, ...).
+        request_id: the request whose swapped data the pages held.
+        host_pages: group -> ``int32 [k]`` the pages.
+    """
+
+    seq: int
+    request_id: str
+    host_pages: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
 class SwapPlan:
     """A swap decided by the scheduler side, for the worker side to execute.
 
@@ -237,12 +284,19 @@ class SwapPlan:
         direction: ``"out"`` (device to host) or ``"in"``.
         requests: the requests, in the order they were given.
         groups: the groups that move, in the layout's order.
+        released: the swap pages the scheduler side released that the worker may not have
+            heard of yet (:class:`PageRelease`, in ``seq`` order), applied to the worker's
+            swap ledger (:mod:`kvforge.worker.swap_ledger`) before the plan is checked.
+        token: a random secret of this plan: the worker's :attr:`SwapResult.receipt` is a
+            keyed digest of the plan it executed (:mod:`kvforge.core.swap_receipt`).
     """
 
     plan_id: int
     direction: Literal["out", "in"]
     requests: tuple[RequestMove, ...]
     groups: tuple[str, ...]
+    released: tuple[PageRelease, ...] = ()
+    token: bytes = b""
 
     def group_move(self, group: str) -> tuple[np.ndarray, np.ndarray]:
         """``(device block ids, host page ids)`` of every request for ``group``, in order."""
@@ -278,12 +332,15 @@ class SwapResult:
     ``failure`` is ``None`` when every byte moved. A failed swap out left the device blocks
     as they were; a failed swap in may have written some new device blocks, which the
     scheduler side gives back. ``error`` is the original exception when it could be carried
-    (it is dropped if it cannot be pickled).
+    (it is dropped if it cannot be pickled). ``receipt``: the worker's proof that it
+    executed the plan (:func:`kvforge.core.swap_receipt.plan_receipt`); the scheduler side
+    accepts an ``ok`` result only with the receipt of the plan it issued.
     """
 
     plan_id: int
     failure: SwapFailure | None = None
     error: BaseException | None = field(default=None, compare=False)
+    receipt: bytes = b""
 
     @property
     def ok(self) -> bool:
@@ -297,7 +354,7 @@ class SwapResult:
             pickle.dumps(error)
         except Exception:
             error = None
-        return (SwapResult, (self.plan_id, self.failure, error))
+        return (SwapResult, (self.plan_id, self.failure, error, self.receipt))
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,11 +48,12 @@ import numpy as np
 
 from kvforge._checks import ArgumentError, check_int
 from kvforge.core.arena import ArenaGeometry
+from kvforge.core.layout import CacheLayout
 from kvforge.core.values import BlockCopy
 from kvforge.errors import OutOfBlocksError
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 
-__all__ = ["PACK_TOKENS", "ArenaBlockPool", "SlabArena", "packing"]
+__all__ = ["PACK_TOKENS", "ArenaBlockPool", "SlabArena", "check_arena", "packing"]
 
 FREE = -1
 RESERVED = -2
@@ -567,3 +568,25 @@ class SlabArena:
     def __repr__(self) -> str:
         owned = {p.name: p.num_owned_slabs for p in self.pools}
         return f"SlabArena({self.geometry.num_slabs} slabs, owned {owned})"
+
+
+def check_arena(
+    layout: CacheLayout, arena: object, num_blocks: Mapping[str, int], share_pools: bool
+) -> SlabArena:
+    """The scheduler side of ``arena``, refused unless it fits this layout and counts."""
+    if not isinstance(arena, ArenaGeometry):
+        raise TypeError(f"arena must be an ArenaGeometry or None, got {type(arena).__name__}")
+    if not share_pools:
+        raise ValueError("arena needs share_pools=True: its groups share one allocation")
+    names = {g.name for g in layout.groups}
+    for i, g in enumerate(arena.groups):
+        if g not in names:
+            raise ValueError(f"arena group {g!r} is not a group of the layout {sorted(names)}")
+        want = arena.num_blocks(g)
+        if num_blocks[g] != want:
+            raise ValueError(
+                f"num_blocks gives {num_blocks[g]:,} to arena group {g!r}; its arena gives "
+                f"it {want:,} (num_slabs {arena.num_slabs} x {arena.blocks_per_slab[i]} per "
+                f"slab{f', and {arena.tail_blocks} in the tail' if i == arena.home else ''})"
+            )
+    return SlabArena(arena, [layout.group(g).block_size for g in arena.groups])

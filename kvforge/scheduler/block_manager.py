@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -71,7 +71,7 @@ from kvforge.core.values import (
 from kvforge.errors import OutOfBlocksError, RequestStateError, StepError
 from kvforge.kinds import live_start
 from kvforge.scheduler import tier_lookup
-from kvforge.scheduler.arena import ArenaBlockPool, SlabArena, packing
+from kvforge.scheduler.arena import ArenaBlockPool, SlabArena, check_arena, packing
 from kvforge.scheduler.args import batch_ids, check_matches, check_token_ids, new_token_counts
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.growth import (
@@ -159,7 +159,7 @@ class BlockManager:
             raise ValueError(f"num_blocks has no count for groups {missing} (groups: {names})")
         pools: dict[str, BlockPool] = {}
         if arena is not None:
-            self.arena: SlabArena | None = _check_arena(layout, arena, num_blocks, share_pools)
+            self.arena: SlabArena | None = check_arena(layout, arena, num_blocks, share_pools)
             pools.update({p.name: p for p in self.arena.pools})
         else:
             self.arena = None
@@ -579,9 +579,12 @@ class BlockManager:
     # ================================================================== host pages, swaps
 
     @locked
-    def init_host(self, num_pages: Mapping[str, int]) -> None:
-        """Create the host page pools (ids only: the memory is on the worker side)."""
-        self._book.init_host(num_pages)
+    def init_host(
+        self, num_pages: Mapping[str, int], then: Callable[[], None] | None = None
+    ) -> None:
+        """Create the host page pools (ids only: the memory is on the worker side); with
+        ``then``, a call that must succeed first (the worker's pages), all or nothing."""
+        self._book.init_host(num_pages, then)
 
     @locked
     def host_pool(self, group: str) -> BlockPool:
@@ -630,7 +633,8 @@ class BlockManager:
 
     @locked
     def finish(self, request_ids: Sequence[str]) -> None:
-        """Return every device block and host page of the requests and forget them.
+        """Return every device block and host page of the requests and forget them, all or
+        nothing (an exception midway, ``KeyboardInterrupt`` included, changes nothing).
 
         Raises:
             RequestStateError: an unknown request or one with a swap in flight (nothing
@@ -643,15 +647,10 @@ class BlockManager:
                 raise RequestStateError(f"request {rid!r} has a swap in flight")
             if rid not in row_of and rid not in swapped:
                 raise self._book.not_resident(rid)
-        resident = [rid for rid in ids if rid in row_of]
         if self._prefix.tracks_requests:  # per-request work only when there is any
             for rid in ids:
                 self._prefix.end_chain(rid)
-        if self._book.swapped:
-            for rid in ids:
-                self._book.release_host(rid)
-        if resident:
-            self._t.release_rows(np.array([row_of.pop(r) for r in resident]))
+        self._book.finish(ids)  # all or nothing (chains ended above stay ended: no harm)
 
     @locked
     def truncate(self, request_id: str, num_tokens: int) -> None:
@@ -782,6 +781,26 @@ class BlockManager:
         deltas = self._t.take_pending()
         return deltas
 
+    @locked
+    def take_effects(self) -> StepAllocation | None:
+        """Everything due on the worker since the last step (table changes of finishes, swaps
+        and truncations, copies on write, the tiers' page copies, arena moves) as one step of
+        no request, numbered in the sequence of steps (``step_id``): a worker ``apply``-s it
+        once, in order, as it applies a step. ``None`` when nothing is due (no id is used)."""
+        moves = self.arena.take_moves() if self.arena is not None else ()
+        offloads = self._host_tier.take_offloads() if self._host_tier is not None else ()
+        onloads = tier_lookup.take_onloads(self)
+        copies, deltas = self.take_copies(), self._t.take_pending()  # numbered deltas last
+        if not (moves or offloads or onloads or deltas or copies):
+            return None
+        self._issued += 1
+        rows, counts = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
+        return StepAllocation(
+            request_ids=(), rows=rows, num_computed=counts, num_new=counts, refused=(),
+            table_deltas=deltas, copies_before=copies, step_id=self._issued,
+            offloads=offloads, onloads=onloads, moves=moves,
+        )  # fmt: skip
+
     # ================================================================== helpers
 
     def _group(self, name: str) -> GroupTable:
@@ -795,25 +814,3 @@ class BlockManager:
             f"BlockManager({len(self._t.row_of)} running, {len(self._book.swapped)} swapped, "
             f"groups={self.groups})"
         )
-
-
-def _check_arena(
-    layout: CacheLayout, arena: object, num_blocks: Mapping[str, int], share_pools: bool
-) -> SlabArena:
-    """The scheduler side of ``arena``, refused unless it fits this layout and counts."""
-    if not isinstance(arena, ArenaGeometry):
-        raise TypeError(f"arena must be an ArenaGeometry or None, got {type(arena).__name__}")
-    if not share_pools:
-        raise ValueError("arena needs share_pools=True: its groups share one allocation")
-    names = {g.name for g in layout.groups}
-    for i, g in enumerate(arena.groups):
-        if g not in names:
-            raise ValueError(f"arena group {g!r} is not a group of the layout {sorted(names)}")
-        want = arena.num_blocks(g)
-        if num_blocks[g] != want:
-            raise ValueError(
-                f"num_blocks gives {num_blocks[g]:,} to arena group {g!r}; its arena gives "
-                f"it {want:,} (num_slabs {arena.num_slabs} x {arena.blocks_per_slab[i]} per "
-                f"slab{f', and {arena.tail_blocks} in the tail' if i == arena.home else ''})"
-            )
-    return SlabArena(arena, [layout.group(g).block_size for g in arena.groups])

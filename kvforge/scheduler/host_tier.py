@@ -60,7 +60,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from kvforge._checks import ArgumentError
-from kvforge.core.values import PageCopy
+from kvforge.core.values import PageCopy, page_owner
 from kvforge.scheduler.arena import ArenaBlockPool
 from kvforge.scheduler.block_pool import BlockPool
 from kvforge.scheduler.unit_records import UnitRecordStore
@@ -86,6 +86,7 @@ __all__ = [
 HostTierPolicy = Literal["eviction", "write_through"]
 #: when a device block goes to the host tier: on its eviction (default) or once it completes
 HOST_TIER_POLICIES: tuple[str, ...] = ("eviction", "write_through")
+_NO_PAGES = np.zeros(0, dtype=np.int32)
 StatePolicy = Literal["skip", "aligned"]
 #: what the tiers do with per-request snapshots: recompute them, or keep the aligned ones
 STATE_POLICIES: tuple[str, ...] = ("skip", "aligned")
@@ -240,6 +241,10 @@ class HostTier:
         self._offloads: dict[str, list[tuple[int, int]]] = {}
         self._onloads: dict[str, list[tuple[int, int]]] = {}
         self._queued: dict[str, set[int]] = {}  # device blocks with an offload queued
+        #: pages evicted since the last copy of their group was handed out: the next one
+        #: carries them (``PageCopy.released``), so the worker's record frees them first
+        self._released: dict[str, list[int]] = {}
+        self._seq = 0  # the next PageCopy.seq
         #: device blocks a lookup filled from pages, held until their onloads are handed
         #: out (:func:`kvforge.scheduler.tier_lookup.take_onloads` releases them)
         self.pending_blocks: list[tuple[BlockPool, np.ndarray]] = []
@@ -249,7 +254,7 @@ class HostTier:
             )
             self._index[name], self._pages[name] = {}, {}
             self._offloads[name], self._onloads[name] = [], []
-            self._queued[name] = set()
+            self._queued[name], self._released[name] = set(), []
 
     # ------------------------------------------------------------------ views
 
@@ -405,16 +410,33 @@ class HostTier:
     def _hand_out(
         self, queues: dict[str, list[tuple[int, int]]], reverse: bool
     ) -> tuple[PageCopy, ...]:
-        """One :class:`PageCopy` per group of ``queues`` (emptied), its pages unpinned."""
+        """One :class:`PageCopy` per group of ``queues`` (emptied), its pages unpinned, with
+        the ownership a worker checks it against: the key tag of each page, the pages released
+        since the group's last copy (offloads only: they are handed out first), and its
+        number in this tier's sequence."""
         out = []
         for name, queued in queues.items():
-            if not queued:
+            released = self.take_released(name) if reverse else _NO_PAGES
+            if not queued and not len(released):
                 continue
-            blocks, pages = (np.array(c, dtype=np.int32) for c in zip(*queued, strict=True))
-            out.append(PageCopy(name, blocks, pages))
+            if queued:
+                blocks, pages = (np.array(c, dtype=np.int32) for c in zip(*queued, strict=True))
+            else:
+                blocks = pages = _NO_PAGES
+            held = self._pages[name]
+            owners = np.array([page_owner(held[p].key) for p in pages.tolist()], dtype=np.int64)
+            out.append(PageCopy(name, blocks, pages, owners, released, self._seq))
+            self._seq += 1
             queues[name] = []
-            self._pools[name].release(pages[::-1] if reverse else pages)
+            if queued:
+                self._pools[name].release(pages[::-1] if reverse else pages)
         return tuple(out)
+
+    def take_released(self, group: str) -> np.ndarray:
+        """The pages of ``group`` evicted since the last call (or the last offloads handed
+        out), for a worker's record of which key each page holds."""
+        released, self._released[group] = self._released[group], []
+        return np.unique(np.array(released, dtype=np.int32)) if released else _NO_PAGES
 
     # ------------------------------------------------------------------ lookup, onload
 
@@ -542,6 +564,7 @@ class HostTier:
 
     def _evicted(self, group: str, victims: np.ndarray) -> None:
         pages, index = self._pages[group], self._index[group]
+        self._released[group] += victims.tolist()
         keys = []
         for page in victims.tolist():
             e = pages.pop(page)

@@ -20,7 +20,10 @@ subclass.
 - :func:`check_plan`: the plan id was never executed (:class:`PlanLedger`); device blocks,
   block indices and host pages are in range; every move's blocks are what one mirrored row
   holds at the move's indices; a swap in writes only blocks that are in its row and in no
-  other row (shared blocks are read-only).
+  other row (shared blocks are read-only); a swap out reads a row that serves its own
+  request (from the steps applied). Then the host pages, against the worker's own
+  :class:`~kvforge.worker.swap_ledger.SwapLedger` of the swap outs it executed: a swap out
+  writes no page holding swapped data, a swap in reads exactly its request's pages.
 
 :class:`Verifier` holds what a worker remembers between calls (the next ``seq``, the plan
 ids executed, the rows steps wrote since they were last emptied) and binds the checks to the
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.arena import ArenaGeometry
+from kvforge.core.swap_receipt import plan_receipt
 from kvforge.core.values import (
     BlockCopy,
     PageCopy,
@@ -53,6 +57,7 @@ from kvforge.errors import (
     PlanReplayError,
     WorkerRefusedError,
 )
+from kvforge.worker.swap_ledger import SwapLedger, check_swap_out_rows
 
 __all__ = [
     "PlanLedger",
@@ -391,6 +396,36 @@ def _refuse_held(
     )
 
 
+def _refuse_onload_into_held(
+    mark: np.ndarray, table: np.ndarray, group: str, deltas: Sequence[TableDelta]
+) -> None:
+    """Refuse when a block marked in ``mark`` lies in a cell of ``table`` that ``deltas`` leave
+    as it is (a cell they empty or overwrite no longer holds it when the step's kernels run)."""
+    hit = mark[table]
+    if not hit.any():
+        return
+    for delta in deltas:
+        if delta.group != group:
+            continue
+        if len(delta.clear_rows):
+            hit[np.asarray(delta.clear_rows, dtype=np.intp)] = False
+        if len(delta.rows):
+            rows, cols = (np.asarray(a, dtype=np.intp) for a in (delta.rows, delta.cols))
+            hit[rows, cols] = False
+    if hit.any():
+        holder, col = (int(x[0]) for x in np.nonzero(hit))
+        block = int(table[holder, col])
+        raise BlockOwnershipError(
+            f"HostTierPages.move: an onload writes block {block} of group {group!r}, which row "
+            f"{holder} holds (column {col}): another request's blocks are read-only; nothing "
+            "moved",
+            group,
+            block,
+            -1,
+            holder,
+        )
+
+
 # ====================================================================== plans
 
 
@@ -613,6 +648,7 @@ class Verifier:
         self.num_rows = next(iter(tables.values())).shape[0] if tables else 0
         self.next_seq = 0
         self.plans = PlanLedger()
+        self.swaps = SwapLedger()  # which swap pages hold which swapped request's data
         self._stepped = np.zeros(self.num_rows, dtype=bool)
         self._step_rows: list[tuple[np.ndarray, bool]] = []
 
@@ -651,10 +687,21 @@ class Verifier:
         offloads: Sequence[PageCopy],
         onloads: Sequence[PageCopy],
         num_pages: Mapping[str, int],
+        deltas: Sequence[TableDelta] = (),
     ) -> None:
+        """Check host tier copies (:func:`check_page_copies`), and that an onload writes only
+        blocks that no mirrored row holds (nor a row of its pool's other groups, nor, in an
+        arena, a slab another group's row holds) once ``deltas``, the step's own table
+        changes mirrored right after its copies, empty or overwrite their cells."""
         check_page_copies(offloads, onloads, self.num_blocks, num_pages)
         for copy in onloads:
             blocks = np.asarray(copy.device_blocks)
+            if not len(blocks):
+                continue
+            mark = np.zeros(self.num_blocks[copy.group], dtype=bool)
+            mark[blocks] = True
+            for group in (copy.group, *self.pool_mates.get(copy.group, ())):
+                _refuse_onload_into_held(mark, self.tables[group], group, deltas)
             self._arena_writes(copy.group, blocks, "HostTierPages.move", "an onload")
 
     def _arena_writes(self, group: str, blocks: np.ndarray, action: str, what: str) -> None:
@@ -685,8 +732,16 @@ class Verifier:
                     holder,
                 )
 
-    def plan(self, plan: SwapPlan, num_pages: Mapping[str, int]) -> None:
-        """Check ``plan``, then remember its id: from here on its bytes may move."""
+    def plan(
+        self,
+        plan: SwapPlan,
+        num_pages: Mapping[str, int],
+        row_request: Sequence[str | None] | None = None,
+    ) -> None:
+        """Check ``plan``, then remember its id: from here on its bytes may move.
+        ``row_request``: the request each row serves, from the steps applied; a swap out
+        reads a row that serves its own request
+        (:func:`~kvforge.worker.swap_ledger.check_swap_out_rows`)."""
         self._fold()
         check_plan(
             plan,
@@ -697,11 +752,21 @@ class Verifier:
             num_pages,
             self._stepped,
         )
+        if plan.direction == "out" and row_request is not None:
+            check_swap_out_rows(plan, self.tables, row_request)
+        pending = self.swaps.check(plan, num_pages)  # the pages, against what it executed
         if plan.direction == "in":
             for move in plan.requests:
                 for g, blocks in move.device_blocks.items():
                     self._arena_writes(g, np.asarray(blocks), "execute", "the swap in")
         self.plans.record(plan.plan_id)
+        self.swaps.accept(pending)
+
+    def executed(self, plan: SwapPlan) -> bytes:
+        """``plan`` (checked by :meth:`plan`) ran without a fault: record a swap out's pages
+        in the swap ledger; return the receipt the scheduler side checks."""
+        self.swaps.executed(plan)
+        return plan_receipt(plan)
 
     def _fold(self) -> None:
         log, i = self._step_rows, 0

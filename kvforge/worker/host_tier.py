@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvforge.core.memory_plan import check_allocatable
-from kvforge.core.values import PageCopy, SwapResult
+from kvforge.core.values import PageCopy, SwapResult, TableDelta
 from kvforge.worker.host_pool import HostGroupPool, HostPools
+from kvforge.worker.page_ledger import PageLedger
 from kvforge.worker.transfer import move_pages
 
 if TYPE_CHECKING:
@@ -74,6 +75,9 @@ class HostTierPages:
                 g: p for g, p in pools.groups.items() if every[g]
             }
             self.storage = storage
+            #: which key each page holds, and the next page copy's number: what every copy
+            #: is checked against (the scheduler side's index is not visible here)
+            self.ledger = PageLedger(self.num_pages)
             # how the storage finds the pages that a step's offloads go to (guard.tier_of)
             storage.host_tier_pages = self  # type: ignore[attr-defined]
 
@@ -89,20 +93,45 @@ class HostTierPages:
         """Run every offload (device blocks to pages, one gather per copy), then every onload
         (pages back to device blocks, one scatter per copy), so a page offloaded and onloaded
         in one batch carries the offloaded bytes. The whole batch is checked before a byte
-        moves. Returns the event after which the copies are done (``None`` on CPU, where they
-        are done on return).
+        moves (:meth:`check`). Returns the event after which the copies are done (``None`` on
+        CPU, where they are done on return).
 
         Raises:
             BlockRangeError: a device block or page out of range, or the null one.
-            BlockOwnershipError: (arena) an onload into a slab another group's row holds.
+            BlockOwnershipError: an onload into a block a mirrored row holds, or (arena) into
+                a slab another group's row holds.
+            PageOwnershipError: an offload into a page that holds a key, an onload from a page
+                that does not hold the key it names.
+            StepOrderError: a copy out of its tier's sequence (a repeat, a gap, never handed
+                out).
             WorkerRefusedError: a value that is not a ``PageCopy``, a group without host tier
                 pages, lengths that differ, an onload writing a device block twice.
             ControllerClosedError: the storage was freed (its caches are gone).
         """
+        with self.storage._lock:
+            self.check(offloads, onloads)
+            return self.run(offloads, onloads)
+
+    def check(
+        self,
+        offloads: Sequence[PageCopy],
+        onloads: Sequence[PageCopy],
+        deltas: Sequence[TableDelta] = (),
+    ) -> None:
+        """Refuse the batch unless every copy is in range, in its sequence and owned: an
+        offload writes only released pages, an onload reads only pages that hold the key it
+        names and writes only device blocks no mirrored row holds once ``deltas`` (the step's
+        own, mirrored right after the copies) are applied. Nothing changes here."""
         storage = self.storage
         with storage._lock:
             storage._ready()
-            storage._verify.page_copies(offloads, onloads, self.num_pages)
+            storage._verify.page_copies(offloads, onloads, self.num_pages, deltas)
+            self.ledger.check(offloads, onloads)
+
+    def run(self, offloads: Sequence[PageCopy], onloads: Sequence[PageCopy]) -> Any:
+        """Run a batch :meth:`check` passed (under the storage's lock, nothing in between)."""
+        storage = self.storage
+        with storage._lock:
             keep_alive: list[Any] = []
             for direction, copies in (("out", offloads), ("in", onloads)):
                 for copy in copies:
@@ -123,7 +152,15 @@ class HostTierPages:
                 from kvforge.worker.storage import SwapExecution
 
                 storage._copies.append(SwapExecution(SwapResult(-1), event, keep_alive))
+            # after the bytes: a batch an interrupt cut short runs again whole
+            self.ledger.record(offloads, onloads)
             return event
+
+    def claim(self, group: str, released: Any, pages: Any, tags: Any) -> None:
+        """Pages a remote tier is about to fill in place hold ``tags`` from now on (after
+        ``released`` pages are freed): see :meth:`PageLedger.claim`."""
+        with self.storage._lock:
+            self.ledger.claim(group, released, pages, tags)
 
     def __repr__(self) -> str:
         return f"HostTierPages({self.num_pages})"

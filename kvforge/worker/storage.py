@@ -65,8 +65,10 @@ from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
 from kvforge.worker import guard
 from kvforge.worker.arena_views import arena_views, check_arena
+from kvforge.worker.buffer_checks import check_created_keys, overlap_of, plane_of
 from kvforge.worker.host_pool import HostPools, HostViews
-from kvforge.worker.overlap import PoolMember, find_overlap, plane_extent
+from kvforge.worker.overlap import PoolMember
+from kvforge.worker.step_ledger import StepLedger
 from kvforge.worker.tokens import step_tokens
 from kvforge.worker.transfer import SwapStreams, move_pages, plane_bytes
 
@@ -156,6 +158,7 @@ class CacheStorage:
         self._streams: SwapStreams | None = None
         self._copies: list[SwapExecution] = []
         self._verify = guard.Verifier({}, {}, {})  # bound to the tables by _install
+        self._steps = StepLedger(0)
         self._closed = False
         self._lock = threading.RLock()
 
@@ -231,7 +234,7 @@ class CacheStorage:
                             )
                     continue
                 caches = backend.create_kv_cache(layers, dict(blocks), self.device)
-                _check_keys(backend, layers, caches)
+                check_created_keys(backend, layers, caches)
                 created.update(caches)
             self._install(
                 created, blocks, max_num_seqs, max_model_len, "create", share_pools, arena, raw
@@ -360,7 +363,7 @@ class CacheStorage:
             planes = [caches[i] for i in keep] + [arena_raw.view(1, -1)]
             if members is not None:
                 members = [members[i] for i in keep] + [None]
-        clash = _overlap(names, planes, members)
+        clash = overlap_of(names, planes, members)
         if clash is not None:
             a, b, i, j = clash
             raise ValueError(
@@ -372,7 +375,7 @@ class CacheStorage:
             entries = self.layout.offload_buffers(g.name)
             if entries:
                 planes[g.name] = PlaneSet(
-                    [_plane(caches[e.index], self.names[e.index], action) for e in entries]
+                    [plane_of(caches[e.index], self.names[e.index], action) for e in entries]
                 )
         widths = table_widths(self.layout, max_num_seqs, max_model_len)
         # validated: now keep everything
@@ -389,6 +392,7 @@ class CacheStorage:
             for g in self.layout.groups
         }
         self._verify = guard.Verifier(self._tables, self._num_blocks, mates, arena)
+        self._steps = StepLedger(self._verify.num_rows)
         if self.platform.is_accelerator:  # pragma: no cover - accelerators only
             self._device_tables = {
                 name: torch.zeros(t.shape, dtype=torch.int32, device=self.device)
@@ -473,7 +477,9 @@ class CacheStorage:
             self._verify.deltas(deltas)
             self._mirror(deltas)
 
-    def _mirror(self, deltas: Sequence[TableDelta]) -> None:
+    def _mirror(self, deltas: Sequence[TableDelta], rows_bound: bool = False) -> None:
+        """Mirror checked ``deltas``; ``rows_bound``: the step ledger already emptied the rows
+        they empty (a step's own deltas, before it bound its rows)."""
         if not deltas:
             return
         tables, device = self._tables, self._device_tables
@@ -482,34 +488,29 @@ class CacheStorage:
             if device:  # pragma: no cover - accelerators only
                 _apply_on_device(device[delta.group], delta)
         self._verify.mirrored(deltas)
+        if not rows_bound:
+            self._steps.mirrored(deltas)
 
     @property
     def next_seq(self) -> int:
         """The ``TableDelta.seq`` this worker mirrors next (how many deltas it mirrored)."""
         return self._verify.next_seq
 
+    @property
+    def next_step(self) -> int:
+        """The ``StepAllocation.step_id`` this worker applies next."""
+        return self._steps.next_step
+
     def apply(self, step: StepAllocation) -> StepInputs:
-        """Run a step's moves, mirror its table changes and compute its slot mappings: one
-        ``int64`` array per ``(group, compress_ratio)`` over every token of the step, in
-        request order (vectorized numpy on CPU, no per-token Python).
+        """:meth:`apply_effects`, then the step's slot mappings: one ``int64`` array per
+        ``(group, compress_ratio)`` over every token of the step, in request order (vectorized
+        numpy on CPU, no per-token Python).
 
         Raises:
-            WorkerRefusedError (and subclasses): as :meth:`apply_deltas` and
-                :meth:`copy_blocks`, or a step row outside the tables; nothing changed then.
+            WorkerRefusedError (and subclasses): as :meth:`apply_effects`; nothing changed.
         """
         with self._lock:
-            self._ready()
-            verify = self._verify
-            verify.step(step)
-            tier = guard.tier_of(self) if step.offloads or step.onloads else None
-            if step.moves:  # first: the onloads and kernels may write their sources; all
-                if tier is not None:  # checked before a byte moves
-                    verify.page_copies(step.offloads, step.onloads, tier.num_pages)
-                self.copy_blocks(step.moves)
-            if tier is not None:  # the host tier's, before the step's kernels
-                tier.move(step.offloads, step.onloads)
-            self._mirror(step.table_deltas)
-            verify.stepped(step.rows)
+            self.apply_effects(step)
             index, positions, rows = step_tokens(step)
             slots: dict[tuple[str, int], Any] = {
                 (name, r): ops.slot_mapping(self._tables[name], rows, positions, bs, r, check=False)
@@ -517,6 +518,37 @@ class CacheStorage:
             }
             tables: dict[str, Any] = self._device_tables or self._tables
             return StepInputs(index, positions, slots, dict(tables))
+
+    def apply_effects(self, step: StepAllocation) -> None:
+        """Apply a step, the next in its sequence and once (a step of no request included:
+        ``BlockManager.take_effects``): its arena moves, then its host tier copies, then its
+        table changes; its block copies become runnable by :meth:`copy_blocks`. Everything is
+        checked before a byte moves.
+
+        Raises:
+            StepOrderError: a repeat, a gap, or a step never handed out.
+            WorkerRefusedError (and subclasses): as :meth:`apply_deltas`, :meth:`copy_blocks`
+                and ``HostTierPages.move``, a step row outside the tables, or a request at a
+                row that serves another; nothing changed then.
+        """
+        with self._lock:
+            self._ready()
+            verify, steps = self._verify, self._steps
+            verify.step(step)
+            steps.check(step)  # once, in order; each request at its own row
+            tier = guard.tier_of(self) if step.offloads or step.onloads else None
+            if tier is not None:  # every copy of the step is checked before a byte moves
+                tier.check(step.offloads, step.onloads, step.table_deltas)
+            if step.moves:  # first: the onloads and kernels may write their sources
+                verify.copies(step.moves)
+                self._copy(step.moves)
+            if tier is not None:  # the host tier's, before the step's kernels
+                tier.run(step.offloads, step.onloads)
+            # the step's number first: an interrupt past it leaves only numbered deltas to
+            # mirror (``apply_deltas``), never a step to apply twice
+            steps.record(step)
+            self._mirror(step.table_deltas, rows_bound=True)
+            verify.stepped(step.rows)
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Copy whole blocks of every (layer, role) of a group, ``src[i]`` to ``dst[i]``: the
@@ -532,14 +564,20 @@ class CacheStorage:
             WorkerRefusedError: a malformed copy or an unknown group.
         """
         with self._lock:
-            caches = self._ready()
+            self._ready()
             self._verify.copies(copies)
-            for copy in copies:
-                src = torch.from_numpy(np.asarray(copy.src, dtype=np.int64)).to(self.device)
-                dst = torch.from_numpy(np.asarray(copy.dst, dtype=np.int64)).to(self.device)
-                for e in self.layout.buffers_of(copy.group):
-                    cache = caches[e.index]
-                    cache[dst] = cache[src]
+            self._steps.check_copies(copies)  # issued by an applied step, not run yet
+            self._copy(copies)
+            self._steps.ran(copies)
+
+    def _copy(self, copies: Sequence[BlockCopy]) -> None:
+        caches = self._ready()
+        for copy in copies:
+            src = torch.from_numpy(np.asarray(copy.src, dtype=np.int64)).to(self.device)
+            dst = torch.from_numpy(np.asarray(copy.dst, dtype=np.int64)).to(self.device)
+            for e in self.layout.buffers_of(copy.group):
+                cache = caches[e.index]
+                cache[dst] = cache[src]
 
     def slot_mapping(
         self, row: int, group: str, positions: np.ndarray, compress_ratio: int
@@ -631,9 +669,8 @@ class CacheStorage:
         self._ready()
         if not isinstance(plan, SwapPlan):
             raise TypeError(f"plan must be a SwapPlan, got {type(plan).__name__}")
-        host = self.host  # raises before initialize_host_cache
-        pages = {g: p.num_pages for g, p in host.groups.items() if g in self._planes}
-        self._verify.plan(plan, pages)
+        pages = {g: p.num_pages for g, p in self.host.groups.items() if g in self._planes}
+        self._verify.plan(plan, pages, self._steps.row_request)
         self._copies = [c for c in self._copies if not _finished(c)]
         stage: Literal["hook", "copy"] = "hook"
         current = ""
@@ -660,7 +697,8 @@ class CacheStorage:
             self.platform.synchronize()
             failure = SwapFailure(stage, current, type(exc).__name__, str(exc))
             return SwapExecution(SwapResult(plan.plan_id, failure, exc))
-        execution = SwapExecution(SwapResult(plan.plan_id), self._finish(), keep_alive)
+        result = SwapResult(plan.plan_id, receipt=self._verify.executed(plan))  # swap ledger
+        execution = SwapExecution(result, self._finish(), keep_alive)
         if execution.event is not None:  # pragma: no cover - accelerators only
             self._copies.append(execution)
         return execution
@@ -766,42 +804,6 @@ def _count(name: str, value: object) -> int:
         type_message="{name} must be an int, got {value}",
         range_message="{name} must be >= 0, got {value}",
     )
-
-
-def _check_keys(
-    backend: AttentionBackend, layers: tuple[int, ...], caches: Mapping[CacheKey, Any]
-) -> None:
-    if not isinstance(caches, Mapping):
-        raise ValueError(
-            f"{backend!r}.create_kv_cache returned a {type(caches).__name__}, expected a "
-            "dict of (role, layer) -> tensor"
-        )
-    expected = {(r.name, layer) for layer in layers for r in backend.cache_roles()}
-    if set(caches) != expected:
-        raise ValueError(
-            f"{backend!r}.create_kv_cache returned keys {sorted(caches, key=str)}, expected "
-            f"{sorted(expected)}"
-        )
-    for key, t in caches.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(
-                f"{backend!r}.create_kv_cache returned a {type(t).__name__} for {key}, "
-                "expected a torch.Tensor"
-            )
-
-
-def _overlap(
-    names: list[str], caches: list[torch.Tensor], members: list[PoolMember | None] | None
-) -> Any:
-    planes = [plane_extent(n, t) for n, t in zip(names, caches, strict=True)]
-    return find_overlap(planes, members)
-
-
-def _plane(cache: torch.Tensor, name: str, action: str) -> torch.Tensor:
-    try:
-        return plane_bytes(cache)
-    except ValueError as exc:
-        raise ValueError(f"{action}: buffer {name!r}: {exc}") from None
 
 
 def _finished(completion: SwapExecution) -> bool:

@@ -42,7 +42,6 @@ from test_swap_faults import (
 
 import kvforge
 from kvforge import CacheController
-from kvforge.errors import WorkerRefusedError
 
 ROOT = os.path.dirname(kvforge.__file__)
 #: frames that are not phases of their own: comprehensions, lambdas, generator expressions
@@ -189,13 +188,6 @@ def test_an_interrupt_at_every_phase_completes_or_rolls_back(name):
     assert outcomes["rolled back"] > 0, outcomes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=WorkerRefusedError,
-    reason="known gap (issue 32, class 11): an interrupt inside CacheController._sync_tables, "
-    "after BlockManager.take_effects handed the effects out and before the worker applied "
-    "them, loses them: every later step is refused as out of order",
-)
 def test_an_interrupt_while_the_worker_catches_up_loses_nothing():
     sweep("free_requests", mirroring=True)
 

@@ -44,17 +44,26 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     )
 
 
-def copy(group: str, device: list[int], pages: list[int]) -> PageCopy:
-    return PageCopy(group, np.array(device, dtype=np.int32), np.array(pages, dtype=np.int32))
+def copy(group: str, device: list[int], pages: list[int], seq: int = 0) -> PageCopy:
+    """A copy numbered ``seq`` in its tier's sequence; page ``p`` holds key tag ``1000 + p``
+    (what a tier's offload writes and its onload reads back)."""
+    return PageCopy(
+        group,
+        np.array(device, dtype=np.int32),
+        np.array(pages, dtype=np.int32),
+        owners=np.array([1000 + p for p in pages], dtype=np.int64),
+        seq=seq,
+    )
 
 
 def test_offload_then_onload_into_other_blocks_is_byte_identical():
     s, tier = storage()
     kept = {g: blocks(s, g, [1, 2, 3]) for g in ("kv", "swa")}
-    assert tier.move([copy("kv", [1, 2, 3], [3, 1, 2]), copy("swa", [1, 2, 3], [1, 2, 3])]) is None
+    out = [copy("kv", [1, 2, 3], [3, 1, 2], 0), copy("swa", [1, 2, 3], [1, 2, 3], 1)]
+    assert tier.move(out) is None
     for t in s.kv_caches:  # the device blocks are written again
         t[1:4].zero_()
-    tier.move(onloads=[copy("kv", [7, 8, 9], [3, 1, 2]), copy("swa", [4, 5, 6], [1, 2, 3])])
+    tier.move(onloads=[copy("kv", [7, 8, 9], [3, 1, 2], 2), copy("swa", [4, 5, 6], [1, 2, 3], 3)])
     assert same(blocks(s, "kv", [7, 8, 9]), kept["kv"])
     assert same(blocks(s, "swa", [4, 5, 6]), kept["swa"])
     # the tier's pages are not the swap pages
@@ -65,7 +74,7 @@ def test_offload_then_onload_into_other_blocks_is_byte_identical():
 def test_offloads_run_before_onloads_in_one_batch():
     s, tier = storage()
     want = blocks(s, "kv", [5])
-    tier.move(offloads=[copy("kv", [5], [4])], onloads=[copy("kv", [6], [4])])
+    tier.move(offloads=[copy("kv", [5], [4], 0)], onloads=[copy("kv", [6], [4], 1)])
     assert same(blocks(s, "kv", [6]), want)
 
 
@@ -196,18 +205,22 @@ def test_the_arena_round_trips_unpadded_pages_and_refuses_an_onload_into_another
     for t in caches:
         t[full].copy_(torch.randn(t[full].shape).to(t.dtype))
     want = [t[full].clone() for t in caches]
-    tier.move([copy("compressed", [full], [1])])
-    for t in caches:
-        t[full].zero_()
-    tier.move(onloads=[copy("compressed", [full], [1])])
-    assert same([t[full].clone() for t in caches], want)
+    tier.move([copy("compressed", [full], [1], 0)])
     k_full = arena.blocks_per_slab[arena.groups.index("compressed")]
     k_swa = arena.blocks_per_slab[arena.groups.index("swa")]
     window = np.asarray(ctl.block_table("a", "swa"))
     forged = window[window != 0][0] // k_swa * k_full + 1  # compressed, in swa's slab
     with pytest.raises(BlockOwnershipError, match=r"lies in slab .* of the arena"):
-        tier.move(onloads=[copy("compressed", [forged], [1])])
-    tier.move([copy("compressed", [forged], [2])])  # reading it is no write: allowed
+        tier.move(onloads=[copy("compressed", [forged], [1], 1)])
+    # an onload never writes a block a row holds: not even back into request a's own block
+    with pytest.raises(BlockOwnershipError, match=r"an onload writes block .* which row 0"):
+        tier.move(onloads=[copy("compressed", [full], [1], 1)])
+    tier.move([copy("compressed", [forged], [2], 1)])  # reading it is no write: allowed
+    for t in caches:
+        t[full].zero_()
+    ctl.free_request("a")  # row 0 lets go of the block; the prefix cache still keeps it
+    tier.move(onloads=[copy("compressed", [full], [1], 2)])
+    assert same([t[full].clone() for t in caches], want)
 
 
 # ------------------------------------------------------------------ wired: demotion

@@ -28,6 +28,7 @@ from kvforge.errors import (
     BlockRangeError,
     DeltaOrderError,
     PlanReplayError,
+    UnissuedCopyError,
     WorkerRefusedError,
 )
 from kvforge.scheduler import BlockManager
@@ -395,16 +396,28 @@ def test_copy_blocks_refuses(case: str) -> None:
     refused(env, lambda: env.storage.copy_blocks(copies), error, fragment)
 
 
-def test_copy_blocks_still_copies_what_it_may() -> None:
-    env = Env()
-    src, fresh = int(env.blocks("a")[0]), env.free_block()
-    env.storage.copy_blocks([_copy([src], [fresh])])  # a snapshot into a block no row holds
-    last = int(env.blocks("a")[-1])
-    env.storage.copy_blocks([_copy([src], [last], env.row("a"))])  # within its own row
+def test_copy_blocks_runs_a_copy_only_as_an_applied_step_issued_it_and_once() -> None:
+    env, _ = _prefix_env()
+    src, fresh = int(env.blocks("p1")[0]), env.free_block()
+    last = int(env.blocks("p2")[-1])
+    # forged: a snapshot into a block no row holds, a copy within the request's own row
+    for copy in (_copy([src], [fresh]), _copy([src], [last], env.row("p2"))):
+        refused(env, lambda c=copy: env.storage.copy_blocks([c]), UnissuedCopyError, "no applied")
+    # a truncation into p2's shared block copies it on write: issued by the effects step
+    env.manager.truncate("p2", 20)
+    effects = env.manager.take_effects()
+    assert effects is not None and {c.group for c in effects.copies_before} == {"swa", "kv"}
+    env.storage.apply(effects)
+    [cow] = [c for c in effects.copies_before if c.group == "kv"]
+    altered = dataclasses.replace(cow, src=cow.src + 1)
+    refused(env, lambda: env.storage.copy_blocks([altered]), UnissuedCopyError, "issued block")
+    env.storage.copy_blocks([cow])
     for e in env.layout.buffers_of("kv"):
-        cache = env.storage.kv_caches[e.index]
-        raw = cache.view(torch.uint8)
-        assert torch.equal(raw[fresh], raw[src]) and torch.equal(raw[last], raw[src])
+        raw = env.storage.kv_caches[e.index].view(torch.uint8)
+        assert torch.equal(raw[int(cow.dst[0])], raw[int(cow.src[0])])
+    # a retry of the copy, or of the step that issued it, is refused and changes nothing
+    refused(env, lambda: env.storage.copy_blocks([cow]), UnissuedCopyError, "already ran")
+    refused(env, lambda: env.storage.apply(effects), DeltaOrderError, "a repeat")
 
 
 def _prefix_env() -> tuple[Env, int]:

@@ -524,6 +524,12 @@ class KVForgeConnector(OffloadingConnector):
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVForgeConnectorWorker(spec, vllm_config, kv_cache_config)
 
+    @functools.cached_property
+    def model_identity(self) -> ModelIdentity:
+        """This engine's :class:`~kvforge.ModelIdentity` (:mod:`.identity`): what a remote tier
+        puts in every key and value header, so engines serving other weights never share."""
+        return model_identity(self._vllm_config)
+
     # worker role: the metadata goes to the connector worker, which checks it (a typed error,
     # not vLLM's assert, for one that is not an offloading metadata)
 
@@ -557,12 +563,6 @@ class KVForgeConnector(OffloadingConnector):
             )
         self.connector_scheduler.check_finished_block_ids(block_ids)
         return super().request_finished_all_groups(request, block_ids)
-
-    @functools.cached_property
-    def model_identity(self) -> ModelIdentity:
-        """This engine's :class:`~kvforge.ModelIdentity` (:mod:`.identity`): what a remote tier
-        puts in every key and value header, so engines serving other weights never share."""
-        return model_identity(self._vllm_config)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         worker = self.connector_worker
