@@ -1275,10 +1275,9 @@ BAD_CALLS: list[tuple[str, Callable[[Soak], Any]]] = [
 KNOWN_LATE_CHECKS: set[str] = set()
 
 #: Bad calls answered with another message when a remote tier is attached, skipped then and
-#: pinned by ``tests/properties/test_soak_tiers.py`` (strict xfail, so a fix shows):
-#: ``RemoteTier.fetch`` checks the token ids before the prefix cache does and names the
-#: query, ``queries[0] must be ...``, not its field, ``queries[0].token_ids must be ...``.
-KNOWN_REMOTE_MESSAGES: set[str] = {"lookup_float_tokens"}
+#: pinned by a test in ``tests/properties/test_soak_tiers.py`` (none left: ``RemoteTier.fetch``
+#: names ``queries[0].token_ids`` as every other path does).
+KNOWN_REMOTE_MESSAGES: set[str] = set()
 
 #: (name, weight, operation): a new entry point is one more row.
 OPERATIONS: list[tuple[str, int, Callable[[Soak], None]]] = [

@@ -52,6 +52,7 @@ from kvforge.core.memory_plan import (
 )
 from kvforge.core.naming import DEFAULT_NAME_TEMPLATE
 from kvforge.core.values import (
+    BlockCopy,
     PageCopy,
     PrefixMatch,
     PrefixQuery,
@@ -211,6 +212,10 @@ class CacheController:
         #: a step the scheduler side handed out that an interrupt kept from the worker: the
         #: next call applies it first, so the worker's sequence of steps has no gap
         self._unapplied: StepAllocation | None = None
+        #: the copies_after of open steps not run yet (by end_step, or the next schedule),
+        #: and the steps whose copies failed there
+        self._snapshots_due: dict[int, tuple[tuple[str, ...], tuple[BlockCopy, ...]]] = {}
+        self._snapshots_failed: set[int] = set()
         self._closed = False
         self._remote: RemoteTier | None = None  # initialize_remote_tier
         self._owned_store: Any = None  # a store the controller opened (closed by free)
@@ -465,7 +470,7 @@ class CacheController:
         except WorkerRefusedError:
             self._unapplied = None
             raise
-        if step.copies_before and not step.request_ids:  # an effects step's copies on write
+        if step.copies_before:  # state restores, copies on write: before any kernel
             self.storage.copy_blocks(step.copies_before)
         self._unapplied = None
         return inputs
@@ -484,7 +489,7 @@ class CacheController:
             left = [d for d in step.table_deltas if d.seq >= storage.next_seq]
             if left:
                 storage.apply_deltas(left)
-            if step.copies_before and not step.request_ids:
+            if step.copies_before:
                 with contextlib.suppress(UnissuedCopyError):  # they ran before the interrupt
                     storage.copy_blocks(step.copies_before)
             self._unapplied = None
@@ -509,18 +514,45 @@ class CacheController:
             request_ids, num_new_tokens, new_token_ids, prefix_matches
         )
         self._unapplied = allocation  # until the worker applied it (see _catch_up)
+        self._take_snapshots(request_ids)  # before this step's kernels move their states on
         self._note_step(allocation)
         inputs = self._apply(allocation, slots=True)
         assert inputs is not None
         self._publish(allocation.offloads)
-        if allocation.copies_before:
-            self.storage.copy_blocks(allocation.copies_before)
+        if allocation.copies_after:
+            self._snapshots_due[allocation.step_id] = (
+                allocation.request_ids,
+                allocation.copies_after,
+            )
         return ScheduledStep(allocation, inputs)
+
+    def _take_snapshots(self, request_ids: Sequence[str]) -> None:
+        """Run the ``copies_after`` of the open steps that scheduled any of ``request_ids``,
+        before a newer step of theirs is scheduled: an asynchronous engine schedules step
+        N + 1 before it ends step N, and N + 1's kernels would move a request's state past
+        the boundary step N's snapshot is of (the engine launched N's kernels before it
+        scheduled the request again). A copy that fails marks its step as one whose snapshots
+        did not run."""
+        due = self._snapshots_due
+        if not due:
+            return
+        ids = set(request_ids) if isinstance(request_ids, Sequence) else set()
+        for step_id, (names, copies) in list(due.items()):
+            if ids.isdisjoint(names):
+                continue
+            del due[step_id]
+            try:
+                self.storage.copy_blocks(copies)
+            except BaseException:
+                self._snapshots_failed.add(step_id)
+                raise
 
     @locked
     def end_step(self, step: ScheduledStep) -> None:
         """End a step whose kernels ran: run its ``copies_after`` (per-request state
-        snapshots), then let the scheduler side share the blocks it wrote.
+        snapshots) unless a later :meth:`schedule` ran them already (it runs those of every
+        open step first, so the next step's kernels never move a state before its snapshot),
+        then let the scheduler side share the blocks it wrote.
 
         See :meth:`BlockManager.end_step` for the order an asynchronous engine may use.
 
@@ -530,14 +562,20 @@ class CacheController:
         if not isinstance(step, ScheduledStep):
             raise StepError(f"end_step takes a ScheduledStep, got {type(step).__name__}")
         manager = self._ready_manager()
-        if step.allocation.step_id not in manager.open_steps:
+        step_id = step.allocation.step_id
+        if step_id not in manager.open_steps:
             manager.end_step(step.allocation)  # raises the StepError that says why
-        if step.allocation.copies_after:
+        _, copies = self._snapshots_due.pop(step_id, ((), ()))  # (): ran at a later schedule
+        if copies:
             try:
-                self.storage.copy_blocks(step.allocation.copies_after)
+                self.storage.copy_blocks(copies)
             except BaseException:
                 manager.end_step(step.allocation, copies_ran=False)  # no snapshot of it
                 raise
+        if step_id in self._snapshots_failed:
+            self._snapshots_failed.discard(step_id)
+            manager.end_step(step.allocation, copies_ran=False)
+            return
         manager.end_step(step.allocation)
 
     @locked
@@ -546,6 +584,7 @@ class CacheController:
         pass the matches to :meth:`schedule`. With a remote tier, what the device and host
         lack is fetched from the store into host pages first."""
         manager = self._ready_manager()
+        self._catch_up()  # a remote fill claims pages only once the worker has every step
         if self._remote is not None:
             self._remote.fetch(queries)
         return manager.lookup(queries)
@@ -603,8 +642,6 @@ class CacheController:
         # by the worker as any step (slot_mapping computes this step's slots on demand)
         self._apply(step)
         self._publish(step.offloads)
-        if step.copies_before:
-            self.storage.copy_blocks(step.copies_before)
         if step.refused:
             refusal = step.refused[0]
             if refusal.reason == "out_of_blocks":

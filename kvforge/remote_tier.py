@@ -233,7 +233,7 @@ class RemoteTier:
     def _fetch_one(self, query: PrefixQuery, index: int) -> None:
         manager, store = self.manager, self.store
         tier = manager._host_tier
-        tokens = token_array(query.token_ids, f"queries[{index}]")
+        tokens = token_array(query.token_ids, f"queries[{index}].token_ids")
         plan = PromptPlan(manager, tokens, query)
         if plan.top == 0:
             return

@@ -399,19 +399,18 @@ def _refuse_held(
 def _refuse_onload_into_held(
     mark: np.ndarray, table: np.ndarray, group: str, deltas: Sequence[TableDelta]
 ) -> None:
-    """Refuse when a block marked in ``mark`` lies in a cell of ``table`` that ``deltas`` leave
-    as it is (a cell they empty or overwrite no longer holds it when the step's kernels run)."""
+    """Refuse when a block marked in ``mark`` lies in a cell of ``table`` that still holds it
+    once ``deltas`` are mirrored (a cell they empty, or fill with another block, no longer
+    holds it when the step's kernels run; one they write the same block back into does)."""
     hit = mark[table]
     if not hit.any():
         return
-    for delta in deltas:
-        if delta.group != group:
-            continue
-        if len(delta.clear_rows):
-            hit[np.asarray(delta.clear_rows, dtype=np.intp)] = False
-        if len(delta.rows):
-            rows, cols = (np.asarray(a, dtype=np.intp) for a in (delta.rows, delta.cols))
-            hit[rows, cols] = False
+    mine = [d for d in deltas if d.group == group]
+    if mine:
+        after = table.copy()
+        for delta in mine:
+            delta.apply(after)
+        hit &= after == table
     if hit.any():
         holder, col = (int(x[0]) for x in np.nonzero(hit))
         block = int(table[holder, col])

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.core.memory_plan import check_allocatable
 from kvforge.core.values import PageCopy, SwapResult, TableDelta
+from kvforge.errors import WorkerRefusedError
 from kvforge.worker.host_pool import HostGroupPool, HostPools
 from kvforge.worker.page_ledger import PageLedger
 from kvforge.worker.transfer import move_pages
@@ -78,6 +79,7 @@ class HostTierPages:
             #: which key each page holds, and the next page copy's number: what every copy
             #: is checked against (the scheduler side's index is not visible here)
             self.ledger = PageLedger(self.num_pages)
+            self._checked: tuple[Sequence[PageCopy], Sequence[PageCopy]] | None = None
             # how the storage finds the pages that a step's offloads go to (guard.tier_of)
             storage.host_tier_pages = self  # type: ignore[attr-defined]
 
@@ -127,11 +129,18 @@ class HostTierPages:
             storage._ready()
             storage._verify.page_copies(offloads, onloads, self.num_pages, deltas)
             self.ledger.check(offloads, onloads)
+            self._checked = (offloads, onloads)
 
     def run(self, offloads: Sequence[PageCopy], onloads: Sequence[PageCopy]) -> Any:
-        """Run a batch :meth:`check` passed (under the storage's lock, nothing in between)."""
+        """Run the batch :meth:`check` passed last (under the storage's lock, nothing in
+        between); any other batch is refused."""
         storage = self.storage
         with storage._lock:
+            checked, self._checked = self._checked, None
+            if checked is None or checked[0] is not offloads or checked[1] is not onloads:
+                raise WorkerRefusedError(
+                    "HostTierPages.run: only the batch check() passed last runs; nothing moved"
+                )
             keep_alive: list[Any] = []
             for direction, copies in (("out", offloads), ("in", onloads)):
                 for copy in copies:

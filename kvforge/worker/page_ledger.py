@@ -125,9 +125,26 @@ class PageLedger:
         Raises:
             PageOwnershipError: a page that holds a key.
         """
+        if group not in self.owners:
+            raise WorkerRefusedError(
+                f"HostTierPages.claim: group {group!r} has no host tier pages; nothing changed"
+            )
         owners = self.owners[group].copy()
-        owners[np.asarray(released, dtype=np.int64)] = 0
-        pages = np.asarray(pages, dtype=np.int64)
+        released = np.asarray(released, dtype=np.int64)
+        pages, tags = np.asarray(pages, dtype=np.int64), np.asarray(tags, dtype=np.int64)
+        n = len(owners)
+        for what, ids in (("released page", released), ("page", pages)):
+            if len(ids) and (int(ids.min()) < 1 or int(ids.max()) >= n):
+                raise WorkerRefusedError(
+                    f"HostTierPages.claim: a {what} of group {group!r} is outside [1, {n}) "
+                    f"({ids.tolist()[:8]}); nothing changed"
+                )
+        if len(tags) != len(pages) or (len(tags) and not tags.all()):
+            raise WorkerRefusedError(
+                f"HostTierPages.claim: {len(pages)} pages of group {group!r} need as many "
+                f"non-zero key tags, got {tags.tolist()[:8]}; nothing changed"
+            )
+        owners[released] = 0
         held = owners[pages] != 0
         if held.any() or len(np.unique(pages)) != len(pages):
             page = int(pages[np.flatnonzero(held)[0]]) if held.any() else int(pages[0])
@@ -137,7 +154,7 @@ class PageLedger:
                 group,
                 page,
             )
-        owners[pages] = np.asarray(tags, dtype=np.int64)
+        owners[pages] = tags
         self.owners[group] = owners
 
 

@@ -24,11 +24,11 @@ Invariants (``tests/worker/test_step_ledger.py``):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvforge.core.values import BlockCopy, StepAllocation, TableDelta
+from kvforge.core.values import BlockCopy, StepAllocation, SwapPlan, TableDelta
 from kvforge.errors import (
     BlockOwnershipError,
     StepOrderError,
@@ -135,6 +135,21 @@ class StepLedger:
                     entry = self.issued.get(key)
                     if entry is not None and entry[2] <= step.step_id - KEEP_STEPS:
                         del self.issued[key]
+
+    def swapped_in(self, plan: SwapPlan, tables: Mapping[str, np.ndarray]) -> None:
+        """A swap in (checked against the mirror) filled a row per request: each row serves
+        its request from now on, as if a step had named it there."""
+        for move in plan.requests:
+            for g, blocks in move.device_blocks.items():
+                blocks, cols = np.asarray(blocks), np.asarray(move.block_indices[g])
+                if not len(blocks):
+                    continue
+                rows = np.flatnonzero((tables[g][:, cols] == blocks).all(axis=1))
+                if len(rows):
+                    row = int(rows[0])
+                    self.row_request[row] = move.request_id
+                    self.request_row[move.request_id] = row
+                break
 
     def mirrored(self, deltas: Sequence[TableDelta]) -> None:
         """``deltas`` were mirrored: the rows they empty (a finish, a swap out) serve no

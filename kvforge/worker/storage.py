@@ -504,11 +504,7 @@ class CacheStorage:
     def apply(self, step: StepAllocation) -> StepInputs:
         """:meth:`apply_effects`, then the step's slot mappings: one ``int64`` array per
         ``(group, compress_ratio)`` over every token of the step, in request order (vectorized
-        numpy on CPU, no per-token Python).
-
-        Raises:
-            WorkerRefusedError (and subclasses): as :meth:`apply_effects`; nothing changed.
-        """
+        numpy on CPU, no per-token Python). Raises as :meth:`apply_effects`."""
         with self._lock:
             self.apply_effects(step)
             index, positions, rows = step_tokens(step)
@@ -520,17 +516,15 @@ class CacheStorage:
             return StepInputs(index, positions, slots, dict(tables))
 
     def apply_effects(self, step: StepAllocation) -> None:
-        """Apply a step, the next in its sequence and once (a step of no request included:
-        ``BlockManager.take_effects``): its arena moves, then its host tier copies, then its
-        table changes; its block copies become runnable by :meth:`copy_blocks`. Everything is
-        checked before a byte moves.
+        """Apply a step, the next in its sequence, once (also a step of no request,
+        ``BlockManager.take_effects``): arena moves, host tier copies, table changes; its
+        block copies become runnable by :meth:`copy_blocks`. All checked before a byte moves.
 
         Raises:
             StepOrderError: a repeat, a gap, or a step never handed out.
             WorkerRefusedError (and subclasses): as :meth:`apply_deltas`, :meth:`copy_blocks`
-                and ``HostTierPages.move``, a step row outside the tables, or a request at a
-                row that serves another; nothing changed then.
-        """
+                and ``HostTierPages.move``, a row outside the tables or serving another
+                request; nothing changed then."""
         with self._lock:
             self._ready()
             verify, steps = self._verify, self._steps
@@ -698,6 +692,8 @@ class CacheStorage:
             failure = SwapFailure(stage, current, type(exc).__name__, str(exc))
             return SwapExecution(SwapResult(plan.plan_id, failure, exc))
         result = SwapResult(plan.plan_id, receipt=self._verify.executed(plan))  # swap ledger
+        if plan.direction == "in":  # the rows it filled serve its requests from now on
+            self._steps.swapped_in(plan, self._tables)
         execution = SwapExecution(result, self._finish(), keep_alive)
         if execution.event is not None:  # pragma: no cover - accelerators only
             self._copies.append(execution)

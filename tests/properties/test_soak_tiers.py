@@ -262,13 +262,6 @@ def test_a_restored_snapshot_is_checked_before_the_step_writes() -> None:
         soak_tiers.check_snapshots(ctl, "b", 512, seeds)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvforge bug found by the soak (--async-steps --prefix --model qwen3-next, seed 4, "
-    "operation 241): a snapshot due at the end of step N is copied by end_step(N), after step "
-    "N + 1's kernels advanced the same request's state, so a later hit restores the state "
-    "after token 521 as the state at 512",
-)
 def test_a_snapshot_in_asynchronous_order_is_the_state_at_its_boundary() -> None:
     ctl = _qwen()
     toks = np.random.default_rng(0).integers(0, 500, 600).tolist()
@@ -287,12 +280,6 @@ def test_a_snapshot_in_asynchronous_order_is_the_state_at_its_boundary() -> None
 
 
 @needs_redis
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvforge: with a remote tier, lookup's float token ids are refused by "
-    "RemoteTier.fetch as 'queries[0] must be ...', not 'queries[0].token_ids must be ...' "
-    "(soak.KNOWN_REMOTE_MESSAGES skips the row while a remote tier is attached)",
-)
 def test_float_token_ids_name_the_field_with_a_remote_tier() -> None:
     with soak_tiers.remote_run("redis", 0.0, 1) as run:
         ctl = _qwen()

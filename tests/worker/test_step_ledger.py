@@ -19,7 +19,7 @@ import torch
 
 from kvforge import GQABackend
 from kvforge.core.layout import CacheLayout
-from kvforge.core.values import BlockCopy, PageCopy, StepAllocation
+from kvforge.core.values import BlockCopy, PageCopy, StepAllocation, TableDelta
 from kvforge.errors import (
     BlockOwnershipError,
     DeltaOrderError,
@@ -384,3 +384,69 @@ def test_a_released_page_takes_a_new_key_and_the_old_key_reads_nothing() -> None
         "holds key tag 90",
     )
     assert block != other
+
+
+# ---------------------------------------------------------------------------- found in review
+
+
+def test_a_row_a_swap_in_filled_serves_its_request() -> None:
+    from kvforge import CacheController
+
+    kv = GQABackend(2, 8, block_size=16)
+    ctl = CacheController({0: kv, 1: kv})
+    ctl.initialize_kv_cache(num_blocks=BLOCKS, max_num_seqs=ROWS, max_model_len=MAX_LEN)
+    ctl.initialize_host_cache(num_pages=BLOCKS)
+    ctl.allocate("a", 40)
+    ctl.swap_out("a")
+    ctl.swap_in("a")
+    row = ctl.scheduler.row_of("a")
+    forged = StepAllocation(("x",), i32(row), i64(0), i64(1), (), (), step_id=ctl.storage.next_step)
+    before = [c.clone() for c in ctl.kv_caches]
+    with pytest.raises(BlockOwnershipError, match="which serves request 'a'"):
+        ctl.storage.apply(forged)
+    assert all(torch.equal(a, b) for a, b in zip(before, ctl.kv_caches, strict=True))
+    ctl.allocate("a", 41)  # the real next step still applies
+    ctl.free()
+
+
+def test_an_onload_into_a_block_the_steps_deltas_write_back_is_refused() -> None:
+    env = Env()
+    block = _offloaded(env)
+    row = env.row("a")
+    col = int(np.flatnonzero(env.storage.block_table("kv")[row] == block)[0])
+    rewrite = TableDelta(
+        "kv", rows=i32(row), cols=i32(col), block_ids=i32(block), seq=env.storage.next_seq
+    )
+    step = env.next(table_deltas=(rewrite,), onloads=(env.page_copy([block], [1], [77]),))
+    refused(env, lambda: env.storage.apply(step), BlockOwnershipError, "which row")
+
+
+CLAIMS = [
+    ({"released": [PAGES], "pages": [2], "tags": [5]}, "released page of group 'kv' is outside"),
+    ({"released": [-1], "pages": [2], "tags": [5]}, "released page of group 'kv' is outside"),
+    ({"released": [], "pages": [0], "tags": [5]}, "a page of group 'kv' is outside"),
+    ({"released": [], "pages": [2], "tags": [0]}, "non-zero key tags"),
+    ({"released": [], "pages": [2, 3], "tags": [5]}, "non-zero key tags"),
+    ({"released": [], "pages": [1], "tags": [5]}, "holds a key"),
+]
+
+
+@pytest.mark.parametrize(("args", "fragment"), CLAIMS)
+def test_a_claim_is_checked_whole(args, fragment) -> None:
+    env = Env()
+    _offloaded(env)
+    refused(
+        env,
+        lambda: env.tier.claim(
+            "kv", i32(*args["released"]), i32(*args["pages"]), i64(*args["tags"])
+        ),
+        WorkerRefusedError,
+        fragment,
+    )
+
+
+def test_run_takes_only_the_batch_check_passed() -> None:
+    env = Env()
+    block = int(env.manager.block_table("a", "kv")[0])
+    onload = env.page_copy([block], [1], [77])
+    refused(env, lambda: env.tier.run([], [onload]), WorkerRefusedError, "only the batch")
