@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _helpers import next_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -126,22 +127,6 @@ def free_block(ctl: CacheController, group: str) -> int:
     return next(b for b in range(1, ctl.storage.num_blocks[group]) if b not in held)
 
 
-def next_step(ctl: CacheController, **fields: Any) -> StepAllocation:
-    """A step of no request numbered as the worker's next one, carrying ``fields``."""
-    none32, none64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
-    base = dict(
-        request_ids=(),
-        rows=none32,
-        num_computed=none64,
-        num_new=none64,
-        refused=(),
-        table_deltas=(),
-        step_id=ctl.storage.next_step,
-    )
-    base.update(fields)
-    return StepAllocation(**base)
-
-
 def page_copy(
     ctl: CacheController, group: str, block: int, page: int, tag: int, seq_shift: int = 0
 ) -> PageCopy:
@@ -181,7 +166,7 @@ def attack(ctl: CacheController, rec: Recorder, kind: str, pick: int) -> bool:
         s = paged[pick % len(paged)]
         call = lambda: tier.move(s.offloads, s.onloads)  # noqa: E731
     elif kind == "skip_ahead":  # a later step before the next: a gap
-        step = next_step(ctl)
+        step = next_step(ctl.storage)
         call = lambda: storage.apply(dataclasses.replace(step, step_id=step.step_id + 1))  # noqa: E731
     elif kind == "onload_into_live":
         held = held_page(ctl, "kv")
@@ -189,21 +174,21 @@ def attack(ctl: CacheController, rec: Recorder, kind: str, pick: int) -> bool:
             return False
         page, tag = held
         onload = page_copy(ctl, "kv", live_block(ctl, "victim", "kv"), page, tag)
-        call = lambda: storage.apply(next_step(ctl, onloads=(onload,)))  # noqa: E731
+        call = lambda: storage.apply(next_step(ctl.storage, onloads=(onload,)))  # noqa: E731
     elif kind == "offload_into_held":
         held = held_page(ctl, "kv")
         if held is None:
             return False
         page, tag = held
         offload = page_copy(ctl, "kv", free_block(ctl, "kv"), page, tag + 1)
-        call = lambda: storage.apply(next_step(ctl, offloads=(offload,)))  # noqa: E731
+        call = lambda: storage.apply(next_step(ctl.storage, offloads=(offload,)))  # noqa: E731
     elif kind == "onload_wrong_key":
         held = held_page(ctl, "kv")
         if held is None:
             return False
         page, tag = held
         onload = page_copy(ctl, "kv", free_block(ctl, "kv"), page, tag ^ 0x5A5A)
-        call = lambda: storage.apply(next_step(ctl, onloads=(onload,)))  # noqa: E731
+        call = lambda: storage.apply(next_step(ctl.storage, onloads=(onload,)))  # noqa: E731
     elif kind == "unissued_copy":  # into a block only the prefix cache (or nobody) holds
         src = np.array([live_block(ctl, "victim", "kv")], np.int32)
         dst = np.array([free_block(ctl, "kv")], np.int32)
@@ -211,7 +196,7 @@ def attack(ctl: CacheController, rec: Recorder, kind: str, pick: int) -> bool:
     else:  # row_of_another: the intruder's tokens at the victim's row
         row = ctl.scheduler.row_of("victim")
         step = next_step(
-            ctl,
+            ctl.storage,
             request_ids=("intruder",),
             rows=np.array([row], np.int32),
             num_computed=np.array([0], np.int64),

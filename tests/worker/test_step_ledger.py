@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _helpers import next_step
 
 from kvforge import GQABackend
 from kvforge.core.layout import CacheLayout
@@ -64,18 +65,7 @@ class Env:
 
     def next(self, **fields: Any) -> StepAllocation:
         """A step numbered as the worker's next one, of no request unless ``fields`` say."""
-        none32, none64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
-        base: dict[str, Any] = dict(
-            request_ids=(),
-            rows=none32,
-            num_computed=none64,
-            num_new=none64,
-            refused=(),
-            table_deltas=(),
-            step_id=self.storage.next_step,
-        )
-        base.update(fields)
-        return StepAllocation(**base)
+        return next_step(self.storage, **fields)
 
     def page_copy(
         self, blocks: list[int], pages: list[int], tags: list[int], **kw: Any
