@@ -751,11 +751,10 @@ class CacheStorage:
                 return
             if self._copies:  # pragma: no cover - accelerators only
                 self.platform.synchronize()
-            for (backend, _), caches in zip(
-                self.layout.backend_layers(), self._host_caches, strict=False
-            ):
+            # taken first: a free an interrupt cut short never frees a backend's views twice
+            views, self._host_caches = self._host_caches, []
+            for (backend, _), caches in zip(self.layout.backend_layers(), views, strict=False):
                 backend.free_host_kv_cache(caches)
-            self._host_caches = []
             if self._host is not None:
                 self._host.release()
             self._host = None

@@ -152,3 +152,25 @@ def test_an_interrupt_during_free_still_lets_go_of_every_host_byte(monkeypatch):
     assert [b.host_frees for b in backends] == [1, 1]
     ctl.free()  # the second call is the no-op it always is
     assert [b.host_frees for b in backends] == [1, 1]
+
+
+def test_an_interrupted_free_never_frees_a_backends_host_views_twice():
+    """Two backends; the first one's ``free_host_kv_cache`` is interrupted: the second
+    ``free`` finishes the job without handing any backend its views again."""
+    calls: list[int] = []
+
+    class Counting(GQABackend):
+        def free_host_kv_cache(self, host_caches):
+            calls.append(id(self))
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return super().free_host_kv_cache(host_caches)
+
+    a, b = Counting(2, 8, block_size=16), Counting(2, 8, block_size=16, sliding_window=32)
+    ctl = CacheController({0: a, 1: b})
+    ctl.initialize_kv_cache(num_blocks=8, max_num_seqs=2, max_model_len=64)
+    ctl.initialize_host_cache(num_pages=8)
+    with pytest.raises(KeyboardInterrupt):
+        ctl.free()
+    ctl.free()
+    assert len(calls) == len(set(calls)) and ctl.host_bytes == 0
