@@ -24,13 +24,14 @@ block ids or 64-bit byte offsets, so the demo allocates exactly what a plan says
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 from kvforge.cli.formatting import format_bytes
 from kvforge.core.layout import CacheLayout
 from kvforge.core.memory_plan import MemoryPlan, plan_from_blocks
+from kvforge.core.search import largest
 from kvforge.kinds import held_blocks
 from kvforge.specs import CacheGroup
 
@@ -88,19 +89,6 @@ class DeviceSizing:
     """Tokens the longest request reaches."""
 
 
-def _largest(hi: int, fits: Callable[[int], bool]) -> int:
-    """The largest ``j`` in ``[0, hi]`` with ``fits(j)``, given ``fits(0)`` and ``fits``
-    monotone (true, then false)."""
-    lo = 0
-    while lo < hi:  # fits(lo); the answer is in [lo, hi]
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def size_device(
     layout: CacheLayout, lengths: Sequence[tuple[int, int]], budget: int | None, share: float
 ) -> DeviceSizing:
@@ -152,7 +140,7 @@ def size_device(
     # largest such fraction that fits (capped at 1: more blocks than that are never used)
     chosen = max(
         (
-            Fraction(_largest(d, lambda j, d=d: cost(Fraction(j, d)) <= budget), d)
+            Fraction(largest(lambda j, d=d: cost(Fraction(j, d)) <= budget, 0, d), d)
             for d in demand.values()
             if d > 0
         ),

@@ -9,9 +9,10 @@ the arena's bytes.
 
 from __future__ import annotations
 
-from kvforge.core.arena import arena_groups, plan_arena
+from kvforge.core.arena import ArenaGeometry, arena_groups, plan_arena
 from kvforge.core.layout import CacheLayout
-from kvforge.core.memory_plan import MemoryPlan, _largest
+from kvforge.core.memory_plan import GroupPlan, MemoryPlan
+from kvforge.core.search import largest
 from kvforge.kinds import rule_of
 
 __all__ = ["plan_with_arena"]
@@ -44,20 +45,8 @@ def plan_with_arena(plan: MemoryPlan, layout: CacheLayout) -> MemoryPlan:
     groups = []
     for p in plan.groups:
         if p.group in names:
-            i = geometry.index(p.group)
-            k = geometry.blocks_per_slab[i]
-            pinned = geometry.pinned_blocks(p.group)
-            need[p.group] = (p.blocks_per_sequence, p.step_blocks - pinned, k)
-            p = p.model_copy(
-                update={
-                    "num_blocks": geometry.num_blocks(p.group),
-                    "bytes_per_block": geometry.block_stride[i],
-                    "total_bytes": geometry.total_bytes,
-                    "max_tokens": (usable * k + pinned) * p.block_size,
-                    "step_blocks": 0,
-                    "max_sequences": None,
-                }
-            )
+            need[p.group] = _need(p, geometry)
+            p = _in_arena(p, geometry, usable)
         groups.append(p)
     concurrency = plan.max_concurrency
     if plan.max_model_len is not None and all(b is not None for b, _, _ in need.values()):
@@ -80,6 +69,31 @@ def plan_with_arena(plan: MemoryPlan, layout: CacheLayout) -> MemoryPlan:
     )
 
 
+def _need(p: GroupPlan, geometry: ArenaGeometry) -> tuple[int | None, int, int]:
+    """An arena group's (blocks per sequence, step blocks less its pinned ones, blocks per
+    slab): what :func:`_sequences` counts in slabs."""
+    k = geometry.blocks_per_slab[geometry.index(p.group)]
+    return p.blocks_per_sequence, p.step_blocks - geometry.pinned_blocks(p.group), k
+
+
+def _in_arena(p: GroupPlan, geometry: ArenaGeometry, usable: int) -> GroupPlan:
+    """An arena group's figures with every slab: its id space, padded stride, the arena's
+    bytes."""
+    i = geometry.index(p.group)
+    k = geometry.blocks_per_slab[i]
+    pinned = geometry.pinned_blocks(p.group)
+    return p.model_copy(
+        update={
+            "num_blocks": geometry.num_blocks(p.group),
+            "bytes_per_block": geometry.block_stride[i],
+            "total_bytes": geometry.total_bytes,
+            "max_tokens": (usable * k + pinned) * p.block_size,
+            "step_blocks": 0,
+            "max_sequences": None,
+        }
+    )
+
+
 def _sequences(need: dict[str, tuple[int | None, int, int]], slabs: int, limit: int) -> int:
     """The most sequences (at most ``limit``) whose blocks, plus one step's, fit the slabs."""
 
@@ -89,4 +103,4 @@ def _sequences(need: dict[str, tuple[int | None, int, int]], slabs: int, limit: 
             total += max(0, -(-(n * (per_seq or 0) + step) // k))
         return total <= slabs
 
-    return _largest(fits, 0, limit) if fits(0) else 0
+    return largest(fits, 0, limit) if fits(0) else 0
