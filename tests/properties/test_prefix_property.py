@@ -49,7 +49,7 @@ from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.core.prefix_keys import PrefixHasher
 from kvforge.core.values import PrefixMatch, PrefixQuery
 from kvforge.errors import OutOfBlocksError
-from kvforge.scheduler.retention import PREFIX_RETENTIONS
+from kvforge.scheduler.prefix import PREFIX_RETENTIONS
 from kvforge.specs import CacheGroup, GroupKind
 from kvforge.verify import entry_bytes_for, read_entries, token_seeds, write_entries, write_step
 

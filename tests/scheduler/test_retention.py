@@ -22,7 +22,7 @@ import pytest
 
 from kvforge import BlockManager, CacheController, CacheLayout, GQABackend, PrefixQuery
 from kvforge.models import from_hf_config
-from kvforge.scheduler.retention import DEFAULT_PREFIX_RETENTION, PREFIX_RETENTIONS
+from kvforge.scheduler.prefix import DEFAULT_PREFIX_RETENTION, PREFIX_RETENTIONS
 
 DENSE = ("dense", None)
 CHECKPOINTS = ("checkpoints", None)

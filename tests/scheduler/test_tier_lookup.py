@@ -1,4 +1,4 @@
-"""Lookups that read the host tier (``kvforge.scheduler.tier_lookup``): a prefix the device
+"""Lookups that read the host tier (``kvforge.scheduler.prefix.host_lookup``): a prefix the device
 evicted comes back from host tier pages byte for byte, for a GQA model with a window and for
 DeepSeek-V4 in its slab arena; the device blocks it lands in are held until their onloads
 are handed out; a device with no room brings back nothing; a reset drops what is queued."""

@@ -1,4 +1,4 @@
-"""Host-tier lookups under device pressure (``kvforge.scheduler.tier_lookup``): when the
+"""Host-tier lookups under device pressure (``kvforge.scheduler.prefix.host_lookup``): when the
 longest prefix the device and the host hold together does not fit on the device, a shorter
 boundary is offered only when every group holds what that boundary needs (a full group its
 chain, a window or state group its tail there, a per-request group its snapshot at exactly
@@ -27,8 +27,7 @@ from kvforge import CacheController, GQABackend
 from kvforge.attn_backends.deepseek_v4 import DeepseekV4Backend
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.core.values import PrefixQuery
-from kvforge.scheduler import tier_lookup
-from kvforge.scheduler.tier_lookup import PromptPlan
+from kvforge.scheduler.prefix import host_lookup as tier_lookup
 from kvforge.verify import token_seeds, verify_request, write_step
 
 # ------------------------------------------------------------------ layouts
@@ -136,7 +135,7 @@ def nothing_pinned(ctl: CacheController) -> None:
 
 
 def forget_at(ctl: CacheController, toks: np.ndarray, group: str, end: int) -> None:
-    plan = PromptPlan(ctl.scheduler, toks, PrefixQuery(toks))
+    plan = ctl.scheduler.prompt_plan(toks, PrefixQuery(toks))
     assert ctl.host_tier.forget(group, [plan.key_at(end)]) == 1
 
 
@@ -264,7 +263,7 @@ def run_ops(name: str, ops: list[tuple[str, int, int, int]]) -> None:
             if prefill(ctl, f"w{i}", toks, chunks[arg % len(chunks)]):
                 ctl.free_request(f"w{i}")
         elif op == "forget":  # a window / snapshot page leaves the tier on its own
-            plan = PromptPlan(manager, toks, PrefixQuery(toks))
+            plan = manager.prompt_plan(toks, PrefixQuery(toks))
             for g in plan.groups:
                 every = manager.snapshot_interval if g.per_request else step
                 if g.history or g.spec.name not in tier.groups or plan.top < every:

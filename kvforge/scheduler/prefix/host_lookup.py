@@ -3,22 +3,27 @@ blocks its longest prefix needs that only the host tier holds are brought back t
 blocks (one onload per group), registered under their keys, and the device lookup then
 serves them as it serves any cached block.
 
-:func:`lookup` is :meth:`BlockManager.lookup` once a host tier is attached
-(:func:`kvforge.scheduler.host_tier.attach`). For each prompt it finds the longest boundary
-``L`` whose blocks are all held on the device *or* the host (a full group every block of
-``[0, L)``, a window or state group the tail the step after ``L`` reads, a per-request group
-a snapshot taken at exactly ``L``: on the device, or under the host tier's
-``state_policy="aligned"`` on the host too; under ``"skip"`` the host keeps none, so a
-snapshot the device lost is recomputed). The blocks only the host holds get device
-blocks (taken as any block is: free first, then the least recently used cached block, which
-is demoted in turn), their pages are pinned and their onloads queued, and the blocks are
-registered in the device prefix cache with the unit record and tail proof their page kept, so
-the device lookup confirms them exactly (a snapshot's record is the one at ``L``: the chain's
-unit records up to ``L`` confirm it as they confirm a full block ending there). When the
-device cannot give every block at ``L``, shorter boundaries are tried, each only when every
-group holds what it needs there (its window tail and snapshot differ from ``L``'s: a page can
-leave the tier on its own); the device part is never evicted to make room for the host part.
-Under any pressure the answer is a shorter hit or a miss, never an exception.
+:func:`lookup` is :meth:`BlockManager.lookup
+<kvforge.scheduler.block_manager.BlockManager.lookup>` (with no host tier it is the device
+lookup alone). For each prompt it finds the longest boundary ``L`` whose blocks are all held
+on the device *or* the host (a full group every block of ``[0, L)``, a window or state group
+the tail the step after ``L`` reads, a per-request group a snapshot taken at exactly ``L``: on
+the device, or under the host tier's ``state_policy="aligned"`` on the host too; under
+``"skip"`` the host keeps none, so a snapshot the device lost is recomputed). The blocks only
+the host holds get device blocks (taken as any block is: free first, then the least recently
+used cached block, which is demoted in turn), their pages are pinned and their onloads
+queued, and the blocks are registered in the device prefix cache
+(:meth:`PrefixCache.register <.cache.PrefixCache.register>`) with the unit record and tail
+proof their page kept, so the device lookup confirms them exactly (a snapshot's record is the
+one at ``L``: the chain's unit records up to ``L`` confirm it as they confirm a full block
+ending there). When the device cannot give every block at ``L``, shorter boundaries are
+tried, each only when every group holds what it needs there (its window tail and snapshot
+differ from ``L``'s: a page can leave the tier on its own); the device part is never evicted
+to make room for the host part. Under any pressure the answer is a shorter hit or a miss,
+never an exception.
+
+Everything here reads the prefix cache, the group tables and the tier through their public
+methods, passed explicitly; the caller holds the block manager's lock.
 
 Invariants (``tests/scheduler/test_tier_lookup.py``):
 
@@ -35,41 +40,43 @@ Invariants (``tests/scheduler/test_tier_lookup.py``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvforge.core.values import PageCopy, PrefixEvent, PrefixMatch, PrefixQuery
+from kvforge.core.values import PageCopy, PrefixMatch, PrefixQuery
 from kvforge.scheduler.arena import ArenaBlockPool
 from kvforge.scheduler.args import token_array
 from kvforge.scheduler.block_pool import BlockPool
+from kvforge.scheduler.host_tier import HostTier
+from kvforge.scheduler.prefix.cache import PrefixCache
+from kvforge.scheduler.prefix.records import Proof
 from kvforge.scheduler.tables import GroupTable
-
-#: a :class:`~kvforge.scheduler.block_manager.BlockManager` (not imported: it imports this)
-BlockManager = Any
 
 __all__ = ["PromptPlan", "lookup", "take_onloads"]
 
+#: per group of a hit: (group index, group, [(key, end token) of each block it reads])
+Need = list[tuple[int, GroupTable, list[tuple[bytes, int]]]]
 
-def lookup(manager: BlockManager, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
-    """The device lookup of ``queries``, after bringing back from the host tier (if the
-    manager has one) what each prompt's longest prefix needs (the caller holds the manager's
-    lock)."""
-    prefix = manager._prefix
+
+def lookup(
+    prefix: PrefixCache, tier: HostTier | None, queries: Sequence[PrefixQuery]
+) -> list[PrefixMatch]:
+    """The device lookup of ``queries``, after bringing back from the host ``tier`` (if
+    any) what each prompt's longest prefix needs (the caller holds the manager's lock)."""
     batch = isinstance(queries, Sequence) and not isinstance(queries, PrefixQuery)
-    if manager._host_tier is not None and prefix.enabled and batch:
+    if tier is not None and prefix.enabled and batch:
         for i, q in enumerate(queries):
             if isinstance(q, PrefixQuery):
-                _bring_back(manager, q, i)
+                _bring_back(prefix, tier, q, i)
     return prefix.lookup(queries)  # checks every query, as without a host tier
 
 
-def take_onloads(manager: BlockManager) -> tuple[PageCopy, ...]:
-    """The queued onloads (host page -> device block), for the worker to run after the
-    batch's offloads and before anything reads those blocks; their device blocks become
-    ordinary cached blocks (evictable once no request holds them)."""
-    tier = manager._host_tier
+def take_onloads(tier: HostTier | None) -> tuple[PageCopy, ...]:
+    """The queued onloads of ``tier`` (host page -> device block), for the worker to run
+    after the batch's offloads and before anything reads those blocks; their device blocks
+    become ordinary cached blocks (evictable once no request holds them)."""
     if tier is None:
         return ()
     copies = tier.take_onloads()
@@ -81,19 +88,34 @@ def take_onloads(manager: BlockManager) -> tuple[PageCopy, ...]:
 
 class PromptPlan:
     """The keys of one prompt's boundaries, and what a hit at each boundary reads: shared by
-    the host tier's lookup and the remote tier's fetch (:mod:`kvforge.remote_tier`)."""
+    the host tier's lookup and the remote tier's fetch (:mod:`kvforge.remote_tier`).
 
-    def __init__(self, manager: BlockManager, tokens: np.ndarray, query: PrefixQuery) -> None:
-        prefix = manager._prefix
+    Args:
+        prefix: the device prefix cache (its settings, key chains and served keys).
+        groups: the scheduler side's group tables, in group order.
+        tier: the host tier (its kept snapshot groups), or ``None``.
+        tokens: the prompt's token ids, checked (:func:`~kvforge.scheduler.args.token_array`).
+        query: the prompt's query (its extra keys and multimodal items).
+    """
+
+    def __init__(
+        self,
+        prefix: PrefixCache,
+        groups: Sequence[GroupTable],
+        tier: HostTier | None,
+        tokens: np.ndarray,
+        query: PrefixQuery,
+    ) -> None:
         self.prefix = prefix
         self.step, self.unit = prefix.boundary, prefix.unit
         self.top = ((len(tokens) - 1) // self.step) * self.step if len(tokens) else 0
-        self.hasher = prefix._hasher(query)
+        self.hasher = prefix.hasher(query)
         self.keys = self.hasher.extend(tokens[: self.top])
         self._tails: dict[int, tuple[bytes, bytes, bytes]] = {}
-        self.groups: list[GroupTable] = manager._t.groups
-        self.device = {g.spec.name: prefix._cached[g.spec.name] for g in self.groups}
-        tier = manager._host_tier
+        self.groups: Sequence[GroupTable] = groups
+        self.device: dict[str, Mapping[bytes, int]] = {
+            g.spec.name: prefix.cached_keys(g.spec.name) for g in self.groups
+        }
         #: the per-request groups whose snapshots the tiers keep (``state_policy="aligned"``)
         self.kept_snapshots = frozenset() if tier is None else tier.per_request - tier.recomputed
 
@@ -109,7 +131,7 @@ class PromptPlan:
             self._tails[t] = self.hasher.tail_key(t)
         return self._tails[t]
 
-    def proof(self, end: int) -> tuple[bytes, bytes, bytes] | None:
+    def proof(self, end: int) -> Proof | None:
         """The proof a block ending at ``end`` keeps (a tail key's; ``None`` on a unit end)."""
         if end % self.unit == 0:
             return None
@@ -117,9 +139,10 @@ class PromptPlan:
         return parent, payload, self.hasher.root_preimage if end < self.unit else b""
 
     def on_device(self, g: GroupTable, key: bytes) -> bool:
+        """Whether the device prefix cache serves ``key`` in group ``g``."""
         return key in self.device[g.spec.name]
 
-    def needed(self, length: int) -> list[tuple[int, GroupTable, list[tuple[bytes, int]]]] | None:
+    def needed(self, length: int) -> Need | None:
         """Per group, ``(key, end)`` of the blocks a hit of ``length`` reads, a per-request
         group's snapshot at ``length`` included (None: no snapshot can be there: ``length``
         is not aligned, or the group's snapshots are recomputed and the device has none)."""
@@ -158,16 +181,16 @@ class PromptPlan:
         return 0
 
 
-def _bring_back(manager: BlockManager, query: PrefixQuery, index: int) -> None:
-    tier = manager._host_tier
+def _bring_back(prefix: PrefixCache, tier: HostTier, query: PrefixQuery, index: int) -> None:
+    """Bring back from ``tier`` the host-only blocks of the longest prefix of ``query`` (the
+    ``index``-th query) that the device can give blocks to, or nothing."""
     tokens = token_array(query.token_ids, f"queries[{index}].token_ids")
-    plan = PromptPlan(manager, tokens, query)
+    plan = PromptPlan(prefix, prefix.groups, tier, tokens, query)
     if plan.top == 0:
         return
-    host = {g: tier._index[g] for g in tier.groups}
 
     def anywhere(g: GroupTable, key: bytes) -> bool:
-        return plan.on_device(g, key) or key in host.get(g.spec.name, ())
+        return plan.on_device(g, key) or tier.holds(g.spec.name, key)
 
     on_device_only = plan.reach(plan.on_device)
     length = plan.reach(anywhere)
@@ -176,20 +199,20 @@ def _bring_back(manager: BlockManager, query: PrefixQuery, index: int) -> None:
         # offered only when every group holds what it needs there, on the device or the host
         need = plan.needed(length)
         held = need is not None and all(anywhere(g, k) for _, g, ks in need for k, _ in ks)
-        if held and _restore(manager, need, plan.on_device):
+        if held and _restore(prefix, tier, need, plan.on_device):  # type: ignore[arg-type]
             tier.stats.hit_tokens += length - on_device_only
             return
         length -= plan.step  # the device cannot give every block: a shorter host hit
 
 
 def _restore(
-    manager: BlockManager,
-    need: list[tuple[int, GroupTable, list[tuple[bytes, int]]]],
+    prefix: PrefixCache,
+    tier: HostTier,
+    need: Need,
     on_device: Callable[[GroupTable, bytes], bool],
 ) -> bool:
     """Bring back every host-only block of ``need``, or nothing (False): also when a block
     is neither on the device nor in the tier (never an exception, nothing pinned)."""
-    prefix, tier = manager._prefix, manager._host_tier
     missing = [(gi, g, [k for k, _ in ks if not on_device(g, k)]) for gi, g, ks in need]
     missing = [(gi, g, ks) for gi, g, ks in missing if ks]
     kept_groups = set(tier.groups)
@@ -204,7 +227,7 @@ def _restore(
         (
             g.pool,
             np.array(
-                [prefix._cached[g.spec.name][k] for k, _ in ks if on_device(g, k)],
+                [prefix.cached_keys(g.spec.name)[k] for k, _ in ks if on_device(g, k)],
                 dtype=np.int32,
             ),
         )
@@ -213,27 +236,53 @@ def _restore(
     for pool, blocks in kept:
         pool.share(blocks)
     try:
-        per_pool: dict[BlockPool, int] = {}
-        for _, g, ks in missing:
-            per_pool[g.pool] = per_pool.get(g.pool, 0) + len(ks)
-        if not _fits(per_pool):
-            return False
-        pages: dict[str, np.ndarray] = {}
-        try:
-            for _, g, ks in missing:  # all held (checked above): no pin can fail halfway
-                pages[g.spec.name] = tier.pin(g.spec.name, ks)
-            arenas = {p.arena for p in per_pool if isinstance(p, ArenaBlockPool)}
-            for arena in arenas:
-                arena.prepare({p: n for p, n in per_pool.items() if p in arena.pools})
-            taken = {pool: pool.take(n) for pool, n in per_pool.items()}
-        except BaseException:
-            for name, p in pages.items():
-                tier.unpin(name, p)
-            raise
+        taken = _pin_and_take(tier, missing)
     finally:
         for pool, blocks in kept:
             pool.release(blocks)
-    at = dict.fromkeys(per_pool, 0)
+    if taken is None:
+        return False
+    _queue(prefix, tier, missing, *taken)
+    return True
+
+
+def _pin_and_take(
+    tier: HostTier, missing: list[tuple[int, GroupTable, list[bytes]]]
+) -> tuple[dict[BlockPool, np.ndarray], dict[str, np.ndarray]] | None:
+    """Pin the pages of the ``missing`` keys (every one held: checked by the caller) and take
+    a device block for each: ``(pool -> blocks taken, group -> pages)``, or ``None`` (and
+    nothing pinned or taken) when the device pools cannot give them all."""
+    per_pool: dict[BlockPool, int] = {}
+    for _, g, ks in missing:
+        per_pool[g.pool] = per_pool.get(g.pool, 0) + len(ks)
+    if not _fits(per_pool):
+        return None
+    pages: dict[str, np.ndarray] = {}
+    try:
+        for _, g, ks in missing:  # all held (checked above): no pin can fail halfway
+            pages[g.spec.name] = tier.pin(g.spec.name, ks)
+        arenas = {p.arena for p in per_pool if isinstance(p, ArenaBlockPool)}
+        for arena in arenas:
+            arena.prepare({p: n for p, n in per_pool.items() if p in arena.pools})
+        taken = {pool: pool.take(n) for pool, n in per_pool.items()}
+    except BaseException:
+        for name, p in pages.items():
+            tier.unpin(name, p)
+        raise
+    return taken, pages
+
+
+def _queue(
+    prefix: PrefixCache,
+    tier: HostTier,
+    missing: list[tuple[int, GroupTable, list[bytes]]],
+    taken: dict[BlockPool, np.ndarray],
+    pages: dict[str, np.ndarray],
+) -> None:
+    """Queue the onloads of the pinned ``pages`` into the ``taken`` device blocks, held
+    until :func:`take_onloads`, and register each block under its key with its page's
+    record and proof."""
+    at = dict.fromkeys(taken, 0)
     for gi, g, ks in missing:
         name = g.spec.name
         blocks = taken[g.pool][at[g.pool] : at[g.pool] + len(ks)]
@@ -242,14 +291,11 @@ def _restore(
         tier.pending_blocks.append((g.pool, blocks))
         for key, block, page in zip(ks, blocks.tolist(), pages[name].tolist(), strict=True):
             end, ref, proof = tier.page_entry(name, page)
-            if ref is not None:  # the device block's own reference; the page keeps its own
-                prefix.records.retain(ref)
-            prefix._store(gi, g, key, block, end, ref, proof)
-            prefix._events.append(PrefixEvent("stored", name, key, end))
-    return True
+            prefix.register(gi, g, key, block, end, ref, proof)  # type: ignore[arg-type]
 
 
 def _fits(per_pool: dict[BlockPool, int]) -> bool:
+    """Whether every pool (an arena's pools together) can give its count of blocks."""
     arenas: dict[Any, dict[ArenaBlockPool, int]] = {}
     for pool, n in per_pool.items():
         if isinstance(pool, ArenaBlockPool):

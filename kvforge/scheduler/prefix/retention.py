@@ -1,9 +1,13 @@
 """Which completed window and state blocks the prefix cache keeps reusable: the retention
-policy (``prefix_retention``) and its checks, shared by :class:`~.prefix_cache.PrefixCache`,
-:class:`~.block_manager.BlockManager` and the controller.
+policy (``prefix_retention``) and its checks, shared by :class:`~.cache.PrefixCache`,
+:class:`~kvforge.scheduler.block_manager.BlockManager` and the controller, and the rule
+itself (:func:`in_some_tail`), which :mod:`.commit` applies to every completed window block.
 
-The rule itself is applied in :meth:`PrefixCache.commit <.prefix_cache.PrefixCache.commit>`
-(``docs/architecture.md``, "Retention"; tested in ``tests/scheduler/test_retention.py``).
+Invariants (``tests/scheduler/test_retention.py``; ``docs/architecture.md``, "Retention"):
+a bad policy or interval is refused with an :class:`~kvforge._checks.ArgumentError` naming
+it; under ``"dense"`` every block the tail of some boundary reads is kept, under
+``"checkpoints"`` only those of the request's checkpoints and of the interval's multiples;
+history groups and per-request snapshots are never affected.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from numbers import Integral
 from typing import Literal
 
 from kvforge._checks import ArgumentError
+from kvforge.scheduler.tables import GroupTable
 
 __all__ = [
     "DEFAULT_PREFIX_RETENTION",
@@ -19,6 +24,8 @@ __all__ = [
     "Retention",
     "check_prefix_retention",
     "checkpoints_of",
+    "in_some_tail",
+    "window_start",
 ]
 
 Retention = Literal["dense", "checkpoints"]
@@ -87,3 +94,39 @@ def checkpoints_of(num_prompt_tokens: int, junction: int, boundary: int) -> tupl
     """
     replay = (num_prompt_tokens - 1) // boundary * boundary if num_prompt_tokens else 0
     return tuple(sorted({b for b in (replay, junction // boundary * boundary) if b > 0}))
+
+
+def window_start(g: GroupTable, num_tokens: int) -> int:
+    """First token the step after a prefix of ``num_tokens`` reads in group ``g``."""
+    return g.rule.tail_start(g.spec, num_tokens)
+
+
+def in_some_tail(
+    g: GroupTable,
+    col: int,
+    boundary: int,
+    interval: int | None,
+    keep: tuple[int, ...] | None = None,
+) -> bool:
+    """Whether block ``col`` of window group ``g`` lies in the tail some retained boundary
+    needs: under ``"dense"`` retention (``keep`` None) every multiple of ``boundary``, under
+    ``"checkpoints"`` the boundaries in ``keep`` and the multiples of the retention
+    ``interval`` (none when it is ``None``).
+
+    Tails move forward with ``L``, so among evenly spaced boundaries the first at or after
+    the block's end decides: a 4-token ``c4_state`` block (window 8, boundary 256) is in a
+    tail only if it is one of the two blocks before a multiple of 256 (2 of every 64
+    blocks).
+    """
+    end = (col + 1) * g.block_size
+    if keep is None:
+        every: int | None = boundary
+    else:
+        for b in keep:
+            if b >= end and window_start(g, b) // g.block_size <= col:
+                return True
+        every = interval
+    if every is None:
+        return False
+    first = -(-end // every) * every
+    return window_start(g, first) // g.block_size <= col

@@ -1,0 +1,220 @@
+"""The index of the prefix cache and its eviction: the one place where key <-> block changes.
+
+:class:`PrefixIndex` maps, per group, a key to its served block (``_cached``) and, per pool,
+a block to what the cache knows of it (``_owner`` for served copies, ``_spare_owner`` for
+newer copies waiting to take a served key over, listed per key in ``_spares``). It hears of
+every eviction (:meth:`PrefixIndex.evicted`, each pool's eviction hook) and of every slab
+move of an arena (:meth:`PrefixIndex.moved`), announces what it stores and removes
+(:class:`~kvforge.core.values.PrefixEvent`, taken by :meth:`PrefixIndex.take_events`), and
+counts evictions per family in the cache's :class:`~.records.PrefixStats`.
+
+Invariants (``tests/scheduler/test_prefix_cache.py``, ``tests/scheduler/test_newest_copy.py``,
+``tests/scheduler/test_arena.py`` and the prefix property test):
+
+- a block is in ``_owner`` of its pool exactly when some group's ``_cached`` maps a key to it
+  (it is served), in ``_spare_owner`` exactly when it waits in ``_spares`` as another copy
+  of a served key, never in both; exactly then its pool retains it (evictable at ref 0);
+- the newest copy wins: when the served copy of a key goes (evicted or rewritten), its newest
+  waiting copy takes the key over (:meth:`PrefixIndex.promote`), announced as stored; a
+  waiting copy that goes is never announced (a key was not lost);
+- a registered block holds one reference on its unit record, released when it goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from kvforge.core.values import PrefixEvent
+from kvforge.scheduler.block_pool import BlockPool
+from kvforge.scheduler.prefix.records import Entry, PrefixStats, Proof
+from kvforge.scheduler.tables import GroupTable, RequestTables
+from kvforge.scheduler.unit_records import UnitRecordStore
+
+__all__ = ["PrefixIndex"]
+
+
+class PrefixIndex:
+    """Key <-> block of every group, the waiting copies, the events and the eviction hook.
+
+    Args:
+        tables: the scheduler side's tables (their groups and pools).
+        records: the unit records registered blocks hold references on.
+        stats: the counters evictions are added to.
+    """
+
+    def __init__(
+        self, tables: RequestTables, records: UnitRecordStore, stats: PrefixStats
+    ) -> None:
+        self._groups = tables.groups
+        self._pools = tables.pools
+        self._records = records
+        self._stats = stats
+        self._events: list[PrefixEvent] = []
+        self._cached: dict[str, dict[bytes, int]] = {g.spec.name: {} for g in tables.groups}
+        # per pool: block -> (key, end token, group index, the record it holds or None, the
+        # tail proof (parent, payload, root preimage) of a key that ends inside a unit)
+        self._owner: dict[BlockPool, dict[int, Entry]] = {pool: {} for pool, _ in tables.pools}
+        # copies of a served key waiting to take it over: per pool, block -> its entry, and
+        # per group, key -> the waiting blocks, oldest first
+        self._spare_owner: dict[BlockPool, dict[int, Entry]] = {
+            pool: {} for pool, _ in tables.pools
+        }
+        self._spares: dict[str, dict[bytes, list[int]]] = {g.spec.name: {} for g in tables.groups}
+
+    # ------------------------------------------------------------------ views
+
+    def keys_of(self, group: str) -> Mapping[bytes, int]:
+        """Key -> served block of ``group`` (a live view: read it, never write it)."""
+        return self._cached[group]
+
+    def block_of(self, group: str, key: object) -> int | None:
+        """The cached block of ``key`` in ``group``, or ``None``."""
+        return self._cached[group].get(key)  # type: ignore[call-overload]
+
+    def served(self, pool: BlockPool, block: int) -> Entry | None:
+        """What the index knows of ``block`` while it is the served copy of a key."""
+        return self._owner[pool].get(block)
+
+    def served_blocks(self, pool: BlockPool) -> Mapping[int, Entry]:
+        """Block -> entry of every served block of ``pool`` (a live view: read only)."""
+        return self._owner[pool]
+
+    def waiting_blocks(self, pool: BlockPool) -> frozenset[int]:
+        """The blocks of ``pool`` waiting as newer copies of a served key."""
+        return frozenset(self._spare_owner[pool])
+
+    def registered(self, pool: BlockPool) -> dict[int, tuple[object, int, str]]:
+        """Every served block of ``pool``: block -> (key, end token, group)."""
+        names = [g.spec.name for g in self._groups]
+        return {b: (e.key, e.end, names[e.group]) for b, e in self._owner[pool].items()}
+
+    def take_events(self) -> list[PrefixEvent]:
+        """Blocks stored in and removed from the index since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ changes
+
+    def store(
+        self,
+        gi: int,
+        g: GroupTable,
+        key: bytes,
+        block: int,
+        end: int,
+        ref: bytes | None,
+        proof: Proof | None,
+    ) -> None:
+        """Register ``block`` as the served copy of ``key`` and announce it: both directions
+        of the index change here, in :meth:`forget_block`, :meth:`promote` and
+        :meth:`evicted` only. ``ref`` is the unit record the block holds a reference on
+        (released when it goes)."""
+        self._cached[g.spec.name][key] = block
+        self._owner[g.pool][block] = Entry(key, end, gi, ref, proof)
+        g.pool.retain(block)
+        self._events.append(PrefixEvent("stored", g.spec.name, key, end))
+
+    def add_waiting(self, g: GroupTable, block: int, entry: Entry) -> None:
+        """``block`` is a newer copy of ``entry.key`` while the served copy is in use: it
+        waits (retained by its pool) and takes the key over when that copy goes."""
+        self._spare_owner[g.pool][block] = entry
+        self._spares[g.spec.name].setdefault(entry.key, []).append(block)
+        g.pool.retain(block)
+
+    def forget_block(self, g: GroupTable, block: int, promote: bool = True) -> None:
+        """Forget the key of ``block`` (it will be written again): the block stays with its
+        holders and goes back to the free stack when they release it. A waiting copy of the
+        key, if any, takes it over (unless ``promote`` is false: a newer copy will)."""
+        if self.drop_waiting(g.pool, block):
+            g.pool.forget(block)
+            return
+        entry = self._owner[g.pool].pop(block, None)
+        if entry is None:
+            return
+        group = self._groups[entry.group]
+        if self._cached[group.spec.name].get(entry.key) == block:
+            del self._cached[group.spec.name][entry.key]
+        g.pool.forget(block)
+        if entry.ref is not None:
+            self._records.release(entry.ref)
+        self._events.append(PrefixEvent("removed", group.spec.name, entry.key, entry.end))
+        if promote:
+            self.promote(group, entry.key)
+
+    def drop_waiting(self, pool: BlockPool, block: int) -> bool:
+        """Drop ``block`` if it is a waiting copy (no event: it was never announced)."""
+        entry = self._spare_owner[pool].pop(block, None)
+        if entry is None:
+            return False
+        name = self._groups[entry.group].spec.name
+        waiting = self._spares[name][entry.key]
+        waiting.remove(block)
+        if not waiting:
+            del self._spares[name][entry.key]
+        if entry.ref is not None:
+            self._records.release(entry.ref)
+        return True
+
+    def promote(self, g: GroupTable, key: bytes) -> None:
+        """The served copy of ``key`` went: its newest waiting copy takes the key over."""
+        waiting = self._spares[g.spec.name].get(key)
+        if not waiting:
+            return
+        block = waiting.pop()
+        if not waiting:
+            del self._spares[g.spec.name][key]
+        entry = self._spare_owner[g.pool].pop(block)
+        self._cached[g.spec.name][key] = block
+        self._owner[g.pool][block] = entry
+        self._events.append(PrefixEvent("stored", g.spec.name, key, entry.end))
+
+    def evicted(self, pool: BlockPool, victims: np.ndarray) -> None:
+        """The eviction hook of ``pool``: ``victims`` leave the index (and are counted)."""
+        ev = self._stats.evictions
+        owner = self._owner[pool]
+        # waiting copies first, so that none of them is promoted; they were never announced,
+        # so they are not counted as evictions (a key was not lost)
+        served = [b for b in victims.tolist() if not self.drop_waiting(pool, b)]
+        for b in served:
+            entry = owner.pop(b)
+            g = self._groups[entry.group]
+            family = g.spec.family.value
+            ev[family] = ev.get(family, 0) + 1
+            cached = self._cached[g.spec.name]
+            if cached.get(entry.key) == b:
+                del cached[entry.key]
+            if entry.ref is not None:
+                self._records.release(entry.ref)
+            self._events.append(PrefixEvent("removed", g.spec.name, entry.key, entry.end))
+            self.promote(g, entry.key)
+
+    def moved(self, pool: BlockPool, src: np.ndarray, dst: np.ndarray) -> None:
+        """Cached blocks ``src`` moved to ``dst`` (a slab arena packing): keys follow."""
+        served, waiting = self._owner[pool], self._spare_owner[pool]
+        for a, b in zip(src.tolist(), dst.tolist(), strict=True):
+            owner = served if a in served else waiting
+            entry = owner[b] = owner.pop(a)
+            name = self._groups[entry.group].spec.name
+            if owner is waiting:
+                copies = self._spares[name][entry.key]
+                copies[copies.index(a)] = b
+            elif self._cached[name].get(entry.key) == a:
+                self._cached[name][entry.key] = b
+
+    def reset(self) -> int:
+        """Forget every key: evictable blocks go back to the free stacks and blocks in use
+        lose their keys. Returns the number of blocks evicted."""
+        evicted = 0
+        for pool, members in self._pools:  # waiting copies first, so that none is promoted
+            for block in list(self._spare_owner[pool]):
+                evicted += pool.ref_count(block) == 0  # back to the free stack, as evicted
+                self.forget_block(self._groups[members[0]], block)
+        for pool, _ in self._pools:
+            evicted += len(pool.evict(pool.num_evictable))
+        for pool, _ in self._pools:
+            for block in list(self._owner[pool]):
+                g = self._groups[self._owner[pool][block].group]
+                self.forget_block(g, block)
+        return evicted
