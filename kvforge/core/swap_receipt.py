@@ -46,13 +46,13 @@ def new_token() -> bytes:
     return secrets.token_bytes(TOKEN_BYTES)
 
 
-def _ints(h: hashlib._Hash, arr: object) -> None:
+def _ints(h: hashlib.blake2b, arr: object) -> None:
     a = np.ascontiguousarray(np.asarray(arr), dtype=np.int64).reshape(-1)
     h.update(len(a).to_bytes(8, "little"))
     h.update(a.tobytes())
 
 
-def _text(h: hashlib._Hash, value: object) -> None:
+def _text(h: hashlib.blake2b, value: object) -> None:
     raw = str(value).encode()
     h.update(len(raw).to_bytes(8, "little"))
     h.update(raw)

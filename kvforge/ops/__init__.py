@@ -91,11 +91,14 @@ def _cpu_error() -> str | None:
     return _import_error("cpu_fast")
 
 
-def _triton_error() -> str | None:
+def triton_error() -> str | None:
+    """``None`` when the Triton kernels import, else why not (the availability probe
+    :func:`resolve_impl` and :mod:`kvforge.ops.slots` share)."""
     return _import_error("triton_kernels")
 
 
-def _interpret_requested() -> bool:
+def interpret_requested() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` asks for the Triton interpreter on CPU."""
     import os
 
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -133,7 +136,7 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
         device = torch.device(device)
     if impl == "auto":
         if device.type in _ACCEL:
-            return "triton" if _triton_error() is None else "torch"
+            return "triton" if triton_error() is None else "torch"
         if device.type == "cpu":
             return "cpu" if _cpu_error() is None else "torch"
         return "torch"
@@ -147,13 +150,13 @@ def resolve_impl(impl: str, device: torch.device | str) -> str:
                 "'fast-cpu' extra or use impl='torch'"
             )
     elif impl == "triton":
-        if device.type == "cpu" and not _interpret_requested():
+        if device.type == "cpu" and not interpret_requested():
             raise ValueError(
                 "impl 'triton' on cpu tensors needs the Triton interpreter: set "
                 "TRITON_INTERPRET=1 before kvforge.ops.triton_kernels is first imported "
                 "(or use impl='cpu' / 'torch')"
             )
-        err = _triton_error()
+        err = triton_error()
         if err is not None:
             raise RuntimeError(f"impl 'triton' needs triton, which does not import ({err})")
     return impl

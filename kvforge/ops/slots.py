@@ -211,14 +211,14 @@ def resolve_slot_impl(impl: str, device: torch.device | str) -> str:
             ``TRITON_INTERPRET=1``.
         RuntimeError: ``"triton"`` where triton does not import.
     """
-    from . import _interpret_requested, _triton_error  # the package's availability probes
+    from . import interpret_requested, triton_error  # the package's availability probes
 
     impl = _check_impl_name(impl)
     device = torch.device(device)
     if impl == "auto":
         if device.type == "cpu":
             return "numpy"
-        if device.type in _ACCEL and _triton_error() is None:
+        if device.type in _ACCEL and triton_error() is None:
             return "triton"
         return "torch"
     if impl == "numpy" and device.type != "cpu":
@@ -226,13 +226,13 @@ def resolve_slot_impl(impl: str, device: torch.device | str) -> str:
             f"impl 'numpy' runs on numpy arrays and cpu tensors; the arrays are on {device}"
         )
     if impl == "triton":
-        if device.type == "cpu" and not _interpret_requested():
+        if device.type == "cpu" and not interpret_requested():
             raise ValueError(
                 "impl 'triton' on cpu arrays needs the Triton interpreter: set "
                 "TRITON_INTERPRET=1 before kvforge.ops.triton_slots is first imported "
                 "(or use impl='numpy')"
             )
-        err = _triton_error()
+        err = triton_error()
         if err is not None:
             raise RuntimeError(f"impl 'triton' needs triton, which does not import ({err})")
     return impl

@@ -138,7 +138,10 @@ def interpreted() -> bool:
     return type(_move_kernel).__name__ == "InterpretedFunction"
 
 
-def _grid_cap(device: torch.device) -> int:
+def default_grid_cap(device: torch.device) -> int:
+    """Programs a persistent launch on ``device`` uses when the caller gives no cap: the
+    interpreter's small grid on CPU, a few per SM on CUDA, one per vector core on Ascend,
+    never more than :data:`MAX_GRID`."""
     if device.type == "cpu":
         return INTERPRET_GRID
     if device.type == "cuda":
@@ -189,7 +192,7 @@ def _table(
     return entry
 
 
-def _on_device(device: torch.device) -> AbstractContextManager[object]:
+def on_device(device: torch.device) -> AbstractContextManager[object]:
     """Make ``device`` current when another accelerator is: Triton launches on the current
     device, and torch uploads there."""
     if device.type == "cpu" or device.index is None:
@@ -234,7 +237,7 @@ def _launch(
         # the cached table outlives this call: keep the allocator from reusing it while a
         # kernel on the current (possibly side) stream may still read it
         table.record_stream(getattr(torch, plan.device.type).current_stream(plan.device))
-    with _on_device(plan.device):  # a launch (and its uploads) go to the planes' device
+    with on_device(plan.device):  # a launch (and its uploads) go to the planes' device
         if plan.ids_on_device is not None:
             ids = plan.ids_on_device.contiguous()
         else:
@@ -243,7 +246,7 @@ def _launch(
             ids if plan.row_ids is None else to_device(torch.from_numpy(plan.row_ids), plan.device)
         )
         total = plan.n * num_tiles
-        cap = _grid_cap(plan.device) if grid_cap is None else grid_cap
+        cap = default_grid_cap(plan.device) if grid_cap is None else grid_cap
         grid = (max(1, min(total, cap, MAX_GRID)),)
         _move_kernel[grid](
             table,

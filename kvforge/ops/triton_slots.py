@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import MAX_GRID, _grid_cap, _on_device
+from .triton_kernels import MAX_GRID, default_grid_cap, on_device
 
 __all__ = ["DEFAULT_BLOCK", "INTERPRET_BLOCK", "interpreted", "slot_mapping_triton"]
 
@@ -114,9 +114,9 @@ def slot_mapping_triton(
     if block < 1 or block & (block - 1):
         raise ValueError(f"block = {block} must be a power of two")
     num_tiles = -(-n // block)
-    cap = _grid_cap(device) if grid_cap is None else grid_cap
+    cap = default_grid_cap(device) if grid_cap is None else grid_cap
     grid = (max(1, min(num_tiles, cap, MAX_GRID)),)
-    with _on_device(device):
+    with on_device(device):
         _slot_kernel[grid](
             table,
             rows,

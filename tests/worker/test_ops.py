@@ -340,7 +340,7 @@ def test_triton_grid_is_bounded():
     from kvforge.ops import triton_kernels
 
     assert triton_kernels.MAX_GRID == 65535
-    assert triton_kernels._grid_cap(torch.device("cpu")) <= triton_kernels.MAX_GRID
+    assert triton_kernels.default_grid_cap(torch.device("cpu")) <= triton_kernels.MAX_GRID
     assert triton_kernels.interpreted()
 
 
@@ -375,7 +375,7 @@ def test_fallback_without_numba_or_triton(monkeypatch):
     # pretend neither optional dependency imports
     monkeypatch.setattr(ops, "_cpu_error", lambda: "ModuleNotFoundError: No module named 'numba'")
     monkeypatch.setattr(
-        ops, "_triton_error", lambda: "ModuleNotFoundError: No module named 'triton'"
+        ops, "triton_error", lambda: "ModuleNotFoundError: No module named 'triton'"
     )
     assert ops.resolve_impl("auto", "cpu") == "torch"
     assert ops.resolve_impl("auto", "cuda") == "torch"

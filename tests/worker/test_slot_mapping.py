@@ -228,9 +228,9 @@ def test_resolve_slot_impl(monkeypatch):
     assert str(info.value) == (
         "impl 'numpy' runs on numpy arrays and cpu tensors; the arrays are on cuda:0"
     )
-    monkeypatch.setattr(ops, "_triton_error", lambda: None)
+    monkeypatch.setattr(ops, "triton_error", lambda: None)
     assert ops.resolve_slot_impl("auto", "cuda:0") == "triton"
-    monkeypatch.setattr(ops, "_triton_error", lambda: "ModuleNotFoundError: No module 'triton'")
+    monkeypatch.setattr(ops, "triton_error", lambda: "ModuleNotFoundError: No module 'triton'")
     assert ops.resolve_slot_impl("auto", "cuda:0") == "torch"  # no triton: the torch fallback
     with pytest.raises(RuntimeError) as info:
         ops.resolve_slot_impl("triton", "cuda:0")
