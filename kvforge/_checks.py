@@ -20,7 +20,7 @@ from collections.abc import Callable
 from numbers import Integral
 from typing import Any, TypeVar
 
-__all__ = ["ArgumentError", "check_bool", "check_int", "locked"]
+__all__ = ["ArgumentError", "check_bool", "check_int", "check_integer", "locked"]
 
 _T = TypeVar("_T")
 
@@ -58,6 +58,22 @@ def check_int(
             template.format(value=repr(value), type=type(value).__name__, **fields)
         )
     return number
+
+
+def check_integer(name: str, value: object, minimum: int | None = None) -> int:
+    """``value`` as a Python int if it is an integer (numpy integers included, ``bool``
+    never), refused as ``"{name} must be an int, got {value}"``; with ``minimum``, a smaller
+    value is refused as ``"{name} must be >= {minimum}, got {value}"``. For arguments whose
+    range a later check words (a budget's), or whose only rule is a floor (a rank)."""
+    if minimum is None:
+        return check_int(name, value, -(1 << 63), type_message=_INT_TYPE)
+    return check_int(
+        name, value, minimum, type_message=_INT_TYPE, range_message=_INT_FLOOR
+    )
+
+
+_INT_TYPE = "{name} must be an int, got {value}"
+_INT_FLOOR = "{name} must be >= {minimum}, got {value}"
 
 
 def check_bool(name: str, value: object) -> bool:
