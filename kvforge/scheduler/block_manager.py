@@ -61,26 +61,18 @@ from kvforge.core.values import (
     PrefixEvent,
     PrefixMatch,
     PrefixQuery,
-    Refusal,
     StepAllocation,
     SwapPlan,
     SwapResult,
     TableDelta,
     check_request_id,
 )
-from kvforge.errors import OutOfBlocksError, RequestStateError, StepError
-from kvforge.kinds import live_start
-from kvforge.scheduler import tier_lookup
-from kvforge.scheduler.arena import ArenaBlockPool, SlabArena, check_arena, packing
-from kvforge.scheduler.args import batch_ids, check_matches, check_token_ids, new_token_counts
-from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
-from kvforge.scheduler.growth import (
-    apply_growth,
-    fits_in_order,
-    plan_growth,
-    prompt_fits,
-    schedule_one_by_one,
-)
+from kvforge.errors import RequestStateError, StepError
+from kvforge.scheduler import step_stages, tier_lookup, truncation
+from kvforge.scheduler.arena import SlabArena, check_arena
+from kvforge.scheduler.args import batch_ids
+from kvforge.scheduler.block_pool import BlockPool
+from kvforge.scheduler.growth import prompt_fits
 from kvforge.scheduler.host_tier import HostTier
 from kvforge.scheduler.prefix_cache import (
     DEFAULT_PREFIX_RETENTION,
@@ -343,137 +335,60 @@ class BlockManager:
                 ids, a swapped-out or swapping request, counts of the wrong kind or length);
                 nothing changes then.
         """
-        ids = batch_ids(request_ids)
-        new = new_token_counts(num_new_tokens, len(ids))
-        if new_token_ids is not None:
-            check_token_ids(new_token_ids, new)
-        if prefix_matches is not None:
-            check_matches(prefix_matches, len(ids))
-        batch = len(ids)
-        row_of, swapped, busy = self._t.row_of, self._book.swapped, self._book.busy
-        rows = np.array([row_of.get(rid, -1) for rid in ids], dtype=np.int64)  # -1: new
-        fresh = rows < 0
-        # the refusals, in request order (nothing to refuse without swaps or matches)
-        for i, rid in enumerate(ids if swapped or busy or prefix_matches is not None else ()):
-            if fresh[i]:
-                if rid in swapped:
-                    raise RequestStateError(
-                        f"request {rid!r} is swapped out; swap it in before scheduling it"
-                    )
-                if rid in busy:
-                    raise RequestStateError(f"request {rid!r} has a swap in flight")
-            else:
-                if rid in busy:
-                    raise RequestStateError(f"request {rid!r} has a swap in flight")
-                if prefix_matches is not None and prefix_matches[i] is not None:
-                    raise ValueError(
-                        f"prefix_matches[{i}] is given for request {rid!r}, which is already "
-                        "running; a match applies to a new request only"
-                    )
-        # Steps left open past MAX_OPEN_STEPS are dropped, oldest first: they share nothing
-        # (their end_step is refused) and what they held goes back, so a caller that never
-        # ends its steps cannot pin blocks without bound.
-        while len(self._open_steps) >= MAX_OPEN_STEPS:
-            oldest = next(iter(self._open_steps))
-            work = self._open_steps.pop(oldest)
-            self._prefix.finish_step(work, kernels_ran=False, copies_ran=False)
+        b = step_stages.check_batch(
+            self._t, self._book, request_ids, num_new_tokens, new_token_ids, prefix_matches
+        )
+        self._drop_unended_steps()
         work = self._prefix.work = StepWork()
-        refused: list[Refusal] = []
-        accept = np.ones(batch, dtype=bool)
-        n_fresh = np.count_nonzero(fresh)
-        if n_fresh:
-            fresh_idx = np.flatnonzero(fresh)
-            if n_fresh > len(self._t.free_rows):
-                for i in fresh_idx[len(self._t.free_rows) :]:
-                    accept[i] = False
-                    refused.append(
-                        Refusal(ids[i], "max_num_seqs", "", 1, self.max_num_seqs)
-                    )
-                fresh_idx = fresh_idx[: len(self._t.free_rows)]
-            taken = [self._t.free_rows.pop() for _ in range(len(fresh_idx))]
-            rows[fresh_idx] = taken
-        safe_rows = np.where(rows < 0, 0, rows)
-        adopted: dict[int, PrefixMatch] = {}
-        if prefix_matches is not None or self._prefix.enabled:
-            for i in np.flatnonzero(fresh & accept):
-                match = prefix_matches[i] if prefix_matches is not None else None
-                stale, match = self._prefix.adopt(ids[i], int(rows[i]), match)
-                if stale is not None:
-                    accept[i] = False
-                    refused.append(Refusal(ids[i], "stale_prefix", stale, 0, 0))
-                elif match is not None and match.num_tokens:
-                    adopted[int(i)] = match
-        before = np.where(fresh & ~accept, 0, self._t.num_tokens[safe_rows])
-        if self._prefix.enabled and self._prefix.snapshot_groups:
-            interval = self.snapshot_interval
-            due = (before // interval + 1) * interval
-            new = np.minimum(new, due - before)
-        after = before + new
-        too_long = after > self.max_model_len
-        if too_long.any():
-            for i in np.flatnonzero(too_long & accept):
-                accept[i] = False
-                refused.append(
-                    Refusal(ids[i], "max_model_len", "", int(after[i]), self.max_model_len)
-                )
-        plans = plan_growth(self._t, safe_rows, fresh, before, after)
-        with packing(self.arena, self._prefix.enabled):  # takes may move cached blocks
-            if accept.all() and all(
-                fits_in_order(self._t, pool, members, safe_rows, plans)
-                for pool, members in self._t.capacity
-            ):
-                apply_growth(self._t, safe_rows, fresh, before, after, plans, None)
-            else:
-                accept = schedule_one_by_one(self._t,
-                    ids, safe_rows, fresh, before, after, plans, accept, refused
-                )
-        # rows taken for fresh requests that were refused go back
-        for i in (fresh & ~accept).nonzero()[0] if n_fresh else ():
-            if int(i) in adopted:
-                self._prefix.unadopt(int(rows[i]), adopted.pop(int(i)))
-            self._prefix.end_chain(ids[i])
-            if rows[i] >= 0:
-                self._t.free_rows.append(int(rows[i]))
-        copies_before: list[BlockCopy] = self._t.copies
-        self._t.copies = []
-        for i, match in adopted.items():
-            copies_before += self._prefix.record_adoption(int(rows[i]), match)
-        for i in (fresh & accept).nonzero()[0] if n_fresh else ():
-            row_of[ids[i]] = int(rows[i])
-        if accept.all():
-            kept_ids = tuple(ids)
-            kept = slice(None)
-        else:
-            kept_ids = tuple(r for r, a in zip(ids, accept, strict=True) if a)
-            kept = accept
-        self._t.num_tokens[safe_rows[kept]] = after[kept]
-        copies_after: list[BlockCopy] = []
-        if self._prefix.tracks_requests:
-            for i in np.flatnonzero(accept):
-                tokens = None if new_token_ids is None else new_token_ids[i]
-                copies_after += self._prefix.commit(
-                    ids[i], int(safe_rows[i]), int(before[i]), int(after[i]), tokens
-                )
-        deltas = self._t.take_pending()
-        refused.sort(key=lambda r: ids.index(r.request_id))
+        step_stages.admit(b, self._t, self.max_num_seqs)
+        prefix = self._prefix
+        if prefix_matches is not None or prefix.enabled:
+            step_stages.adopt(b, prefix, prefix_matches)
+        cut = self.snapshot_interval if prefix.enabled and prefix.snapshot_groups else None
+        step_stages.bound(b, self._t, cut, self.max_model_len)
+        step_stages.grow(b, self._t, self.arena, prefix.enabled)
+        if b.n_fresh:
+            step_stages.give_back_refused(b, self._t, prefix)
+        copies_before, copies_after = step_stages.commit(b, self._t, prefix, new_token_ids)
+        return self._open_step(b, work, copies_before, copies_after)
+
+    def _open_step(
+        self,
+        b: step_stages.StepBatch,
+        work: StepWork,
+        copies_before: list[BlockCopy],
+        copies_after: list[BlockCopy],
+    ) -> StepAllocation:
+        """Number the step ``b`` committed, keep it open until its ``end_step``, and hand out
+        what it carries: its rows and counts, every table delta since the previous step, its
+        copies, and the arena's moves and the host tier's page copies queued meanwhile."""
+        kept, deltas = b.kept, self._t.take_pending()
         self._issued += 1
-        step_id = self._issued
-        work.request_ids = kept_ids
-        self._open_steps[step_id] = work
+        work.request_ids = b.kept_ids
+        self._open_steps[self._issued] = work
         return StepAllocation(
-            request_ids=kept_ids,
-            rows=safe_rows[kept].astype(np.int32),
-            num_computed=before[kept],
-            num_new=new[kept],
-            refused=tuple(refused),
+            request_ids=b.kept_ids,
+            rows=b.safe_rows[kept].astype(np.int32),
+            num_computed=b.before[kept],
+            num_new=b.new[kept],
+            refused=tuple(b.refused),
             table_deltas=deltas,
             copies_before=tuple(copies_before),
             copies_after=tuple(copies_after),
-            step_id=step_id,
+            step_id=self._issued,
             moves=self.arena.take_moves() if self.arena is not None else (),
             offloads=self._host_tier.take_offloads() if self._host_tier is not None else (),
             onloads=tier_lookup.take_onloads(self),
         )
+
+    def _drop_unended_steps(self) -> None:
+        """Steps left open past MAX_OPEN_STEPS are dropped, oldest first: they share nothing
+        (their end_step is refused) and what they held goes back, so a caller that never
+        ends its steps cannot pin blocks without bound."""
+        while len(self._open_steps) >= MAX_OPEN_STEPS:
+            oldest = next(iter(self._open_steps))
+            work = self._open_steps.pop(oldest)
+            self._prefix.finish_step(work, kernels_ran=False, copies_ran=False)
 
     @locked
     def end_step(self, step: StepAllocation | int, copies_ran: bool = True) -> None:
@@ -670,101 +585,7 @@ class BlockManager:
         if request_id in self._book.busy:
             raise RequestStateError(f"request {request_id!r} has a swap in flight")
         self._refuse_in_open_step(request_id, "truncated")
-        current = int(self._t.num_tokens[row])
-        if (
-            not isinstance(num_tokens, int | np.integer)
-            or isinstance(num_tokens, bool)
-            or not 1 <= num_tokens <= current
-        ):
-            raise ValueError(
-                f"num_tokens must be an int in [1, {current}] for request {request_id!r}, got "
-                f"{num_tokens!r}"
-            )
-        for g in self._t.groups:
-            if not g.windowed:
-                continue
-            if live_start(g.spec, num_tokens) // g.block_size < g.held_from[row]:
-                raise ValueError(
-                    f"cannot truncate request {request_id!r} to {num_tokens} tokens: group "
-                    f"{g.spec.name!r} already released the blocks before token "
-                    f"{int(g.held_from[row]) * g.block_size}"
-                )
-        # The block the new end falls in will be written again. If another request shares
-        # it, the request gets its own copy (copy on write, checked first: nothing changes
-        # when a pool is short); if only the prefix cache knows it, its key goes.
-        partial: list[tuple[GroupTable, int, int]] = []
-        for g in self._t.groups:
-            col = num_tokens // g.block_size
-            if g.per_request or not num_tokens % g.block_size:
-                continue
-            block = int(g.table[row, col])
-            if block != NULL_BLOCK:
-                partial.append((g, col, block))
-        wanted: dict[int, int] = {}  # pool -> fresh blocks the copies on write take
-        in_arena: dict[SlabArena, dict[ArenaBlockPool, int]] = {}
-        for g, _, block in partial:
-            if g.pool.ref_counts[block] > 1:
-                if isinstance(g.pool, ArenaBlockPool):  # checked with its arena below
-                    in_arena.setdefault(g.pool.arena, {})[g.pool] = 1
-                    continue
-                wanted[id(g.pool)] = wanted.get(id(g.pool), 0) + 1
-                if wanted[id(g.pool)] > g.pool.num_free:
-                    raise OutOfBlocksError(
-                        "device", g.spec.name, wanted[id(g.pool)], g.pool.num_free,
-                        "truncate (copy on write)",
-                    )
-        for arena, needs in in_arena.items():
-            missing = arena.shortfall(needs)
-            if missing is not None:
-                raise OutOfBlocksError("device", *missing, "truncate (copy on write)")
-        for arena, needs in in_arena.items():
-            arena.prepare(needs)
-        for g, col, block in partial:
-            if g.pool.ref_counts[block] > 1:
-                [fresh] = g.pool.take(1).tolist()
-                g.table[row, col] = fresh
-                g.pool.release(np.array([block], dtype=np.int32))
-                self._t.copies.append(
-                    BlockCopy(
-                        g.spec.name,
-                        np.array([block], np.int32),
-                        np.array([fresh], np.int32),
-                        row,
-                    )
-                )
-                self._t.pending.append(
-                    TableDelta(
-                        group=g.spec.name,
-                        rows=np.array([row], dtype=np.int32),
-                        cols=np.array([col], dtype=np.int32),
-                        block_ids=np.array([fresh], dtype=np.int32),
-                    )
-                )
-            else:
-                self._prefix.forget_block(g, block)
-        self._prefix.end_chain(request_id)  # its chain held the rolled-back tokens
-        for gi, g in enumerate(self._t.groups):
-            if g.per_request:
-                continue
-            kept = num_tokens // g.block_size
-            self._t.committed[gi, row] = min(int(self._t.committed[gi, row]), kept)
-            new_len = -(-num_tokens // g.block_size)
-            old_len = -(-current // g.block_size)
-            if new_len == old_len:
-                continue
-            cols = np.arange(new_len, old_len)
-            old = g.table[row, cols]
-            g.pool.release(old[old != NULL_BLOCK])
-            g.table[row, cols] = NULL_BLOCK
-            self._t.pending.append(
-                TableDelta(
-                    group=g.spec.name,
-                    rows=np.full(len(cols), row, dtype=np.int32),
-                    cols=cols.astype(np.int32),
-                    block_ids=np.zeros(len(cols), dtype=np.int32),
-                )
-            )
-        self._t.num_tokens[row] = num_tokens
+        truncation.truncate(self._t, self._prefix, request_id, row, num_tokens)
 
     @locked
     def take_copies(self) -> tuple[BlockCopy, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.core.values import Refusal, TableDelta
+from kvforge.core.values import Refusal
 from kvforge.scheduler.arena import SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.tables import RequestTables, expand
@@ -150,13 +150,8 @@ def apply_growth(
             parts_c.append(c)
             parts_v.append(ids)
         if parts_r:
-            t.pending.append(
-                TableDelta(
-                    group=g.spec.name,
-                    rows=np.concatenate(parts_r).astype(np.int32),
-                    cols=np.concatenate(parts_c).astype(np.int32),
-                    block_ids=np.concatenate(parts_v).astype(np.int32),
-                )
+            t.record(
+                g, np.concatenate(parts_r), np.concatenate(parts_c), np.concatenate(parts_v)
             )
 
 def _prepare_arenas(

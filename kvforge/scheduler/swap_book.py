@@ -45,7 +45,7 @@ import numpy as np
 
 from kvforge.core.layout import CacheLayout
 from kvforge.core.swap_receipt import check_receipt, new_token
-from kvforge.core.values import PageRelease, RequestMove, SwapPlan, SwapResult, TableDelta
+from kvforge.core.values import PageRelease, RequestMove, SwapPlan, SwapResult
 from kvforge.errors import OutOfBlocksError, RequestStateError
 from kvforge.kinds import live_start
 from kvforge.scheduler.arena import SlabArena
@@ -389,6 +389,25 @@ class SwapBook:
             ValueError: a repeated id; or no free table row.
         """
         ids = batch_ids(request_ids)
+        self._check_swap_in(ids)
+        cols_of, totals = self._live_columns(ids)
+        arenas = self._check_device_blocks(totals)
+        for arena, needs in arenas:  # slabs for every group at once, then the takes
+            arena.prepare(needs)
+        # the rows free_rows.pop() hands out, in order
+        chosen = self._t.free_rows[len(self._t.free_rows) - len(ids) :][::-1]
+        with _all_or_nothing() as undo:
+            self._save_rows(undo, np.array(chosen, dtype=np.int64))
+            rows: dict[str, int] = {}
+            moves = []
+            for rid, cols in zip(ids, cols_of, strict=True):
+                row = rows[rid] = self._t.free_rows.pop()
+                moves.append(self._restore_row(undo, rid, row, cols))
+            return self._launch(undo, "in", moves, rows)
+
+    def _check_swap_in(self, ids: list[str]) -> None:
+        """Refuse a swap in of ``ids`` unless each is swapped out and idle, and enough table
+        rows are free; changes nothing."""
         for rid in ids:
             if rid in self.busy:
                 raise RequestStateError(f"request {rid!r} has a swap in flight")
@@ -400,6 +419,12 @@ class SwapBook:
             raise OutOfBlocksError(
                 "device", "table rows", len(ids), len(self._t.free_rows), "swap_in"
             )
+
+    def _live_columns(
+        self, ids: list[str]
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, int]]:
+        """Per swapped request, the columns it comes back to in each group (its live window,
+        plus any column the swap out moved outside it), and the blocks per group in all."""
         cols_of: list[dict[str, np.ndarray]] = []
         totals = {g.spec.name: 0 for g in self._t.groups}
         for rid in ids:
@@ -417,6 +442,13 @@ class SwapBook:
                 cols[g.spec.name] = live
                 totals[g.spec.name] += len(live)
             cols_of.append(cols)
+        return cols_of, totals
+
+    def _check_device_blocks(
+        self, totals: dict[str, int]
+    ) -> list[tuple[SlabArena, dict[BlockPool, int]]]:
+        """Raise unless every pool (an arena: its member pools together) has ``totals``'s
+        blocks free; changes nothing. Returns each arena's needs, for its ``prepare``."""
         arenas = []
         for pool, members in self._t.capacity:
             if isinstance(pool, SlabArena):
@@ -433,49 +465,36 @@ class SwapBook:
             if total > pool.num_free:
                 name = self._t.groups[members[0]].spec.name
                 raise OutOfBlocksError("device", name, total, pool.num_free, "swap_in")
-        for arena, needs in arenas:  # slabs for every group at once, then the takes
-            arena.prepare(needs)
-        # the rows free_rows.pop() hands out, in order
-        chosen = self._t.free_rows[len(self._t.free_rows) - len(ids) :][::-1]
-        with _all_or_nothing() as undo:
-            self._save_rows(undo, np.array(chosen, dtype=np.int64))
-            rows: dict[str, int] = {}
-            moves = []
-            for rid, cols in zip(ids, cols_of, strict=True):
-                entry = self.swapped[rid]
-                row = self._t.free_rows.pop()
-                rows[rid] = row
-                for g in self._t.groups:
-                    c = cols[g.spec.name]
-                    ids_ = undo.take(g.pool, len(c))
-                    g.table[row, c] = ids_
-                    g.held_from[row] = int(c[0]) if len(c) and not g.per_request else 0
-                    if len(c):
-                        self._t.pending.append(
-                            TableDelta(
-                                group=g.spec.name,
-                                rows=np.full(len(c), row, dtype=np.int32),
-                                cols=c.astype(np.int32),
-                                block_ids=ids_,
-                            )
-                        )
-                self._t.num_tokens[row] = entry.num_tokens
-                for gi, g in enumerate(self._t.groups):  # restored blocks are not registered again
-                    self._t.committed[gi, row] = entry.num_tokens // g.block_size
-                moves.append(
-                    RequestMove(
-                        request_id=rid,
-                        num_tokens=entry.num_tokens,
-                        purpose=entry.purpose,
-                        block_indices=entry.block_indices,
-                        device_blocks={
-                            name: self._t.by_name[name].table[row, idx].copy()
-                            for name, idx in entry.block_indices.items()
-                        },
-                        host_pages=entry.host_pages,
-                    )
-                )
-            return self._launch(undo, "in", moves, rows)
+        return arenas
+
+    def _restore_row(
+        self, undo: _Undo, rid: str, row: int, cols: dict[str, np.ndarray]
+    ) -> RequestMove:
+        """Take fresh blocks for ``rid``'s ``cols`` into ``row`` (undoably: ``undo`` saved the
+        row), queue the table deltas, restore its token and committed counts, and describe
+        the move of its host pages into those blocks."""
+        entry = self.swapped[rid]
+        for g in self._t.groups:
+            c = cols[g.spec.name]
+            ids_ = undo.take(g.pool, len(c))
+            g.table[row, c] = ids_
+            g.held_from[row] = int(c[0]) if len(c) and not g.per_request else 0
+            if len(c):
+                self._t.record(g, np.full(len(c), row), c, ids_)
+        self._t.num_tokens[row] = entry.num_tokens
+        for gi, g in enumerate(self._t.groups):  # restored blocks are not registered again
+            self._t.committed[gi, row] = entry.num_tokens // g.block_size
+        return RequestMove(
+            request_id=rid,
+            num_tokens=entry.num_tokens,
+            purpose=entry.purpose,
+            block_indices=entry.block_indices,
+            device_blocks={
+                name: self._t.by_name[name].table[row, idx].copy()
+                for name, idx in entry.block_indices.items()
+            },
+            host_pages=entry.host_pages,
+        )
 
     def _launch(
         self,
@@ -551,7 +570,7 @@ class SwapBook:
                     undo.pop(self._t.row_of, m.request_id)
                     entry = Swapped(m.num_tokens, m.purpose, m.block_indices, m.host_pages)
                     undo.put(self.swapped, m.request_id, entry)
-                self._count(undo, plan.requests, "out")
+                self._count_swaps(undo, plan.requests, "out")
             elif plan.direction == "out":
                 self._release_pages(undo, plan.requests)
             elif ok:
@@ -559,7 +578,7 @@ class SwapBook:
                 for m in plan.requests:
                     undo.pop(self.swapped, m.request_id)
                     undo.put(self._t.row_of, m.request_id, flight.rows[m.request_id])
-                self._count(undo, plan.requests, "in")
+                self._count_swaps(undo, plan.requests, "in")
             else:
                 rows = [flight.rows[m.request_id] for m in plan.requests]
                 self._release_rows(undo, np.array(rows, dtype=np.int64))
@@ -659,9 +678,10 @@ class SwapBook:
         self._keep_releases(undo, [*self._releases, release])
         self._release_seq += 1
 
-    def _count(
+    def _count_swaps(
         self, undo: _Undo, moves: Sequence[RequestMove], direction: Literal["out", "in"]
     ) -> None:
+        """Add ``moves`` to :attr:`stats` (swaps, bytes and pages per group), undoably."""
         stats = self.stats
         saved = (stats.swaps_out, stats.swaps_in, stats.bytes_out, stats.bytes_in)
         blocks_out, blocks_in = dict(stats.blocks_out), dict(stats.blocks_in)

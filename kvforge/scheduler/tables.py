@@ -2,7 +2,7 @@
 the table deltas and block copies a step hands to the worker side.
 
 :class:`RequestTables` is the one owner of this state. :class:`~.block_manager.BlockManager`
-creates it and grows rows in it; :class:`~.prefix_cache.PrefixCache` and
+creates it and grows rows in it; :class:`~.prefix.PrefixCache` and
 :class:`~.swap_book.SwapBook` read and write it, always under the manager's lock.
 
 Layout of one group's table (``int32 [max_num_seqs, width]``), a sliding window ``W = 128``
@@ -125,7 +125,10 @@ class RequestTables:
         self.next_seq = 0  # the sequence number of the next delta handed out
 
     def record(self, g: GroupTable, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
-        """Queue the change of cells ``(rows[i], cols[i])`` to ``ids[i]`` for the workers."""
+        """Queue the change of cells ``(rows[i], cols[i])`` of ``g``'s table to ``ids[i]`` (a
+        block id, or ``NULL_BLOCK`` where a block was released) for the workers: the one way
+        the scheduler side writes a :class:`TableDelta` of cells (growth, adoption of a hit,
+        swap in, truncation, copy on write). The arrays are copied as ``int32``."""
         self.pending.append(
             TableDelta(
                 group=g.spec.name,
@@ -134,6 +137,11 @@ class RequestTables:
                 block_ids=ids.astype(np.int32),
             )
         )
+
+    def record_cleared(self, g: GroupTable, rows: np.ndarray) -> None:
+        """Queue the emptying of whole ``rows`` of ``g``'s table (a request finished, swapped
+        out or moved) for the workers: the :class:`TableDelta` of cleared rows."""
+        self.pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
 
     def take_pending(self) -> tuple[TableDelta, ...]:
         """Hand out the pending deltas, numbered in order (``TableDelta.seq``): a worker that
@@ -164,7 +172,7 @@ class RequestTables:
             g.pool.release_held(held)  # the table's own cells (the deepest evicts first)
             g.table[rows, first:width] = NULL_BLOCK
             g.held_from[rows] = 0
-            self.pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
+            self.record_cleared(g, rows)
         self.num_tokens[rows] = 0
         self.committed[:, rows] = 0
         self.free_rows.extend(rows[::-1].tolist())

@@ -303,61 +303,15 @@ class UnitRecordStore:
             TypeError, ValueError: bad arguments (named); nothing changes.
         """
         rec = _records(records, "records")
-        unit, start = rec.unit, rec.start
         at_list = self._check_at(at, rec)
-        if start == 0:
-            if cursor is not None:
-                raise ValueError(
-                    "records that start at unit 0 are verified from the root: pass cursor=None"
-                )
-            prev = self._roots.get(rec.root)
-            conflict = prev is not None and prev.payload != rec.root_preimage
-            if prev is None:
-                prev = _Node(rec.root, None, rec.root_preimage)
-        else:
-            if cursor is None:
-                raise ValueError(
-                    f"records that start at token {start} continue a held chain: pass the "
-                    "cursor the previous hold of this request returned (a request whose cursor "
-                    "is None holds no more records)"
-                )
-            if not isinstance(cursor, bytes):
-                raise TypeError(f"cursor must be bytes or None, got {type(cursor).__name__}")
-            prev = self._records.get(cursor)
-            if prev is None:
-                raise ValueError(f"cursor {cursor.hex()[:16]}... is not held (released?)")
-            if cursor != rec.parent:
-                raise ValueError(
-                    f"records continue key {rec.parent.hex()[:16]}..., not the cursor "
-                    f"{cursor.hex()[:16]}...: the hasher and the cursor are out of step"
-                )
-            conflict = False
+        prev, conflict = self._chain_start(rec, cursor)
         anchor = prev
         chain: list[_Node] = []
         if not conflict:
-            records_map = self._records
-            added = 0
-            for key, payload in zip(rec.keys, rec.payloads, strict=True):
-                node = records_map.get(key)
-                if node is None:
-                    node = _Node(key, prev, payload)
-                    if prev.count == 0 and prev.parent is None:  # a root gets its first unit
-                        self._roots[prev.key] = prev
-                        added += self._size(prev)
-                    prev.count += 1
-                    prev.link(node)
-                    records_map[key] = node
-                    added += len(key) + len(payload)
-                    added += _NODE_FIXED
-                elif node.parent is not prev or node.payload != payload:
-                    conflict = True
-                    break
-                chain.append(node)
-                prev = node
-            self._object_bytes += added
+            conflict = self._store_chain(rec, prev, chain)
         keys: list[bytes | None] = []
         for t in at_list:
-            i = (t - start) // unit - 1
+            i = (t - rec.start) // rec.unit - 1
             node = anchor if i < 0 else chain[i] if i < len(chain) else None
             if node is None:
                 keys.append(None)
@@ -377,6 +331,69 @@ class UnitRecordStore:
         if cursor is not None and new_cursor != cursor:
             self._drop(self._records[cursor])
         return Held(keys, new_cursor)
+
+    def _chain_start(self, rec: UnitRecords, cursor: bytes | None) -> tuple[_Node, bool]:
+        """The record a batch continues (a root, new or stored, for a batch at unit 0; else
+        the request's cursor), and whether the stored root conflicts with the batch's extra
+        keys. Changes nothing.
+
+        Raises:
+            TypeError, ValueError: a cursor given where none applies, missing, not held, or
+                not the record these records continue.
+        """
+        if rec.start == 0:
+            if cursor is not None:
+                raise ValueError(
+                    "records that start at unit 0 are verified from the root: pass cursor=None"
+                )
+            prev = self._roots.get(rec.root)
+            if prev is None:
+                return _Node(rec.root, None, rec.root_preimage), False
+            return prev, prev.payload != rec.root_preimage
+        if cursor is None:
+            raise ValueError(
+                f"records that start at token {rec.start} continue a held chain: pass the "
+                "cursor the previous hold of this request returned (a request whose cursor "
+                "is None holds no more records)"
+            )
+        if not isinstance(cursor, bytes):
+            raise TypeError(f"cursor must be bytes or None, got {type(cursor).__name__}")
+        prev = self._records.get(cursor)
+        if prev is None:
+            raise ValueError(f"cursor {cursor.hex()[:16]}... is not held (released?)")
+        if cursor != rec.parent:
+            raise ValueError(
+                f"records continue key {rec.parent.hex()[:16]}..., not the cursor "
+                f"{cursor.hex()[:16]}...: the hasher and the cursor are out of step"
+            )
+        return prev, False
+
+    def _store_chain(self, rec: UnitRecords, prev: _Node, chain: list[_Node]) -> bool:
+        """Walk ``rec``'s units from ``prev``, storing each unit not stored yet (a new root is
+        stored with its first unit) and appending every unit's record to ``chain``; stop at
+        the first unit stored with other content. Returns whether one was (a conflict)."""
+        records_map = self._records
+        added = 0
+        conflict = False
+        for key, payload in zip(rec.keys, rec.payloads, strict=True):
+            node = records_map.get(key)
+            if node is None:
+                node = _Node(key, prev, payload)
+                if prev.count == 0 and prev.parent is None:  # a root gets its first unit
+                    self._roots[prev.key] = prev
+                    added += self._size(prev)
+                prev.count += 1
+                prev.link(node)
+                records_map[key] = node
+                added += len(key) + len(payload)
+                added += _NODE_FIXED
+            elif node.parent is not prev or node.payload != payload:
+                conflict = True
+                break
+            chain.append(node)
+            prev = node
+        self._object_bytes += added
+        return conflict
 
     def retain(self, key: bytes) -> None:
         """Take one more reference on the held record ``key`` (a host tier page keeps the
