@@ -6,7 +6,9 @@
 every request holds and returns plain values (:mod:`kvforge.core.values`) that a
 worker process applies to its device caches. One call per engine step grows every scheduled
 request (:meth:`BlockManager.schedule`); the cost of that call depends on the tokens scheduled
-in the step, never on the tokens a request already holds.
+in the step, never on the tokens a request already holds. ``schedule`` is a short driver
+that holds the lock and runs the stages of :mod:`.step_stages` (admission, adoption of prefix
+hits, growth, commit); ``truncate`` and its copy on write live in :mod:`.truncation`.
 
 Block tables are arrays: per group one ``int32 [max_num_seqs, max_blocks_per_req]`` table,
 one row per running request, updated in place. A request of ``n`` tokens uses columns
@@ -18,7 +20,8 @@ released::
           | null | null |  17  |  18  |  22  |      tokens 128..299 still held
                           ^ held_from
 
-Stages of :meth:`BlockManager.schedule` (all on arrays, per group):
+Growth of a step (:mod:`.growth`, the growth stage of :meth:`BlockManager.schedule`), all on
+arrays, per group:
 
 1. *release*: blocks wholly before the first token the step's kernels read go back to the
    pool: for a window of ``W`` tokens that is ``num_computed + 1 - W`` (the first scheduled
@@ -27,7 +30,8 @@ Stages of :meth:`BlockManager.schedule` (all on arrays, per group):
    because the kernel writes the whole chunk before it reads it: a 512-token prefill chunk
    through a 128-token window holds slots for all 512 tokens.
 2. *grow*: new blocks for columns ``cdiv(num_computed, B) .. cdiv(num_computed + num_new, B)``.
-3. *record*: the cells written in 1 and 2 become one :class:`TableDelta` per group.
+3. *record*: the cells written in 1 and 2 become one :class:`TableDelta` per group
+   (``RequestTables.record``, the one place a table delta is built).
 
 Invariants (tested in ``tests/scheduler/test_block_tables.py``):
 
@@ -573,11 +577,14 @@ class BlockManager:
         of speculative decoding): blocks past the new end go back to their pools.
 
         Only blocks the request holds are touched. A window group cannot regrow blocks it
-        already released, so truncating below them is refused.
+        already released, so truncating below them is refused. A block the new end falls in
+        that another request shares is copied on write (:mod:`.truncation`): the copy comes
+        with the next step's ``copies_before`` (or :meth:`take_copies`).
 
         Raises:
             ValueError: ``num_tokens`` not an int in ``[1, current]``, or below a released
                 window block (nothing changed).
+            OutOfBlocksError: no free block for a copy on write (nothing changed).
             RequestStateError: an unknown request, one with a swap in flight, or one in a
                 step that has not ended (nothing changed).
         """
