@@ -33,6 +33,7 @@ __all__ = [
     "Refusal",
     "RequestMove",
     "StepAllocation",
+    "StepEffects",
     "SwapFailure",
     "SwapPlan",
     "SwapResult",
@@ -193,6 +194,54 @@ def page_owner(key: bytes) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class StepEffects:
+    """Everything one numbered step makes the worker do: the effects of a scheduled step
+    (:attr:`StepAllocation.effects`) or of a batch made between steps
+    (``BlockManager.take_effects``, a step of no request). ``CacheStorage.run`` applies it,
+    once and in its sequence (``step_id``), in this order, the only place the order is
+    written down:
+
+    1. check everything before a byte moves: the step's number and rows (the worker's step
+       ledger), every block copy and page copy in range and owned (its guard, its tier pages'
+       page ledger); a refused step changes nothing;
+    2. ``moves``: the arena's block moves, first, since the onloads and the kernels may write
+       their sources;
+    3. ``offloads`` then ``onloads``: the host tier's page copies (device blocks evicted to tier
+       pages, then pages a lookup brought back), so an evicted block is saved before anything
+       writes it again;
+    4. the step is numbered (the worker's sequence moves on: a step is never applied twice),
+       then ``table_deltas`` are mirrored (finishes, swaps, truncations, then the step's
+       growth) and its rows serve its requests;
+    5. ``copies_before``: state restores from prefix snapshots and copies on write, before
+       any kernel of the step reads their blocks.
+
+    ``copies_after`` (snapshots taken at a boundary the step ends on) are issued by the step
+    and run after its kernels (``CacheStorage.copy_blocks``), once.
+
+    Attributes:
+        step_id: the step's number in the sequence of steps (1, 2, ...).
+        request_ids: the step's requests (none for a batch made between steps).
+        rows: ``int32 [B]`` table row of each request.
+        num_computed: ``int64 [B]`` tokens each request held before the step.
+        num_new: ``int64 [B]`` tokens the step writes for it.
+        table_deltas: block table changes, in their sequence (``TableDelta.seq``).
+        moves, offloads, onloads, copies_before, copies_after: as :class:`StepAllocation`.
+    """
+
+    step_id: int
+    request_ids: tuple[str, ...]
+    rows: np.ndarray
+    num_computed: np.ndarray
+    num_new: np.ndarray
+    table_deltas: tuple[TableDelta, ...]
+    moves: tuple[BlockCopy, ...] = ()
+    offloads: tuple[PageCopy, ...] = ()
+    onloads: tuple[PageCopy, ...] = ()
+    copies_before: tuple[BlockCopy, ...] = ()
+    copies_after: tuple[BlockCopy, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepAllocation:
     """What one scheduler step decided, for the whole batch.
 
@@ -231,10 +280,22 @@ class StepAllocation:
     offloads: tuple[PageCopy, ...] = ()
     onloads: tuple[PageCopy, ...] = ()
     moves: tuple[BlockCopy, ...] = ()
+    #: what this step makes the worker do (``CacheStorage.run``), in the order
+    #: :class:`StepEffects` states; made with the step, so reading it calls nothing
+    effects: StepEffects = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        effects = StepEffects(
+            self.step_id, self.request_ids, self.rows, self.num_computed, self.num_new,
+            self.table_deltas, self.moves, self.offloads, self.onloads, self.copies_before,
+            self.copies_after,
+        )  # fmt: skip
+        object.__setattr__(self, "effects", effects)
 
     @property
     def num_scheduled_tokens(self) -> int:
         return int(self.num_new.sum())
+
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,6 @@ copies and plans that write blocks, never by a step.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -46,7 +45,7 @@ from kvforge.core.values import (
     BlockCopy,
     PageCopy,
     RequestMove,
-    StepAllocation,
+    StepEffects,
     SwapPlan,
     TableDelta,
 )
@@ -67,7 +66,6 @@ __all__ = [
     "check_page_copies",
     "check_plan",
     "check_step",
-    "tier_of",
 ]
 
 _UNSIGNED = {
@@ -140,13 +138,12 @@ def check_deltas(
 
     A delta costs a few attribute reads; the range checks run once per group and array over
     the batch (one reduction each), however many deltas it holds."""
-    action = "apply_deltas"
     cells: dict[str, tuple[list[np.ndarray], ...]] = {}  # group -> clears, rows, cols, ids
     all_rows: list[np.ndarray] = []  # every clear and written row, of every group
     for i, delta in enumerate(deltas):
         if type(delta) is not TableDelta:
             raise WorkerRefusedError(
-                f"{action}: expected TableDelta values, got {type(delta).__name__}; "
+                f"apply_deltas: expected TableDelta values, got {type(delta).__name__}; "
                 "nothing was mirrored"
             )
         seq, group = delta.seq, delta.group
@@ -159,33 +156,53 @@ def check_deltas(
                     f"table delta for unknown group {group!r}; nothing was mirrored"
                 )
             acc = cells[group] = ([], [], [], [])
-        clear = delta.clear_rows
-        if len(clear):
-            clear = _ints(clear, action, "clear_rows")
-            acc[0].append(clear)
-            all_rows.append(clear)
-        rows, cols, ids = delta.rows, delta.cols, delta.block_ids
-        n = len(rows)
-        if n or len(cols) or len(ids):
-            # the scheduler side's int32 arrays need no further look
-            if not (type(rows) is type(cols) is type(ids) is np.ndarray
-                    and rows.dtype is cols.dtype is ids.dtype is _I32
-                    and rows.ndim == cols.ndim == ids.ndim == 1):
-                rows = _ints(rows, action, "rows")
-                cols = _ints(cols, action, "cols")
-                ids = _ints(ids, action, "block_ids")
-            if len(cols) != n or len(ids) != n:
-                raise WorkerRefusedError(
-                    f"{action}: delta of group {group!r} has {n} rows, {len(cols)} cols and "
-                    f"{len(ids)} block ids; nothing was mirrored"
-                )
-            acc[1].append(rows)
-            acc[2].append(cols)
-            acc[3].append(ids)
-            all_rows.append(rows)
-    # Every array listed is non-empty. The rows of all groups first, against the fewest rows
-    # of a table; only when that fails (or a dtype is not int32) per group, in order, which
-    # names the first bad value as the per-group checks always did.
+        _collect(delta, acc, all_rows)
+    _check_cells(cells, all_rows, tables, num_blocks)
+
+
+def _collect(
+    delta: TableDelta, acc: tuple[list[np.ndarray], ...], all_rows: list[np.ndarray]
+) -> None:
+    """Add ``delta``'s clears, rows, columns and ids (as int arrays of matching lengths) to
+    its group's ``acc``, and its rows to ``all_rows``."""
+    action, group = "apply_deltas", delta.group
+    clear = delta.clear_rows
+    if len(clear):
+        clear = _ints(clear, action, "clear_rows")
+        acc[0].append(clear)
+        all_rows.append(clear)
+    rows, cols, ids = delta.rows, delta.cols, delta.block_ids
+    n = len(rows)
+    if n or len(cols) or len(ids):
+        # the scheduler side's int32 arrays need no further look
+        if not (type(rows) is type(cols) is type(ids) is np.ndarray
+                and rows.dtype is cols.dtype is ids.dtype is _I32
+                and rows.ndim == cols.ndim == ids.ndim == 1):  # fmt: skip
+            rows = _ints(rows, action, "rows")
+            cols = _ints(cols, action, "cols")
+            ids = _ints(ids, action, "block_ids")
+        if len(cols) != n or len(ids) != n:
+            raise WorkerRefusedError(
+                f"{action}: delta of group {group!r} has {n} rows, {len(cols)} cols and "
+                f"{len(ids)} block ids; nothing was mirrored"
+            )
+        acc[1].append(rows)
+        acc[2].append(cols)
+        acc[3].append(ids)
+        all_rows.append(rows)
+
+
+def _check_cells(
+    cells: Mapping[str, tuple[list[np.ndarray], ...]],
+    all_rows: list[np.ndarray],
+    tables: Mapping[str, np.ndarray],
+    num_blocks: Mapping[str, int],
+) -> None:
+    """Refuse a row, column or block id :func:`_collect` gathered outside its table or pool.
+
+    Every array listed is non-empty. The rows of all groups first, against the fewest rows
+    of a table; only when that fails (or a dtype is not int32) per group, in order, which
+    names the first bad value as the per-group checks always did."""
     rows_ok = True
     if all_rows:
         fewest = min(tables[group].shape[0] for group in cells)
@@ -224,11 +241,12 @@ def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(arrays)
 
 
-def check_step(step: StepAllocation, num_rows: int) -> None:
+def check_step(step: StepEffects, num_rows: int) -> None:
     """Refuse a step whose rows lie outside the tables (before any delta is mirrored)."""
-    if type(step) is not StepAllocation:
+    if type(step) is not StepEffects:
         raise WorkerRefusedError(
-            f"apply: expected a StepAllocation, got {type(step).__name__}; nothing changed"
+            f"apply: expected a StepEffects (StepAllocation.effects), got "
+            f"{type(step).__name__}; nothing changed"
         )
     rows = step.rows
     n = len(rows)
@@ -355,18 +373,6 @@ def check_page_copies(
                 f"{action}: the onloads of group {group!r} write a device block twice "
                 f"({blocks.tolist()}); nothing moved"
             )
-
-
-def tier_of(storage: object) -> Any:
-    """The :class:`~kvforge.worker.host_tier.HostTierPages` of ``storage``; a step that
-    carries offloads or onloads for a worker without them is refused (nothing changed)."""
-    tier = getattr(storage, "host_tier_pages", None)
-    if tier is None:
-        raise WorkerRefusedError(
-            "apply: the step carries host tier copies but this worker has no host tier "
-            "pages (kvforge.worker.host_tier.HostTierPages); nothing changed"
-        )
-    return tier
 
 
 def _refuse_held(
@@ -496,41 +502,67 @@ def check_plan(
                 f"{action}: plan moves group {g!r}, which has no offloaded planes or host "
                 "pages here; nothing moved"
             )
-    per_move: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
-    for move in plan.requests:
-        if type(move) is not RequestMove:
+    per_move = [_move_arrays(move, groups, tables, num_blocks, num_pages) for move in plan.requests]
+    _refuse_double_writes(plan, groups, per_move)
+    rows = [
+        _row_of(move, arrays, tables, action)
+        for move, arrays in zip(plan.requests, per_move, strict=True)
+    ]
+    if plan.direction == "in":
+        _check_swap_in(plan, per_move, rows, tables, num_blocks, pool_mates, stepped, action)
+
+
+def _move_arrays(
+    move: RequestMove,
+    groups: tuple[str, ...],
+    tables: Mapping[str, np.ndarray],
+    num_blocks: Mapping[str, int],
+    num_pages: Mapping[str, int],
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A move's ``group -> (device blocks, block indices)``, once its groups are the plan's
+    and its blocks, indices and host pages are ints of matching lengths, in range."""
+    action = "execute"
+    if type(move) is not RequestMove:
+        raise WorkerRefusedError(
+            f"{action}: expected RequestMove values, got {type(move).__name__}; nothing moved"
+        )
+    keys = set(move.device_blocks)
+    if keys != set(move.host_pages) or keys != set(move.block_indices):
+        raise WorkerRefusedError(
+            f"{action}: request {move.request_id!r} names groups {sorted(keys)} for device "
+            f"blocks, {sorted(move.block_indices)} for indices and "
+            f"{sorted(move.host_pages)} for host pages; nothing moved"
+        )
+    if not keys <= set(groups):
+        raise WorkerRefusedError(
+            f"{action}: request {move.request_id!r} moves groups "
+            f"{sorted(keys - set(groups))} the plan does not list; nothing moved"
+        )
+    arrays = {}
+    for g in keys:
+        blocks = _ints(move.device_blocks[g], action, "device_blocks")
+        cols = _ints(move.block_indices[g], action, "block_indices")
+        pages = _ints(move.host_pages[g], action, "host_pages")
+        if not len(blocks) == len(cols) == len(pages):
             raise WorkerRefusedError(
-                f"{action}: expected RequestMove values, got {type(move).__name__}; nothing moved"
+                f"{action}: request {move.request_id!r} has {len(blocks)} device blocks, "
+                f"{len(cols)} indices and {len(pages)} host pages in group {g!r}; "
+                "nothing moved"
             )
-        keys = set(move.device_blocks)
-        if keys != set(move.host_pages) or keys != set(move.block_indices):
-            raise WorkerRefusedError(
-                f"{action}: request {move.request_id!r} names groups {sorted(keys)} for device "
-                f"blocks, {sorted(move.block_indices)} for indices and "
-                f"{sorted(move.host_pages)} for host pages; nothing moved"
-            )
-        if not keys <= set(groups):
-            raise WorkerRefusedError(
-                f"{action}: request {move.request_id!r} moves groups "
-                f"{sorted(keys - set(groups))} the plan does not list; nothing moved"
-            )
-        arrays = {}
-        for g in keys:
-            blocks = _ints(move.device_blocks[g], action, "device_blocks")
-            cols = _ints(move.block_indices[g], action, "block_indices")
-            pages = _ints(move.host_pages[g], action, "host_pages")
-            if not len(blocks) == len(cols) == len(pages):
-                raise WorkerRefusedError(
-                    f"{action}: request {move.request_id!r} has {len(blocks)} device blocks, "
-                    f"{len(cols)} indices and {len(pages)} host pages in group {g!r}; "
-                    "nothing moved"
-                )
-            _range(blocks, 1, num_blocks[g], action, "block id", g)
-            _range(cols, 0, tables[g].shape[1], action, "column", g)
-            _range(pages, 1, num_pages[g], action, "host page", g)
-            arrays[g] = (blocks, cols)
-        per_move.append(arrays)
-    for g in groups:  # pages (and a swap in's blocks) written at most once per plan
+        _range(blocks, 1, num_blocks[g], action, "block id", g)
+        _range(cols, 0, tables[g].shape[1], action, "column", g)
+        _range(pages, 1, num_pages[g], action, "host page", g)
+        arrays[g] = (blocks, cols)
+    return arrays
+
+
+def _refuse_double_writes(
+    plan: SwapPlan,
+    groups: tuple[str, ...],
+    per_move: list[dict[str, tuple[np.ndarray, np.ndarray]]],
+) -> None:
+    """Refuse a plan that writes a host page (or, swapping in, a device block) twice."""
+    for g in groups:
         pages = [np.asarray(m.host_pages[g]) for m in plan.requests if g in m.host_pages]
         written = (
             [pages] if plan.direction == "out" else [pages, [a[g][0] for a in per_move if g in a]]
@@ -539,14 +571,8 @@ def check_plan(
             flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
             if len(np.unique(flat)) != len(flat):
                 raise WorkerRefusedError(
-                    f"{action}: the plan writes a {what} of group {g!r} twice; nothing moved"
+                    f"execute: the plan writes a {what} of group {g!r} twice; nothing moved"
                 )
-    rows = [
-        _row_of(move, arrays, tables, action)
-        for move, arrays in zip(plan.requests, per_move, strict=True)
-    ]
-    if plan.direction == "in":
-        _check_swap_in(plan, per_move, rows, tables, num_blocks, pool_mates, stepped, action)
 
 
 def _row_of(
@@ -654,7 +680,7 @@ class Verifier:
     def deltas(self, deltas: Sequence[TableDelta]) -> None:
         check_deltas(deltas, self.next_seq, self.tables, self.num_blocks)
 
-    def step(self, step: StepAllocation) -> None:
+    def step(self, step: StepEffects) -> None:
         check_step(step, self.num_rows)
         check_deltas(step.table_deltas, self.next_seq, self.tables, self.num_blocks)
 

@@ -277,21 +277,32 @@ def find_overlap(
         if plane.self_overlapping:
             return plane, plane, 0, 1
     if members is not None:
-        tags = list(members)
-        if len(tags) != len(items):
-            raise ValueError(
-                f"members must name one pool member (or None) per plane: {len(tags)} for "
-                f"{len(items)} planes"
-            )
-        for n, tag in enumerate(tags):
-            if tag is not None and not isinstance(tag, PoolMember):
-                raise TypeError(
-                    f"members[{n}] must be a PoolMember or None, got {type(tag).__name__}"
-                )
-        kept, clash = _merge_coincident(items, tags)
+        kept, clash = _merge_coincident(items, _check_members(members, len(items)))
         if clash is not None:
             return clash
         items = kept
+    return _first_shared(items)
+
+
+def _check_members(members: Sequence[PoolMember | None], n: int) -> list[PoolMember | None]:
+    """``members`` as a list, one :class:`PoolMember` or None per plane."""
+    tags = list(members)
+    if len(tags) != n:
+        raise ValueError(
+            f"members must name one pool member (or None) per plane: {len(tags)} for "
+            f"{n} planes"
+        )
+    for i, tag in enumerate(tags):
+        if tag is not None and not isinstance(tag, PoolMember):
+            raise TypeError(f"members[{i}] must be a PoolMember or None, got {type(tag).__name__}")
+    return tags
+
+
+def _first_shared(
+    items: list[PlaneExtent],
+) -> tuple[PlaneExtent, PlaneExtent, int, int] | None:
+    """The scan of :func:`find_overlap` over planes none of which overlaps itself: by
+    ascending base, each plane against the active planes whose extents contain its base."""
     order = sorted(
         (n for n, p in enumerate(items) if not p.empty), key=lambda n: (items[n].base, n)
     )

@@ -1,13 +1,14 @@
 """What one worker remembers of the steps it applied: how far it ran the sequence of steps,
-which request each table row serves, and the block copies those steps issued that have not
-run yet.
+which request each table row serves (and which tokens its latest step wrote there), and the
+block copies those steps issued that have not run yet.
 
-A step (``StepAllocation``, also a batch of effects made between steps, see
-``BlockManager.take_effects``) carries its own number (``step_id``, 1, 2, ...), so a worker
-applies each step once and in order, whatever it carries: a step of page copies and no table
-delta is as protected as any other. A step's block copies (``copies_before``, ``copies_after``)
-run by ``CacheStorage.copy_blocks``, possibly after later steps; each runs only if a step this
-worker applied issued it, and only once.
+A step (:class:`~kvforge.core.values.StepEffects`: a scheduled step's, or a batch of effects
+made between steps, see ``BlockManager.take_effects``) carries its own number (``step_id``,
+1, 2, ...), so a worker applies each step once and in order, whatever it carries: a step of
+page copies and no table delta is as protected as any other. A step's block copies
+(``copies_before``, ``copies_after``) run by ``CacheStorage.copy_blocks`` (``copies_before``
+at the end of ``CacheStorage.run``), possibly after later steps; each runs only if a step
+this worker applied issued it, and only once.
 
 Invariants (``tests/worker/test_step_ledger.py``):
 
@@ -28,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvforge.core.values import BlockCopy, StepAllocation, SwapPlan, TableDelta
+from kvforge.core.values import BlockCopy, StepEffects, SwapPlan, TableDelta
 from kvforge.errors import (
     BlockOwnershipError,
     StepOrderError,
@@ -60,13 +61,18 @@ class StepLedger:
         self.next_step = 1
         self.row_request: list[str | None] = [None] * num_rows
         self.request_row: dict[str, int] = {}
+        #: per row, ``(request_ids, num_computed, num_new)`` of the latest step that named
+        #: the request in that row (what :meth:`first_written` reads)
+        self.latest: list[tuple[tuple[str, ...], np.ndarray, np.ndarray] | None] = [
+            None
+        ] * num_rows
         #: (group, dst) -> (src, row, step_id) of each issued copy not yet run
         self.issued: dict[CopyKey, tuple[int, int, int]] = {}
         self._by_step: OrderedDict[int, list[CopyKey]] = OrderedDict()
 
     # ------------------------------------------------------------------ steps
 
-    def check(self, step: StepAllocation) -> None:
+    def check(self, step: StepEffects) -> None:
         """Refuse ``step`` unless it is the next in the sequence and each of its requests is
         the one its row serves (after the rows this step's deltas empty)."""
         step_id = step.step_id
@@ -110,16 +116,18 @@ class StepLedger:
                     other,
                 )
 
-    def record(self, step: StepAllocation) -> None:
+    def record(self, step: StepEffects) -> None:
         """``step`` (checked by :meth:`check`) was applied: number it, bind its rows, and
         keep its copies until they run. The rows its deltas empty serve no request first."""
         self.next_step += 1
         self.mirrored(step.table_deltas)
         if len(step.rows):
-            owners, where = self.row_request, self.request_row
+            owners, where, latest = self.row_request, self.request_row, self.latest
+            written = (step.request_ids, step.num_computed, step.num_new)
             for request_id, row in zip(step.request_ids, step.rows.tolist(), strict=True):
                 owners[row] = request_id
                 where[request_id] = row
+                latest[row] = written
         keys: list[CopyKey] = []
         for copy in (*step.copies_before, *step.copies_after):
             src, dst = np.asarray(copy.src).tolist(), np.asarray(copy.dst).tolist()
@@ -135,6 +143,21 @@ class StepLedger:
                     entry = self.issued.get(key)
                     if entry is not None and entry[2] <= step.step_id - KEEP_STEPS:
                         del self.issued[key]
+
+    def first_written(self, row: int, request_id: str, num_tokens: int) -> int:
+        """The first token the latest step of ``request_id`` (in ``row``) wrote, when that
+        step took it to ``num_tokens`` tokens (nothing moved it since); else ``num_tokens``.
+        A per-request slot mapping gives a step's slots with it, as the step's own inputs
+        did (window blocks a step writes stay held until the request's next step)."""
+        record = self.latest[row] if 0 <= row < len(self.latest) else None
+        if record is None or request_id not in record[0]:
+            return num_tokens  # no step yet, or the step of a request that held the row before
+        request_ids, num_computed, num_new = record
+        i = request_ids.index(request_id)
+        first = int(num_computed[i])
+        if first + int(num_new[i]) != num_tokens:
+            return num_tokens  # truncated since
+        return first
 
     def swapped_in(self, plan: SwapPlan, tables: Mapping[str, np.ndarray]) -> None:
         """A swap in (checked against the mirror) filled a row per request: each row serves

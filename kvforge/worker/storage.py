@@ -32,16 +32,17 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from kvforge import ops
-from kvforge._checks import check_int
+from kvforge._checks import check_integer
 from kvforge.attn_backends.base import (
     AttentionBackend,
     SwapContext,
@@ -54,23 +55,28 @@ from kvforge.core.memory_plan import check_allocatable
 from kvforge.core.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.core.values import (
     BlockCopy,
+    PageCopy,
     StepAllocation,
+    StepEffects,
     SwapFailure,
     SwapPlan,
     SwapResult,
     TableDelta,
 )
-from kvforge.errors import ControllerClosedError
+from kvforge.errors import ControllerClosedError, UnissuedCopyError, WorkerRefusedError
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
 from kvforge.worker import guard
 from kvforge.worker.arena_views import arena_views, check_arena
 from kvforge.worker.buffer_checks import check_created_keys, overlap_of, plane_of
-from kvforge.worker.host_pool import HostPools, HostViews
 from kvforge.worker.overlap import PoolMember
 from kvforge.worker.step_ledger import StepLedger
+from kvforge.worker.swap_pages import HostPools, HostViews
 from kvforge.worker.tokens import step_tokens
 from kvforge.worker.transfer import SwapStreams, move_pages, plane_bytes
+
+if TYPE_CHECKING:
+    from kvforge.worker.tier_pages import HostTierPages
 
 __all__ = ["CacheStorage", "StepInputs"]
 
@@ -136,10 +142,10 @@ class CacheStorage:
     ) -> None:
         self.layout = layout
         self.platform: Platform = get_platform(device)
-        self.rank = _count("rank", rank)
+        self.rank = check_integer("rank", rank, 0)
         if device_id is None:
             device_id = self.platform.device.index or 0
-        self.device_id = _count("device_id", device_id)
+        self.device_id = check_integer("device_id", device_id, 0)
         self.namer = StorageNamer(name_template, self.rank, self.device_id)
         self.names: list[str] = self.namer.check_unique(e.key for e in layout.buffers)
         # a step's slot mappings, one per (group, compress ratio): listed once per layout
@@ -159,6 +165,13 @@ class CacheStorage:
         self._copies: list[SwapExecution] = []
         self._verify = guard.Verifier({}, {}, {})  # bound to the tables by _install
         self._steps = StepLedger(0)
+        self._tier_pages: HostTierPages | None = None
+        #: the step the scheduler side handed this worker that has not run whole yet: whoever
+        #: carries steps here in one process (``CacheController``) sets it as soon as the
+        #: scheduler side hands the step out, a plain attribute write, so an interrupt at any
+        #: point after that loses nothing (:meth:`catch_up` finishes it); :meth:`run` clears
+        #: it once the step ran whole or was refused
+        self.pending: StepEffects | None = None
         self._closed = False
         self._lock = threading.RLock()
 
@@ -171,6 +184,19 @@ class CacheStorage:
     @property
     def ready(self) -> bool:
         return self._caches is not None
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The storage's re-entrant lock. Every public method of the storage, and of the tier
+        pages it owns (:class:`~kvforge.worker.tier_pages.HostTierPages`, part of it), holds
+        it for its whole call: checks, mirroring, copies queued (not their completion on an
+        accelerator's side streams, ordered by events), ledger records. Nothing else takes it."""
+        return self._lock
+
+    def check_ready(self) -> None:
+        """Raise unless the device caches exist: ``ControllerClosedError`` once freed,
+        ``RuntimeError`` before ``create`` or ``adopt``."""
+        self._ready()
 
     def create(
         self,
@@ -210,7 +236,6 @@ class CacheStorage:
             shared = self._shared_sets(share_pools, blocks, "create: num_blocks gives {} to")
             in_arena = set(check_arena(arena, share_pools, blocks))
             pooled = {g for members in shared for g in members} | in_arena
-            builds = self._default_builders(pooled)
             nbytes = sum(
                 blocks[g.name] * self.layout.bytes_per_block(g.name)
                 for g in self.layout.groups
@@ -225,20 +250,29 @@ class CacheStorage:
             if arena is not None:
                 raw = torch.zeros(arena.total_bytes, dtype=torch.uint8, device=self.device)
                 created.update(arena_views(self.layout, arena, raw))
-            for backend, layers in self.layout.backend_layers():
-                if id(backend) in builds:
-                    for e in self.layout.buffers_of_layers(layers):
-                        if e.key not in created:
-                            created[e.key] = new_block_buffer(
-                                e.role, e.group, blocks[e.group.name], self.device
-                            )
-                    continue
-                caches = backend.create_kv_cache(layers, dict(blocks), self.device)
-                check_created_keys(backend, layers, caches)
-                created.update(caches)
+            self._create_by_backends(created, blocks, pooled)
             self._install(
                 created, blocks, max_num_seqs, max_model_len, "create", share_pools, arena, raw
             )
+
+    def _create_by_backends(
+        self, created: dict[CacheKey, torch.Tensor], blocks: Mapping[str, int], pooled: set[str]
+    ) -> None:
+        """Add the buffers not in ``created`` yet: built here as the default
+        ``create_kv_cache`` builds them for a backend serving a shared group, else asked of
+        each backend (its keys checked)."""
+        builds = self._default_builders(pooled)
+        for backend, layers in self.layout.backend_layers():
+            if id(backend) in builds:
+                for e in self.layout.buffers_of_layers(layers):
+                    if e.key not in created:
+                        created[e.key] = new_block_buffer(
+                            e.role, e.group, blocks[e.group.name], self.device
+                        )
+                continue
+            caches = backend.create_kv_cache(layers, dict(blocks), self.device)
+            check_created_keys(backend, layers, caches)
+            created.update(caches)
 
     def _shared_sets(
         self, share_pools: bool, blocks: Mapping[str, int], refusal: str
@@ -340,36 +374,8 @@ class CacheStorage:
         arena_raw: torch.Tensor | None = None,
     ) -> None:
         caches = [created[e.key] for e in self.layout.buffers]
-        for e, t in zip(self.layout.buffers, caches, strict=True):
-            backend = self.layout.backends[e.layer]
-            who = f"{backend!r}.create_kv_cache gave" if action == "create" else "adopt: cache"
-            shape = (num_blocks[e.group.name], *backend.block_shape(e.role))
-            if tuple(t.shape) != shape or t.dtype != e.role.torch_dtype:
-                raise ValueError(
-                    f"{who} ({e.role.name!r}, {e.layer}) shape {tuple(t.shape)} dtype "
-                    f"{t.dtype}; expected {shape} {e.role.torch_dtype}"
-                )
-            if t.device.type != self.device.type:
-                raise ValueError(
-                    f"{who} ({e.role.name!r}, {e.layer}) on {t.device}, expected {self.device}"
-                )
-        names, planes, members = self.names, caches, self._pool_members(share_pools)
-        if arena is not None and arena_raw is not None:
-            # the arena's buffers overlap by design (slabs change hands, never blocks in use);
-            # as one plane, nothing else may touch their bytes
-            inside = {e.index for g in arena.groups for e in self.layout.buffers_of(g)}
-            keep = [i for i in range(len(caches)) if i not in inside]
-            names = [names[i] for i in keep] + ["arena"]
-            planes = [caches[i] for i in keep] + [arena_raw.view(1, -1)]
-            if members is not None:
-                members = [members[i] for i in keep] + [None]
-        clash = overlap_of(names, planes, members)
-        if clash is not None:
-            a, b, i, j = clash
-            raise ValueError(
-                f"{action}: buffers {a.name!r} and {b.name!r} share bytes (block {i} of the "
-                f"first and block {j} of the second); every (role, layer) needs its own bytes"
-            )
+        self._check_shapes(caches, num_blocks, action)
+        self._check_own_bytes(caches, action, share_pools, arena, arena_raw)
         planes: dict[str, PlaneSet] = {}
         for g in self.layout.groups:
             entries = self.layout.offload_buffers(g.name)
@@ -399,6 +405,52 @@ class CacheStorage:
                 for name, t in self._tables.items()
             }
         self._streams = SwapStreams.create(self.platform)
+
+    def _check_shapes(
+        self, caches: list[torch.Tensor], num_blocks: Mapping[str, int], action: str
+    ) -> None:
+        """Refuse a buffer whose shape, dtype or device is not its declaration's."""
+        for e, t in zip(self.layout.buffers, caches, strict=True):
+            backend = self.layout.backends[e.layer]
+            who = f"{backend!r}.create_kv_cache gave" if action == "create" else "adopt: cache"
+            shape = (num_blocks[e.group.name], *backend.block_shape(e.role))
+            if tuple(t.shape) != shape or t.dtype != e.role.torch_dtype:
+                raise ValueError(
+                    f"{who} ({e.role.name!r}, {e.layer}) shape {tuple(t.shape)} dtype "
+                    f"{t.dtype}; expected {shape} {e.role.torch_dtype}"
+                )
+            if t.device.type != self.device.type:
+                raise ValueError(
+                    f"{who} ({e.role.name!r}, {e.layer}) on {t.device}, expected {self.device}"
+                )
+
+    def _check_own_bytes(
+        self,
+        caches: list[torch.Tensor],
+        action: str,
+        share_pools: bool,
+        arena: ArenaGeometry | None,
+        arena_raw: torch.Tensor | None,
+    ) -> None:
+        """Refuse buffers that share bytes (but the coinciding planes of a shared pool, and
+        an arena's buffers, one plane together)."""
+        names, planes, members = self.names, caches, self._pool_members(share_pools)
+        if arena is not None and arena_raw is not None:
+            # the arena's buffers overlap by design (slabs change hands, never blocks in use);
+            # as one plane, nothing else may touch their bytes
+            inside = {e.index for g in arena.groups for e in self.layout.buffers_of(g)}
+            keep = [i for i in range(len(caches)) if i not in inside]
+            names = [names[i] for i in keep] + ["arena"]
+            planes = [caches[i] for i in keep] + [arena_raw.view(1, -1)]
+            if members is not None:
+                members = [members[i] for i in keep] + [None]
+        clash = overlap_of(names, planes, members)
+        if clash is not None:
+            a, b, i, j = clash
+            raise ValueError(
+                f"{action}: buffers {a.name!r} and {b.name!r} share bytes (block {i} of the "
+                f"first and block {j} of the second); every (role, layer) needs its own bytes"
+            )
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -501,12 +553,100 @@ class CacheStorage:
         """The ``StepAllocation.step_id`` this worker applies next."""
         return self._steps.next_step
 
-    def apply(self, step: StepAllocation) -> StepInputs:
+    def run(self, effects: StepEffects, copies_before: bool = True) -> None:
+        """Apply a step's effects, the next step in its sequence, once: the one place a
+        step (or a batch made between steps, ``BlockManager.take_effects``) changes this
+        worker, in the order :class:`~kvforge.core.values.StepEffects` states: every check,
+        then arena moves, the tier pages' offloads and onloads, the step's number, its table
+        deltas, and (unless ``copies_before=False``, for a caller that runs them itself through
+        :meth:`copy_blocks`) its ``copies_before``. Its ``copies_after`` become runnable by
+        :meth:`copy_blocks`. Clears :attr:`pending` once the step ran whole or was refused.
+
+        Raises:
+            StepOrderError: a repeat, a gap, or a step never handed out.
+            WorkerRefusedError (and subclasses): as :meth:`apply_deltas`, :meth:`copy_blocks`
+                and ``HostTierPages.move``, a row outside the tables or serving another
+                request, tier copies for a worker without tier pages; nothing changed then."""
+        with self._lock:
+            try:
+                self._effects(effects)
+            except WorkerRefusedError:
+                if self.pending is effects:
+                    self.pending = None  # the worker's answer: the step never applies
+                raise
+            if copies_before and effects.copies_before:  # before any kernel reads them
+                self.copy_blocks(effects.copies_before)
+            if self.pending is effects:
+                self.pending = None
+
+    def _effects(self, effects: StepEffects) -> None:
+        """Everything of :meth:`run` but the ``copies_before``, checked before a byte moves."""
+        self._ready()
+        verify, steps = self._verify, self._steps
+        verify.step(effects)
+        steps.check(effects)  # once, in order; each request at its own row
+        tier = self._tier_for(effects)
+        if tier is not None:  # every copy of the step is checked before a byte moves
+            tier.check(effects.offloads, effects.onloads, effects.table_deltas)
+        if effects.moves:  # first: the onloads and kernels may write their sources
+            verify.copies(effects.moves)
+            self._copy(effects.moves)
+        if tier is not None:  # the tier pages', before the step's kernels
+            tier.run(effects.offloads, effects.onloads)
+        # the step's number first: an interrupt past it leaves only numbered deltas to
+        # mirror (:meth:`catch_up`), never a step to apply twice
+        steps.record(effects)
+        self._mirror(effects.table_deltas, rows_bound=True)
+        verify.stepped(effects.rows)
+
+    def _tier_for(self, effects: StepEffects) -> HostTierPages | None:
+        """The tier pages a step's page copies run through (``None`` without copies)."""
+        if not (effects.offloads or effects.onloads):
+            return None
+        if self._tier_pages is None:
+            raise WorkerRefusedError(
+                "apply: the step carries host tier copies but this worker has no host tier "
+                "pages (kvforge.worker.tier_pages.HostTierPages); nothing changed"
+            )
+        return self._tier_pages
+
+    def catch_up(self) -> StepEffects | None:
+        """Finish the step in :attr:`pending`, the one an interrupt kept from running whole,
+        before anything newer: the whole step, or (it was numbered already) its deltas not
+        yet mirrored and its ``copies_before`` not yet run. Returns that step (``None`` when
+        nothing was pending). Raises as :meth:`run`."""
+        with self._lock:
+            effects = self.pending
+            if effects is None:
+                return None
+            if self._steps.next_step <= effects.step_id:
+                self.run(effects)
+                return effects
+            left = [d for d in effects.table_deltas if d.seq >= self.next_seq]
+            if left:
+                self.apply_deltas(left)
+            if effects.copies_before:
+                with contextlib.suppress(UnissuedCopyError):  # they ran before the interrupt
+                    self.copy_blocks(effects.copies_before)
+            self.pending = None
+            return effects
+
+    def apply(self, step: StepAllocation | StepEffects) -> StepInputs:
         """:meth:`apply_effects`, then the step's slot mappings: one ``int64`` array per
         ``(group, compress_ratio)`` over every token of the step, in request order (vectorized
-        numpy on CPU, no per-token Python). Raises as :meth:`apply_effects`."""
+        numpy on CPU, no per-token Python). Raises as :meth:`run`."""
         with self._lock:
             self.apply_effects(step)
+            return self.step_inputs(step)
+
+    def apply_effects(self, step: StepAllocation | StepEffects) -> None:
+        """:meth:`run` of ``step``'s effects, leaving its ``copies_before`` to the caller
+        (:meth:`copy_blocks`): for an engine that runs them itself. Raises as :meth:`run`."""
+        self.run(_effects_of(step), copies_before=False)
+
+    def step_inputs(self, step: StepAllocation | StepEffects) -> StepInputs:
+        """The slot mappings and tables of an applied ``step``'s tokens (see :meth:`apply`)."""
+        with self._lock:
             index, positions, rows = step_tokens(step)
             slots: dict[tuple[str, int], Any] = {
                 (name, r): ops.slot_mapping(self._tables[name], rows, positions, bs, r, check=False)
@@ -515,34 +655,12 @@ class CacheStorage:
             tables: dict[str, Any] = self._device_tables or self._tables
             return StepInputs(index, positions, slots, dict(tables))
 
-    def apply_effects(self, step: StepAllocation) -> None:
-        """Apply a step, the next in its sequence, once (also a step of no request,
-        ``BlockManager.take_effects``): arena moves, host tier copies, table changes; its
-        block copies become runnable by :meth:`copy_blocks`. All checked before a byte moves.
-
-        Raises:
-            StepOrderError: a repeat, a gap, or a step never handed out.
-            WorkerRefusedError (and subclasses): as :meth:`apply_deltas`, :meth:`copy_blocks`
-                and ``HostTierPages.move``, a row outside the tables or serving another
-                request; nothing changed then."""
+    def first_written(self, row: int, request_id: str, num_tokens: int) -> int:
+        """The first token the latest step of ``request_id`` (in ``row``) wrote, when that
+        step took it to ``num_tokens`` tokens; else ``num_tokens`` (see
+        :meth:`StepLedger.first_written`)."""
         with self._lock:
-            self._ready()
-            verify, steps = self._verify, self._steps
-            verify.step(step)
-            steps.check(step)  # once, in order; each request at its own row
-            tier = guard.tier_of(self) if step.offloads or step.onloads else None
-            if tier is not None:  # every copy of the step is checked before a byte moves
-                tier.check(step.offloads, step.onloads, step.table_deltas)
-            if step.moves:  # first: the onloads and kernels may write their sources
-                verify.copies(step.moves)
-                self._copy(step.moves)
-            if tier is not None:  # the host tier's, before the step's kernels
-                tier.run(step.offloads, step.onloads)
-            # the step's number first: an interrupt past it leaves only numbered deltas to
-            # mirror (``apply_deltas``), never a step to apply twice
-            steps.record(step)
-            self._mirror(step.table_deltas, rows_bound=True)
-            verify.stepped(step.rows)
+            return self._steps.first_written(row, request_id, num_tokens)
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Copy whole blocks of every (layer, role) of a group, ``src[i]`` to ``dst[i]``: the
@@ -624,7 +742,66 @@ class CacheStorage:
 
     @property
     def host_bytes(self) -> int:
-        return self._host.nbytes if self._host is not None else 0
+        """Bytes of host memory the storage holds: its swap pages and its tier pages (0
+        before either is made and after :meth:`free`)."""
+        swap = self._host.nbytes if self._host is not None else 0
+        tier = self._tier_pages.nbytes if self._tier_pages is not None else 0
+        return swap + tier
+
+    # ================================================================== tier pages
+
+    @property
+    def tier_pages(self) -> HostTierPages | None:
+        """The host pages of the prefix tier this storage owns, or ``None`` (none made, or
+        released)."""
+        return self._tier_pages
+
+    def attach_tier_pages(self, pages: HostTierPages) -> None:
+        """Own ``pages`` (made by ``HostTierPages(storage, num_pages)``): a step's page copies
+        run through them, :attr:`host_bytes` counts them, :meth:`free` lets go of them.
+
+        Raises:
+            RuntimeError: the storage holds tier pages already, or has no device caches."""
+        with self._lock:
+            self._ready()
+            if self._tier_pages is not None:
+                raise RuntimeError("this storage has host tier pages already")
+            self._tier_pages = pages
+
+    def release_tier_pages(self) -> int:
+        """Let go of the tier pages, once (a step that carries tier copies is refused from
+        then on); the bytes released, 0 without tier pages. A remote tier's store must have
+        forgotten them first (``host_memory.release_host_tier``)."""
+        with self._lock:
+            pages, self._tier_pages = self._tier_pages, None
+            return pages.release() if pages is not None else 0
+
+    @property
+    def offloaded_groups(self) -> list[str]:
+        """The groups with offloaded planes (those host pages can hold), sorted."""
+        return sorted(self._planes)
+
+    def check_page_copies(
+        self,
+        offloads: Sequence[PageCopy],
+        onloads: Sequence[PageCopy],
+        num_pages: Mapping[str, int],
+        deltas: Sequence[TableDelta] = (),
+    ) -> None:
+        """The guard's checks of tier page copies against the mirrored tables
+        (``guard.Verifier.page_copies``); nothing changes here."""
+        with self._lock:
+            self._verify.page_copies(offloads, onloads, num_pages, deltas)
+
+    def end_copies(self, keep_alive: list[torch.Tensor]) -> Any:
+        """Order later work on the compute stream after the side-stream copies queued so far,
+        keeping ``keep_alive`` (what they read or write) until they finish; the event they end
+        with (``None`` on CPU, where they are done already)."""
+        with self._lock:
+            event = self._finish()
+            if event is not None:  # pragma: no cover - accelerators only
+                self._copies.append(SwapExecution(SwapResult(-1), event, keep_alive))
+            return event
 
     @property
     def host_kv_caches(self) -> dict[CacheKey, torch.Tensor]:
@@ -745,7 +922,8 @@ class CacheStorage:
     # ================================================================== teardown
 
     def free(self) -> None:
-        """Free every device cache, host page and host view, once. Idempotent."""
+        """Free every device cache, host page (swap and tier pages) and host view, once.
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -758,6 +936,8 @@ class CacheStorage:
             if self._host is not None:
                 self._host.release()
             self._host = None
+            self.release_tier_pages()
+            self.pending = None
             self._caches = None
             self._planes = {}
             self._tables = {}
@@ -791,13 +971,15 @@ class CacheStorage:
 # ====================================================================== helpers
 
 
-def _count(name: str, value: object) -> int:
-    return check_int(
-        name,
-        value,
-        0,
-        type_message="{name} must be an int, got {value}",
-        range_message="{name} must be >= 0, got {value}",
+def _effects_of(step: object) -> StepEffects:
+    """A step's effects: a ``StepAllocation``'s, or a ``StepEffects`` itself."""
+    if type(step) is StepAllocation:
+        return step.effects
+    if type(step) is StepEffects:
+        return step
+    raise WorkerRefusedError(
+        f"apply: expected a StepAllocation or StepEffects, got {type(step).__name__}; "
+        "nothing changed"
     )
 
 

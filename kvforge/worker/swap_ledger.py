@@ -31,13 +31,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kvforge.core.values import PageRelease, SwapPlan
+from kvforge.core.values import PageRelease, RequestMove, SwapPlan
 from kvforge.errors import BlockOwnershipError, PageOwnershipError, WorkerRefusedError
 
 __all__ = ["SwapLedger", "check_swap_out_rows"]
 
 #: request -> group -> (block indices, host pages) of its swapped data
-Records = dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]
+#: one swapped request's data: group -> (block indices, host pages)
+Held = dict[str, tuple[np.ndarray, np.ndarray]]
+Records = dict[str, Held]
 #: what a plan leaves: records, group -> page -> request, the next release seq
 Pending = tuple[Records, dict[str, dict[int, str]], int]
 
@@ -71,74 +73,11 @@ class SwapLedger:
         releases = self._new_releases(plan, num_pages)
         records, owner = _after(self.state[0], self.state[1], releases)
         for move in plan.requests:
-            rid = move.request_id
-            held = records.get(rid)
+            held = records.get(move.request_id)
             if plan.direction == "out":
-                if held is not None:
-                    g = min(held)
-                    pages = held[g][1]
-                    raise PageOwnershipError(
-                        f"execute: swap-out plan {plan.plan_id} swaps out request {rid!r}, "
-                        f"whose swapped data this worker holds in host pages "
-                        f"{pages.tolist()[:8]} of group {g!r} (a swap-in plan with its "
-                        "direction flipped, or a replay): its data would be overwritten; "
-                        "nothing moved",
-                        g,
-                        int(pages[0]) if len(pages) else -1,
-                    )
-                for g, pages in move.host_pages.items():
-                    owners = owner.get(g, {})
-                    for p in np.asarray(pages).tolist():
-                        other = owners.get(p)
-                        if other is not None:
-                            raise PageOwnershipError(
-                                f"execute: swap-out plan {plan.plan_id} writes host page {p} "
-                                f"of group {g!r} for request {rid!r}, but the page holds the "
-                                f"swapped data of request {other!r}; nothing moved",
-                                g,
-                                p,
-                            )
-                continue
-            if held is None:
-                g = min(move.host_pages, default="")
-                first = np.asarray(move.host_pages[g]) if g else np.zeros(0)
-                raise PageOwnershipError(
-                    f"execute: swap-in plan {plan.plan_id} reads host pages for request "
-                    f"{rid!r}, which has no swapped data on this worker (its swap out was "
-                    "never executed here, or its pages were released); nothing moved",
-                    g,
-                    int(first[0]) if len(first) else -1,
-                )
-            if set(held) != set(move.host_pages):
-                raise PageOwnershipError(
-                    f"execute: swap-in plan {plan.plan_id} reads groups "
-                    f"{sorted(move.host_pages)} for request {rid!r}, whose swapped data is in "
-                    f"groups {sorted(held)}; nothing moved",
-                    min(set(held) ^ set(move.host_pages)),
-                    -1,
-                )
-            for g, pages in move.host_pages.items():
-                cols, mine = held[g]
-                pages = np.asarray(pages)
-                cols_in = np.asarray(move.block_indices[g])
-                if len(pages) != len(mine) or not (pages == mine).all():
-                    bad = _first_difference(pages, mine)
-                    raise PageOwnershipError(
-                        f"execute: swap-in plan {plan.plan_id} reads host page {bad} of group "
-                        f"{g!r} for request {rid!r}, but its swapped data is in pages "
-                        f"{mine.tolist()[:8]} (page {bad} holds the data of "
-                        f"{owner.get(g, {}).get(bad)!r}); nothing moved",
-                        g,
-                        bad,
-                    )
-                if len(cols_in) != len(cols) or not (cols_in == cols).all():
-                    raise PageOwnershipError(
-                        f"execute: swap-in plan {plan.plan_id} restores request {rid!r}'s "
-                        f"pages of group {g!r} at block indices {cols_in.tolist()[:8]}, but they "
-                        f"hold the blocks of indices {cols.tolist()[:8]}; nothing moved",
-                        g,
-                        int(mine[0]) if len(mine) else -1,
-                    )
+                _check_swap_out(plan.plan_id, move, held, owner)
+            else:
+                _check_swap_in(plan.plan_id, move, held, owner)
         return records, owner, self.state[2] + len(releases)
 
     def _new_releases(self, plan: SwapPlan, num_pages: Mapping[str, int]) -> list[PageRelease]:
@@ -287,3 +226,83 @@ def _first_difference(pages: np.ndarray, mine: np.ndarray) -> int:
     if len(diff):
         return int(pages[diff[0]])
     return int(pages[n]) if len(pages) > n else int(mine[n])
+
+
+def _check_swap_out(
+    plan_id: int, move: RequestMove, held: Held | None, owner: dict[str, dict[int, str]]
+) -> None:
+    """Refuse a swap out of a request whose swapped data this worker holds (a flipped swap
+    in, a replay), or into a page that holds another request's swapped data."""
+    rid = move.request_id
+    if held is not None:
+        g = min(held)
+        pages = held[g][1]
+        raise PageOwnershipError(
+            f"execute: swap-out plan {plan_id} swaps out request {rid!r}, "
+            f"whose swapped data this worker holds in host pages "
+            f"{pages.tolist()[:8]} of group {g!r} (a swap-in plan with its "
+            "direction flipped, or a replay): its data would be overwritten; "
+            "nothing moved",
+            g,
+            int(pages[0]) if len(pages) else -1,
+        )
+    for g, pages in move.host_pages.items():
+        owners = owner.get(g, {})
+        for p in np.asarray(pages).tolist():
+            other = owners.get(p)
+            if other is not None:
+                raise PageOwnershipError(
+                    f"execute: swap-out plan {plan_id} writes host page {p} "
+                    f"of group {g!r} for request {rid!r}, but the page holds the "
+                    f"swapped data of request {other!r}; nothing moved",
+                    g,
+                    p,
+                )
+
+
+def _check_swap_in(
+    plan_id: int, move: RequestMove, held: Held | None, owner: dict[str, dict[int, str]]
+) -> None:
+    """Refuse a swap in that reads other pages, groups or block indices than the ones its
+    request's swapped data is in."""
+    rid = move.request_id
+    if held is None:
+        g = min(move.host_pages, default="")
+        first = np.asarray(move.host_pages[g]) if g else np.zeros(0)
+        raise PageOwnershipError(
+            f"execute: swap-in plan {plan_id} reads host pages for request "
+            f"{rid!r}, which has no swapped data on this worker (its swap out was "
+            "never executed here, or its pages were released); nothing moved",
+            g,
+            int(first[0]) if len(first) else -1,
+        )
+    if set(held) != set(move.host_pages):
+        raise PageOwnershipError(
+            f"execute: swap-in plan {plan_id} reads groups "
+            f"{sorted(move.host_pages)} for request {rid!r}, whose swapped data is in "
+            f"groups {sorted(held)}; nothing moved",
+            min(set(held) ^ set(move.host_pages)),
+            -1,
+        )
+    for g, pages in move.host_pages.items():
+        cols, mine = held[g]
+        pages = np.asarray(pages)
+        cols_in = np.asarray(move.block_indices[g])
+        if len(pages) != len(mine) or not (pages == mine).all():
+            bad = _first_difference(pages, mine)
+            raise PageOwnershipError(
+                f"execute: swap-in plan {plan_id} reads host page {bad} of group "
+                f"{g!r} for request {rid!r}, but its swapped data is in pages "
+                f"{mine.tolist()[:8]} (page {bad} holds the data of "
+                f"{owner.get(g, {}).get(bad)!r}); nothing moved",
+                g,
+                bad,
+            )
+        if len(cols_in) != len(cols) or not (cols_in == cols).all():
+            raise PageOwnershipError(
+                f"execute: swap-in plan {plan_id} restores request {rid!r}'s "
+                f"pages of group {g!r} at block indices {cols_in.tolist()[:8]}, but they "
+                f"hold the blocks of indices {cols.tolist()[:8]}; nothing moved",
+                g,
+                int(mine[0]) if len(mine) else -1,
+            )

@@ -1,16 +1,37 @@
-"""The prefix cache's host tier pages of one worker, and the copies to and from them.
+"""The host pages of the prefix tier on one worker ("tier pages"), and the copies to and from
+them.
 
-``CacheController.initialize_host_tier`` creates one; ``CacheStorage.apply`` runs a step's
-``offloads`` and ``onloads`` through it (found by :func:`kvforge.worker.guard.tier_of`):
-offloads first, then the onloads of blocks a lookup brought back, before the step's kernels.
+Two kinds of host pages live on a worker: *swap pages* (:mod:`kvforge.worker.swap_pages`,
+what a swapped-out request's blocks go to) and *tier pages* (this module: what the device
+evicted from the prefix cache, kept for later lookups). :class:`HostTierPages` holds, per
+group, page-first pinned host pages in the swap pages' format (one block of every offloaded
+(layer, role), packed, unpadded), but a pool of their own: the scheduler side's
+:class:`~kvforge.scheduler.host_tier.HostTier` hands out their ids.
 
-:class:`HostTierPages` holds, per group, page-first pinned host pages in the swap pages'
-format (:class:`~kvforge.worker.host_pool.HostPools`: one block of every offloaded (layer,
-role), packed, unpadded), but a pool of their own: the scheduler side's
-:class:`~kvforge.scheduler.host_tier.HostTier` hands out their ids. :meth:`HostTierPages.move`
-runs the scheduler side's :class:`~kvforge.core.values.PageCopy` values with the transfer code
-of swaps (:func:`~kvforge.worker.transfer.move_pages`, one gather or scatter per copy), after
-the storage's guard checked the whole batch (:func:`kvforge.worker.guard.check_page_copies`).
+Ownership: the worker's :class:`~kvforge.worker.storage.CacheStorage` owns its tier pages
+(``CacheStorage.tier_pages``; made by ``CacheController.initialize_host_tier``): its
+``host_bytes`` counts them, its ``free()`` (or ``release_tier_pages()``) lets go of them, once,
+and ``CacheStorage.run`` runs a step's ``offloads`` then ``onloads`` through them, after its
+arena moves and before its table changes (the order :class:`~kvforge.core.values.StepEffects`
+states). The tier pages reach the storage only through its declared public methods
+(``lock``, ``check_ready``, ``offloaded_groups``, ``planes``, ``streams``,
+``check_page_copies``, ``end_copies``, ``attach_tier_pages``).
+
+Locking: the tier pages are part of their storage and have no lock of their own. Each public
+method here holds the storage's lock (``CacheStorage.lock``, re-entrant) for its whole call:
+checks, copies queued and the page ledger's record, never while waiting on anything but the
+copies it queued. ``CacheStorage.run`` calls :meth:`HostTierPages.check` and
+:meth:`HostTierPages.run` with that lock already held.
+
+Pin contract: the scheduler side pins a tier page from the lookup that finds it until the step
+that onloads it has been handed out, and never hands out a pinned page for an offload; the
+worker does not trust that: its :class:`~kvforge.worker.page_ledger.PageLedger` records which
+key each page holds, so an offload writes only a page that holds no key (after the pages the
+copy releases) and an onload reads only a page that holds the key it names. A remote tier's
+store registers the page tensors (``RemoteStore.register_buffer``) and reads or fills them in
+place until ``host_memory.release_host_tier`` unregisters them, before the storage lets go of
+the pages. Checked by ``tests/worker/test_host_tier_bytes.py``,
+``tests/worker/test_step_ledger.py`` and ``tests/properties/test_step_copies_property.py``.
 """
 
 from __future__ import annotations
@@ -19,10 +40,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvforge.core.memory_plan import check_allocatable
-from kvforge.core.values import PageCopy, SwapResult, TableDelta
+from kvforge.core.values import PageCopy, TableDelta
 from kvforge.errors import WorkerRefusedError
-from kvforge.worker.host_pool import HostGroupPool, HostPools
 from kvforge.worker.page_ledger import PageLedger
+from kvforge.worker.swap_pages import HostGroupPool, HostPools
 from kvforge.worker.transfer import move_pages
 
 if TYPE_CHECKING:
@@ -46,27 +67,11 @@ class HostTierPages:
     """
 
     def __init__(self, storage: CacheStorage, num_pages: Mapping[str, int]) -> None:
-        with storage._lock:
-            storage._ready()
-            if getattr(storage, "host_tier_pages", None) is not None:
+        with storage.lock:
+            storage.check_ready()
+            if storage.tier_pages is not None:
                 raise RuntimeError("this storage has host tier pages already")
-            held = sorted(storage._planes)
-            unknown = sorted(set(num_pages) - set(held))
-            if unknown:
-                raise ValueError(
-                    f"num_pages names groups {unknown} that this storage holds no offloaded "
-                    f"planes of (groups: {held})"
-                )
-            small = [
-                g
-                for g, n in num_pages.items()
-                if isinstance(n, bool) or not isinstance(n, int) or n < 2
-            ]
-            if small:
-                raise ValueError(
-                    f"num_pages[{small[0]!r}] must be an int >= 2 (one usable page plus the "
-                    f"null page), got {num_pages[small[0]]!r}"
-                )
+            _check_counts(num_pages, storage.offloaded_groups)
             layout = storage.layout
             nbytes = sum(n * layout.host_page_bytes(g) for g, n in num_pages.items())
             check_allocatable(nbytes, "cpu", "host tier pages")
@@ -80,8 +85,7 @@ class HostTierPages:
             #: is checked against (the scheduler side's index is not visible here)
             self.ledger = PageLedger(self.num_pages)
             self._checked: tuple[Sequence[PageCopy], Sequence[PageCopy]] | None = None
-            # how the storage finds the pages that a step's offloads go to (guard.tier_of)
-            storage.host_tier_pages = self  # type: ignore[attr-defined]
+            storage.attach_tier_pages(self)  # the storage owns them from now on
 
     @property
     def num_pages(self) -> dict[str, int]:
@@ -110,7 +114,7 @@ class HostTierPages:
                 pages, lengths that differ, an onload writing a device block twice.
             ControllerClosedError: the storage was freed (its caches are gone).
         """
-        with self.storage._lock:
+        with self.storage.lock:
             self.check(offloads, onloads)
             return self.run(offloads, onloads)
 
@@ -125,9 +129,9 @@ class HostTierPages:
         names and writes only device blocks no mirrored row holds once ``deltas`` (the step's
         own, mirrored right after the copies) are applied. Nothing changes here."""
         storage = self.storage
-        with storage._lock:
-            storage._ready()
-            storage._verify.page_copies(offloads, onloads, self.num_pages, deltas)
+        with storage.lock:
+            storage.check_ready()
+            storage.check_page_copies(offloads, onloads, self.num_pages, deltas)
             self.ledger.check(offloads, onloads)
             self._checked = (offloads, onloads)
 
@@ -135,7 +139,7 @@ class HostTierPages:
         """Run the batch :meth:`check` passed last (under the storage's lock, nothing in
         between); any other batch is refused."""
         storage = self.storage
-        with storage._lock:
+        with storage.lock:
             checked, self._checked = self._checked, None
             if checked is None or checked[0] is not offloads or checked[1] is not onloads:
                 raise WorkerRefusedError(
@@ -156,20 +160,41 @@ class HostTierPages:
                         copy.host_pages,
                         keep_alive,
                     )
-            event = storage._finish()
-            if event is not None:  # pragma: no cover - accelerators only
-                from kvforge.worker.storage import SwapExecution
-
-                storage._copies.append(SwapExecution(SwapResult(-1), event, keep_alive))
+            event = storage.end_copies(keep_alive)
             # after the bytes: a batch an interrupt cut short runs again whole
             self.ledger.record(offloads, onloads)
             return event
 
+    def release(self) -> int:
+        """Let go of every page (the tensors go with their last reference); the bytes
+        released. Called by the owning storage (``CacheStorage.release_tier_pages``)."""
+        released = self.nbytes
+        self.groups = {}
+        return released
+
     def claim(self, group: str, released: Any, pages: Any, tags: Any) -> None:
         """Pages a remote tier is about to fill in place hold ``tags`` from now on (after
         ``released`` pages are freed): see :meth:`PageLedger.claim`."""
-        with self.storage._lock:
+        with self.storage.lock:
             self.ledger.claim(group, released, pages, tags)
 
     def __repr__(self) -> str:
         return f"HostTierPages({self.num_pages})"
+
+
+def _check_counts(num_pages: Mapping[str, int], held: Sequence[str]) -> None:
+    """Refuse a group the storage holds no offloaded planes of, or a count below 2."""
+    unknown = sorted(set(num_pages) - set(held))
+    if unknown:
+        raise ValueError(
+            f"num_pages names groups {unknown} that this storage holds no offloaded "
+            f"planes of (groups: {sorted(held)})"
+        )
+    small = [
+        g for g, n in num_pages.items() if isinstance(n, bool) or not isinstance(n, int) or n < 2
+    ]
+    if small:
+        raise ValueError(
+            f"num_pages[{small[0]!r}] must be an int >= 2 (one usable page plus the "
+            f"null page), got {num_pages[small[0]]!r}"
+        )

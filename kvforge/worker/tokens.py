@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from kvforge import ops
-from kvforge.core.values import StepAllocation
+from kvforge.core.values import StepAllocation, StepEffects
 
 __all__ = ["step_tokens"]
 
 _SMALL = 40  # up to this many requests, a Python set of the counts beats two reductions
 
 
-def step_tokens(step: StepAllocation) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def step_tokens(step: StepAllocation | StepEffects) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(request_index, positions, rows)`` of every token of ``step``, request-major: the
     arrays :func:`kvforge.ops.token_positions` gives (``int64``), and ``rows[t]`` the table row
     of token ``t`` (``step.rows`` itself when each request has one token: read, never written).

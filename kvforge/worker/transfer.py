@@ -143,6 +143,59 @@ class SwapStreams:
         return cls(platform.new_stream(), platform.new_stream())  # pragma: no cover
 
 
+def _chunk_out(
+    platform: Platform,
+    streams: SwapStreams,
+    planes: Sequence[torch.Tensor],
+    ids: np.ndarray,
+    pages: torch.Tensor,
+    page_ids: Sequence[int],
+    slot: torch.Tensor,
+    reuse: Any,
+    k: int,
+) -> Any:
+    """Chunk ``k`` of a move out: gather into ``slot`` on the compute stream (once ``reuse``,
+    chunk k-2's DMA, drained it), then DMA it to the pages on the copy stream; the event
+    after which ``slot`` may be refilled."""
+    compute, copy = streams.compute, streams.copy
+    if reuse is not None:  # chunk k-2's DMA has drained this slot
+        compute.wait_event(reuse)
+    with platform.stream_context(compute):
+        ops.gather_blocks(planes, ids, slot)
+    copy.wait_event(platform.record_event(compute))
+    with platform.stream_context(copy):
+        _dma(pages, page_ids, slot, out=True)
+    return platform.record_event(copy)
+
+
+def _chunk_in(
+    platform: Platform,
+    streams: SwapStreams,
+    planes: Sequence[torch.Tensor],
+    ids: np.ndarray,
+    pages: torch.Tensor,
+    page_ids: Sequence[int],
+    slot: torch.Tensor,
+    reuse: Any,
+    k: int,
+) -> Any:
+    """Chunk ``k`` of a move in: DMA the pages into ``slot`` on the copy stream (once
+    ``reuse``, chunk k-2's scatter, read it; the first after the compute stream's earlier
+    work), then scatter it on the compute stream; the event after which ``slot`` may be
+    refilled."""
+    compute, copy = streams.compute, streams.copy
+    if reuse is not None:  # chunk k-2's scatter has read this slot
+        copy.wait_event(reuse)
+    elif k == 0:  # the copy stream starts after the compute stream's earlier work
+        copy.wait_stream(compute)
+    with platform.stream_context(copy):
+        _dma(pages, page_ids, slot, out=False)
+    compute.wait_event(platform.record_event(copy))
+    with platform.stream_context(compute):
+        ops.scatter_blocks(planes, ids, slot)
+    return platform.record_event(compute)
+
+
 def _dma(pages: torch.Tensor, page_ids: Sequence[int], staging: torch.Tensor, out: bool) -> None:
     """One copy per contiguous run of host pages, between ``staging`` rows and those pages."""
     for start, end, first in contiguous_runs(page_ids):
@@ -191,29 +244,12 @@ def move_pages(
     with platform.side_stream(compute):
         staging = platform.empty((min(n, 2 * step), row_bytes), torch.uint8)
     free_again: list[Any] = [None, None]  # per slot: event after which it may be refilled
+    chunk = _chunk_out if direction == "out" else _chunk_in
     for k, a in enumerate(range(0, n, step)):
         b = min(n, a + step)
         slot = staging[(k % 2) * step : (k % 2) * step + (b - a)]
-        reuse = free_again[k % 2]
-        if direction == "out":
-            if reuse is not None:  # chunk k-2's DMA has drained this slot
-                compute.wait_event(reuse)
-            with platform.stream_context(compute):
-                ops.gather_blocks(planes, ids[a:b], slot)
-            copy.wait_event(platform.record_event(compute))
-            with platform.stream_context(copy):
-                _dma(pages, page_ids[a:b], slot, out=True)
-            free_again[k % 2] = platform.record_event(copy)
-        else:
-            if reuse is not None:  # chunk k-2's scatter has read this slot
-                copy.wait_event(reuse)
-            elif k == 0:  # the copy stream starts after the compute stream's earlier work
-                copy.wait_stream(compute)
-            with platform.stream_context(copy):
-                _dma(pages, page_ids[a:b], slot, out=False)
-            compute.wait_event(platform.record_event(copy))
-            with platform.stream_context(compute):
-                ops.scatter_blocks(planes, ids[a:b], slot)
-            free_again[k % 2] = platform.record_event(compute)
+        free_again[k % 2] = chunk(
+            platform, streams, planes, ids[a:b], pages, page_ids[a:b], slot, free_again[k % 2], k
+        )
     compute.wait_stream(copy)
     keep_alive.append(staging)

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforge import CacheController, GQABackend
-from kvforge.core.values import BlockCopy, PageCopy, PrefixQuery, StepAllocation
+from kvforge.core.values import BlockCopy, PageCopy, PrefixQuery, StepEffects
 from kvforge.errors import StepOrderError, WorkerRefusedError
 from kvforge.verify import token_seeds, verify_request, write_step
 
@@ -49,21 +49,21 @@ class Recorder:
     """The steps and copy batches the worker applied, in order."""
 
     def __init__(self, ctl: CacheController) -> None:
-        self.steps: list[StepAllocation] = []
+        self.steps: list[StepEffects] = []
         self.copies: list[tuple[BlockCopy, ...]] = []
         storage = ctl.storage
-        apply, copy_blocks = storage.apply_effects, storage.copy_blocks
+        run, copy_blocks = storage.run, storage.copy_blocks
 
-        def recorded_apply(step: StepAllocation) -> None:  # apply() goes through it too
-            apply(step)
-            self.steps.append(step)
+        def recorded_run(effects: StepEffects, copies_before: bool = True) -> None:
+            run(effects, copies_before)  # every step goes through it (apply() too)
+            self.steps.append(effects)
 
         def recorded_copies(copies: Any) -> None:
             copy_blocks(copies)
             if copies:
                 self.copies.append(tuple(copies))
 
-        storage.apply_effects = recorded_apply  # type: ignore[method-assign]
+        storage.run = recorded_run  # type: ignore[method-assign]
         storage.copy_blocks = recorded_copies  # type: ignore[method-assign]
 
 
@@ -77,7 +77,7 @@ def controller(policy: str) -> CacheController:
 
 
 def state(ctl: CacheController) -> list[torch.Tensor]:
-    tier = ctl.storage.host_tier_pages
+    tier = ctl.storage.tier_pages
     return (
         [c.view(torch.uint8).clone() for c in ctl.kv_caches]
         + [p.pages.clone() for p in tier.groups.values()]
@@ -130,7 +130,7 @@ def free_block(ctl: CacheController, group: str) -> int:
 def page_copy(
     ctl: CacheController, group: str, block: int, page: int, tag: int, seq_shift: int = 0
 ) -> PageCopy:
-    tier = ctl.storage.host_tier_pages
+    tier = ctl.storage.tier_pages
     return PageCopy(
         group,
         np.array([block], np.int32),
@@ -141,14 +141,14 @@ def page_copy(
 
 
 def held_page(ctl: CacheController, group: str) -> tuple[int, int] | None:
-    owners = ctl.storage.host_tier_pages.ledger.owners[group]
+    owners = ctl.storage.tier_pages.ledger.owners[group]
     held = np.flatnonzero(owners)
     return (int(held[0]), int(owners[held[0]])) if len(held) else None
 
 
 def attack(ctl: CacheController, rec: Recorder, kind: str, pick: int) -> bool:
     """Run one attack; ``False`` when the state offers no target for it."""
-    storage, tier = ctl.storage, ctl.storage.host_tier_pages
+    storage, tier = ctl.storage, ctl.storage.tier_pages
     if kind == "replay_step":
         if not rec.steps:
             return False

@@ -13,6 +13,7 @@ The layout: GQA, 2 KV heads of width 8, bf16, block 16, a 32-token window group 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -20,9 +21,10 @@ import numpy as np
 import pytest
 
 from kvforge import CacheController, GQABackend
+from kvforge.core.values import PageCopy
 from kvforge.errors import WorkerRefusedError
 from kvforge.verify import token_seeds, write_step
-from kvforge.worker import guard, host_memory
+from kvforge.worker import host_memory
 
 PAGE = 16 * 2 * 8 * 2 * 2 * 2  # bytes of one page of either group: 2,048
 SWAP_PAGES = 10  # per group, the null page included
@@ -129,8 +131,13 @@ def test_release_host_tier_is_once_and_a_freed_tier_takes_no_copy():
     assert host_memory.release_host_tier(storage) == TIER_PAGES * 2 * PAGE
     assert host_memory.release_host_tier(storage) == 0  # once
     assert host_memory.host_bytes(storage) == 0
+    assert storage.tier_pages is None
+    step = ctl.scheduler.schedule(["a"], [16])
+    i32 = np.array([1], dtype=np.int32)
+    offload = PageCopy("kv", i32, i32, owners=np.array([7], dtype=np.int64))
     with pytest.raises(WorkerRefusedError, match="no host tier pages"):
-        guard.tier_of(storage)  # a step carrying tier copies is refused, nothing moves
+        storage.run(dataclasses.replace(step.effects, offloads=(offload,)))  # nothing moves
+    assert storage.next_step == step.step_id  # refused: the step was not applied
     ctl.free()
     assert ctl.host_bytes == 0
 

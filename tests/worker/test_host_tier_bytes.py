@@ -16,7 +16,7 @@ from kvforge.errors import BlockRangeError, ControllerClosedError, WorkerRefused
 from kvforge.scheduler.host_tier import HostTier
 from kvforge.scheduler.unit_records import UnitRecordStore
 from kvforge.worker import CacheStorage
-from kvforge.worker.host_tier import HostTierPages
+from kvforge.worker.tier_pages import HostTierPages
 
 
 def layout() -> CacheLayout:
@@ -291,7 +291,7 @@ def test_evicted_prefix_blocks_land_in_host_pages_byte_for_byte():
     h = PrefixHasher(unit=ctl.scheduler.prefix_unit)
     h.extend(toks)
     run_prompt(ctl, "b", np.arange(1000, 1224), seen=before)  # a's cached blocks go
-    tier, pages = ctl.host_tier, ctl.storage.host_tier_pages
+    tier, pages = ctl.host_tier, ctl.storage.tier_pages
     demoted = {k: v for k, v in before.items() if tier.page_of(*k) is not None}
     assert len(demoted) == len(tier) == sum(tier.stats.demotions.values()) > 0
     assert {g for g, _ in demoted} == {"swa", "kv"}
@@ -352,7 +352,7 @@ def test_the_arena_demotes_what_slab_moves_and_takes_evict():
     for i in range(8):
         run_prompt(ctl, f"r{i}", rng.integers(1, 30000, 1536), chunk=512, seen=seen)
         ctl.free_request(f"r{i}")
-    tier, pages = ctl.host_tier, ctl.storage.host_tier_pages
+    tier, pages = ctl.host_tier, ctl.storage.tier_pages
     demoted = [k for k in seen if tier.page_of(*k) is not None]
     assert len({g for g, _ in demoted}) >= 2, tier.stats
     for group, key in demoted:
@@ -382,7 +382,7 @@ def test_the_controller_offloads_a_truncations_eviction_before_its_copy_writes()
     assert sum(tier.stats.demotions.values()) == 1
     ctl.truncate("c", 24)  # copy on write into a fresh block: z's root is evicted first
     assert sum(tier.stats.demotions.values()) == 2
-    pages = ctl.storage.host_tier_pages.groups["kv"].pages
+    pages = ctl.storage.tier_pages.groups["kv"].pages
     z_keys = [k for g, k in seen if tier.page_of(g, k) is not None]
     assert len(z_keys) == 2
     for key in z_keys:
@@ -405,7 +405,7 @@ def test_a_bad_initialize_host_tier_allocates_nothing(prefix, args, kw, error, m
     ctl.initialize_kv_cache(num_blocks=6, max_num_seqs=2, max_model_len=64)
     with pytest.raises(error, match=message):
         ctl.initialize_host_tier(*args, **kw)
-    assert getattr(ctl.storage, "host_tier_pages", None) is None and ctl.host_tier is None
+    assert ctl.storage.tier_pages is None and ctl.host_tier is None
     if prefix:
         ctl.initialize_host_tier(4)
         with pytest.raises(RuntimeError, match="host tier pages already"):

@@ -31,7 +31,7 @@ from kvforge.errors import (
 )
 from kvforge.scheduler import BlockManager
 from kvforge.worker import CacheStorage
-from kvforge.worker.host_tier import HostTierPages
+from kvforge.worker.tier_pages import HostTierPages
 
 BLOCKS, ROWS, MAX_LEN, PAGES = 20, 4, 256, 6
 
