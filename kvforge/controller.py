@@ -876,7 +876,7 @@ class CacheController:
         from kvforge.store import StoreConfig, open_store
 
         manager = self._ready_manager()
-        if host_tier.tier_of(manager) is None:
+        if manager.host_tier is None:
             raise RuntimeError(
                 "a remote tier sits behind the host tier: call initialize_host_tier first"
             )
@@ -909,7 +909,7 @@ class CacheController:
     @locked
     def host_tier(self) -> HostTier | None:
         """The scheduler side's host tier (its index and ``stats``), or ``None``."""
-        return host_tier.tier_of(self._ready_manager())
+        return self._ready_manager().host_tier
 
     @property
     @locked
@@ -1048,9 +1048,8 @@ class CacheController:
         self._remote = self._owned_store = None
         try:
             host_memory.release_host_tier(self.storage, store)  # the store forgets them first
-            tier = host_tier.tier_of(self._manager) if self._manager is not None else None
-            if tier is not None:
-                tier.reset()  # its pages' keys and unit record references
+            if self._manager is not None:
+                self._manager.reset_host_tier()  # its pages' keys and unit record references
         finally:  # whatever raised above, every page still goes (a second release is a no-op)
             host_memory.release_host_tier(self.storage)
             if owned is not None:

@@ -19,7 +19,7 @@ worker's host pages), as :class:`~kvforge.controller.CacheController` does:
   (``batch_get_into``) with this prompt's content proofs. A value that does not arrive whole
   (down, corrupted, truncated, another layout or model) or whose proof names other content
   (a key collision) is a miss: its page is forgotten before anything reads it. The host
-  tier's lookup then brings the rest to the device (:mod:`kvforge.scheduler.tier_lookup`).
+  tier's lookup then brings the rest to the device (:mod:`kvforge.scheduler.prefix.host_lookup`).
 
 What makes bytes differ is in the key: the prefix key (token ids, multimodal items, the
 request's extra keys: salt, adapter), the group, and the store's fingerprint
@@ -57,7 +57,8 @@ from kvforge.core.model_identity import ModelIdentity
 from kvforge.core.prefix_keys import PrefixHasher
 from kvforge.core.values import PageCopy, PrefixQuery, page_owner
 from kvforge.scheduler.args import token_array
-from kvforge.scheduler.tier_lookup import PromptPlan
+from kvforge.scheduler.block_manager import BlockManager
+from kvforge.scheduler.prefix import PromptPlan
 from kvforge.scheduler.unit_records import UnitRecordStore
 
 if TYPE_CHECKING:
@@ -184,13 +185,15 @@ class RemoteTier:
 
     Args:
         manager: the controller's scheduler side, with a host tier attached.
-        pages: the worker's :class:`~kvforge.worker.host_tier.HostTierPages`.
+        pages: the worker's :class:`~kvforge.worker.tier_pages.HostTierPages`.
         store: an open :class:`~kvforge.store.protocol.RemoteStore` whose fingerprint is
             :func:`layout_fingerprint` of this layout and ``model`` (the caller opens it).
         model: the :class:`~kvforge.core.model_identity.ModelIdentity` of the engine.
     """
 
-    def __init__(self, manager: Any, pages: Any, store: RemoteStore, model: ModelIdentity) -> None:
+    def __init__(
+        self, manager: BlockManager, pages: Any, store: RemoteStore, model: ModelIdentity
+    ) -> None:
         self.model = check_model_identity(model, "RemoteTier")
         self.manager, self.pages, self.store = manager, pages, store
         self.stats = RemoteTierStats()
@@ -203,7 +206,9 @@ class RemoteTier:
 
     def publish(self, offloads: Sequence[PageCopy]) -> None:
         """Queue the pages ``offloads`` just filled (call after the worker ran them)."""
-        tier = self.manager._host_tier
+        tier = self.manager.host_tier
+        if tier is None:  # (never expected: a remote tier is built behind a host tier)
+            return
         proofs = _PageProofs(tier.records)
         for copy in offloads:
             name = copy.group
@@ -223,24 +228,22 @@ class RemoteTier:
     def fetch(self, queries: Sequence[PrefixQuery]) -> None:
         """Read into host pages what each prompt's longest prefix needs past the device and
         the host, where the store holds it (the caller holds the controller's lock)."""
-        manager = self.manager
-        if not manager._prefix.enabled or isinstance(queries, PrefixQuery):
+        if not self.manager.prefix_caching or isinstance(queries, PrefixQuery):
             return
         for i, q in enumerate(queries):
             if isinstance(q, PrefixQuery):
                 self._fetch_one(q, i)
 
     def _fetch_one(self, query: PrefixQuery, index: int) -> None:
-        manager, store = self.manager, self.store
-        tier = manager._host_tier
+        store, tier = self.store, self.manager.host_tier
         tokens = token_array(query.token_ids, f"queries[{index}].token_ids")
-        plan = PromptPlan(manager, tokens, query)
-        if plan.top == 0:
+        plan = self.manager.prompt_plan(tokens, query)
+        if plan.top == 0 or tier is None:
             return
-        host = {g: tier._index[g] for g in tier.groups}
+        host = set(tier.groups)
 
         def local(g: Any, key: bytes) -> bool:
-            return plan.on_device(g, key) or key in host.get(g.spec.name, ())
+            return plan.on_device(g, key) or tier.holds(g.spec.name, key)
 
         here = plan.reach(local)
         remote: set[tuple[str, bytes]] = set()  # (group, key) the store said it holds
@@ -292,8 +295,9 @@ class RemoteTier:
     ) -> bool:
         """Reserve host pages for ``wanted`` (group, key, end), read them with this prompt's
         content ``proofs``, keep what arrived (a value of other content is a miss)."""
-        manager, tier, unit = self.manager, self.manager._host_tier, plan.unit
-        records = manager._prefix.records
+        tier, unit = self.manager.host_tier, plan.unit
+        assert tier is not None  # _fetch_one checked it
+        records = tier.records  # the prefix cache's own (attach_host_tier checks it)
         # the unit records this prompt's tokens make, referenced where each block ends
         with_ref = [w for w in wanted if w[2] >= unit]
         held = records.hold(

@@ -85,11 +85,11 @@ class ArenaBlockPool(BlockPool):
         #: told ``(src, dst)`` when cached blocks move (the prefix cache re-points its keys);
         #: ``None`` (no prefix caching: nothing is cached) turns moves off
         self.on_move: Callable[[np.ndarray, np.ndarray], None] | None = None
-        # slots freed or granted since the moves were last taken (and evicted, if the host
-        # tier offloads evicted blocks): a move may not write them, because the worker's
-        # mirror may still show a row holding them or a queued offload may still read them
+        # slots freed or granted since the moves were last taken (and evicted, while an
+        # eviction listener hears of evictions: the host tier queues an offload of each
+        # block it demotes): a move may not write them, because the worker's mirror may
+        # still show a row holding them or a queued offload may still read them
         self._unsettled = np.zeros(self.num_blocks, dtype=bool)
-        self.offloads_evicted = False  # set by kvforge.scheduler.host_tier.attach
         self._moved: dict[int, int] = {}  # move destination -> the block its bytes come from
 
     # ------------------------------------------------------------------ capacity
@@ -258,7 +258,7 @@ class ArenaBlockPool(BlockPool):
         victims = super().evict(count, block_ids)
         if len(victims):
             np.subtract.at(self.cached, victims // self.blocks_per_slab, 1)
-            if self.offloads_evicted:  # (never clears the mark of a slot freed this period)
+            if self.has_eviction_listeners:  # (never clears a slot freed this period)
                 self._unsettled[victims] = True
         return victims
 
@@ -288,6 +288,21 @@ class ArenaBlockPool(BlockPool):
         keep = stack[~np.isin(stack // self.blocks_per_slab, slabs)]
         self._stack[: len(keep)] = keep
         self._num_free = len(keep)
+
+    def newest_release(self, slabs: np.ndarray) -> np.ndarray:
+        """Per slab of ``slabs``, when its most recently released evictable block was
+        released (``int64``; 0 where the slab caches none)."""
+        k = self.blocks_per_slab
+        ids = (slabs[:, None] * k + np.arange(k)[None, :]).astype(np.int64)
+        evictable = self._retained[ids] & (self._ref[ids] == 0)
+        return np.where(evictable, self.released_at[ids], 0).max(axis=1)
+
+    @property
+    def free_stack(self) -> np.ndarray:
+        """The ids on this group's free stack, bottom first (a read-only view)."""
+        view = self._stack[: self._num_free].view()
+        view.flags.writeable = False
+        return view
 
     def oldest_release(self) -> int | None:
         """When the least recently released evictable block was released (None: none)."""
@@ -526,10 +541,7 @@ class SlabArena:
             idle = self.idle_slabs(d)
             if not len(idle):
                 continue
-            k = d.blocks_per_slab
-            ids = (idle[:, None] * k + np.arange(k)[None, :]).astype(np.int64)
-            evictable = d._retained[ids] & (d._ref[ids] == 0)
-            newest = np.where(evictable, d.released_at[ids], 0).max(axis=1)
+            newest = d.newest_release(idle)
             order = np.argsort(newest, kind="stable")[: give[d]]
             candidates.extend((int(newest[i]), int(idle[i]), d) for i in order)
         candidates.sort(key=lambda c: c[0])
@@ -551,7 +563,7 @@ class SlabArena:
         for p in self.pools:
             owned = self.owner == p.index
             assert not p.live[~owned].any() and not p.cached[~owned].any(), p
-            stack = p._stack[: p._num_free]
+            stack = p.free_stack
             assert (self.owner[stack // p.blocks_per_slab] == p.index).all(), p
             counts = np.bincount(stack // p.blocks_per_slab, minlength=len(self.owner))
             size = np.full(len(self.owner), p.blocks_per_slab)

@@ -49,19 +49,21 @@ Invariants (tested in ``tests/scheduler/test_block_tables.py``):
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from kvforge._checks import check_int, locked
+from kvforge._checks import ArgumentError, check_int, locked
 from kvforge.core.arena import ArenaGeometry
 from kvforge.core.layout import CacheLayout, check_share_pools, resolve_max_model_len, table_widths
 from kvforge.core.memory_plan import DEFAULT_MAX_NUM_SEQS, check_allocatable
 from kvforge.core.prefix_keys import Algorithm
 from kvforge.core.values import (
     BlockCopy,
+    PageCopy,
     PrefixEvent,
     PrefixMatch,
     PrefixQuery,
@@ -77,7 +79,13 @@ from kvforge.scheduler.arena import SlabArena, check_arena
 from kvforge.scheduler.args import batch_ids
 from kvforge.scheduler.block_pool import BlockPool
 from kvforge.scheduler.growth import prompt_fits
-from kvforge.scheduler.host_tier import HostTier
+from kvforge.scheduler.host_tier import (
+    HostTier,
+    check_attachable,
+    check_host_tier_policy,
+    check_state_policy,
+    check_tier_groups,
+)
 from kvforge.scheduler.prefix_cache import (
     DEFAULT_PREFIX_RETENTION,
     PrefixCache,
@@ -94,6 +102,47 @@ __all__ = ["MAX_OPEN_STEPS", "BlockManager", "PrefixStats", "SwapStats"]
 
 MAX_OPEN_STEPS = 16
 """Steps scheduled and not yet ended that a scheduler keeps (engines have one or two)."""
+
+def _build_pools(
+    layout: CacheLayout,
+    num_blocks: Mapping[str, int],
+    share_pools: bool,
+    arena: ArenaGeometry | None,
+) -> tuple[SlabArena | None, dict[str, BlockPool]]:
+    """The slab arena (if any) and group -> device pool: one pool per set of groups that
+    share one (``share_pools``), an arena's groups their arena pools.
+
+    Raises:
+        ValueError: ``num_blocks`` has no count for a group, or a bad ``arena``.
+    """
+    names = [g.name for g in layout.groups]
+    missing = [n for n in names if n not in num_blocks]
+    if missing:
+        raise ValueError(f"num_blocks has no count for groups {missing} (groups: {names})")
+    pools: dict[str, BlockPool] = {}
+    slabs = None if arena is None else check_arena(layout, arena, num_blocks, share_pools)
+    if slabs is not None:
+        pools.update({p.name: p for p in slabs.pools})
+    for members in layout.pools(share_pools, num_blocks):
+        if members[0] in pools:
+            continue
+        pool = BlockPool(num_blocks[members[0]], "+".join(members))
+        pools.update(dict.fromkeys(members, pool))
+    return slabs, pools
+
+
+def _snapshot_interval(value: object, boundary: int) -> int:
+    """``value`` (default: the first multiple of ``boundary`` at or above 512), refused
+    (:class:`ValueError`) unless a positive multiple of ``boundary``."""
+    if value is None:
+        return boundary * -(-512 // boundary)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value % boundary:
+        raise ValueError(
+            f"snapshot_interval must be a positive multiple of {boundary} (the LCM of "
+            f"the groups' block sizes), got {value!r}"
+        )
+    return value
+
 
 class BlockManager:
     """Pools, tables and swap bookkeeping of every group; no device memory.
@@ -149,21 +198,7 @@ class BlockManager:
         self.layout = layout
         self.share_pools = check_share_pools(share_pools)
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, minimum=1)
-        names = [g.name for g in layout.groups]
-        missing = [n for n in names if n not in num_blocks]
-        if missing:
-            raise ValueError(f"num_blocks has no count for groups {missing} (groups: {names})")
-        pools: dict[str, BlockPool] = {}
-        if arena is not None:
-            self.arena: SlabArena | None = check_arena(layout, arena, num_blocks, share_pools)
-            pools.update({p.name: p for p in self.arena.pools})
-        else:
-            self.arena = None
-        for members in layout.pools(share_pools, num_blocks):
-            if members[0] in pools:
-                continue
-            pool = BlockPool(num_blocks[members[0]], "+".join(members))
-            pools.update(dict.fromkeys(members, pool))
+        self.arena, pools = _build_pools(layout, num_blocks, share_pools, arena)
         self.max_model_len = resolve_max_model_len(layout, num_blocks, max_model_len)
         widths = table_widths(layout, self.max_num_seqs, self.max_model_len)
         check_allocatable(
@@ -175,19 +210,9 @@ class BlockManager:
         ]
         sizes = [g.block_size for g in groups if not g.per_request]
         self.boundary = math.lcm(*sizes) if sizes else 1
-        if snapshot_interval is None:
-            snapshot_interval = self.boundary * -(-512 // self.boundary)
-        if (
-            not isinstance(snapshot_interval, int)
-            or isinstance(snapshot_interval, bool)
-            or snapshot_interval < 1
-            or snapshot_interval % self.boundary
-        ):
-            raise ValueError(
-                f"snapshot_interval must be a positive multiple of {self.boundary} (the LCM of "
-                f"the groups' block sizes), got {snapshot_interval!r}"
-            )
-        self.snapshot_interval = snapshot_interval
+        self.snapshot_interval = snapshot_interval = _snapshot_interval(
+            snapshot_interval, self.boundary
+        )
         self._t = RequestTables(groups, self.max_num_seqs)
         self._prefix = PrefixCache(
             self._t, bool(enable_prefix_caching), self.boundary, snapshot_interval, key_algorithm,
@@ -197,7 +222,7 @@ class BlockManager:
         self._lock = threading.RLock()
         self._issued = 0  # the last step id handed out
         self._open_steps: dict[int, StepWork] = {}  # scheduled, not ended: oldest first
-        self._host_tier: HostTier | None = None  # set by kvforge.scheduler.host_tier.attach
+        self._host_tier: HostTier | None = None  # attach_host_tier
 
     @property
     def prefix_caching(self) -> bool:
@@ -494,6 +519,105 @@ class BlockManager:
         if self._host_tier is not None:
             self._host_tier.reset()
         return evicted
+
+    # ================================================================== the tiers
+
+    @property
+    @locked
+    def host_tier(self) -> HostTier | None:
+        """The host tier :meth:`attach_host_tier` gave this manager, or ``None``."""
+        return self._host_tier
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The device prefix cache (its keys, unit records and served blocks), for the tiers
+        that read it: call its methods only from inside this manager's methods (its lock
+        held), or, as the tiers' wiring does, through listeners this manager registers."""
+        return self._prefix
+
+    @property
+    def group_tables(self) -> tuple[GroupTable, ...]:
+        """Every group's table (spec, pool, rows), in the layout's group order."""
+        return tuple(self._t.groups)
+
+    @locked
+    def attach_host_tier(self, tier: HostTier) -> None:
+        """Give this manager a host tier, all or nothing: every device pool tells the tier of
+        its evictions (an eviction listener, :meth:`HostTier.demote_evicted`, which demotes
+        the served blocks before the prefix cache forgets their keys); under
+        ``policy="write_through"`` the prefix cache also tells it of every block a step
+        registers (:meth:`HostTier.write_through`); lookups bring back what only the tier
+        holds, and every step (or :meth:`take_effects`, :meth:`take_tier_offloads`) hands out
+        its page copies. :func:`kvforge.scheduler.host_tier.attach` builds the tier and
+        calls this.
+
+        Locks: holds this manager's lock for the call. From then on the tier is entered only
+        from inside this manager's methods, with that lock held (a take's eviction, a step's
+        registration, a lookup, a hand-out of copies, :meth:`reset_prefix_cache`), or by its
+        owner above the manager (the remote tier, under the controller's lock).
+
+        Raises:
+            ArgumentError: ``tier`` is not a :class:`HostTier`, keeps a group this manager
+                does not have, keeps a bad policy, was not built on this manager's unit
+                records (``prefix_cache.records``), or names other per-request groups.
+            RuntimeError: prefix caching is off, or this manager has a host tier already.
+        """
+        self._check_host_tier(tier)
+        for pool, _ in self._t.pools:
+            pool.add_eviction_listener(
+                functools.partial(tier.demote_evicted, self._prefix, self._t.groups, pool)
+            )
+        if tier.policy == "write_through":
+            self._prefix.on_store = functools.partial(
+                tier.write_through, self._prefix, self._t.groups
+            )
+        self._host_tier = tier
+
+    def _check_host_tier(self, tier: object) -> None:
+        """Refuse a tier :meth:`attach_host_tier` cannot take (nothing changed)."""
+        if not isinstance(tier, HostTier):
+            raise ArgumentError(f"tier must be a HostTier, got {type(tier).__name__}")
+        check_attachable(self._prefix.enabled, self._host_tier)
+        check_host_tier_policy(tier.policy)
+        check_state_policy(tier.state_policy)
+        check_tier_groups(tier.groups, self.groups, "the tier")
+        if tier.records is not self._prefix.records:
+            raise ArgumentError(
+                "tier.records must be this manager's prefix_cache.records (a page keeps the "
+                "reference its device block held)"
+            )
+        snapshots = {g.spec.name for g in self._t.groups if g.per_request} & set(tier.groups)
+        if tier.per_request != snapshots:
+            raise ArgumentError(
+                f"tier.per_request is {sorted(tier.per_request)}; this manager's per-request "
+                f"groups among the tier's are {sorted(snapshots)}"
+            )
+
+    @locked
+    def take_tier_offloads(self) -> tuple[PageCopy, ...]:
+        """The offloads the host tier queued since the last step (evictions outside a step:
+        a swap in's or a truncation's takes), to run before those device blocks are written
+        again (otherwise the next step carries them); ``()`` without a host tier. Their
+        pages stay pinned until this hands them out."""
+        tier = self._host_tier
+        return tier.take_offloads() if tier is not None else ()
+
+    @locked
+    def reset_host_tier(self) -> int:
+        """Forget every page of the host tier, its queued copies included (they will not be
+        handed out), and let go of what they held; returns how many pages went (0 without a
+        host tier). The device prefix cache keeps its blocks."""
+        tier = self._host_tier
+        return tier.reset() if tier is not None else 0
+
+    @locked
+    def prompt_plan(self, tokens: np.ndarray, query: PrefixQuery) -> host_lookup.PromptPlan:
+        """The keys of ``query``'s boundaries (``tokens``: its token ids as an array) and what
+        a hit at each reads, over this manager's prefix cache, group tables and host tier:
+        what the remote tier asks of its store. Built under this manager's lock; the plan
+        reads the prefix cache's key index live, so its caller uses it only while nothing else
+        runs on this manager (the remote tier: under the controller's lock)."""
+        return host_lookup.PromptPlan(self._prefix, self._t.groups, self._host_tier, tokens, query)
 
     # ================================================================== host pages, swaps
 

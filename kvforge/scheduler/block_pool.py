@@ -16,8 +16,12 @@ blocks of a whole step in a few array operations (:meth:`BlockPool.take`,
 A block the prefix cache *retains* (:meth:`BlockPool.retain`) does not go back to the free
 stack when its ref count reaches 0: it becomes *evictable*, keeps its bytes, and can be shared
 again by a later request with the same prefix. It is evicted, least recently released first,
-only when :meth:`BlockPool.take` finds the free stack short; the eviction hook (the prefix
-cache, which alone knows the block's key) hears of it first. ``num_free`` counts both:
+only when :meth:`BlockPool.take` finds the free stack short. Before the pool frees the
+victims, its *eviction listeners* hear of them, in registration order
+(:meth:`BlockPool.add_eviction_listener`: the host tier demotes them there), and then its
+*keeper* (``on_evict``: the one owner of the blocks' keys, the prefix cache on a device pool,
+the host tier on its page pool), which forgets their keys: every listener still sees the
+victims as the keeper knew them. No listener wraps another. ``num_free`` counts both:
 evictable blocks are free capacity.
 
 One verb per action: :meth:`take`, :meth:`share`, :meth:`release` move references;
@@ -51,6 +55,10 @@ class BlockPool:
         num_blocks: physical blocks including the null block (>= 2).
         name: the group name, used in error messages.
         kind: ``"device"`` or ``"host"``, used in error messages.
+        on_evict: the keeper's hook, told ``on_evict(victims)`` after every eviction
+            listener and before the victims go back on the free stack: the owner of the
+            retained blocks' keys (the prefix cache, or the host tier of its own pages),
+            which forgets them. Set once by that owner; others add a listener instead.
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class BlockPool:
         self._ever_retained = False  # no block was ever retained: release skips the lookup
         self._evictable: dict[int, None] = {}
         self.on_evict = on_evict
+        self._listeners: list[Callable[[np.ndarray], None]] = []  # add_eviction_listener
         self.evictions = 0
         self._shared = False  # set once any block gets a second holder
 
@@ -110,6 +119,29 @@ class BlockPool:
         view = self._ref.view()
         view.flags.writeable = False
         return view
+
+    def add_eviction_listener(self, listener: Callable[[np.ndarray], None]) -> None:
+        """Tell ``listener(victims)`` (``int32`` block ids) of every eviction from now on,
+        before the keeper (``on_evict``) forgets the victims' keys and before they go back on
+        the free stack: listeners run in the order they were added, each exactly once per
+        eviction, and none of them replaces or wraps another. A listener must not take or
+        release blocks of this pool (the eviction is under way).
+
+        Raises:
+            TypeError: ``listener`` is not callable (nothing changed).
+        """
+        if not callable(listener):
+            raise TypeError(
+                f"add_eviction_listener: listener must be callable, got "
+                f"{type(listener).__name__} for {self.kind} group {self.name!r}"
+            )
+        self._listeners.append(listener)
+
+    @property
+    def has_eviction_listeners(self) -> bool:
+        """Whether a listener hears of evictions (one may queue a copy that reads the
+        victims: the host tier's offloads)."""
+        return bool(self._listeners)
 
     def ref_count(self, block_id: int) -> int:
         self._check_ids(np.asarray([block_id]), "ref_count")
@@ -254,9 +286,10 @@ class BlockPool:
     def evict(
         self, count: int | None = None, block_ids: Sequence[int] | None = None
     ) -> np.ndarray:
-        """Put evictable blocks on the free stack, telling the eviction hook first: the
-        ``count`` least recently released, or exactly ``block_ids`` (each must be evictable).
-        Returns their ids.
+        """Put evictable blocks on the free stack, telling the eviction listeners (in the
+        order they were added) and then the keeper (``on_evict``) first: the ``count`` least
+        recently released, or exactly ``block_ids`` (each must be evictable). Returns their
+        ids.
 
         Raises:
             ValueError: a ``block_ids`` entry is not evictable (nothing changed).
@@ -274,6 +307,8 @@ class BlockPool:
             victims = np.fromiter(itertools.islice(self._evictable, n), dtype=np.int32, count=n)
         if not len(victims):
             return victims
+        for listener in self._listeners:
+            listener(victims)
         if self.on_evict is not None:
             self.on_evict(victims)
         for b in victims.tolist():

@@ -3,7 +3,7 @@ blocks, the index key -> page, LRU eviction of pages, and the page copies a work
 
 Wiring: :func:`attach` hooks a :class:`~kvforge.scheduler.block_manager.BlockManager`'s device
 pools, so every eviction demotes (the offloads ride in ``StepAllocation.offloads`` or
-:func:`take_offloads`), and its lookups read the tier (:mod:`kvforge.scheduler.tier_lookup`:
+:func:`take_offloads`), and its lookups read the tier (:mod:`kvforge.scheduler.prefix.host_lookup`:
 :meth:`HostTier.pin`, :meth:`HostTier.queue_onloads`; the onloads ride in
 ``StepAllocation.onloads``). ``CacheController.initialize_host_tier`` does both sides.
 
@@ -55,18 +55,15 @@ import functools
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
 from kvforge._checks import ArgumentError
 from kvforge.core.values import PageCopy, page_owner
-from kvforge.scheduler.arena import ArenaBlockPool
 from kvforge.scheduler.block_pool import BlockPool
+from kvforge.scheduler.tables import GroupTable
 from kvforge.scheduler.unit_records import UnitRecordStore
-
-#: a :class:`~kvforge.scheduler.block_manager.BlockManager` (not imported: it imports this)
-BlockManager = Any
 
 __all__ = [
     "HOST_TIER_POLICIES",
@@ -74,13 +71,15 @@ __all__ = [
     "HostTier",
     "HostTierPolicy",
     "HostTierStats",
+    "ServedBlocks",
     "StatePolicy",
+    "TierHost",
     "attach",
+    "check_attachable",
     "check_host_tier_policy",
     "check_state_policy",
+    "check_tier_groups",
     "declared_state_policy",
-    "take_offloads",
-    "tier_of",
 ]
 
 HostTierPolicy = Literal["eviction", "write_through"]
@@ -246,7 +245,7 @@ class HostTier:
         self._released: dict[str, list[int]] = {}
         self._seq = 0  # the next PageCopy.seq
         #: device blocks a lookup filled from pages, held until their onloads are handed
-        #: out (:func:`kvforge.scheduler.tier_lookup.take_onloads` releases them)
+        #: out (:func:`kvforge.scheduler.prefix.host_lookup.take_onloads` releases them)
         self.pending_blocks: list[tuple[BlockPool, np.ndarray]] = []
         for name, n in num_pages.items():
             self._pools[name] = BlockPool(
@@ -269,6 +268,12 @@ class HostTier:
     def page_of(self, group: str, key: object) -> int | None:
         """The page holding ``key`` in ``group``, or ``None``."""
         return self._index[self._group(group)].get(key)  # type: ignore[call-overload]
+
+    def holds(self, group: str, key: object) -> bool:
+        """Whether the tier holds ``key`` in ``group`` (``False`` for a group it does not
+        keep); nothing is checked or changed, so a lookup may ask it per block."""
+        index = self._index.get(group)
+        return index is not None and key in index
 
     def entry(self, group: str, key: bytes) -> tuple[int, bytes | None, object] | None:
         """``(end, record, proof)`` kept with ``key``'s page, or ``None``: what the exact check
@@ -357,23 +362,7 @@ class HostTier:
             ArgumentError: an unknown group, a key that is not bytes, ``end`` or
                 ``device_block`` not an int >= 1 (nothing changed).
         """
-        name = self._group(group)
-        if not isinstance(key, bytes) or not key:
-            raise ArgumentError(f"key must be non-empty bytes, got {key!r}")
-        for what, v in (("end", end), ("device_block", device_block)):
-            if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
-                raise ArgumentError(f"{what} must be an int >= 1, got {v!r}")
-        if proof is not None and (
-            not isinstance(proof, tuple)
-            or len(proof) != 3
-            or not all(isinstance(p, bytes) for p in proof)
-        ):
-            raise ArgumentError(f"proof must be None or three bytes, got {proof!r}")
-        if int(device_block) in self._queued[name]:
-            raise ArgumentError(
-                f"device block {device_block} of group {name!r} has an offload queued already; "
-                "take_offloads() hands it to the worker before the block may be demoted again"
-            )
+        name = self._check_demotion(group, key, end, device_block, proof)
         if name in self.recomputed:
             _bump(self.stats.skipped, name)
             self._let_go(ref)
@@ -396,6 +385,63 @@ class HostTier:
         self._queued[name].add(int(device_block))
         _bump(self.stats.demotions, name)
         return page
+
+    def _check_demotion(
+        self, group: object, key: object, end: object, device_block: object, proof: object
+    ) -> str:
+        """The group name of a :meth:`demote`, refused (:class:`ArgumentError`, nothing
+        changed) unless every argument is well formed and no offload of ``device_block`` is
+        queued."""
+        name = self._group(group)
+        if not isinstance(key, bytes) or not key:
+            raise ArgumentError(f"key must be non-empty bytes, got {key!r}")
+        for what, v in (("end", end), ("device_block", device_block)):
+            if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
+                raise ArgumentError(f"{what} must be an int >= 1, got {v!r}")
+        if proof is not None and (
+            not isinstance(proof, tuple)
+            or len(proof) != 3
+            or not all(isinstance(p, bytes) for p in proof)
+        ):
+            raise ArgumentError(f"proof must be None or three bytes, got {proof!r}")
+        if int(device_block) in self._queued[name]:  # type: ignore[call-overload]
+            raise ArgumentError(
+                f"device block {device_block} of group {name!r} has an offload queued already; "
+                "take_offloads() hands it to the worker before the block may be demoted again"
+            )
+        return name
+
+    def demote_evicted(
+        self,
+        prefix: ServedBlocks,
+        groups: Sequence[GroupTable],
+        pool: BlockPool,
+        victims: np.ndarray,
+    ) -> None:
+        """The eviction listener of a device pool (:meth:`BlockManager.attach_host_tier
+        <kvforge.scheduler.block_manager.BlockManager.attach_host_tier>` adds it, bound to
+        the manager's ``prefix`` cache, ``groups`` and ``pool``): demote the served blocks
+        among ``victims``, which the prefix cache still knows (its own hook runs after every
+        listener). Entered with the manager's lock held, from inside its take."""
+        for b in victims.tolist():
+            entry = prefix.served(pool, b)
+            if entry is None:
+                continue  # a waiting copy: its key is served by another block
+            name = groups[entry.group].spec.name
+            if name not in self._pools or b in self._queued[name]:
+                continue  # kept nowhere, or (never expected) its previous offload is queued
+            # a snapshot under "skip" goes to demote too: counted as skipped, its reference
+            # let go
+            if entry.ref is not None:  # the page's own reference: the prefix cache drops its own
+                self.records.retain(entry.ref)
+            self.demote(name, entry.key, entry.end, b, entry.ref, entry.proof)
+
+    def write_through(
+        self, prefix: ServedBlocks, groups: Sequence[GroupTable], pool: BlockPool, block: int
+    ) -> None:
+        """The prefix cache registered ``block`` of ``pool`` (its ``on_store`` hook under
+        ``policy="write_through"``): demote a copy of it now, the device keeps it."""
+        self.demote_evicted(prefix, groups, pool, np.array([block], dtype=np.int32))
 
     def take_offloads(self) -> tuple[PageCopy, ...]:
         """The queued offloads (device block -> host page), one :class:`PageCopy` per group,
@@ -608,23 +654,77 @@ class HostTier:
 # ---------------------------------------------------------------------- wiring
 
 
+class ServedBlocks(Protocol):
+    """What the tier reads of the device prefix cache
+    (:class:`~kvforge.scheduler.prefix.PrefixCache` is one): its unit record store (a
+    page holds a reference on the record its block held), and the entry of a block while it
+    is the served copy of a key, with ``key``, ``end``, ``group`` (an index into the
+    manager's group tables), ``ref`` and ``proof``."""
+
+    records: UnitRecordStore
+
+    def served(self, pool: BlockPool, block: int) -> Any: ...
+
+
+class TierHost(Protocol):
+    """What :func:`attach` needs of a scheduler
+    (:class:`~kvforge.scheduler.block_manager.BlockManager` is one): its public tier seams."""
+
+    @property
+    def prefix_caching(self) -> bool: ...
+
+    @property
+    def groups(self) -> list[str]: ...
+
+    @property
+    def host_tier(self) -> HostTier | None: ...
+
+    @property
+    def group_tables(self) -> tuple[GroupTable, ...]: ...
+
+    @property
+    def prefix_cache(self) -> ServedBlocks: ...
+
+    def attach_host_tier(self, tier: HostTier) -> None: ...
+
+
+def check_attachable(prefix_caching: bool, current: HostTier | None) -> None:
+    """Refuse a host tier to a scheduler that cannot take one.
+
+    Raises:
+        RuntimeError: prefix caching is off (the tier keeps cached prefixes), or the
+            scheduler has a host tier already.
+    """
+    if not prefix_caching:
+        raise RuntimeError("the host tier keeps cached prefixes: enable prefix caching")
+    if current is not None:
+        raise RuntimeError("this scheduler has a host tier already")
+
+
+def check_tier_groups(named: object, groups: Sequence[str], what: str = "num_pages") -> None:
+    """Refuse (:class:`ArgumentError`) a mapping or list ``named`` (``num_pages``, or a tier's
+    groups) that names a group not in ``groups``; anything else is left to
+    :class:`HostTier`."""
+    if isinstance(named, Mapping | list | tuple):
+        unknown = sorted(set(named) - set(groups), key=str)
+        if unknown:
+            raise ArgumentError(f"{what} names groups {unknown}; the groups are {groups}")
+
+
 def attach(
-    manager: BlockManager,
+    manager: TierHost,
     num_pages: Mapping[str, int],
     policy: HostTierPolicy = "eviction",
     state_policy: StatePolicy = "skip",
 ) -> HostTier:
-    """Give ``manager`` a host tier: from now on every served prefix block one of its device
-    pools evicts (a take that finds the free stack short, a slab move of an arena, a swap in's
-    or a truncation's take) is demoted, and its offload rides in the next
-    ``StepAllocation.offloads`` or :func:`take_offloads`; from now on its lookups bring back
-    what only the tier holds (:func:`kvforge.scheduler.tier_lookup.lookup`).
-    (The glue lives here: ``block_manager.py`` is at its size limit.)
-
-    Raises:
-        RuntimeError: prefix caching is off, or the manager has a host tier already.
-        ArgumentError: a group ``num_pages`` names is not the manager's, a bad count,
-            ``policy`` or ``state_policy``.
+    """Build a :class:`HostTier` of ``num_pages`` for ``manager`` and attach it
+    (:meth:`BlockManager.attach_host_tier
+    <kvforge.scheduler.block_manager.BlockManager.attach_host_tier>`, which checks again
+    under the manager's lock and wires it). From then on every served prefix block one of its
+    device pools evicts (a take that finds the free stack short, a slab move of an arena, a
+    swap in's or a truncation's take) is demoted, its offload riding in the next
+    ``StepAllocation.offloads`` or :meth:`BlockManager.take_tier_offloads`, and its lookups
+    bring back what only the tier holds.
 
     With ``state_policy="aligned"``, the per-request groups ``num_pages`` names keep the
     snapshots the prefix cache registered (at ``snapshot_interval``-aligned boundaries) as
@@ -632,74 +732,17 @@ def attach(
     With ``policy="write_through"``, every block a step registers is also demoted at once
     (its device copy stays cached): the page holds it from completion, so a remote tier behind
     the host tier can publish it while the device still serves it.
+
+    Raises:
+        RuntimeError: prefix caching is off, or the manager has a host tier already.
+        ArgumentError: a group ``num_pages`` names is not the manager's, a bad count,
+            ``policy`` or ``state_policy``. Nothing changes in any case.
     """
-    with manager._lock:
-        prefix = manager._prefix
-        if not prefix.enabled:
-            raise RuntimeError("the host tier keeps cached prefixes: enable prefix caching")
-        if manager._host_tier is not None:
-            raise RuntimeError("this scheduler has a host tier already")
-        check_host_tier_policy(policy)
-        check_state_policy(state_policy)
-        if isinstance(num_pages, Mapping):
-            unknown = sorted(set(num_pages) - set(manager.groups), key=str)
-            if unknown:
-                raise ArgumentError(
-                    f"num_pages names groups {unknown}; the groups are {manager.groups}"
-                )
-        tables = manager._t
-        snapshots = {g.spec.name for g in tables.groups if g.per_request}
-        tier = HostTier(num_pages, prefix.records, snapshots, policy, state_policy)
-        for pool, _ in tables.pools:
-            pool.on_evict = functools.partial(_demote, manager, tier, pool, pool.on_evict)
-            if isinstance(pool, ArenaBlockPool):  # its moves leave evicted blocks alone
-                pool.offloads_evicted = True
-        if policy == "write_through":
-            prefix.on_store = functools.partial(_write_through, manager, tier)
-        manager._host_tier = tier
-        return tier
-
-
-def tier_of(manager: BlockManager) -> HostTier | None:
-    """The host tier :func:`attach` gave ``manager``, or ``None``."""
-    with manager._lock:
-        return manager._host_tier
-
-
-def take_offloads(manager: BlockManager) -> tuple[PageCopy, ...]:
-    """The offloads ``manager``'s host tier queued since its last step (evictions outside a
-    step: a swap in's or a truncation's takes), to run before those blocks are written again;
-    otherwise the next step carries them."""
-    with manager._lock:
-        tier = manager._host_tier
-        return tier.take_offloads() if tier is not None else ()
-
-
-def _write_through(manager: BlockManager, tier: HostTier, pool: BlockPool, block: int) -> None:
-    """The prefix cache registered ``block``: demote a copy of it now (the device keeps it)."""
-    _demote(manager, tier, pool, None, np.array([block], dtype=np.int32))
-
-
-def _demote(
-    manager: BlockManager,
-    tier: HostTier,
-    pool: BlockPool,
-    hook: Callable[[np.ndarray], None] | None,
-    victims: np.ndarray,
-) -> None:
-    """The device pool's eviction hook: demote the served blocks among ``victims`` (the
-    prefix cache still knows them), then let the prefix cache forget them."""
-    prefix, groups = manager._prefix, manager._t.groups
-    for b in victims.tolist():
-        entry = prefix.served(pool, b)
-        if entry is None:
-            continue  # a waiting copy: its key is served by another block
-        name = groups[entry.group].spec.name
-        if name not in tier._pools or b in tier._queued[name]:
-            continue  # kept nowhere, or (never expected) its previous offload is still queued
-        # a snapshot under "skip" goes to demote too: counted as skipped, its reference let go
-        if entry.ref is not None:  # the page's own reference: the prefix cache drops its own
-            prefix.records.retain(entry.ref)
-        tier.demote(name, entry.key, entry.end, b, entry.ref, entry.proof)
-    if hook is not None:
-        hook(victims)
+    check_attachable(manager.prefix_caching, manager.host_tier)
+    check_host_tier_policy(policy)
+    check_state_policy(state_policy)
+    check_tier_groups(num_pages, manager.groups)
+    snapshots = {g.spec.name for g in manager.group_tables if g.per_request}
+    tier = HostTier(num_pages, manager.prefix_cache.records, snapshots, policy, state_policy)
+    manager.attach_host_tier(tier)
+    return tier

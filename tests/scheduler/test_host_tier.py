@@ -305,7 +305,7 @@ def test_evictions_demote_and_the_next_step_carries_the_offloads():
 
     m = manager()
     t = host_tier.attach(m, {"kv": 16})
-    assert host_tier.tier_of(m) is t
+    assert m.host_tier is t
     a = m.schedule(["a"], [64], new_token_ids=[np.arange(64)])
     assert a.offloads == ()
     m.end_step(a)
@@ -319,7 +319,7 @@ def test_evictions_demote_and_the_next_step_carries_the_offloads():
         assert t.page_of("kv", cached[block]) == page
     # the deepest blocks go first; the pages keep the chain's records alive
     assert t.page_of("kv", cached[min(cached)]) is None
-    assert host_tier.take_offloads(m) == ()
+    assert m.take_tier_offloads() == ()
     m.end_step(b)
     m.finish(["b"])
     assert m.reset_prefix_cache() > 0
@@ -346,9 +346,9 @@ def test_evictions_outside_a_step_are_handed_out_by_take_offloads():
     # c's truncation copies its shared block on write: the fresh block evicts z's root,
     # outside any step
     m.truncate("c", 24)
-    [off] = host_tier.take_offloads(m)
+    [off] = m.take_tier_offloads()
     assert off.device_blocks.tolist() == [1] and len(m.take_copies()) == 1
-    assert host_tier.take_offloads(m) == ()
+    assert m.take_tier_offloads() == ()
     assert len(t) == 2 == sum(t.stats.demotions.values())
 
 
@@ -369,7 +369,8 @@ def test_a_bad_attach_changes_nothing(mkw, num_pages, kw, error, message):
     hook = m.pool("kv").on_evict
     with pytest.raises(error, match=message):
         host_tier.attach(m, num_pages, **kw)
-    assert host_tier.tier_of(m) is None and m.pool("kv").on_evict is hook
+    assert m.host_tier is None and m.pool("kv").on_evict is hook
+    assert not m.pool("kv").has_eviction_listeners and m.prefix_cache.on_store is None
 
 
 def test_attach_once():
@@ -403,7 +404,7 @@ def test_write_through_demotes_each_block_when_it_completes_and_keeps_it_cached(
     [match] = m.lookup([PrefixQuery(tokens)])
     m.end_step(m.schedule(["a"], [len(tokens)], [tokens], [match]))
     assert sum(tier.stats.demotions.values()) == 3 and len(tier) == 3
-    [copy] = host_tier.take_offloads(m)  # copied now, while the device still serves them
+    [copy] = m.take_tier_offloads()  # copied now, while the device still serves them
     assert copy.group == "kv" and len(copy.device_blocks) == 3
     assert sum(m.prefix_stats.evictions.values()) == 0
     m.finish(["a"])

@@ -335,8 +335,9 @@ def test_a_bad_state_policy_changes_no_manager(policy, error, message):
     hooks = {g: m.pool(g).on_evict for g in m.groups}
     with pytest.raises(error, match=message):
         host_tier.attach(m, {"kv": 4, "linear_state": 4}, state_policy=policy)
-    assert host_tier.tier_of(m) is None
+    assert m.host_tier is None
     assert {g: m.pool(g).on_evict for g in m.groups} == hooks
+    assert not any(m.pool(g).has_eviction_listeners for g in m.groups)
     assert m._prefix.on_store is None
 
 
@@ -347,7 +348,7 @@ def test_a_bad_state_policy_changes_no_controller(policy, error, message):
         with pytest.raises(error, match=message):
             ctl.initialize_host_tier(num_pages=16, state_policy=policy)
         assert ctl.host_tier is None
-        assert getattr(ctl.storage, "host_tier_pages", None) is None
+        assert ctl.storage.tier_pages is None
         # refused before anything was made: the tier can still be created
         assert ctl.initialize_host_tier(num_pages=16, state_policy="aligned") == {
             "linear_state": 16,
