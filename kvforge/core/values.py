@@ -280,17 +280,23 @@ class StepAllocation:
     offloads: tuple[PageCopy, ...] = ()
     onloads: tuple[PageCopy, ...] = ()
     moves: tuple[BlockCopy, ...] = ()
-    #: what this step makes the worker do (``CacheStorage.run``), in the order
-    #: :class:`StepEffects` states; made with the step, so reading it calls nothing
-    effects: StepEffects = field(init=False, repr=False, compare=False)
+    # the effects, made on first read (a dataclass's own __init__ calls no kvforge code, so
+    # a step handed out cannot be lost to an interrupt while it is being built)
+    _effects: StepEffects | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        effects = StepEffects(
-            self.step_id, self.request_ids, self.rows, self.num_computed, self.num_new,
-            self.table_deltas, self.moves, self.offloads, self.onloads, self.copies_before,
-            self.copies_after,
-        )  # fmt: skip
-        object.__setattr__(self, "effects", effects)
+    @property
+    def effects(self) -> StepEffects:
+        """What this step makes the worker do (``CacheStorage.run``), in the order
+        :class:`StepEffects` states: the same object on every read."""
+        effects = self._effects
+        if effects is None:
+            effects = StepEffects(
+                self.step_id, self.request_ids, self.rows, self.num_computed, self.num_new,
+                self.table_deltas, self.moves, self.offloads, self.onloads, self.copies_before,
+                self.copies_after,
+            )  # fmt: skip
+            object.__setattr__(self, "_effects", effects)
+        return effects
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -171,7 +171,7 @@ class CacheStorage:
         #: scheduler side hands the step out, a plain attribute write, so an interrupt at any
         #: point after that loses nothing (:meth:`catch_up` finishes it); :meth:`run` clears
         #: it once the step ran whole or was refused
-        self.pending: StepEffects | None = None
+        self.pending: StepAllocation | StepEffects | None = None
         self._closed = False
         self._lock = threading.RLock()
 
@@ -571,13 +571,17 @@ class CacheStorage:
             try:
                 self._effects(effects)
             except WorkerRefusedError:
-                if self.pending is effects:
-                    self.pending = None  # the worker's answer: the step never applies
+                self._settle(effects)  # the worker's answer: the step never applies
                 raise
             if copies_before and effects.copies_before:  # before any kernel reads them
                 self.copy_blocks(effects.copies_before)
-            if self.pending is effects:
-                self.pending = None
+            self._settle(effects)
+
+    def _settle(self, effects: StepEffects) -> None:
+        """Clear :attr:`pending` when it holds ``effects``' step."""
+        pending = self.pending
+        if pending is effects or (type(pending) is StepAllocation and pending.effects is effects):
+            self.pending = None
 
     def _effects(self, effects: StepEffects) -> None:
         """Everything of :meth:`run` but the ``copies_before``, checked before a byte moves."""
@@ -615,10 +619,13 @@ class CacheStorage:
         before anything newer: the whole step, or (it was numbered already) its deltas not
         yet mirrored and its ``copies_before`` not yet run. Returns that step (``None`` when
         nothing was pending). Raises as :meth:`run`."""
+        if self.pending is None:  # the common case, without the lock
+            return None
         with self._lock:
-            effects = self.pending
-            if effects is None:
+            pending = self.pending
+            if pending is None:
                 return None
+            effects = _effects_of(pending)
             if self._steps.next_step <= effects.step_id:
                 self.run(effects)
                 return effects
