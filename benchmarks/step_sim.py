@@ -64,6 +64,7 @@ __all__ = [
     "StepRecord",
     "build_backends",
     "check_step_inputs",
+    "empty_caches",
     "load_step_workloads",
     "print_step_table",
     "run_facade_decode",
@@ -206,8 +207,9 @@ def step_num_blocks(wl: WorkloadLike, layout: CacheLayout) -> dict[str, int]:
     return out
 
 
-def _empty_caches(layout: CacheLayout, num_blocks: Mapping[str, int]) -> dict[Any, torch.Tensor]:
-    # torch.empty never touches its pages: the caches cost address space only.
+def empty_caches(layout: CacheLayout, num_blocks: Mapping[str, int]) -> dict[Any, torch.Tensor]:
+    """Device caches of the exact sizes to adopt, as ``torch.empty`` tensors: their pages are
+    never touched, so they cost address space only."""
     caches: dict[Any, torch.Tensor] = {}
     for e in layout.buffers:
         backend = layout.backends[e.layer]
@@ -257,7 +259,7 @@ class _Driver:
         )
         self.storage = CacheStorage(layout, "cpu")
         self.storage.adopt(
-            _empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len,
+            empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len,
             share_pools=False,
         )
         self.ids = [f"req-{i}" for i in range(wl.num_requests)]
@@ -442,7 +444,7 @@ def run_facade_decode(wl: WorkloadLike, sched: ScheduleLike, repeats: int = 5) -
         for _ in range(repeats + 1):  # the first run warms up
             controller = CacheController(backends, share_pools=False)  # as _Driver
             controller.adopt_kv_cache(
-                _empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len
+                empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len
             )
             held = [0] * wl.num_requests
             decode: list[int] = []
@@ -526,9 +528,11 @@ def print_step_table(records: Sequence[StepRecord], title: str, out: Any = None)
     (out or console()).print(table)
 
 
-def write_step_json(records: Sequence[StepRecord], path: str) -> None:
-    """Write the records as a JSON list of ``{"workload", "phase", "kvforge_us", "vllm_us",
-    "ratio"}`` objects."""
+def write_step_json(records: Sequence[Any], path: str) -> None:
+    """Write the records (anything with ``as_dict``) as a JSON list of ``{"workload", "phase",
+    "kvforge_us", "vllm_us", "ratio"}`` objects; the per-request path's records
+    (:class:`per_request.PerRequestRecord`) add ``ratio_spread``, ``kvforge_spread`` and
+    ``rounds``."""
     with open(path, "w") as fh:
         json.dump([r.as_dict() for r in records], fh, indent=2)
         fh.write("\n")

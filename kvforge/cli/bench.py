@@ -9,7 +9,11 @@ compared with, on the same number of bytes:
 - ``loop``: a per-block, per-plane copy loop between the same device blocks and host pages,
   what engines do today.
 
-Times are the best of ``repeats`` runs; ratios are throughput ratios measured in this run.
+Each case runs ``repeats`` interleaved rounds (at least :data:`~kvforge.cli.timing.MIN_REPEATS`):
+per round, our swap out and in, the ``memcpy`` baseline both ways and the loop baseline both
+ways, one timed run each. GB/s is from the best run of each side; a ratio is the median over
+the rounds of that round's throughput ratio, reported with its spread (min / median / max over
+the rounds, ``*_spread`` in the JSON), so one lucky or unlucky run never makes a ratio.
 
 On CPU every timed run starts with the bytes it moves out of cache (unless ``warm_cache``),
 for the baselines and for our path alike: see :func:`cache_flusher`. Without that, a small
@@ -25,7 +29,7 @@ import argparse
 import functools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +52,13 @@ from kvforge.cli.remotes import (
     given_addresses,
     parse_remotes,
 )
-from kvforge.cli.timing import cache_flusher
-from kvforge.cli.timing import timed as _timed
+from kvforge.cli.timing import MIN_REPEATS, Spread, cache_flusher, ratio_spread
+from kvforge.cli.timing import samples as _samples
 from kvforge.controller import CacheController
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
 from kvforge.specs import CacheGroup, CacheRole, SwapPurpose
-from kvforge.worker.host_pool import HostGroupPool
+from kvforge.worker.swap_pages import HostGroupPool
 from kvforge.worker.transfer import move_pages
 
 __all__ = [
@@ -85,6 +89,9 @@ class BenchResult(BaseModel):
     blocks: int
     bytes: int
     seconds: float
+    """Best of the rounds (what ``gbps`` is computed from)."""
+    seconds_spread: list[float]
+    """``[min, median, max]`` seconds of our side over the rounds."""
     cache: str
     """Cache state at the start of each timed run: ``"cold data"`` (the moved bytes evicted),
     ``"cold"`` (whole caches flushed), ``"warm"`` (``--warm-cache``) or ``"n/a"`` (GPU)."""
@@ -92,7 +99,13 @@ class BenchResult(BaseModel):
     memcpy_gbps: float
     loop_gbps: float
     ratio_vs_memcpy: float
+    """Median over the rounds of each round's throughput ratio to ``memcpy`` (below 1: slower)."""
+    ratio_vs_memcpy_spread: list[float]
+    """``[min, median, max]`` of that ratio over the rounds."""
     ratio_vs_loop: float
+    """Median over the rounds of each round's throughput ratio to the per-block loop."""
+    ratio_vs_loop_spread: list[float]
+    """``[min, median, max]`` of that ratio over the rounds."""
 
 
 class _SynthBackend(DeclaredBackend):
@@ -230,11 +243,24 @@ def _block_loop(moves: list[_GroupMove], direction: str) -> None:
                     plane[b].copy_(row[off : off + size], non_blocking=True)
 
 
-def _measure_case(
-    case: BenchCase, platform: Platform, repeats: int, warm_cache: bool
-) -> list[BenchResult]:
-    from kvforge import ops
+@dataclass
+class _CaseRun:
+    """A case set up for timing: its controller and requests, the moves one swap makes, two
+    contiguous buffers of the same bytes (the ``memcpy`` baseline), and the cache flush."""
 
+    ctl: CacheController
+    names: list[str]
+    moves: list[_GroupMove]
+    nbytes: int
+    src: torch.Tensor
+    dst: torch.Tensor
+    flush: Callable[[], None] | None
+    cache: str
+
+
+def _case_controller(case: BenchCase, platform: Platform) -> tuple[CacheController, int, int]:
+    """A controller sized for ``case`` (host pages included), the request length in tokens
+    and the growth step."""
     probe = CacheController(case.backends, device=platform.device)
     if case.group is not None:
         blocks = _case_blocks(probe, case)
@@ -254,11 +280,15 @@ def _measure_case(
     ctl = CacheController(case.backends, device=platform.device)
     ctl.initialize_kv_cache(num_blocks=num_blocks)
     ctl.initialize_host_cache(num_pages=num_blocks)
+    return ctl, tokens, step
+
+
+def _set_up(case: BenchCase, platform: Platform, warm_cache: bool) -> _CaseRun:
+    """The requests grown, what one swap of them moves per group (with host pages of their own
+    for the data-path cases and for the per-block loop baseline), and the flush."""
+    ctl, tokens, step = _case_controller(case, platform)
     names = [f"bench{k}" for k in range(case.requests)]
     _grow_interleaved(ctl, names, tokens, step)
-
-    # What one swap of the requests moves, per group, with host pages of its own for the
-    # data-path cases and for the per-block loop baseline.
     groups = [case.group] if case.group is not None else [g.name for g in ctl.layout.groups]
     moves = _group_moves(ctl, names, groups)
     nbytes = sum(len(m.ids) * m.host.page_bytes for m in moves)
@@ -276,69 +306,93 @@ def _measure_case(
         buffers += [p.pages for p in ctl.storage.host.groups.values()]
     buffers += [src, dst]
     flush, cache = (None, "warm") if warm_cache else cache_flusher(platform, buffers)
+    return _CaseRun(ctl, names, moves, nbytes, src, dst, flush, cache)
 
-    keep: list[torch.Tensor] = []
-    if case.group is not None:
-        # The swap data path of one group, on the requests' real (interleaved) blocks, all of
-        # them in one call as swap_out_many moves them.
-        [m] = moves
-        args = (platform, ctl.storage.streams, m.planes, m.ids, m.host.pages, m.pages, keep)
-        swap_out = functools.partial(move_pages, "out", *args)
-        swap_in = functools.partial(move_pages, "in", *args)
-        swap_out()  # warm-up: kernel compilation, first touch of pages
-        swap_in()
-        t_out = _timed(platform, swap_out, repeats, flush)
-        t_in = _timed(platform, swap_in, repeats, flush)
+
+def _swaps(run: _CaseRun, case: BenchCase, platform: Platform) -> tuple[Callable, Callable]:
+    """Our swap out and swap in of the case, warmed up once (kernel compilation, first touch
+    of pages): the data path of one group on the requests' real (interleaved) blocks, all in
+    one call as ``swap_out_many`` moves them; or whole requests through the controller."""
+    if case.group is None:
+        ctl, names = run.ctl, run.names
+        out, back = (lambda: ctl.swap_out_many(names)), (lambda: ctl.swap_in_many(names))
     else:
-        ctl.swap_out_many(names)  # warm-up
-        ctl.swap_in_many(names)
-        t_out = t_in = float("inf")
-        for _ in range(repeats):  # out and in alternate: each needs the other's result
-            t_out = min(t_out, _timed(platform, lambda: ctl.swap_out_many(names), 1, flush))
-            t_in = min(t_in, _timed(platform, lambda: ctl.swap_in_many(names), 1, flush))
-    keep.clear()
-    t_memcpy_out = _timed(platform, lambda: dst.copy_(src, non_blocking=True), repeats, flush)
-    t_memcpy_in = _timed(platform, lambda: src.copy_(dst, non_blocking=True), repeats, flush)
-    reps = max(1, repeats // 2)
-    t_loop_out = _timed(platform, lambda: _block_loop(moves, "out"), reps, flush)
-    t_loop_in = _timed(platform, lambda: _block_loop(moves, "in"), reps, flush)
-    sizes = [p.shape[1] for m in moves for p in m.planes]
-    page = max(m.host.page_bytes for m in moves)
-    moved = sum(len(m.ids) for m in moves)
-    num_planes = len(sizes)
-    impl = ops.resolve_impl("auto", platform.device)
-    ctl.free()
+        [m] = run.moves
+        keep: list[torch.Tensor] = []  # what an asynchronous copy reads, until synchronized
+        args = (platform, run.ctl.storage.streams, m.planes, m.ids, m.host.pages, m.pages, keep)
+        move_out = functools.partial(move_pages, "out", *args)
+        move_in = functools.partial(move_pages, "in", *args)
+        out, back = (lambda: (move_out(), keep.clear())), (lambda: (move_in(), keep.clear()))
+    out()
+    back()
+    return out, back
 
-    results = []
-    for direction, t, tm, tl in (
-        ("out", t_out, t_memcpy_out, t_loop_out),
-        ("in", t_in, t_memcpy_in, t_loop_in),
-    ):
-        gbps = nbytes / t / 1e9
-        memcpy_gbps = nbytes / tm / 1e9
-        loop_gbps = nbytes / tl / 1e9
-        results.append(
-            BenchResult(
-                layout=case.name,
-                direction=direction,
-                device=str(platform.device),
-                impl=impl,
-                page_bytes=page,
-                min_plane_bytes=min(sizes),
-                num_planes=num_planes,
-                requests=case.requests,
-                blocks=moved,
-                bytes=nbytes,
-                seconds=t,
-                cache=cache,
-                gbps=round(gbps, 3),
-                memcpy_gbps=round(memcpy_gbps, 3),
-                loop_gbps=round(loop_gbps, 3),
-                ratio_vs_memcpy=round(gbps / memcpy_gbps, 3),
-                ratio_vs_loop=round(gbps / loop_gbps, 2),
-            )
-        )
-    return results
+
+def _rounds(run: _CaseRun, case: BenchCase, platform: Platform, repeats: int) -> dict[str, list]:
+    """Seconds of each timed run, ``repeats`` interleaved rounds: per round our swap out and
+    in (they alternate: each needs the other's result), the ``memcpy`` baseline both ways and
+    the per-block loop both ways, each run after the flush."""
+    out, back = _swaps(run, case, platform)
+    src, dst = run.src, run.dst
+    fns = {
+        "out": out,
+        "in": back,
+        "memcpy_out": lambda: dst.copy_(src, non_blocking=True),
+        "memcpy_in": lambda: src.copy_(dst, non_blocking=True),
+        "loop_out": lambda: _block_loop(run.moves, "out"),
+        "loop_in": lambda: _block_loop(run.moves, "in"),
+    }
+    times: dict[str, list] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            times[key] += _samples(platform, fn, 1, run.flush)
+    return times
+
+
+def _result(
+    case: BenchCase, run: _CaseRun, platform: Platform, direction: str, times: dict[str, list]
+) -> BenchResult:
+    """One direction's record: GB/s from the best run of each side, ratios over the rounds."""
+    from kvforge import ops
+
+    ours, memcpy, loop = times[direction], times[f"memcpy_{direction}"], times[f"loop_{direction}"]
+    sizes = [p.shape[1] for m in run.moves for p in m.planes]
+    gbps = run.nbytes / min(ours) / 1e9
+    vs_memcpy, vs_loop = ratio_spread(ours, memcpy), ratio_spread(ours, loop, digits=2)
+    return BenchResult(
+        layout=case.name,
+        direction=direction,
+        device=str(platform.device),
+        impl=ops.resolve_impl("auto", platform.device),
+        page_bytes=max(m.host.page_bytes for m in run.moves),
+        min_plane_bytes=min(sizes),
+        num_planes=len(sizes),
+        requests=case.requests,
+        blocks=sum(len(m.ids) for m in run.moves),
+        bytes=run.nbytes,
+        seconds=min(ours),
+        seconds_spread=Spread.of(ours, 6).as_list(),
+        cache=run.cache,
+        gbps=round(gbps, 3),
+        memcpy_gbps=round(run.nbytes / min(memcpy) / 1e9, 3),
+        loop_gbps=round(run.nbytes / min(loop) / 1e9, 3),
+        ratio_vs_memcpy=vs_memcpy.median,
+        ratio_vs_memcpy_spread=vs_memcpy.as_list(),
+        ratio_vs_loop=vs_loop.median,
+        ratio_vs_loop_spread=vs_loop.as_list(),
+    )
+
+
+def _measure_case(
+    case: BenchCase, platform: Platform, repeats: int, warm_cache: bool
+) -> list[BenchResult]:
+    """Both directions of ``case``, each side timed in ``repeats`` interleaved rounds."""
+    run = _set_up(case, platform, warm_cache)
+    try:
+        times = _rounds(run, case, platform, repeats)
+        return [_result(case, run, platform, d, times) for d in ("out", "in")]
+    finally:
+        run.ctl.free()
 
 
 def run_bench(
@@ -350,9 +404,14 @@ def run_bench(
     warm_cache: bool = False,
 ) -> list[BenchResult]:
     """Measure every case in both directions; see the module docstring."""
+    reps = repeats if repeats is not None else (3 if quick else 5)
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < MIN_REPEATS:
+        raise ValueError(
+            f"repeats must be an int >= {MIN_REPEATS} (each ratio is reported with its spread "
+            f"over the repeats), got {repeats!r}"
+        )
     platform = get_platform(device)
     chosen = cases if cases is not None else default_cases(quick)
-    reps = repeats or (3 if quick else 5)
     results: list[BenchResult] = []
     if progress:
         from rich.progress import track
@@ -367,8 +426,9 @@ def run_bench(
 
 def print_results(results: list[BenchResult]) -> None:
     table = make_table(
-        "kvforge swap throughput vs baselines (same bytes, same run; at the start of each "
-        f"run the caches were {', '.join(sorted({r.cache for r in results}))})",
+        "kvforge swap throughput vs baselines (same bytes, same run; GB/s: best run; ratios: "
+        "median (min-max) over interleaved rounds; at the start of each run the caches were "
+        f"{', '.join(sorted({r.cache for r in results}))})",
         (
             "layout",
             "dir",
@@ -395,8 +455,8 @@ def print_results(results: list[BenchResult]) -> None:
             f"{r.gbps:.2f}",
             f"{r.memcpy_gbps:.2f}",
             f"{r.loop_gbps:.2f}",
-            f"{r.ratio_vs_memcpy:.2f}",
-            f"{r.ratio_vs_loop:.1f}x",
+            Spread(*r.ratio_vs_memcpy_spread).text(".2f"),
+            Spread(*r.ratio_vs_loop_spread).text(".1f", "x"),
         )
     console().print(table)
 
@@ -508,6 +568,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     :mod:`kvforge.cli.bench_tiers`; ``--step`` / ``--prefix``: exit 2, naming the harness to
     run from a checkout)."""
     check_tier_flags(args)
+    if args.repeats is not None and args.repeats < MIN_REPEATS:
+        raise UsageError(
+            f"--repeats must be at least {MIN_REPEATS}: each ratio is reported with its spread "
+            f"(min / median / max over the repeats), got {args.repeats}"
+        )
     if args.json is not None:
         check_output_path(args.json, "--json")
     if args.tiers:

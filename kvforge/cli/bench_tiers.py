@@ -5,7 +5,7 @@ Three kinds of record (plain dicts; ``tier``, ``direction``, ``bytes``, ``gbps``
 ``client_gbps`` and ``ratio = gbps / client_gbps`` in every one):
 
 - ``tier="host"``, ``put`` / ``get``: device blocks to host tier pages and back
-  (:meth:`~kvforge.worker.host_tier.HostTierPages.move`, one gather or scatter per group),
+  (:meth:`~kvforge.worker.tier_pages.HostTierPages.move`, one gather or scatter per group),
   against one contiguous ``torch`` copy of as many bytes (``client_gbps``).
 - ``tier="redis"`` / ``"mooncake"``, ``put``: the value's checksum and header and the put
   through the kvforge adapter (:func:`kvforge.store.open_store`) from the device blocks,
@@ -53,13 +53,13 @@ import torch
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.cli.formatting import console, format_bytes, make_table
 from kvforge.cli.remotes import REMOTES, StoreUnavailable, missing
-from kvforge.cli.timing import cache_flusher
-from kvforge.cli.timing import timed as _timed
+from kvforge.cli.timing import MIN_REPEATS, Spread, cache_flusher, ratio_spread
+from kvforge.cli.timing import samples as _samples
 from kvforge.controller import CacheController
 from kvforge.core.values import PageCopy
 from kvforge.platform import Platform, get_platform
 from kvforge.store.value import CHECKSUM, encode_header
-from kvforge.worker.host_tier import HostTierPages
+from kvforge.worker.tier_pages import HostTierPages
 
 __all__ = ["REMOTES", "SEGMENTS", "TierCase", "default_cases", "missing", "run_tiers"]
 
@@ -187,7 +187,7 @@ def _segment_mounted(store: Any, timeout: float) -> bool:
     import time
 
     deadline = time.monotonic() + timeout
-    client = store._client
+    client = store.raw_client
     while True:
         if client.put("kvforge-bench-probe", b"x") == 0:
             client.remove("kvforge-bench-probe")
@@ -328,7 +328,7 @@ class _Raw:
         return [f"bench-raw/{tag}/{i}" for i in range(len(self.sizes))]
 
     def put(self, tag: str) -> None:
-        names, client, view = self.names(tag), self.store._client, memoryview(self.buf)
+        names, client, view = self.names(tag), self.store.raw_client, memoryview(self.buf)
         if self.store.config.backend == "redis":
             pipe = client.pipeline(transaction=False)
             for name, at, size in zip(names, self.offsets, self.sizes, strict=True):
@@ -341,7 +341,7 @@ class _Raw:
             raise RuntimeError(f"{self.store.config.backend}: a raw put was refused")
 
     def get(self, tag: str) -> None:
-        names, client = self.names(tag), self.store._client
+        names, client = self.names(tag), self.store.raw_client
         if self.store.config.backend == "redis":
             pipe = client.pipeline(transaction=False)
             for name in names:
@@ -363,17 +363,21 @@ def _record(
     direction: str,
     case: TierCase,
     m: _Model,
-    t: float,
-    t_client: float,
+    t: Sequence[float],
+    t_client: Sequence[float],
     cache: str,
     **extra: Any,
 ) -> Record:
-    gbps, client = m.nbytes / t / 1e9, m.nbytes / t_client / 1e9
+    """One record: seconds and GB/s from the best run of each side, ``ratio`` the median of
+    the per-run ratios with their spread (``ratio_spread``: min, median, max)."""
+    gbps, client = m.nbytes / min(t) / 1e9, m.nbytes / min(t_client) / 1e9
     blocks = sum(len(b) for b in m.src.values())
-    fields = (tier, direction, case.name, blocks, m.nbytes, t, t_client, cache)
+    fields = (tier, direction, case.name, blocks, m.nbytes, min(t), min(t_client), cache)
     record = dict(zip(_FIELDS, fields, strict=True))
     record |= {"gbps": round(gbps, 3), "client_gbps": round(client, 3)}
-    return record | {"ratio": round(gbps / client, 3), **extra}
+    spread = ratio_spread(t, t_client)
+    record |= {"ratio": spread.median, "ratio_spread": spread.as_list()}
+    return record | {"seconds_spread": Spread.of(t, 6).as_list(), **extra}
 
 
 def _measure(
@@ -392,7 +396,7 @@ def _measure(
     offload = lambda: m.tier.move(offloads=m.copies(m.src, True))  # noqa: E731
     onload = lambda: m.tier.move(onloads=m.copies(m.dst, False))  # noqa: E731
     offload(), onload()  # warm-up; the pages now hold the source blocks
-    timed = functools.partial(_timed, platform, repeats=repeats, flush=flush)
+    timed = functools.partial(_samples, platform, repeats=repeats, flush=flush)
     t_down, t_up = timed(lambda: dst.copy_(src)), timed(lambda: src.copy_(dst))
     extra: dict[str, Any] = {}
     if case.tokens:
@@ -445,6 +449,21 @@ def default_cases(quick: bool) -> list[TierCase]:
     return [*cases, TierCase("deepseek-v4-flash", flash, tokens=4096 if quick else 16384)]
 
 
+def _check_run(
+    repeats: object, remotes: Sequence[str], mooncake_segment: str, required: Sequence[str]
+) -> None:
+    """``ValueError`` naming the first bad argument of :func:`run_tiers`."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
+        raise ValueError(
+            f"repeats must be an int >= {MIN_REPEATS} (each ratio is reported with its spread "
+            f"over the repeats), got {repeats!r}"
+        )
+    if mooncake_segment not in SEGMENTS:
+        raise ValueError(f"mooncake_segment must be one of {SEGMENTS}, got {mooncake_segment!r}")
+    if any(r not in remotes for r in required):
+        raise ValueError(f"required must name remotes of {list(remotes)}, got {list(required)}")
+
+
 def run_tiers(
     cases: Sequence[TierCase],
     remotes: Sequence[str] = REMOTES,
@@ -469,10 +488,7 @@ def run_tiers(
     ``required``: remotes that must run: one that cannot (its server did not start or does
     not answer) raises :class:`~kvforge.cli.remotes.StoreUnavailable` before anything is
     measured, its servers stopped, instead of a note."""
-    if mooncake_segment not in SEGMENTS:
-        raise ValueError(f"mooncake_segment must be one of {SEGMENTS}, got {mooncake_segment!r}")
-    if any(r not in remotes for r in required):
-        raise ValueError(f"required must name remotes of {list(remotes)}, got {list(required)}")
+    _check_run(repeats, remotes, mooncake_segment, required)
     platform = get_platform(device)
     notes = notes if notes is not None else []
     most = max((_case_bytes(c, platform) for c in cases), default=0)
@@ -540,113 +556,154 @@ def print_records(records: Sequence[Record], notes: Sequence[str]) -> None:
         out.print(f"note: {note}")
 
 
+class _RemoteBench:
+    """One store's runs of one case: kvforge's ways of putting and its get, the raw client's
+    put and get of the same values, and the checksum alone. Registers the buffers it reads and
+    writes with the store; :meth:`close` unregisters them and empties the store."""
+
+    def __init__(self, remote: str, store: Any, case: TierCase, m: _Model) -> None:
+        self.remote, self.store, self.m = remote, store, m
+        self.views, self.pools = m.views(), [m.tier.groups[g].pages for g in m.pages]
+        self.on_cpu = m.ctl.storage.platform.device.type == "cpu"
+        # device memory cannot be sent from in place
+        self.planes = m.allocations() if self.on_cpu else []
+        for buf in (*self.pools, *self.planes):
+            store.register_buffer(buf)
+        self.raw = _Raw(store, [v.numel() for v in self.views])
+        self.payloads = [v.numpy() for v in self.views]  # what the checksum reads
+        self.label = f"{case.name}/{case.tokens or case.target_bytes}/{remote}"
+        self.keys = _keys(self.label, "kvforge", len(self.views))
+        # the keys of each group's blocks, in the order of its pages (views are page-ordered)
+        cut = np.cumsum([0, *(len(m.src[g]) for g in m.pages)]).tolist()
+        pairs = zip(m.pages, cut, cut[1:], strict=False)
+        self.group_keys = {g: self.keys[a:b] for g, a, b in pairs}
+        # Mooncake keeps a key's first value: every timed put starts with the store emptied,
+        # which also keeps both sides on segment memory already touched (Redis overwrites)
+        mooncake = store.config.backend == "mooncake"
+        self.empty = functools.partial(store.raw_client.remove_all, True) if mooncake else int
+        blocks = self.on_cpu and PUT_FROM[remote] == "blocks"
+        self.put, self.other_put = (
+            (self.put_blocks, self.put_gathered) if blocks else (self.put_gathered, self.put_blocks)
+        )
+
+    def refused(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{self.remote}: {what}: {self.store.stats()}")
+
+    def put_gathered(self) -> None:
+        """Gather into host pages, then put the pages."""
+        self.m.tier.move(offloads=self.m.copies(self.m.src, True))
+        if not all(self.store.batch_put(self.keys, self.views)):
+            raise self.refused("a put was refused")
+
+    def put_blocks(self) -> None:
+        """Put straight from the device blocks' planes."""
+        for g, ks in self.group_keys.items():
+            planes = self.m.ctl.storage.planes(g)
+            if not all(self.store.batch_put_blocks(ks, planes, self.m.src[g])):
+                raise self.refused("a put was refused")
+
+    def publish(self) -> None:
+        """The remote tier's path: gather, then ``put_async`` and its writer, drained."""
+        failed = self.store.stats().puts_failed
+        self.m.tier.move(offloads=self.m.copies(self.m.src, True))
+        if self.store.put_async(self.keys, self.views) != len(self.keys) or not self.store.flush(
+            120.0
+        ):
+            raise self.refused("put_async dropped or did not drain")
+        if self.store.stats().puts_failed != failed:
+            raise self.refused("a queued put failed")
+
+    def get(self) -> None:
+        if None in self.store.batch_get_into(self.keys, self.views):
+            raise self.refused("a get missed")
+        self.m.tier.move(onloads=self.m.copies(self.m.dst, False))
+
+    def checksums(self) -> None:
+        """The value's checksum alone (value.CHECKSUM, XXH3-128, over every payload): what a
+        put and a get pay beyond the raw client's bytes."""
+        fp = self.store.fingerprint
+        for k, v in zip(self.keys, self.payloads, strict=True):
+            encode_header(k, fp, v)
+
+    def close(self) -> None:
+        for buf in (*self.pools, *self.planes, self.raw.buf):
+            with contextlib.suppress(Exception):
+                self.store.unregister_buffer(buf)
+        self.empty()
+
+
+def _put_facts(
+    bench: _RemoteBench,
+    timed: Callable[..., list[float]],
+    before_put: Callable[[], None],
+    t_put: list[float],
+) -> tuple[list[float], dict[str, Any]]:
+    """The raw client's put (its values stay in the store for its get), with the record's facts
+    on both ways of putting (:data:`PUT_FROM` says why ``t_put``'s is reported), the publish
+    path and the checksum."""
+    t_other = timed(bench.other_put, flush=before_put) if bench.on_cpu else t_put
+    blocks = bench.put == bench.put_blocks
+    t_blocks, t_gathered = (t_put, t_other) if blocks else (t_other, t_put)
+    t_async = timed(bench.publish, flush=before_put)
+    t_raw_put = timed(lambda: bench.raw.put(bench.label), flush=before_put)
+    t_sum = timed(bench.checksums)
+    blocks_ratio = ratio_spread(t_blocks, t_raw_put) if bench.on_cpu else None
+    gathered, publish = ratio_spread(t_gathered, t_raw_put), ratio_spread(t_async, t_raw_put)
+    facts = {
+        "checksum": CHECKSUM,
+        "checksum_seconds": min(t_sum),
+        "checksum_gbps": round(bench.m.nbytes / min(t_sum) / 1e9, 3),
+        "put_from": "blocks" if blocks else "pages",
+        "blocks_seconds": min(t_blocks) if bench.on_cpu else None,
+        "blocks_ratio": blocks_ratio.median if blocks_ratio else None,
+        "blocks_ratio_spread": blocks_ratio.as_list() if blocks_ratio else None,
+        "gathered_seconds": min(t_gathered),
+        "gathered_ratio": gathered.median,
+        "gathered_ratio_spread": gathered.as_list(),
+        "async_seconds": min(t_async),
+        "async_ratio": publish.median,
+        "async_ratio_spread": publish.as_list(),
+    }
+    return t_raw_put, facts
+
+
 def _measure_remote(
     remote: str,
     store: Any,
     case: TierCase,
     m: _Model,
-    timed: Callable[..., float],
+    timed: Callable[..., list[float]],
     flush: Callable[[], None] | None,
-    t_up: float,
+    t_up: list[float],
     cache: str,
     extra: dict[str, Any],
 ) -> list[Record]:
     """One store's records of ``case``: put and get against the raw client, or restore.
     ``extra`` goes into every record (a restore's facts, Mooncake's ``segment``)."""
     where = {k: v for k, v in extra.items() if k == "segment"}
-    views, pools = m.views(), [m.tier.groups[g].pages for g in m.pages]
-    for pool in pools:
-        store.register_buffer(pool)
-    on_cpu = m.ctl.storage.platform.device.type == "cpu"
-    planes = m.allocations() if on_cpu else []  # device memory cannot be sent from in place
-    for allocation in planes:
-        store.register_buffer(allocation)
-    raw = _Raw(store, [v.numel() for v in views])
-    label = f"{case.name}/{case.tokens or case.target_bytes}/{remote}"
-    keys = _keys(label, "kvforge", len(views))
-    # the keys of each group's blocks, in the order of its pages (views are page-ordered)
-    cut = np.cumsum([0, *(len(m.src[g]) for g in m.pages)]).tolist()
-    group_keys = {g: keys[a:b] for g, a, b in zip(m.pages, cut, cut[1:], strict=False)}
-    # Mooncake keeps a key's first value: every timed put starts with the store emptied, which
-    # also keeps both sides on segment memory already touched (Redis overwrites in place)
-    mooncake = store.config.backend == "mooncake"
-    empty = functools.partial(store._client.remove_all, True) if mooncake else lambda: 0
+    bench = _RemoteBench(remote, store, case, m)
 
     def before_put() -> None:
-        empty()
+        bench.empty()
         if flush is not None:
             flush()
-
-    def put_gathered() -> None:  # gather into host pages, then put the pages
-        m.tier.move(offloads=m.copies(m.src, True))
-        if not all(store.batch_put(keys, views)):
-            raise RuntimeError(f"{remote}: a put was refused: {store.stats()}")
-
-    def put_blocks() -> None:  # put straight from the device blocks' planes
-        for g, ks in group_keys.items():
-            if not all(store.batch_put_blocks(ks, m.ctl.storage.planes(g), m.src[g])):
-                raise RuntimeError(f"{remote}: a put was refused: {store.stats()}")
-
-    def publish() -> None:  # the remote tier's path: gather, then put_async and its writer
-        failed = store.stats().puts_failed
-        m.tier.move(offloads=m.copies(m.src, True))
-        if store.put_async(keys, views) != len(keys) or not store.flush(120.0):
-            raise RuntimeError(f"{remote}: put_async dropped or did not drain: {store.stats()}")
-        if store.stats().puts_failed != failed:
-            raise RuntimeError(f"{remote}: a queued put failed: {store.stats()}")
-
-    put = put_blocks if on_cpu and PUT_FROM[remote] == "blocks" else put_gathered
-
-    def get() -> None:
-        if None in store.batch_get_into(keys, views):
-            raise RuntimeError(f"{remote}: a get missed: {store.stats()}")
-        m.tier.move(onloads=m.copies(m.dst, False))
 
     try:
         if case.tokens:
             before_put()
-            put()
+            bench.put()
             m.clear_restored()  # so that ``identical`` says what the remote tier brought back
-            t_get = timed(get)
-            return [
-                _record(
-                    remote, "restore", case, m, t_get, t_up, cache, identical=m.identical(), **extra
-                )
-            ]
-        t_put, t_get = timed(put, flush=before_put), timed(get)
-        t_other = (
-            timed(put_gathered if put is put_blocks else put_blocks, flush=before_put)
-            if on_cpu
-            else t_put
-        )
-        t_blocks, t_gathered = (t_put, t_other) if put is put_blocks else (t_other, t_put)
-        t_async = timed(publish, flush=before_put)
-        t_raw_put = timed(lambda: raw.put(label), flush=before_put)
-        t_raw_get = timed(lambda: raw.get(label))
-        # the value's checksum alone (value.CHECKSUM, XXH3-128, over every payload): what a put
-        # and a get pay beyond the raw client's bytes
-        fp, pays = store.fingerprint, [v.numpy() for v in views]
-        t_sum = timed(lambda: [encode_header(k, fp, v) for k, v in zip(keys, pays, strict=True)])
-        why = {
-            "checksum": CHECKSUM,
-            "checksum_seconds": t_sum,
-            "checksum_gbps": round(m.nbytes / t_sum / 1e9, 3),
-        }
-        how = {  # the put reported, and both ways of putting measured (PUT_FROM says why)
-            "put_from": "blocks" if put is put_blocks else "pages",
-            "blocks_seconds": t_blocks if on_cpu else None,
-            "blocks_ratio": round(t_raw_put / t_blocks, 3) if on_cpu else None,
-            "gathered_seconds": t_gathered,
-            "gathered_ratio": round(t_raw_put / t_gathered, 3),
-            "async_seconds": t_async,
-            "async_ratio": round(t_raw_put / t_async, 3),
-        }
+            t_get = timed(bench.get)
+            facts = {"identical": m.identical(), **extra}
+            return [_record(remote, "restore", case, m, t_get, t_up, cache, **facts)]
+        t_put = timed(bench.put, flush=before_put)
+        t_get = timed(bench.get)  # the values the last put left
+        t_raw_put, facts = _put_facts(bench, timed, before_put, t_put)
+        t_raw_get = timed(lambda: bench.raw.get(bench.label))
+        why = {k: facts[k] for k in ("checksum", "checksum_seconds", "checksum_gbps")}
         return [
-            _record(remote, "put", case, m, t_put, t_raw_put, cache, **why, **how, **where),
+            _record(remote, "put", case, m, t_put, t_raw_put, cache, **facts, **where),
             _record(remote, "get", case, m, t_get, t_raw_get, cache, **why, **where),
         ]
     finally:
-        for buf in (*pools, *planes, raw.buf):
-            with contextlib.suppress(Exception):
-                store.unregister_buffer(buf)
-        empty()
+        bench.close()

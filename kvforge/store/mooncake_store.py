@@ -229,6 +229,14 @@ class MooncakeStore(StoreBase):
         if bad:
             self._note_error(f"{what}: the master did not answer (code {bad[0]})", trip=True)
 
+    @property
+    def raw_client(self) -> Any:
+        """The ``MooncakeDistributedStore`` client this store talks through, for a benchmark's
+        baseline (``kvforge bench --tiers`` times it on the same values). A call on it bypasses
+        the store: no header, checksum, counter, call thread or back-off, and its errors and
+        return codes reach the caller."""
+        return self._client
+
     def _register_client(self, span: Span) -> None:
         if not self._ready():
             return  # setup registers every buffer it finds

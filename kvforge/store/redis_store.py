@@ -74,6 +74,13 @@ class RedisStore(StoreBase):
     def _pipeline(self) -> Any:
         return self._client.pipeline(transaction=False)
 
+    @property
+    def raw_client(self) -> Any:
+        """The ``redis.Redis`` client this store talks through, for a benchmark's baseline
+        (``kvforge bench --tiers`` times it on the same values). A call on it bypasses the
+        store: no header, checksum, counter or back-off, and its errors reach the caller."""
+        return self._client
+
     def wait_ready(self, timeout: float) -> bool:
         """Ping until the server answers or ``timeout`` seconds pass; an answer ends the
         back-off after an error."""

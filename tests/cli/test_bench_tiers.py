@@ -70,11 +70,16 @@ def check_records(records: list[dict], remotes: tuple[str, ...]) -> None:
             assert r["checksum_gbps"] > 0 and r["checksum"] == "xxh3-128"
         if r["tier"] != "host" and r["direction"] == "put":  # the remote tier's publish too
             assert r["async_seconds"] > 0
-            assert r["async_ratio"] == round(r["client_seconds"] / r["async_seconds"], 3)
+            low, median, high = r["async_ratio_spread"]
+            assert 0 < low <= median == r["async_ratio"] <= high
+        # every ratio comes with its spread over the runs: never one sample
+        low, median, high = r["ratio_spread"]
+        assert 0 < low <= median == r["ratio"] <= high
+        assert len(r["seconds_spread"]) == 3 and r["seconds_spread"][0] == round(r["seconds"], 6)
 
 
 def test_run_tiers_host_only_records_and_restored_bytes():
-    records = run_tiers(tiny_cases(), remotes=(), repeats=1, progress=False, device="cpu")
+    records = run_tiers(tiny_cases(), remotes=(), repeats=3, progress=False, device="cpu")
     check_records(records, ())
 
 
@@ -90,7 +95,7 @@ def test_run_tiers_starts_redis_and_stops_it(monkeypatch):
             return super().start(timeout)
 
     monkeypatch.setattr(servers, "RedisServer", Spy)
-    records = run_tiers(tiny_cases(), ("redis",), repeats=1, progress=False)
+    records = run_tiers(tiny_cases(), ("redis",), repeats=3, progress=False)
     check_records(records, ("redis",))
     [server] = started
     assert server.host == "127.0.0.1" and server.proc.poll() is not None  # stopped, reaped
@@ -105,7 +110,7 @@ def test_run_tiers_on_a_given_redis_server(tmp_path):
         try:
             notes: list[str] = []
             records = run_tiers(
-                tiny_cases(), ("redis",), {"redis": server.address}, 1, progress=False, notes=notes
+                tiny_cases(), ("redis",), {"redis": server.address}, 3, progress=False, notes=notes
             )
         finally:
             server.stop()
@@ -117,7 +122,7 @@ def test_without_a_private_namespace_servers_run_on_loopback_with_a_note(monkeyp
     real_which = remotes.shutil.which
     monkeypatch.setattr(remotes.shutil, "which", lambda n: None if n == "ip" else real_which(n))
     notes: list[str] = []
-    records = run_tiers(tiny_cases()[:1], ("redis",), repeats=1, progress=False, notes=notes)
+    records = run_tiers(tiny_cases()[:1], ("redis",), repeats=3, progress=False, notes=notes)
     if HAVE_REDIS:
         assert {r["tier"] for r in records} == {"host", "redis"}
         assert notes == [
@@ -143,7 +148,7 @@ def test_a_missing_server_binary_skips_its_records_with_a_note(monkeypatch, abse
     monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: object())
     notes: list[str] = []
     remote = "redis" if absent == "redis-server" else "mooncake"
-    records = run_tiers(tiny_cases()[:1], (remote,), repeats=1, progress=False, notes=notes)
+    records = run_tiers(tiny_cases()[:1], (remote,), repeats=3, progress=False, notes=notes)
     assert {r["tier"] for r in records} == {"host"}
     assert notes[0].startswith(note)
 
@@ -169,7 +174,7 @@ def test_identical_sees_one_changed_byte():
 def test_cli_writes_json_and_prints_the_table(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(bench_tiers, "default_cases", lambda quick: tiny_cases())
     path = tmp_path / "tiers.json"
-    argv = ["bench", "--tiers", "--quick", "--repeats", "1", "--no-progress", "--json", path]
+    argv = ["bench", "--tiers", "--quick", "--repeats", "3", "--no-progress", "--json", path]
     remote = "redis" if HAVE_REDIS else "none"
     code = main([str(a) for a in [*argv, "--remote", remote]])
     out, _ = capsys.readouterr()
@@ -192,7 +197,7 @@ def test_cli_measures_mooncake_in_a_process_of_its_own(tmp_path):
         from kvforge.cli.main import main
         from test_bench_tiers import tiny_cases
         bench_tiers.default_cases = lambda quick: tiny_cases()
-        sys.exit(main(["bench", "--tiers", "--quick", "--repeats", "1", "--no-progress",
+        sys.exit(main(["bench", "--tiers", "--quick", "--repeats", "3", "--no-progress",
                        "--remote", "mooncake", "--json", {str(path)!r}]))
         """
     )
@@ -260,6 +265,8 @@ def _patch(monkeypatch, patch: str | None) -> None:
         monkeypatch.setattr(
             remotes.shutil, "which", lambda n: None if n in absent else real_which(n)
         )
+        # the clients installed, whatever this machine has: the check under test is the binary's
+        monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: object())
     elif patch == "no-client":
         monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: None)
     elif patch == "client":  # a client that is installed, whatever this machine has
@@ -367,7 +374,7 @@ def test_without_remote_the_tiers_that_cannot_run_are_notes(capsys, monkeypatch,
     monkeypatch.setattr(bench_tiers, "default_cases", lambda quick: tiny_cases()[:1])
     _patch(monkeypatch, "no-binary")
     path = tmp_path / "tiers.json"
-    argv = ["bench", "--tiers", "--quick", "--repeats", "1", "--no-progress", "--json", path]
+    argv = ["bench", "--tiers", "--quick", "--repeats", "3", "--no-progress", "--json", path]
     assert main([str(a) for a in argv]) == 0
     report = json.loads(path.read_text())
     assert {r["tier"] for r in report["records"]} == {"host"}
@@ -404,7 +411,7 @@ def test_default_cases_are_the_issues_shapes():
 
 
 def test_progress_bar_run(capsys):
-    records = run_tiers(tiny_cases()[:1], remotes=(), repeats=1, progress=True)
+    records = run_tiers(tiny_cases()[:1], remotes=(), repeats=3, progress=True)
     assert {(r["tier"], r["direction"]) for r in records} == {("host", "put"), ("host", "get")}
 
 
@@ -417,7 +424,7 @@ def test_a_server_that_does_not_start_is_a_note(monkeypatch):
 
     monkeypatch.setattr(servers.RedisServer, "start", refuse)
     notes: list[str] = []
-    records = run_tiers(tiny_cases()[:1], ("redis",), repeats=1, progress=False, notes=notes)
+    records = run_tiers(tiny_cases()[:1], ("redis",), repeats=3, progress=False, notes=notes)
     assert {r["tier"] for r in records} == {"host"}
     assert notes == ["redis: skipped, its server did not start: did not listen"]
 
@@ -430,7 +437,7 @@ def test_a_given_server_that_does_not_answer_is_a_note(monkeypatch):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     notes: list[str] = []
     records = run_tiers(
-        tiny_cases()[:1], ("redis",), {"redis": address}, 1, progress=False, notes=notes
+        tiny_cases()[:1], ("redis",), {"redis": address}, 3, progress=False, notes=notes
     )
     assert {r["tier"] for r in records} == {"host"}
     assert notes[0].startswith(f"redis: skipped, redis at {address} did not answer")
@@ -450,6 +457,6 @@ def test_a_refused_put_or_a_miss_is_a_note_not_a_traceback(monkeypatch, call, re
 
     monkeypatch.setattr(RedisStore, call, lambda self, *args: reply(*args))
     notes: list[str] = []
-    records = run_tiers(tiny_cases()[:1], ("redis",), repeats=1, progress=False, notes=notes)
+    records = run_tiers(tiny_cases()[:1], ("redis",), repeats=3, progress=False, notes=notes)
     assert {r["tier"] for r in records} == {"host"}
     assert notes[0].startswith(f"redis: llama-2-layers not measured: {note}")

@@ -354,7 +354,7 @@ def test_bench_runs_and_writes_json(tmp_path):
     from kvforge.cli.bench import BenchCase, _SynthBackend, run_bench, write_json
 
     case = BenchCase("tiny", {i: _SynthBackend(1_168) for i in range(3)}, "kv", 64 * 1_168 * 3)
-    results = run_bench(cases=[case], repeats=1, progress=False, device="cpu")
+    results = run_bench(cases=[case], repeats=3, progress=False, device="cpu")
     assert [r.direction for r in results] == ["out", "in"]
     for r in results:
         assert r.page_bytes == 3 * 1_168 and r.min_plane_bytes == 1_168 and r.num_planes == 3
@@ -382,7 +382,7 @@ def test_bench_batched_requests():
     # 3 requests of 8 pages each (plus an interleaved fourth) move in one call
     backends = {i: _SynthBackend(1_168) for i in range(2)}
     case = BenchCase("batch", backends, "kv", 8 * 2 * 1_168, requests=3)
-    results = run_bench(cases=[case], repeats=1, progress=False, device="cpu")
+    results = run_bench(cases=[case], repeats=3, progress=False, device="cpu")
     for r in results:
         assert (r.requests, r.blocks, r.bytes) == (3, 24, 24 * 2 * 1_168)
 
@@ -397,7 +397,7 @@ def test_bench_whole_requests():
         for i, r in enumerate((0, 4, 128))
     }
     case = BenchCase("request", small, None, 300, requests=2)
-    results = run_bench(cases=[case], repeats=1, progress=False, device="cpu")
+    results = run_bench(cases=[case], repeats=3, progress=False, device="cpu")
     from kvforge import CacheController
 
     ctl = CacheController(small)
@@ -426,7 +426,7 @@ def test_bench_cache_state(monkeypatch):
     assert label == ("cold data" if fast.can_evict() else "cold")
     flush()  # evicting (or flushing around) a buffer never changes its bytes
     assert torch.equal(buffers[0], before)
-    warm = bench.run_bench(cases=[case], repeats=1, progress=False, device="cpu", warm_cache=True)
+    warm = bench.run_bench(cases=[case], repeats=3, progress=False, device="cpu", warm_cache=True)
     assert [r.cache for r in warm] == ["warm", "warm"]
 
     monkeypatch.setattr(fast, "can_evict", lambda: False)  # e.g. an ARM host
@@ -434,7 +434,7 @@ def test_bench_cache_state(monkeypatch):
     flush, label = bench.cache_flusher(platform, buffers)
     assert label == "cold"
     flush()
-    results = bench.run_bench(cases=[case], repeats=1, progress=False, device="cpu")
+    results = bench.run_bench(cases=[case], repeats=3, progress=False, device="cpu")
     assert [r.cache for r in results] == ["cold", "cold"]
     with pytest.raises(RuntimeError, match="evict_from_caches needs x86-64"):
         fast.evict_from_caches(buffers)
@@ -474,7 +474,7 @@ def test_bench_command_quick_json(tmp_path, monkeypatch, capsys):
         "--device",
         "cpu",
         "--repeats",
-        "1",
+        "3",
         "--no-progress",
         "--warm-cache",
         "--json",

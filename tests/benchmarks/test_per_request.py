@@ -1,0 +1,91 @@
+"""The per-request path benchmark (``benchmarks/per_request.py``) on tiny workloads: every call
+is timed on both sides, the kvforge side's slots agree with its block tables, every ratio comes
+with its spread over at least three interleaved rounds, and bad rounds are refused. No timing is
+asserted: figures are only checked to be positive and ordered."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from per_request import (
+    CALLS,
+    kvforge_per_request,
+    per_request_rounds,
+    print_per_request,
+    vllm_per_request,
+)
+from step_sim import load_step_workloads, write_step_json
+from vllm_baseline import vllm_available
+
+from kvforge.cli.formatting import console
+
+SW = load_step_workloads()
+HAVE_VLLM = vllm_available()
+
+
+def tiny(groups, name: str = "tiny"):
+    # 3 requests of 300 prompt tokens in 128-token chunks, then 5 decode steps
+    return SW.StepWorkload(
+        name=name,
+        groups=groups,
+        num_requests=3,
+        prompt_len=300,
+        max_num_batched_tokens=512,
+        decode_steps=5,
+        chunk_size=128,
+        max_model_len=512,
+    )
+
+
+@pytest.mark.parametrize("groups", [SW.LLAMA_GROUPS, SW.GPT_OSS_GROUPS, SW.DEEPSEEK_V4_TINY_GROUPS])
+def test_kvforge_side_times_every_call_and_checks_slots(groups) -> None:
+    wl = tiny(groups)
+    times = kvforge_per_request(wl, SW.schedule(wl), check=True)
+    # 5 decode steps of 3 requests; one free per request
+    assert len(times.alloc) == len(times.table) == len(times.slots) == 15
+    assert len(times.free) == 3
+    means = times.means_us()
+    assert set(means) == set(CALLS)
+    assert means["total"] == pytest.approx(means["alloc"] + means["table"] + means["slots"])
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
+def test_vllm_side_times_alloc_table_and_free() -> None:
+    wl = tiny(SW.DEEPSEEK_V4_TINY_GROUPS)
+    times = vllm_per_request(wl, SW.schedule(wl), check=True)
+    assert len(times.alloc) == len(times.table) == 15 and times.slots == []
+    assert len(times.free) == 3
+
+
+def test_rounds_report_each_ratio_with_its_spread(tmp_path: Path, capsys) -> None:
+    wl = tiny(SW.LLAMA_GROUPS)
+    records = per_request_rounds([wl], SW.schedule, rounds=3, with_vllm=HAVE_VLLM)
+    assert [r.phase for r in records] == [f"per_request_{c}" for c in CALLS]
+    for r in records:
+        assert r.rounds == 3 and r.kvforge_us > 0
+        low, median, high = r.kvforge_spread
+        assert low <= median <= high and median == pytest.approx(r.kvforge_us, abs=1e-3)
+        if HAVE_VLLM and r.phase != "per_request_slots":
+            low, median, high = r.ratio_spread
+            assert 0 < low <= median == r.ratio <= high and r.vllm_us > 0
+        else:  # vLLM has no per-request slot mapping: no ratio, never a made-up one
+            assert r.ratio is None and r.ratio_spread is None and r.vllm_us is None
+    path = tmp_path / "per_request.json"
+    write_step_json(records, str(path))
+    data = json.loads(path.read_text())
+    assert {"ratio_spread", "kvforge_spread", "rounds"} <= set(data[0])
+    print_per_request(records, console())
+    assert "median (min-max) over the rounds" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("rounds", "fragment"),
+    [(2, "rounds must be >= 3"), (0, "rounds must be a positive int, got 0"), (True, "got True")],
+)
+def test_bad_rounds(rounds, fragment) -> None:
+    calls: list[str] = []
+    with pytest.raises(ValueError, match=fragment):
+        per_request_rounds([tiny(SW.LLAMA_GROUPS)], SW.schedule, rounds=rounds, progress=calls.append)
+    assert calls == []  # refused before any run
