@@ -277,6 +277,10 @@ LOCK_FREE = {
     CacheController: {
         "platform": "fixed at construction",
         "device": "fixed at construction",
+        "enable_prefix_caching": "options are frozen, fixed at construction",
+        "share_pools": "options are frozen, fixed at construction",
+        "prefix_retention": "options are frozen, fixed at construction",
+        "prefix_retention_interval": "options are frozen, fixed at construction",
         "groups": "fixed at construction",
         "bytes_per_block": "layout arithmetic, fixed",
         "kv_bytes_per_token": "layout arithmetic, fixed",
