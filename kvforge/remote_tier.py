@@ -41,6 +41,15 @@ Invariants (``tests/store/test_remote_tier.py``, ``tests/store/test_remote_ident
 fetched block is indexed only once its value arrived whole with this prompt's proof; a store
 that fails costs hits, never device or host state; nothing here holds the controller's lock
 while waiting for the network except the synchronous fetch.
+
+Seams and locks: the remote tier reads the scheduler side only through the block manager's
+declared seams (``host_tier``, ``prefix_caching``, ``prompt_plan``, each taking the manager's
+lock for its call) and the host tier's public methods (``holds``, ``page_key``, ``entry``,
+``reserve``, ``take_released``, ``filled``). It takes no lock itself: the controller calls
+:meth:`RemoteTier.publish` and :meth:`RemoteTier.fetch` under its own lock, which serialises
+every call that reaches the manager or the tier through the controller. A page
+:meth:`HostTier.reserve` pins for a fetch stays pinned until :meth:`HostTier.filled`, in the
+same :meth:`RemoteTier.fetch`.
 """
 
 from __future__ import annotations

@@ -45,6 +45,23 @@ Invariants (tested in ``tests/scheduler/test_block_tables.py``):
 - a refused request of a step changes nothing; the others proceed;
 - every public method is serialised by one lock: the scheduler side may be called from
   several threads, and the worker side (a different object) runs concurrently with it.
+
+Locks and the tiers (``tests/scheduler/test_host_tier_seams.py``,
+``tests/scheduler/test_host_tier.py``): every public method of :class:`BlockManager` takes
+its one ``RLock`` for the whole call and nothing else; it is the only lock on the scheduler
+side. Its parts (pools, tables, the prefix cache, the swap book, the host tier) have none
+and are entered only from inside its methods, with that lock held by the manager itself: a
+pool's eviction listeners and keeper run inside the take that evicts, the host tier's
+write-through inside the step that registers a block. No module takes another module's lock:
+a caller that needs a part reaches it through a method here (``attach_host_tier``,
+``take_tier_offloads``, ``reset_host_tier``, ``prompt_plan``).
+
+Pins of the host tier: a device pool's eviction demotes a served block into a tier page,
+pinned until the step (or :meth:`BlockManager.take_effects`,
+:meth:`BlockManager.take_tier_offloads`) that hands its offload out; a lookup pins the pages
+it brings back and holds the device blocks it fills until the step that hands their onloads
+out. The tier alone unpins, when it hands a copy out; whoever receives the copy runs it on
+the worker before the block is written again or read (:mod:`kvforge.scheduler.host_tier`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,38 @@
 """The host tier of the prefix cache, scheduler side: host pages that keep evicted prefix
 blocks, the index key -> page, LRU eviction of pages, and the page copies a worker runs.
 
-Wiring: :func:`attach` hooks a :class:`~kvforge.scheduler.block_manager.BlockManager`'s device
-pools, so every eviction demotes (the offloads ride in ``StepAllocation.offloads`` or
-:func:`take_offloads`), and its lookups read the tier (:mod:`kvforge.scheduler.prefix.host_lookup`:
-:meth:`HostTier.pin`, :meth:`HostTier.queue_onloads`; the onloads ride in
-``StepAllocation.onloads``). ``CacheController.initialize_host_tier`` does both sides.
+Wiring, through declared seams only: :func:`attach` builds a tier and hands it to
+:meth:`~kvforge.scheduler.block_manager.BlockManager.attach_host_tier`, which adds
+:meth:`HostTier.demote_evicted` as an eviction listener of each device pool
+(:meth:`~kvforge.scheduler.block_pool.BlockPool.add_eviction_listener`: it runs before the
+prefix cache forgets the victims' keys), so every eviction demotes (the offloads ride in
+``StepAllocation.offloads`` or ``BlockManager.take_tier_offloads``), and its lookups read the
+tier (:mod:`kvforge.scheduler.prefix.host_lookup`: :meth:`HostTier.pin`,
+:meth:`HostTier.queue_onloads`; the onloads ride in ``StepAllocation.onloads``).
+``CacheController.initialize_host_tier`` does both sides.
+
+Pins (who pins a page, until when, who unpins): a page is pinned (ref >= 1) by
+:meth:`demote` while its offload is queued, until :meth:`take_offloads` hands the copy out;
+by :meth:`pin` (a lookup) for the onload it queues, until :meth:`take_onloads` hands that
+out (or :meth:`unpin`, when nothing was queued); by :meth:`reserve` (a remote fill) until
+:meth:`filled` says whether its bytes arrived. Only the tier unpins, in those calls. Whoever
+receives a handed-out copy (the controller) runs it on the worker before the device block
+it names is written again (offloads) or read (onloads). The device blocks a lookup fills
+from pages stay held by the tier (``pending_blocks``) until their onloads are handed out.
+
+Locks: the tier has none. It is entered from inside a
+:class:`~kvforge.scheduler.block_manager.BlockManager` method, with that manager's lock held
+by the manager itself (a take's eviction listener, a step's write-through, a lookup, the
+hand-out of copies, a reset), or by its one owner above the manager, which serialises its
+calls itself (the remote tier, under the controller's lock; vLLM's offloading manager, which
+owns its tier). No module takes another module's lock.
 
 :class:`HostTier` owns, per group, a page pool of its own (a
 :class:`~kvforge.scheduler.block_pool.BlockPool` of ``kind="host"``, separate from the swap
 book's pages) and the index from prefix keys (the same keys the device prefix cache uses) to
 the page holding that block's bytes. What the exact check needs stays alive with the page: the
 unit record the device block held a reference on moves to the page with it (:meth:`demote`
-takes that reference over, :meth:`HostTier._evicted` releases it), and so does a tail key's
+takes that reference over, the page's eviction releases it), and so does a tail key's
 proof. A lookup that reads the host part therefore confirms it exactly as it confirms the
 device part.
 
@@ -201,6 +221,10 @@ class HostTier:
     Raises:
         ArgumentError: a bad ``num_pages`` (not a mapping of group names to ints >= 2), a
             bad ``policy`` or ``state_policy``; nothing is created.
+
+    The tier has no lock: its owner serialises its calls (a block manager holds its own lock
+    around every call it makes here). Which call pins a page and which unpins it: see the
+    module docstring.
     """
 
     def __init__(
