@@ -99,16 +99,7 @@ class DeepseekV4Backend(DeclaredBackend):
         block_alignment: int = FLASHMLA_PAGE_ALIGNMENT,
     ) -> None:
         owner = type(self).__name__
-        if (
-            isinstance(compress_ratio, bool)
-            or not isinstance(compress_ratio, Integral)
-            or int(compress_ratio) not in COMPRESS_RATIOS
-        ):
-            raise ArgumentError(
-                f"{owner}: compress_ratio must be one of {list(COMPRESS_RATIOS)}, got "
-                f"{compress_ratio!r}"
-            )
-        compress_ratio = int(compress_ratio)
+        compress_ratio = _compress_ratio(owner, compress_ratio)
         head_dim = width(owner, "head_dim", head_dim, minimum=2)
         qk_rope_head_dim = width(owner, "qk_rope_head_dim", qk_rope_head_dim)
         if qk_rope_head_dim >= head_dim:
@@ -133,41 +124,48 @@ class DeepseekV4Backend(DeclaredBackend):
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
         self.block_alignment = block_alignment
+        self._declare_caches()
 
-        if kv_cache_dtype == "fp8":
-            kv_entry, dtype = (_fp8_entry_bytes(head_dim, qk_rope_head_dim),), "uint8"
+    def _role(
+        self, name: str, group: str, entry: tuple[int, ...], dtype: str, ratio: int = 1
+    ) -> CacheRole:
+        """One role, padded to this backend's ``block_alignment``."""
+        return CacheRole(
+            name=name,
+            group=group,
+            entry_shape=entry,
+            dtype=dtype,
+            compress_ratio=ratio,
+            block_alignment=self.block_alignment,
+        )
+
+    def _declare_caches(self) -> None:
+        """The groups and roles of this layer's compress ratio (the table in the module
+        docstring): the window always, the compressed history for ratios 4 and 128, the
+        compressor state of each."""
+        head_dim, index_head_dim, ratio = self.head_dim, self.index_head_dim, self.compress_ratio
+        if self.kv_cache_dtype == "fp8":
+            kv_entry, dtype = (_fp8_entry_bytes(head_dim, self.qk_rope_head_dim),), "uint8"
         else:
             kv_entry, dtype = (head_dim,), "bfloat16"
         index_entry = (index_head_dim + 4,)  # 128 fp8 + one float32 scale, in both modes
-
-        def role(
-            name: str, group: str, entry: tuple[int, ...], dt: str, ratio: int = 1
-        ) -> CacheRole:
-            return CacheRole(
-                name=name,
-                group=group,
-                entry_shape=entry,
-                dtype=dt,
-                compress_ratio=ratio,
-                block_alignment=block_alignment,
-            )
-
+        role = self._role
         swa = CacheGroup(
-            name="swa", block_size=64, kind=GroupKind.SLIDING_WINDOW, window=sliding_window
+            name="swa", block_size=64, kind=GroupKind.SLIDING_WINDOW, window=self.sliding_window
         )
         groups = [swa]
         roles = [role("swa_kv", "swa", kv_entry, dtype)]
-        if compress_ratio:
+        if ratio:
             groups.append(CacheGroup(name="compressed", block_size=256, kind=GroupKind.FULL))
-            roles.append(role("compressed_kv", "compressed", kv_entry, dtype, compress_ratio))
-        if compress_ratio == 4:
+            roles.append(role("compressed_kv", "compressed", kv_entry, dtype, ratio))
+        if ratio == 4:
             groups.append(CacheGroup(name="c4_state", block_size=4, kind=GroupKind.STATE, window=8))
             roles += [
                 role("indexer", "compressed", index_entry, "uint8", 4),
                 role("compressor_state", "c4_state", (2 * 2 * head_dim,), "float32"),
                 role("indexer_compressor_state", "c4_state", (2 * 2 * index_head_dim,), "float32"),
             ]
-        elif compress_ratio == 128:
+        elif ratio == 128:
             groups.append(
                 CacheGroup(name="c128_state", block_size=8, kind=GroupKind.STATE, window=128)
             )
@@ -180,3 +178,13 @@ class DeepseekV4Backend(DeclaredBackend):
             f"sliding_window={self.sliding_window}, kv_cache_dtype={self.kv_cache_dtype!r}, "
             f"block_alignment={self.block_alignment})"
         )
+
+
+def _compress_ratio(owner: str, value: object) -> int:
+    """``value`` as one of :data:`COMPRESS_RATIOS`, refused (bools too) with the choices."""
+    integral = isinstance(value, Integral) and not isinstance(value, bool)
+    if not integral or int(value) not in COMPRESS_RATIOS:  # type: ignore[call-overload]
+        raise ArgumentError(
+            f"{owner}: compress_ratio must be one of {list(COMPRESS_RATIOS)}, got {value!r}"
+        )
+    return int(value)

@@ -98,19 +98,9 @@ class GQABackend(DeclaredBackend):
                 _QUANTS,
                 f"kv_cache_quant must be None or one of {list(_QUANTS)}",
             )
-        sliding_window = optional_width(owner, "sliding_window", sliding_window, unit="tokens")
-        attention_chunk_size = optional_width(
-            owner, "attention_chunk_size", attention_chunk_size, unit="tokens"
+        sliding_window, attention_chunk_size, default_group = _window_args(
+            owner, sliding_window, attention_chunk_size
         )
-        if sliding_window is not None and attention_chunk_size is not None:
-            raise ArgumentError(
-                f"{owner}: give sliding_window or attention_chunk_size, not both (got "
-                f"{sliding_window} and {attention_chunk_size})"
-            )
-        if attention_chunk_size is not None:
-            default_group = "chunked"
-        else:
-            default_group = "kv" if sliding_window is None else "swa"
         group = group_name(owner, group, default=default_group)
         choice(owner, "block_layout", block_layout, _LAYOUTS)
         if scale_dtype is not None:
@@ -131,48 +121,37 @@ class GQABackend(DeclaredBackend):
         self.kv_cache_quant = kv_cache_quant
         self.sliding_window = sliding_window
         self.attention_chunk_size = attention_chunk_size
-        if attention_chunk_size is not None:
-            kv_group = CacheGroup(
-                name=group,
-                block_size=block_size,
-                kind=GroupKind.CHUNKED,
-                window=attention_chunk_size,
-            )
-        elif sliding_window is None:
-            kv_group = CacheGroup(name=group, block_size=block_size, kind=GroupKind.FULL)
-        else:
-            kv_group = CacheGroup(
-                name=group,
-                block_size=block_size,
-                kind=GroupKind.SLIDING_WINDOW,
-                window=sliding_window,
-            )
-        store = self.dtype if kv_cache_quant is None else "float8_e4m3fn"
-        shape = (num_kv_heads, head_dim)
+        kv_group = _kv_group(group, block_size, sliding_window, attention_chunk_size)
+        self.declare([kv_group], self._kv_roles(kv_group.name))
+
+    def _kv_roles(self, group: str) -> list[CacheRole]:
+        """``key`` and ``value`` (fp8 under a quant), then their block-wise scales if any."""
+        store = self.dtype if self.kv_cache_quant is None else "float8_e4m3fn"
         roles = [
             CacheRole(
                 name=n,
-                group=kv_group.name,
-                entry_shape=shape,
+                group=group,
+                entry_shape=(self.num_kv_heads, self.head_dim),
                 dtype=store,
-                block_layout=block_layout,
+                block_layout=self.block_layout,
             )
             for n in ("key", "value")
         ]
         if self.scale_dtype is not None:
             # head-major needs a second entry dimension: (kv_heads, 1) gives [kv_heads, B, 1]
-            scale_shape = (num_kv_heads,) if block_layout == "token_major" else (num_kv_heads, 1)
+            heads = self.num_kv_heads
+            scale_shape = (heads,) if self.block_layout == "token_major" else (heads, 1)
             roles += [
                 CacheRole(
                     name=n,
-                    group=kv_group.name,
+                    group=group,
                     entry_shape=scale_shape,
                     dtype=self.scale_dtype,
-                    block_layout=block_layout,
+                    block_layout=self.block_layout,
                 )
                 for n in ("key_scale", "value_scale")
             ]
-        self.declare([kv_group], roles)
+        return roles
 
     def __repr__(self) -> str:
         extra = f", kv_cache_quant={self.kv_cache_quant!r}" if self.kv_cache_quant else ""
@@ -213,3 +192,31 @@ class MHABackend(GQABackend):
             block_layout=block_layout,
             scale_dtype=scale_dtype,
         )
+
+
+def _window_args(
+    owner: str, sliding_window: object, attention_chunk_size: object
+) -> tuple[int | None, int | None, str]:
+    """The checked window (or chunk) and the group name it defaults to: ``chunked`` for a
+    chunk, ``swa`` for a window, ``kv`` for full history; both at once is refused."""
+    window = optional_width(owner, "sliding_window", sliding_window, unit="tokens")
+    chunk = optional_width(owner, "attention_chunk_size", attention_chunk_size, unit="tokens")
+    if window is not None and chunk is not None:
+        raise ArgumentError(
+            f"{owner}: give sliding_window or attention_chunk_size, not both (got "
+            f"{window} and {chunk})"
+        )
+    if chunk is not None:
+        return window, chunk, "chunked"
+    return window, chunk, "kv" if window is None else "swa"
+
+
+def _kv_group(name: str, block_size: int, window: int | None, chunk: int | None) -> CacheGroup:
+    """The one group of the key/value roles: chunked, sliding-window or full."""
+    if chunk is not None:
+        return CacheGroup(name=name, block_size=block_size, kind=GroupKind.CHUNKED, window=chunk)
+    if window is None:
+        return CacheGroup(name=name, block_size=block_size, kind=GroupKind.FULL)
+    return CacheGroup(
+        name=name, block_size=block_size, kind=GroupKind.SLIDING_WINDOW, window=window
+    )
