@@ -384,7 +384,8 @@ class BlockManager:
         b = step_stages.check_batch(
             self._t, self._book, request_ids, num_new_tokens, new_token_ids, prefix_matches
         )
-        self._drop_unended_steps()
+        if len(self._open_steps) >= MAX_OPEN_STEPS:
+            self._drop_unended_steps()
         work = self._prefix.work = StepWork()
         step_stages.admit(b, self._t, self.max_num_seqs)
         prefix = self._prefix

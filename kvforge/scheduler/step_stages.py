@@ -28,7 +28,7 @@ the scheduler's tests of ``schedule`` (``tests/scheduler/test_block_tables.py``,
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,6 +53,9 @@ __all__ = [
 ]
 
 
+_ALL = slice(None)  # every entry (an index that copies nothing)
+
+
 @dataclass(slots=True, eq=False)
 class StepBatch:
     """One step's batch as the stages see it (arrays, one entry per request, in call order).
@@ -70,7 +73,8 @@ class StepBatch:
         after: ``before + new``.
         adopted: index -> the prefix hit an accepted new request adopted.
         kept_ids: the accepted ids, in order (set by :func:`commit`).
-        kept: index of the accepted entries: a ``slice`` when all are, else ``accept``.
+        kept: index of the accepted entries (set by :func:`commit`): a ``slice`` when all
+            are, else ``accept``.
     """
 
     ids: list[str]
@@ -79,13 +83,13 @@ class StepBatch:
     fresh: np.ndarray
     n_fresh: int
     accept: np.ndarray
-    refused: list[Refusal] = field(default_factory=list)
+    refused: list[Refusal]
+    adopted: dict[int, PrefixMatch]
     safe_rows: np.ndarray | None = None
     before: np.ndarray | None = None
     after: np.ndarray | None = None
-    adopted: dict[int, PrefixMatch] = field(default_factory=dict)
     kept_ids: tuple[str, ...] = ()
-    kept: slice | np.ndarray = field(default_factory=lambda: slice(None))
+    kept: slice | np.ndarray | None = None
 
 
 def check_batch(
@@ -118,7 +122,7 @@ def check_batch(
     if swapped or busy or prefix_matches is not None:
         _refuse_malformed(ids, fresh, swapped, busy, prefix_matches)
     n_fresh = int(np.count_nonzero(fresh))
-    return StepBatch(ids, new, rows, fresh, n_fresh, np.ones(len(ids), dtype=bool))
+    return StepBatch(ids, new, rows, fresh, n_fresh, np.ones(len(ids), dtype=bool), [], {})
 
 
 def _refuse_malformed(
@@ -282,7 +286,7 @@ def commit(
         for i in (batch.fresh & accept).nonzero()[0]:
             tables.row_of[ids[i]] = int(rows[i])
     if accept.all():
-        batch.kept_ids = tuple(ids)
+        batch.kept_ids, batch.kept = tuple(ids), _ALL
     else:
         batch.kept_ids = tuple(r for r, a in zip(ids, accept, strict=True) if a)
         batch.kept = accept
