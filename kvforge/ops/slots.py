@@ -391,33 +391,49 @@ def slot_mapping(
     device = _CPU if numpy_in else positions.device
     # the per-step CPU case skips the resolution (a few microseconds)
     name = "numpy" if impl == "auto" and device.type == "cpu" else resolve_slot_impl(impl, device)
-    n = int(positions.shape[0])
     if name == "numpy":
-        if numpy_in:
-            dst = np.empty(n, dtype=np.int64) if out is None else out
-            return _slots_numpy(table, rows, positions, block_size, compress_ratio, dst)
-        dst_t = torch.empty(n, dtype=torch.int64) if out is None else out
-        _slots_numpy(
-            table.numpy(),
-            rows.numpy(),
-            positions.numpy(),
-            block_size,
-            compress_ratio,
-            dst_t.numpy(),
-        )
-        return dst_t
-    # torch / triton take tensors: numpy inputs are wrapped without copies
+        return _run_numpy(table, rows, positions, block_size, compress_ratio, out)
+    return _run_tensors(name, table, rows, positions, block_size, compress_ratio, out, device)
+
+
+def _run_numpy(
+    table: Array, rows: Array, positions: Array, block_size: int, r: int, out: Array | None
+) -> Array:
+    """The numpy kernel on numpy arrays, or on CPU tensors through their numpy views."""
+    n = int(positions.shape[0])
+    if isinstance(positions, np.ndarray):
+        dst = np.empty(n, dtype=np.int64) if out is None else out
+        return _slots_numpy(table, rows, positions, block_size, r, dst)
+    dst_t = torch.empty(n, dtype=torch.int64) if out is None else out
+    _slots_numpy(table.numpy(), rows.numpy(), positions.numpy(), block_size, r, dst_t.numpy())
+    return dst_t
+
+
+def _run_tensors(
+    name: str,
+    table: Array,
+    rows: Array,
+    positions: Array,
+    block_size: int,
+    r: int,
+    out: Array | None,
+    device: torch.device,
+) -> Array:
+    """The torch or triton kernel; numpy inputs are wrapped without copies and the result
+    given back as numpy."""
+    numpy_in = isinstance(positions, np.ndarray)
+    n = int(positions.shape[0])
     tensors = [torch.from_numpy(x) if numpy_in else x for x in (table, rows, positions)]
     if out is None:
         dst_t = torch.empty(n, dtype=torch.int64, device=device)
     else:
         dst_t = torch.from_numpy(out) if numpy_in else out
     if name == "torch":
-        _slots_torch(*tensors, block_size, compress_ratio, dst_t)
+        _slots_torch(*tensors, block_size, r, dst_t)
     else:
         from . import triton_slots
 
-        triton_slots.slot_mapping_triton(*tensors, block_size, compress_ratio, dst_t)
+        triton_slots.slot_mapping_triton(*tensors, block_size, r, dst_t)
     if not numpy_in:
         return dst_t
     return dst_t.numpy() if out is None else out
