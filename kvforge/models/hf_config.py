@@ -229,13 +229,7 @@ def from_hf_config(
         TypeError: ``config`` is not a mapping, string or path; or a registered builder
             returned something other than ``{int >= 0: AttentionBackend}``.
     """
-    if isinstance(config, (str, os.PathLike)):
-        config = load_model_config(config)
-    elif not isinstance(config, Mapping):
-        raise TypeError(
-            f"config must be a mapping (a parsed config.json), a path or a bundled model "
-            f"name, got {type(config).__name__}"
-        )
+    config = _config_mapping(config)
     opts = _options(
         block_size=block_size,
         dtype=dtype,
@@ -245,6 +239,26 @@ def from_hf_config(
     )
     entry = _registration(config)
     _check_layer_counts(config)
+    return _build(entry, config, opts)
+
+
+def _config_mapping(config: ConfigSource) -> Mapping[str, Any]:
+    """``config`` as a parsed ``config.json``: a path or bundled name is loaded."""
+    if isinstance(config, (str, os.PathLike)):
+        return load_model_config(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"config must be a mapping (a parsed config.json), a path or a bundled model "
+            f"name, got {type(config).__name__}"
+        )
+    return config
+
+
+def _build(
+    entry: RegisteredModelType, config: Mapping[str, Any], opts: ModelOptions
+) -> ModelBackends:
+    """The registered builder's backends, checked, with the model's default length (the
+    builder's own when it gives one)."""
     max_len = max_position_embeddings(config, entry.model_type)
     result = entry.builder(config, entry.model_type, opts)
     if isinstance(result, ModelBackends) and result.max_position_embeddings is not None:
