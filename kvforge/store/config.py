@@ -55,6 +55,14 @@ def _read_file(file: Path) -> Any:
     where = f"StoreConfig.from_file: {str(file)!r}"
     if file.suffix not in (".json", ".toml"):
         raise ValueError(f"{where} must end in .toml or .json, got {file.suffix!r}")
+    text = _read_text(file, where)
+    data = _parse(text, file.suffix, where)
+    _check_depth(data, where)
+    return data
+
+
+def _read_text(file: Path, where: str) -> str:
+    """The file's UTF-8 text: a regular file of at most ``_MAX_FILE_BYTES`` bytes."""
     try:
         info = file.stat()
         if stat.S_ISDIR(info.st_mode):
@@ -72,21 +80,24 @@ def _read_file(file: Path) -> Any:
     except OSError as exc:
         raise ValueError(f"{where}: cannot read it: {exc.strerror or exc}") from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(
             f"{where} is not UTF-8 text: byte {exc.start} is {raw[exc.start : exc.start + 1]!r}"
         ) from None
-    kind = file.suffix[1:].upper()
+
+
+def _parse(text: str, suffix: str, where: str) -> Any:
+    """``text`` parsed as JSON or TOML; a syntax error names its line and column."""
+    kind = suffix[1:].upper()
     try:
-        if file.suffix == ".json":
-            data = json.loads(text)
-        else:
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-            data = tomllib.loads(text)
+        if suffix == ".json":
+            return json.loads(text)
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib  # type: ignore[no-redef]
+        return tomllib.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(
             f"{where} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
@@ -102,8 +113,13 @@ def _read_file(file: Path) -> Any:
         end = f"at end of document: line {text.count(chr(10)) + 1}, column {len(last) + 1}"
         message = message.replace("at end of document", end)
         raise ValueError(f"{where} is not valid {kind}: {message}") from None
+
+
+def _check_depth(data: Any, where: str) -> None:
+    """Refuse nesting deeper than ``_MAX_DEPTH`` (within the parser's limit), walked without
+    recursion."""
     stack: list[tuple[Any, int]] = [(data, 1)]
-    while stack:  # deep nesting within the parser's limit, walked without recursion
+    while stack:
         value, depth = stack.pop()
         if not isinstance(value, dict | list):
             continue
@@ -114,7 +130,6 @@ def _read_file(file: Path) -> Any:
                 f"{_MAX_DEPTH} at most"
             )
         stack.extend((child, depth + 1) for child in children)
-    return data
 
 
 def _titled(exc: ValidationError, title: str) -> ValidationError:
