@@ -37,7 +37,7 @@ the pages. Checked by ``tests/worker/test_host_tier_bytes.py``,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvforge.core.memory_plan import check_allocatable
 from kvforge.core.values import PageCopy, TableDelta
@@ -47,9 +47,45 @@ from kvforge.worker.swap_pages import HostGroupPool, HostPools
 from kvforge.worker.transfer import move_pages
 
 if TYPE_CHECKING:
-    from kvforge.worker.storage import CacheStorage
+    import threading
 
-__all__ = ["HostTierPages"]
+    import torch
+
+    from kvforge.core.layout import CacheLayout
+    from kvforge.ops import PlaneSet
+    from kvforge.platform import Platform
+    from kvforge.worker.transfer import SwapStreams
+
+__all__ = ["HostTierPages", "PagesOwner"]
+
+
+class PagesOwner(Protocol):
+    """What tier pages use of the storage that owns them: its declared public methods only
+    (:class:`~kvforge.worker.storage.CacheStorage` has them; this module does not import it,
+    so the storage may import this one)."""
+
+    layout: CacheLayout
+    platform: Platform
+
+    @property
+    def lock(self) -> threading.RLock: ...
+    @property
+    def tier_pages(self) -> Any: ...
+    @property
+    def offloaded_groups(self) -> list[str]: ...
+    @property
+    def streams(self) -> SwapStreams | None: ...
+    def check_ready(self) -> None: ...
+    def planes(self, group: str) -> PlaneSet: ...
+    def check_page_copies(
+        self,
+        offloads: Sequence[PageCopy],
+        onloads: Sequence[PageCopy],
+        num_pages: Mapping[str, int],
+        deltas: Sequence[TableDelta] = (),
+    ) -> None: ...
+    def end_copies(self, keep_alive: list[torch.Tensor]) -> Any: ...
+    def attach_tier_pages(self, pages: HostTierPages) -> None: ...
 
 
 class HostTierPages:
@@ -66,7 +102,7 @@ class HostTierPages:
         RuntimeError: the storage has no device caches yet, or host tier pages already.
     """
 
-    def __init__(self, storage: CacheStorage, num_pages: Mapping[str, int]) -> None:
+    def __init__(self, storage: PagesOwner, num_pages: Mapping[str, int]) -> None:
         with storage.lock:
             storage.check_ready()
             if storage.tier_pages is not None:
