@@ -264,7 +264,7 @@ def collide(monkeypatch, algorithm: str) -> None:
     init = BlockManager.__init__
 
     def with_algorithm(self, *args, **kw):
-        kw.setdefault("key_algorithm", chosen)
+        kw["key_algorithm"] = chosen  # the controller passes its options' algorithm
         init(self, *args, **kw)
 
     monkeypatch.setattr(BlockManager, "__init__", with_algorithm)
