@@ -135,10 +135,20 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         if pin_memory is None:
             pin_memory = device.type != "cpu"
         self.pin_memory = pin_memory
+        #: per group position: ``uint8 [num_pages * blocks_per_chunk, block_bytes]``
+        self.host = self._allocate_host(host_bytes, machine)
+        self._finished: list[TransferResult] = []
+        #: bytes moved by successful stores and loads, and transfers that failed
+        self.bytes_stored = 0
+        self.bytes_loaded = 0
+        self.failed_transfers = 0
+
+    def _allocate_host(self, host_bytes: int, machine: MachineFacts) -> list[torch.Tensor]:
+        """One host page array per group; a failed allocation names ``host_bytes``."""
+        plan, pin_memory = self.plan, self.pin_memory
         bpc = plan.blocks_per_chunk
         try:
-            #: per group position: ``uint8 [num_pages * blocks_per_chunk, block_bytes]``
-            self.host = [
+            return [
                 torch.empty((plan.num_pages * bpc, b), dtype=torch.uint8, pin_memory=pin_memory)
                 for b in self.block_bytes
             ]
@@ -149,11 +159,6 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 f"allocating {host_bytes:,} B of {'pinned ' if pin_memory else ''}host pages "
                 f"failed on this machine ({machine.host_memory or 0:,} bytes of memory): {exc}",
             ) from None
-        self._finished: list[TransferResult] = []
-        #: bytes moved by successful stores and loads, and transfers that failed
-        self.bytes_stored = 0
-        self.bytes_loaded = 0
-        self.failed_transfers = 0
 
     # ------------------------------------------------------------------ mapping
 
@@ -170,6 +175,24 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         Raises:
             TransferError: the specs disagree with each other or with the plan.
         """
+        sizes, starts, ids = self._check_spec_sizes(gpu, host)
+        out = []
+        start = 0
+        for pos, n in enumerate(sizes):
+            blocks, start = ids[start : start + n], start + n
+            if n == 0:
+                if len(host.pages[pos]):
+                    raise TransferError(f"group position {pos}: host pages but no blocks")
+                continue
+            rows = self._group_rows(pos, blocks, int(starts[pos]), host.pages[pos], store)
+            out.append((pos, blocks, rows))
+        return out
+
+    def _check_spec_sizes(
+        self, gpu: GPULoadStoreSpec, host: LoadStoreSpec
+    ) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The group sizes, block indices and device block ids of a transfer, checked to
+        agree with each other and with the offloaded groups."""
         if not isinstance(host, HostPages):
             raise TransferError(f"expected kvforge host pages, got {type(host).__name__}")
         sizes = list(gpu.group_sizes)
@@ -178,7 +201,6 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 f"a transfer names {len(sizes)} device groups and {len(host.pages)} host groups, "
                 f"{len(self.planes)} are offloaded"
             )
-        bpc = self.plan.blocks_per_chunk
         sizes = int_array("group_sizes", sizes, 0).tolist()
         starts = int_array("block_indices", gpu.block_indices, 0)
         if len(starts) != len(sizes):
@@ -191,46 +213,45 @@ class KVForgeOffloadingWorker(OffloadingWorker):
                 f"a transfer names {len(ids)} device block ids, the group sizes {sizes} add up "
                 f"to {sum(sizes)}"
             )
-        out = []
-        start = 0
-        for pos, n in enumerate(sizes):
-            blocks, start = ids[start : start + n], start + n
-            if n == 0:
-                if len(host.pages[pos]):
-                    raise TransferError(f"group position {pos}: host pages but no blocks")
-                continue
-            if blocks.min() < 0:  # -1 would be "skip this row" to the gather/scatter
-                raise TransferError(
-                    f"group position {pos}: device block ids must be >= 0, got "
-                    f"{blocks[blocks < 0].tolist()}"
-                )
-            limit = self.planes[pos].min_blocks
-            if blocks.max() >= limit:  # past the caches: another allocation's memory
-                raise TransferError(
-                    f"group position {pos}: device block ids must be below {limit}, got "
-                    f"{blocks[blocks >= limit].tolist()}"
-                )
-            first = int(starts[pos]) % bpc
-            chunk = (first + np.arange(n)) // bpc
-            pages = int_array(f"group position {pos}: host pages", host.pages[pos], None)
-            if len(pages) != int(chunk[-1]) + 1:
-                raise TransferError(
-                    f"group position {pos}: {n} blocks span {int(chunk[-1]) + 1} chunks, "
-                    f"the host spec names {len(pages)} pages"
-                )
-            if store and n != len(pages) * bpc - first:  # else rows of a later chunk shift
-                raise TransferError(
-                    f"group position {pos}: a store fills whole chunks: {n} blocks from offset "
-                    f"{first} in {len(pages)} pages"
-                )
-            if pages.min() < 1 or pages.max() > self.plan.num_pages:
-                raise TransferError(
-                    f"group position {pos}: page ids must be in [1, {self.plan.num_pages}], "
-                    f"got {pages.tolist()}"
-                )
-            rows = (pages[chunk] - 1) * bpc + (first + np.arange(n)) % bpc
-            out.append((pos, blocks, rows))
-        return out
+        return sizes, starts, ids
+
+    def _group_rows(
+        self, pos: int, blocks: np.ndarray, start: int, host_pages: object, store: bool
+    ) -> np.ndarray:
+        """The host rows of one group's ``blocks`` (from logical block ``start``), each block
+        id and page id checked against the caches and the plan."""
+        n = len(blocks)
+        bpc = self.plan.blocks_per_chunk
+        if blocks.min() < 0:  # -1 would be "skip this row" to the gather/scatter
+            raise TransferError(
+                f"group position {pos}: device block ids must be >= 0, got "
+                f"{blocks[blocks < 0].tolist()}"
+            )
+        limit = self.planes[pos].min_blocks
+        if blocks.max() >= limit:  # past the caches: another allocation's memory
+            raise TransferError(
+                f"group position {pos}: device block ids must be below {limit}, got "
+                f"{blocks[blocks >= limit].tolist()}"
+            )
+        first = start % bpc
+        chunk = (first + np.arange(n)) // bpc
+        pages = int_array(f"group position {pos}: host pages", host_pages, None)
+        if len(pages) != int(chunk[-1]) + 1:
+            raise TransferError(
+                f"group position {pos}: {n} blocks span {int(chunk[-1]) + 1} chunks, "
+                f"the host spec names {len(pages)} pages"
+            )
+        if store and n != len(pages) * bpc - first:  # else rows of a later chunk shift
+            raise TransferError(
+                f"group position {pos}: a store fills whole chunks: {n} blocks from offset "
+                f"{first} in {len(pages)} pages"
+            )
+        if pages.min() < 1 or pages.max() > self.plan.num_pages:
+            raise TransferError(
+                f"group position {pos}: page ids must be in [1, {self.plan.num_pages}], "
+                f"got {pages.tolist()}"
+            )
+        return (pages[chunk] - 1) * bpc + (first + np.arange(n)) % bpc
 
     # ------------------------------------------------------------------ transfers
 
