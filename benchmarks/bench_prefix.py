@@ -23,8 +23,8 @@ vLLM round) so both see the same machine load:
 - ``ratio = kvforge_lookup_us / (vllm_hash_us + vllm_lookup_us)`` (issue 19's goal: <= 0.5).
 
 vLLM figures are null where vLLM is not installed (the project's ``.venv``) or with
-``--no-vllm``. vLLM runs in ``/work/.venv-vllm`` (see ``docs/vllm_baseline.md``), kvforge from
-the checkout (``PYTHONPATH=/work/main``).
+``--no-vllm``. vLLM runs in ``~/.venv-vllm`` (see ``docs/vllm_baseline.md``), kvforge from
+the checkout (``PYTHONPATH=.``).
 
 ``--json`` writes ``{"environment": ..., "cost": [CostRecord, ...], "runs": [PrefixRecord,
 ...]}``; the runs' ``hash_us`` / ``lookup_us`` / ``vllm_*`` / ``hash_lookup_ratio`` are their
@@ -32,7 +32,7 @@ model's cost record's figures. ``--cost-only`` skips the hit-rate runs (``runs``
 
 Usage::
 
-    PYTHONPATH=/work/main /work/.venv-vllm/bin/python benchmarks/bench_prefix.py [--json PATH]
+    PYTHONPATH=. ~/.venv-vllm/bin/python benchmarks/bench_prefix.py [--json PATH]
         [--seed 0] [--conversations 64] [--concurrency 32] [--max-num-seqs 16] [--models a,b]
         [--repeats 200] [--quick] [--cost-only] [--no-vllm]
 """

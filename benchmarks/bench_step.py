@@ -9,7 +9,7 @@ microseconds (medians over ``--repeats`` runs):
 
 ``prefill_alloc``, ``decode_alloc``, ``kernel_inputs``, ``step``, ``free``; ``ratio`` is
 ``kvforge_us / vllm_us`` (below 1: kvforge is faster), null where vLLM is not installed (the
-project's ``.venv``). vLLM runs in ``/work/.venv-vllm`` (see ``docs/vllm_baseline.md``).
+project's ``.venv``). vLLM runs in ``~/.venv-vllm`` (see ``docs/vllm_baseline.md``).
 
 The scaling set is also reported per request (decode ``step`` / requests) with its ratio to
 2k context, and through the per-request path (:mod:`per_request`): ``CacheController.allocate``,
@@ -20,7 +20,7 @@ in ``--rounds`` interleaved rounds (JSON phases ``per_request_alloc``, ``_table`
 
 Usage::
 
-    /work/.venv-vllm/bin/python benchmarks/bench_step.py [--repeats 5] [--workloads a,b]
+    ~/.venv-vllm/bin/python benchmarks/bench_step.py [--repeats 5] [--workloads a,b]
         [--json PATH] [--rounds 5] [--no-per-request]
 """
 

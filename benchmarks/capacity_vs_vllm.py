@@ -39,7 +39,7 @@ driving vLLM's own ``KVCacheManager`` must reproduce the real ``Scheduler``'s fi
 
 Usage::
 
-    PYTHONPATH=/work/main /work/.venv-vllm/bin/python benchmarks/capacity_vs_vllm.py
+    PYTHONPATH=. ~/.venv-vllm/bin/python benchmarks/capacity_vs_vllm.py
         [--scenarios a,b] [--quick] [--json PATH] [--no-vllm] [--no-progress]
         [--kvforge-option NAME=VALUE ...]
 
@@ -550,8 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with_vllm = not args.no_vllm
     if with_vllm and not vllm_available():
         out.print(
-            f"vLLM {VLLM_VERSION} is not importable here: run with /work/.venv-vllm/bin/python "
-            "(PYTHONPATH=/work/main; see docs/vllm_baseline.md), or pass --no-vllm for the "
+            f"vLLM {VLLM_VERSION} is not importable here: run with ~/.venv-vllm/bin/python "
+            "(PYTHONPATH=.; see docs/vllm_baseline.md), or pass --no-vllm for the "
             "kvforge side alone"
         )
         return 2

@@ -10,7 +10,7 @@ packed layers; the rows give the per-page padding. kvforge
 (``kvforge.core.arena.plan_arena``) pads each group's page to its stride. Run with vLLM
 installed as ``docs/vllm_baseline.md`` says::
 
-    PYTHONPATH=. /work/.venv-vllm/bin/python benchmarks/padding_vs_vllm.py [--json PATH]
+    PYTHONPATH=. ~/.venv-vllm/bin/python benchmarks/padding_vs_vllm.py [--json PATH]
 """
 
 from __future__ import annotations

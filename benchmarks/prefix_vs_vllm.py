@@ -52,7 +52,7 @@ counted in ``recomputed_tokens``).
 
 Usage::
 
-    PYTHONPATH=/work/main /work/.venv-vllm/bin/python benchmarks/prefix_vs_vllm.py
+    PYTHONPATH=. ~/.venv-vllm/bin/python benchmarks/prefix_vs_vllm.py
         [--models a,b] [--seed 0] [--quick] [--json PATH] [--no-vllm] [--no-progress]
         [--no-scheduler-check] [--kvforge-option NAME=VALUE ...]
 
@@ -1246,8 +1246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with_vllm = not args.no_vllm
     if with_vllm and not vllm_available():
         out.print(
-            f"vLLM {VLLM_VERSION} is not importable here: run with /work/.venv-vllm/bin/python "
-            "(PYTHONPATH=/work/main; see docs/vllm_baseline.md), or pass --no-vllm for the "
+            f"vLLM {VLLM_VERSION} is not importable here: run with ~/.venv-vllm/bin/python "
+            "(PYTHONPATH=.; see docs/vllm_baseline.md), or pass --no-vllm for the "
             "kvforge side alone"
         )
         return 2

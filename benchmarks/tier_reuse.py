@@ -11,7 +11,7 @@ handed out and dropped (this measures hits, not bytes: the tests check the bytes
 
 Usage::
 
-    PYTHONPATH=/work/main python benchmarks/tier_reuse.py [--json PATH] [--models a,b]
+    PYTHONPATH=. python benchmarks/tier_reuse.py [--json PATH] [--models a,b]
         [--fraction 1/4] [--host 1/2] [--quick]
 """
 

@@ -36,7 +36,7 @@ models' HF configs are read from kvforge's bundled JSON files, as data.
 
 Usage::
 
-    /work/.venv-vllm/bin/python benchmarks/vllm_baseline.py [--repeats N] [--workloads a,b]
+    ~/.venv-vllm/bin/python benchmarks/vllm_baseline.py [--repeats N] [--workloads a,b]
         [--json PATH]
 """
 

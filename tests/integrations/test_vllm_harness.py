@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (use /work/.venv-vllm)")
+pytest.importorskip("vllm", reason="vLLM 0.33 is not installed (see docs/vllm_baseline.md)")
 
 import torch
 from vllm.v1.kv_offload.base import (

@@ -1,6 +1,6 @@
 """Drive vLLM 0.33's real ``Scheduler`` and a WORKER-role KV connector in one process, on CPU.
 
-What it mirrors in vLLM (``/work/.venv-vllm/lib/python3.11/site-packages/vllm``):
+What it mirrors in vLLM (vLLM 0.33's ``site-packages/vllm``):
 
 - configuration: ``EngineArgs.create_engine_config`` (a ``VllmConfig`` with a
   ``KVTransferConfig``), then ``EngineCore._initialize_kv_caches`` (``v1/engine/core.py``):
