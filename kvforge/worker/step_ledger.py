@@ -66,6 +66,11 @@ class StepLedger:
         self.latest: list[tuple[tuple[str, ...], np.ndarray, np.ndarray] | None] = [
             None
         ] * num_rows
+        #: step id -> (request ids, copies_after) of applied steps whose snapshots have not
+        #: run (``CacheStorage.run_snapshots`` / ``end_snapshots``), and the steps whose
+        #: snapshots failed there
+        self.snapshots_due: dict[int, tuple[tuple[str, ...], tuple[BlockCopy, ...]]] = {}
+        self.snapshots_failed: set[int] = set()
         #: (group, dst) -> (src, row, step_id) of each issued copy not yet run
         self.issued: dict[CopyKey, tuple[int, int, int]] = {}
         self._by_step: OrderedDict[int, list[CopyKey]] = OrderedDict()
@@ -128,6 +133,8 @@ class StepLedger:
                 owners[row] = request_id
                 where[request_id] = row
                 latest[row] = written
+        if step.copies_after:
+            self._due(step)
         keys: list[CopyKey] = []
         for copy in (*step.copies_before, *step.copies_after):
             src, dst = np.asarray(copy.src).tolist(), np.asarray(copy.dst).tolist()
@@ -143,6 +150,14 @@ class StepLedger:
                     entry = self.issued.get(key)
                     if entry is not None and entry[2] <= step.step_id - KEEP_STEPS:
                         del self.issued[key]
+
+    def _due(self, step: StepEffects) -> None:
+        """Keep ``step``'s snapshots until they run; forget those of steps ``KEEP_STEPS``
+        older (their copies are forgotten too)."""
+        due = self.snapshots_due
+        due[step.step_id] = (step.request_ids, step.copies_after)
+        for old in [s for s in due if s <= step.step_id - KEEP_STEPS]:
+            del due[old]
 
     def first_written(self, row: int, request_id: str, num_tokens: int) -> int:
         """The first token the latest step of ``request_id`` (in ``row``) wrote, when that

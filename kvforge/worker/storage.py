@@ -27,7 +27,25 @@ Invariants:
   their sequence only (``TableDelta.seq``), every row, column, block id and host page is
   range-checked, a swap plan runs at most once, and a copy or swap writes only blocks its
   request's mirrored row holds and no other row does. A refused value raises a
-  :class:`~kvforge.errors.WorkerRefusedError` before anything is mirrored or moved.
+  :class:`~kvforge.errors.WorkerRefusedError` before anything is mirrored or moved;
+- a step's effects (:class:`~kvforge.core.values.StepEffects`) are applied in one place,
+  :meth:`CacheStorage.run`, in the one order ``StepEffects`` states; ``apply`` and
+  ``apply_effects`` are wrappers of it. What the worker remembers of steps (their number, the
+  request of each row, the tokens each row's latest step wrote, the copies issued and the
+  snapshots due) is its step ledger's (:mod:`kvforge.worker.step_ledger`), and the step handed
+  to it that has not run whole is :attr:`CacheStorage.pending` (``tests/worker/
+  test_step_ledger.py``, ``tests/scheduler/test_interrupts.py``,
+  ``tests/properties/test_step_copies_property.py``);
+- the storage owns its tier pages (:attr:`CacheStorage.tier_pages`,
+  :mod:`kvforge.worker.tier_pages`): ``host_bytes`` counts them with the swap pages, ``free``
+  lets go of them once (``tests/worker/test_host_bytes.py``).
+
+Locking: one re-entrant lock (:attr:`CacheStorage.lock`). Every public method of the
+storage holds it for its whole call (checks, mirroring, the copies it queues, ledger
+records; not the completion of copies an accelerator runs on side streams, which events
+order), and so does every public method of its tier pages, which are part of it. Nothing
+outside the storage and its tier pages takes it; the facade serialises its own calls with its
+own lock, and calls the storage with none of the scheduler side's locks held.
 """
 
 from __future__ import annotations
@@ -661,6 +679,41 @@ class CacheStorage:
             }
             tables: dict[str, Any] = self._device_tables or self._tables
             return StepInputs(index, positions, slots, dict(tables))
+
+    def run_snapshots(self, request_ids: Sequence[str]) -> None:
+        """Run the ``copies_after`` of the applied steps that named any of ``request_ids`` and
+        whose snapshots have not run, before a newer step of theirs is applied: an
+        asynchronous engine schedules step N + 1 before it ends step N, and N + 1's kernels
+        would move a request's state past the boundary step N's snapshot is of. A copy that
+        fails marks its step as one whose snapshots did not run (:meth:`end_snapshots`)."""
+        with self._lock:
+            due = self._steps.snapshots_due
+            if not due:
+                return
+            ids = set(request_ids) if isinstance(request_ids, Sequence) else set()
+            for step_id, (names, copies) in list(due.items()):
+                if ids.isdisjoint(names):
+                    continue
+                del due[step_id]
+                try:
+                    self.copy_blocks(copies)
+                except BaseException:
+                    self._steps.snapshots_failed.add(step_id)
+                    raise
+
+    def end_snapshots(self, step_id: int) -> bool:
+        """Run step ``step_id``'s ``copies_after`` unless :meth:`run_snapshots` ran them;
+        whether its snapshots ran (``False`` when they failed there). Raises what a copy
+        raises (the snapshots did not run)."""
+        with self._lock:
+            _, copies = self._steps.snapshots_due.pop(step_id, ((), ()))
+            if copies:
+                self.copy_blocks(copies)
+            failed = self._steps.snapshots_failed
+            if step_id in failed:
+                failed.discard(step_id)
+                return False
+            return True
 
     def first_written(self, row: int, request_id: str, num_tokens: int) -> int:
         """The first token the latest step of ``request_id`` (in ``row``) wrote, when that
