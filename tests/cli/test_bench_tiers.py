@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from _optional import mooncake_missing, redis_missing
 
 from kvforge.cli import bench, bench_tiers, remotes
 from kvforge.cli.bench_tiers import TierCase, run_tiers
@@ -29,8 +30,9 @@ FIELDS = {
     "blocks",
     "seconds",
 }
-HAVE_REDIS = bench_tiers.missing("redis") is None
-HAVE_MOONCAKE = bench_tiers.missing("mooncake") is None
+# client, system library (Mooncake's libibverbs) and server binary (tests/_optional.py)
+HAVE_REDIS = redis_missing() is None
+HAVE_MOONCAKE = mooncake_missing() is None
 
 
 def tiny_cases() -> list[TierCase]:

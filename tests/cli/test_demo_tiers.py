@@ -5,6 +5,8 @@ missing servers are one line, exit 2, and leave no server running."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,13 +14,16 @@ import sys
 import textwrap
 
 import pytest
+from _optional import mooncake_missing, redis_missing
 
-from kvforge.cli import bench_tiers, demo, remotes
+from kvforge.cli import demo, remotes
 from kvforge.cli.main import main
 from kvforge.store import servers
 
-HAVE_REDIS = bench_tiers.missing("redis") is None
-HAVE_MOONCAKE = bench_tiers.missing("mooncake") is None
+#: why each remote cannot run here (client, system library, server binary), or None
+REDIS_MISSING, MOONCAKE_MISSING = redis_missing(), mooncake_missing()
+HAVE_REDIS = REDIS_MISSING is None
+HAVE_MOONCAKE = MOONCAKE_MISSING is None
 ARGV = ["demo", "--device", "cpu", "--no-progress", "--requests", "2"]
 
 
@@ -52,7 +57,7 @@ def check_remote(prefix: dict, tier: str) -> None:
     assert prefix["hit_tokens"] > prefix["writer_hit_tokens"] > 0
 
 
-@pytest.mark.skipif(not HAVE_REDIS, reason="redis-server or redis-py is not installed")
+@pytest.mark.skipif(not HAVE_REDIS, reason=str(REDIS_MISSING))
 def test_tier_redis_started_by_the_command_serves_hits_from_the_store(capsys, tmp_path, started):
     path = tmp_path / "demo.json"
     assert main([*ARGV, "--tier", "redis", "--json", str(path)]) == 0
@@ -66,7 +71,7 @@ def test_tier_redis_started_by_the_command_serves_hits_from_the_store(capsys, tm
     assert len(started) == 1 and all_stopped(started)
 
 
-@pytest.mark.skipif(not HAVE_REDIS, reason="redis-server or redis-py is not installed")
+@pytest.mark.skipif(not HAVE_REDIS, reason=str(REDIS_MISSING))
 def test_tier_redis_at_a_given_address_leaves_that_server_running(capsys, tmp_path, started):
     path = tmp_path / "demo.json"
     with servers.RedisServer(servers.free_port()) as server:
@@ -80,7 +85,7 @@ def test_tier_redis_at_a_given_address_leaves_that_server_running(capsys, tmp_pa
     assert started == [server]  # the demo started none of its own
 
 
-@pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake_master or the mooncake wheel is missing")
+@pytest.mark.skipif(not HAVE_MOONCAKE, reason=str(MOONCAKE_MISSING))
 def test_tier_mooncake_in_a_process_of_its_own(tmp_path):
     # Mooncake's client keeps process-wide state in the network namespace of the first client
     # (docs/tiered_store.md): a fresh process, so that no other test's namespace is in the way
@@ -111,6 +116,16 @@ def test_tier_mooncake_in_a_process_of_its_own(tmp_path):
     [pid] = [int(p) for p in pids.read_text().split()]
     with pytest.raises(ProcessLookupError):  # stopped and reaped by the command
         os.kill(pid, 0)
+
+
+_find_spec = importlib.util.find_spec
+
+
+def client_installed(name: str, package: str | None = None):
+    """``find_spec`` on a machine where both remote clients are installed."""
+    if name in remotes.REMOTES:
+        return importlib.machinery.ModuleSpec(name, None)
+    return _find_spec(name, package)
 
 
 def _closed_port() -> str:
@@ -148,11 +163,13 @@ def test_bad_input_and_missing_servers_are_one_line_exit_2(
         monkeypatch.setattr(
             remotes.shutil, "which", lambda n: None if n in absent else real_which(n)
         )
+        # the clients present, installed or not: the check under test is the binary's
+        monkeypatch.setattr(remotes.importlib.util, "find_spec", client_installed)
     elif patch == "no-client":
         monkeypatch.setattr(remotes.importlib.util, "find_spec", lambda name: None)
     elif patch == "no-start":
         if not HAVE_REDIS:
-            pytest.skip("redis-server or redis-py is not installed")
+            pytest.skip(str(REDIS_MISSING))
 
         def refuse(self, *args, **kwargs):
             started.append(self)

@@ -136,6 +136,7 @@ class Worker:
             self.error = exc
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_four_threads_never_touch_each_others_kv(seed: int) -> None:
     ctl = CacheController({0: GQABackend(1, 8, 4)}, enable_prefix_caching=True)

@@ -622,6 +622,7 @@ OPS = st.lists(
 )
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("name", list(CONFIGS))
 @settings(
     max_examples=20,
@@ -638,6 +639,7 @@ def test_random_prompt_trees(name: str, ops: list[tuple[str, int]]) -> None:
 WINDOWED = ("gqa_sliding_window", "gqa_sliding_window_shared", "deepseek_v4_mtp")
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("retention", PREFIX_RETENTIONS)
 @pytest.mark.parametrize("name", WINDOWED)
 @settings(

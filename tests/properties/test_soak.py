@@ -43,6 +43,7 @@ def _load_soak():
 soak = _load_soak()
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_soak_fixed_seeds(seed: int) -> None:
     report = soak.run_soak(120, seed)
@@ -53,6 +54,7 @@ def test_soak_fixed_seeds(seed: int) -> None:
     assert sum(report.bad_calls.values()) > 0
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("share_pools", [False, True], ids=["own_pools", "shared_pools"])
 def test_soak_with_prefix_caching(share_pools: bool) -> None:
     report = soak.run_soak(150, 7, prefix=True, share_pools=share_pools)
@@ -66,6 +68,7 @@ def test_soak_with_prefix_caching(share_pools: bool) -> None:
     assert sum(report.bad_calls.values()) > 0
 
 
+@pytest.mark.soak
 def test_soak_with_shared_pools() -> None:
     report = soak.run_soak(120, 2, share_pools=True)
     assert sum(report.ops[name] for name, _, _ in soak.OPERATIONS) == 120

@@ -41,6 +41,7 @@ ASYNC_MODES = [
 ]
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("seed", [3, 11])
 @pytest.mark.parametrize(("mode", "flags"), ASYNC_MODES, ids=[m[0] for m in ASYNC_MODES])
 def test_async_soak(mode: str, flags: dict, seed: int) -> None:
@@ -133,6 +134,7 @@ def test_async_soak_detects_a_lost_byte() -> None:
         run.verify("x")
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("seed", [0, 1])
 def test_two_threads(seed: int) -> None:
     report = soak_threads.run_threads(240, seed, 2)

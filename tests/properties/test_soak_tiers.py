@@ -76,6 +76,7 @@ SINGLE = [
 ]  # fmt: skip
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize(("name", "flags"), SINGLE, ids=[c[0] for c in SINGLE])
 def test_soak_with_tiers(name: str, flags: dict) -> None:
     if flags.get("remote") == "redis" and NO_REDIS:
@@ -108,6 +109,7 @@ def test_the_models_keep_their_group_kinds() -> None:
     }
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("model", ["gpt-oss", "qwen3-next", "deepseek-v4"])
 def test_models_without_tiers(model: str) -> None:
     """The soak's model predicts every step and swap of the bundled layouts too (a shared
@@ -117,6 +119,7 @@ def test_models_without_tiers(model: str) -> None:
     _clean_end(report)
 
 
+@pytest.mark.soak
 @needs_redis
 @pytest.mark.parametrize(
     ("model", "policy"), [("qwen3-next", "write_through"), ("deepseek-v4", "eviction")]
@@ -168,6 +171,7 @@ MOONCAKE_RUNS = [
 ]  # fmt: skip
 
 
+@pytest.mark.soak
 @needs_mooncake
 @pytest.mark.parametrize("flags", MOONCAKE_RUNS, ids=["deepseek-v4", "gpt-oss-async", "threads"])
 def test_mooncake_runs_in_a_process_of_its_own(flags: list[str]) -> None:

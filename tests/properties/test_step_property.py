@@ -382,6 +382,7 @@ def run_scenario(config: str, data: st.DataObject, num_ops: int) -> None:
     ctl.free()
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @settings(
     max_examples=25,

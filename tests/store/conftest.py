@@ -12,9 +12,7 @@ plain 127.0.0.1 with a free port (``--bind`` is honoured) and Mooncake tests are
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import shutil
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,12 +22,16 @@ import pytest
 # Mooncake logs every call through glog; keep its warnings and errors only
 os.environ.setdefault("GLOG_minloglevel", "1")
 
+from _optional import mooncake_missing, redis_missing
+
 from kvforge.store.servers import MooncakeMaster, RedisServer, free_port, private_net
 
-HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_spec("redis") is not None
-HAVE_MOONCAKE = (
-    shutil.which("mooncake_master") is not None and importlib.util.find_spec("mooncake") is not None
-)
+#: Why the Redis / Mooncake tests cannot run here (None: they can); a fixture that needs one
+#: skips with it (``tests/_optional.py``: client, system library, server binary).
+REDIS_MISSING = redis_missing()
+MOONCAKE_MISSING = mooncake_missing()
+HAVE_REDIS = REDIS_MISSING is None
+HAVE_MOONCAKE = MOONCAKE_MISSING is None
 
 
 @dataclass
@@ -58,7 +60,7 @@ def net() -> Iterator[Net]:
 @pytest.fixture
 def redis_server(net: Net, tmp_path) -> Iterator[RedisServer]:
     if not HAVE_REDIS:
-        pytest.skip("redis-server or redis-py is not installed (.ci/run installs both)")
+        pytest.skip(f"{REDIS_MISSING} (.ci/run installs it)")
     server = RedisServer(net.port(6379), tmp_path / "redis.log")
     server.start()
     try:
@@ -102,7 +104,7 @@ def mooncake_master(mooncake_net: Net, tmp_path) -> Iterator[MooncakeMaster]:
     """A fresh master per test, on a port no earlier test's clients (some are left open on
     purpose, see MooncakeStore.close) know about."""
     if not HAVE_MOONCAKE:
-        pytest.skip("mooncake-transfer-engine-non-cuda is not installed (.ci/run installs it)")
+        pytest.skip(MOONCAKE_MISSING)
     if not mooncake_net.private:
         pytest.skip(f"Mooncake's listeners need a private network namespace: {mooncake_net.why}")
     port = _free_pair()
