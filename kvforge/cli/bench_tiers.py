@@ -70,7 +70,7 @@ Record = dict[str, Any]
 #: host pages first (``batch_put``). Both are timed and recorded; Mooncake reports "pages"
 #: because each plane is a buffer of its own to its transfer engine, which over TCP to
 #: another process made a put from 65 buffers per value 2.2-2.7x slower than from 2
-#: (``docs/performance.md``, Tiers)
+#: (``docs/performance_history.md``, Tiers)
 PUT_FROM = {"redis": "blocks", "mooncake": "pages"}
 #: who lends Mooncake its segment (:func:`run_tiers`)
 SEGMENTS = ("remote", "here")
