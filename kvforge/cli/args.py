@@ -366,6 +366,22 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
     add_plugin_option(plan, argparse.SUPPRESS)
 
 
+def _add_demo_stores(demo: argparse.ArgumentParser) -> None:
+    """``kvforge demo``'s store addresses, for ``--tier redis`` and ``--tier mooncake``."""
+    demo.add_argument(
+        "--redis",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --tier redis: use this Redis server (default: start one)",
+    )
+    demo.add_argument(
+        "--mooncake-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="with --tier mooncake: use this Mooncake master (default: start one)",
+    )
+
+
 def _add_demo(demo: argparse.ArgumentParser) -> None:
     add_model_args(demo)
     demo.add_argument(
@@ -404,18 +420,7 @@ def _add_demo(demo: argparse.ArgumentParser) -> None:
         "(that and a remote store: engine A publishes, a second controller reuses; the "
         "server is started for the run unless given below)",
     )
-    demo.add_argument(
-        "--redis",
-        default=None,
-        metavar="HOST:PORT",
-        help="with --tier redis: use this Redis server (default: start one)",
-    )
-    demo.add_argument(
-        "--mooncake-master",
-        default=None,
-        metavar="HOST:PORT",
-        help="with --tier mooncake: use this Mooncake master (default: start one)",
-    )
+    _add_demo_stores(demo)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--json", default=None, metavar="PATH", help="also write the result here")
     demo.add_argument(

@@ -60,17 +60,8 @@ def _vllm_backends(args: argparse.Namespace) -> tuple[str, Any]:
     return f"vLLM specs {path}", backends
 
 
-def plan_report(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything ``kvforge plan`` prints, as plain data."""
-    from kvforge.core.flow import plan_with_arena
-    from kvforge.core.layout import CacheLayout
-    from kvforge.core.memory_plan import (
-        cache_bytes_per_sequence,
-        plan_memory,
-        shared_pool_blocks,
-    )
-    from kvforge.core.naming import StorageNamer
-
+def _check_sizing_flags(args: argparse.Namespace) -> None:
+    """Usage errors for flags that ``--num-blocks`` makes meaningless."""
     if args.num_blocks is not None and args.max_num_seqs is not None:
         raise UsageError(
             "--max-num-seqs does not apply with --num-blocks: it sizes the pools from "
@@ -81,6 +72,11 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
             "--own-pools does not apply with --num-blocks: --num-blocks already gives "
             "every group its own pool of that many blocks"
         )
+
+
+def _plan_backends(args: argparse.Namespace) -> tuple[str, Any]:
+    """The model's description and backends (from ``--vllm-specs`` or the model flags), and
+    a usage error for a ``--rank`` outside ``--tp-size``."""
     if getattr(args, "vllm_specs", None) is not None:
         description, backends = _vllm_backends(args)
     else:
@@ -90,29 +86,43 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
             f"--rank {args.rank} is out of range for --tp-size {args.tp_size} "
             f"(ranks 0..{args.tp_size - 1})"
         )
-    layout = CacheLayout(backends)
+    return description, backends
+
+
+def _sizes(
+    args: argparse.Namespace, layout: Any, backends: Any
+) -> tuple[dict[str, int], int, Any, int | None]:
+    """Blocks per group, the device budget, the memory plan (``None`` with ``--num-blocks``)
+    and the max model length in effect."""
+    from kvforge.core.flow import plan_with_arena
+    from kvforge.core.memory_plan import plan_memory
+
     max_model_len = args.max_model_len
     if args.num_blocks is not None:
         blocks = dict.fromkeys((g.name for g in layout.groups), args.num_blocks)
         budget = sum(n * layout.bytes_per_block(g) for g, n in blocks.items())
-        plan = None
-    else:
-        if args.max_num_seqs is not None and max_model_len is None:
-            # vLLM's rule: max_model_len defaults to the model's max_position_embeddings
-            max_model_len = getattr(backends, "max_position_embeddings", None)
-        if (args.max_num_seqs is None) != (max_model_len is None):
-            raise UsageError(
-                "--max-num-seqs and --max-model-len go together (the model's config gives no "
-                "max_position_embeddings to default --max-model-len to)"
-            )
-        plan = plan_memory(layout, args.device_memory, args.max_num_seqs, max_model_len)
-        # what CacheController(share_pools=True), the default, allocates: groups whose pages
-        # differ draw on one slab arena
-        if not args.own_pools:
-            plan = plan_with_arena(plan, layout)
-        blocks = plan.num_blocks
-        budget = args.device_memory
-    namer = StorageNamer(rank=args.rank)
+        return blocks, budget, None, max_model_len
+    if args.max_num_seqs is not None and max_model_len is None:
+        # vLLM's rule: max_model_len defaults to the model's max_position_embeddings
+        max_model_len = getattr(backends, "max_position_embeddings", None)
+    if (args.max_num_seqs is None) != (max_model_len is None):
+        raise UsageError(
+            "--max-num-seqs and --max-model-len go together (the model's config gives no "
+            "max_position_embeddings to default --max-model-len to)"
+        )
+    plan = plan_memory(layout, args.device_memory, args.max_num_seqs, max_model_len)
+    # what CacheController(share_pools=True), the default, allocates: groups whose pages
+    # differ draw on one slab arena
+    if not args.own_pools:
+        plan = plan_with_arena(plan, layout)
+    return plan.num_blocks, args.device_memory, plan, max_model_len
+
+
+def _role_rows(layout: Any, blocks: dict[str, int], rank: int) -> list[dict[str, Any]]:
+    """One row per (role, group), its layers and bytes summed over them."""
+    from kvforge.core.naming import StorageNamer
+
+    namer = StorageNamer(rank=rank)
     rows: dict[tuple[Any, ...], dict[str, Any]] = {}
     for e in layout.buffers:
         key = (e.role, e.group.name)
@@ -137,7 +147,11 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         )
         row["layers"].append(e.layer)
         row["total_bytes"] += blocks[e.group.name] * e.block_bytes
-    arena = plan.arena if plan is not None else None
+    return list(rows.values())
+
+
+def _group_rows(layout: Any, blocks: dict[str, int], arena: Any) -> list[dict[str, Any]]:
+    """One row per group; an arena group's bytes are the arena's, counted once elsewhere."""
     in_arena = set(arena.groups) if arena is not None else set()
     groups = []
     for g in layout.groups:
@@ -157,56 +171,83 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
                 "token_capacity": (blocks[g.name] - 1) * g.block_size,
             }
         )
+    return groups
+
+
+def _arena_report(arena: Any) -> dict[str, Any] | None:
+    if arena is None:
+        return None
+    return {
+        "groups": list(arena.groups),
+        "num_slabs": arena.num_slabs,
+        "slab_bytes": arena.slab_bytes,
+        "total_bytes": arena.total_bytes,
+        "blocks_per_slab": dict(zip(arena.groups, arena.blocks_per_slab, strict=True)),
+        "padding": {g: round(p, 6) for g, p in arena.padding.items()},
+        # slab 0 (past the null blocks) and the tail past the last slab never move
+        "home": arena.groups[arena.home],
+        "home_reserved": arena.home_reserved,
+        "tail_blocks": arena.tail_blocks,
+        "pinned_blocks": arena.pinned_blocks(arena.groups[arena.home]),
+    }
+
+
+def _shared_pools(layout: Any, blocks: dict[str, int]) -> list[dict[str, Any]]:
+    """Groups whose pages pair up byte for byte: CacheController(share_pools=True) gives each
+    set one pool of sum(num_blocks - 1) + 1 blocks, paid once."""
+    from kvforge.core.memory_plan import shared_pool_blocks
+
+    return [
+        {"groups": list(members), "num_blocks": shared_pool_blocks(layout, blocks)[members[0]]}
+        for members in layout.pool_sets
+        if len(members) > 1
+    ]
+
+
+def _host_report(layout: Any, host_memory: int) -> dict[str, Any]:
+    from kvforge.core.memory_plan import plan_memory
+
+    host = plan_memory(layout, host_memory, host=True)
+    return {
+        "memory": host_memory,
+        "pages": host.num_blocks,
+        "page_bytes": {g.group: g.bytes_per_block for g in host.groups},
+        "total_bytes": host.total_bytes,
+        "max_tokens": host.max_tokens,
+    }
+
+
+def plan_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``kvforge plan`` prints, as plain data."""
+    from kvforge.core.layout import CacheLayout
+    from kvforge.core.memory_plan import cache_bytes_per_sequence
+
+    _check_sizing_flags(args)
+    description, backends = _plan_backends(args)
+    layout = CacheLayout(backends)
+    blocks, budget, plan, max_model_len = _sizes(args, layout, backends)
+    arena = plan.arena if plan is not None else None
+    groups = _group_rows(layout, blocks, arena)
     report: dict[str, Any] = {
         "model": description,
         "num_layers": len(layout.layers),
-        "roles": list(rows.values()),
+        "roles": _role_rows(layout, blocks, args.rank),
         "groups": groups,
         # exact: an int when whole, else the string of a fraction ("15401/4"): no float bytes
         "kv_bytes_per_token": _exact(layout.kv_bytes_per_token()),
         "device_memory": budget,
         "total_bytes": sum(g["total_bytes"] for g in groups)
         + (arena.total_bytes if arena is not None else 0),
-        "arena": None
-        if arena is None
-        else {
-            "groups": list(arena.groups),
-            "num_slabs": arena.num_slabs,
-            "slab_bytes": arena.slab_bytes,
-            "total_bytes": arena.total_bytes,
-            "blocks_per_slab": dict(zip(arena.groups, arena.blocks_per_slab, strict=True)),
-            "padding": {g: round(p, 6) for g, p in arena.padding.items()},
-            # slab 0 (past the null blocks) and the tail past the last slab never move
-            "home": arena.groups[arena.home],
-            "home_reserved": arena.home_reserved,
-            "tail_blocks": arena.tail_blocks,
-            "pinned_blocks": arena.pinned_blocks(arena.groups[arena.home]),
-        },
+        "arena": _arena_report(arena),
         "max_tokens": plan.max_tokens if plan else None,
-        # groups whose pages pair up byte for byte: CacheController(share_pools=True) gives
-        # each set one pool of sum(num_blocks - 1) + 1 blocks, paid once
-        "shared_pools": [
-            {
-                "groups": list(members),
-                "num_blocks": shared_pool_blocks(layout, blocks)[members[0]],
-            }
-            for members in layout.pool_sets
-            if len(members) > 1
-        ],
+        "shared_pools": _shared_pools(layout, blocks),
     }
     if max_model_len:
         report["bytes_per_sequence"] = cache_bytes_per_sequence(layout, max_model_len)
         report["max_num_seqs"] = args.max_num_seqs
         report["max_model_len"] = max_model_len
     if args.host_memory:
-        host = plan_memory(layout, args.host_memory, host=True)
-        report["host"] = {
-            "memory": args.host_memory,
-            "pages": host.num_blocks,
-            "page_bytes": {g.group: g.bytes_per_block for g in host.groups},
-            "total_bytes": host.total_bytes,
-            "max_tokens": host.max_tokens,
-        }
+        report["host"] = _host_report(layout, args.host_memory)
     return report
 
 
@@ -216,8 +257,7 @@ def _exact(value: int | Fraction) -> int | str:
     return int(value)
 
 
-def print_plan(report: dict[str, Any]) -> None:
-    out = console()
+def _print_roles(out: Any, report: dict[str, Any]) -> None:
     roles = make_table(
         f"kvforge plan: {report['model']} ({report['num_layers']} cache layers)",
         (
@@ -246,6 +286,9 @@ def print_plan(report: dict[str, Any]) -> None:
             format_bytes(r["total_bytes"]),
         )
     out.print(roles)
+
+
+def _print_groups(out: Any, report: dict[str, Any]) -> None:
     groups = make_table(
         "groups",
         (
@@ -273,6 +316,27 @@ def print_plan(report: dict[str, Any]) -> None:
             f"{g['token_capacity']:,}",
         )
     out.print(groups)
+
+
+def _print_arena(out: Any, arena: dict[str, Any]) -> None:
+    out.print(
+        f"groups {', '.join(arena['groups'])} draw on one arena of {arena['num_slabs']:,} "
+        f"slabs x {arena['slab_bytes']:,} B: a slab moves to the group that needs it once "
+        "none of its blocks is in use, so their bytes flow with the load; under slab "
+        "pressure a step moves cached blocks out of busy slabs (blocks: each group's ids "
+        "across the whole arena)"
+    )
+    out.print(
+        f"{arena['home']} keeps slab 0 past the null blocks and {arena['tail_blocks']:,} "
+        f"blocks past the last slab for good ({arena['pinned_blocks']:,} blocks)"
+    )
+    out.print(
+        "device padding per block: "
+        + ", ".join(f"{g} {p:.2%}" for g, p in arena["padding"].items())
+    )
+
+
+def _print_totals(out: Any, report: dict[str, Any]) -> None:
     per_token = Fraction(report["kv_bytes_per_token"])
     out.print(f"KV bytes per token: {format_exact(per_token)}")
     out.print(
@@ -281,23 +345,16 @@ def print_plan(report: dict[str, Any]) -> None:
     )
     if report.get("max_tokens") is not None:
         out.print(f"token capacity (full groups): {report['max_tokens']:,}")
-    arena = report.get("arena")
-    if arena:
-        out.print(
-            f"groups {', '.join(arena['groups'])} draw on one arena of {arena['num_slabs']:,} "
-            f"slabs x {arena['slab_bytes']:,} B: a slab moves to the group that needs it once "
-            "none of its blocks is in use, so their bytes flow with the load; under slab "
-            "pressure a step moves cached blocks out of busy slabs (blocks: each group's ids "
-            "across the whole arena)"
-        )
-        out.print(
-            f"{arena['home']} keeps slab 0 past the null blocks and {arena['tail_blocks']:,} "
-            f"blocks past the last slab for good ({arena['pinned_blocks']:,} blocks)"
-        )
-        out.print(
-            "device padding per block: "
-            + ", ".join(f"{g} {p:.2%}" for g, p in arena["padding"].items())
-        )
+
+
+def print_plan(report: dict[str, Any]) -> None:
+    """The tables and lines of ``kvforge plan`` for ``report`` (:func:`plan_report`)."""
+    out = console()
+    _print_roles(out, report)
+    _print_groups(out, report)
+    _print_totals(out, report)
+    if report.get("arena"):
+        _print_arena(out, report["arena"])
     for pool in report.get("shared_pools", ()):
         out.print(
             f"groups {', '.join(pool['groups'])} pair up byte for byte: with share_pools=True "
