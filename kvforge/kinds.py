@@ -1,9 +1,14 @@
-"""Group kinds: one rule object per kind, the only place that switches on a group's kind.
+"""Group kinds: one rule object per kind, the only place in the engine-free core that switches
+on a group's kind.
 
 A group's kind says which of its blocks a request still needs (the live range), how many it
 can hold at most, how much a step may add before the next step releases, and where the tail
 that a prefix hit must share starts. :class:`KindRule` answers each of these for one kind;
-every other module asks ``group.rule`` and never compares kinds.
+every other module asks ``group.rule`` and never compares kinds. What a kind is in an engine's
+own vocabulary (which vLLM ``KVCacheSpec`` a group becomes) is engine-specific and cannot live
+here, where nothing imports an engine: each adapter keeps one table of its kinds, keyed by the
+rule's name and mapped once (:mod:`kvforge.integrations.vllm.spec_kinds`), and compares no kind
+either.
 
 Why this sits beside ``specs.py`` and not in ``core/``: :class:`~kvforge.specs.CacheGroup`
 validates its fields by its kind's rule (``window`` required or refused, slots per request),

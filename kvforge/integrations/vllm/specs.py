@@ -71,10 +71,10 @@ from kvforge.attn_backends.gqa import GQABackend
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.attn_backends.mla import MLABackend
 from kvforge.core.layout import CacheLayout
+from kvforge.integrations.vllm.spec_kinds import kind_of_spec, vllm_kind
 from kvforge.specs import (
     CacheGroup,
     CacheRole,
-    GroupKind,
     canonical_dtype,
     check_role_in_group,
     torch_dtype,
@@ -157,7 +157,7 @@ def _modules(backend: AttentionBackend) -> list[tuple[str, list[CacheRole]]]:
     for group in backend.cache_groups():
         members = [r for r in roles if r.group == group.name]
         names = {r.name for r in members}
-        if group.kind is GroupKind.PER_REQUEST:
+        if vllm_kind(group).per_request:
             out.append((f"{group.name}.state", members))
         elif {"key", "value"} <= names:
             out.append((f"{group.name}.kv", members))
@@ -172,7 +172,7 @@ def _follows_engine_block(backend: AttentionBackend, group: CacheGroup) -> bool:
         return False
     if isinstance(backend, DeepseekV4Backend):  # its SWA (64) and state blocks are fixed
         return group.name == "compressed"
-    return group.kind in (GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED)
+    return vllm_kind(group).follows_engine_block
 
 
 def _where(backend: AttentionBackend, group: CacheGroup, roles: Sequence[CacheRole]) -> str:
@@ -243,20 +243,12 @@ def _kv_spec(
     padded = _padding(roles, group)
     if padded is not None:
         kwargs["page_size_padded"] = padded
-    if group.kind is GroupKind.FULL:
-        return FullAttentionSpec(**kwargs)
-    if group.kind is GroupKind.CHUNKED:
-        return ChunkedLocalAttentionSpec(attention_chunk_size=group.window, **kwargs)
-    return SlidingWindowSpec(sliding_window=group.window, **kwargs)
+    return vllm_kind(group).kv(group, where, **kwargs)
 
 
 def _latent_spec(backend: AttentionBackend, group: CacheGroup, role: CacheRole) -> KVCacheSpec:
     """A single-vector cache (MLA family, DeepSeek-V4's caches and states)."""
     where = _where(backend, group, [role])
-    if group.kind is GroupKind.CHUNKED:
-        raise ArgumentError(
-            f"{where}: vLLM has no chunked local-attention spec for a single-vector (MLA) cache"
-        )
     kwargs: dict[str, Any] = {
         "block_size": group.block_size,
         "num_kv_heads": 1,
@@ -288,9 +280,7 @@ def _latent_spec(backend: AttentionBackend, group: CacheGroup, role: CacheRole) 
             kwargs |= _ds_mla(backend.head_dim, role)
         else:
             kwargs["cache_dtype_str"] = "bfloat16"
-    if group.kind is GroupKind.FULL:
-        return MLAAttentionSpec(**kwargs)
-    return SlidingWindowMLASpec(sliding_window=group.window, **kwargs)
+    return vllm_kind(group).latent(group, where, **kwargs)
 
 
 def _ds_mla(head_size: int, role: CacheRole) -> dict[str, Any]:
@@ -360,7 +350,7 @@ def _units(
                     raise ArgumentError(f"block_size={block_size}: {exc}") from None
             if isinstance(backend, VllmSpecBackend):
                 spec = backend.spec
-            elif group.kind is GroupKind.PER_REQUEST:
+            elif vllm_kind(group).per_request:
                 spec = _state_spec(backend, group, roles, mamba_block_size)
             elif {"key", "value"} <= {r.name for r in roles}:
                 spec = _kv_spec(backend, group, roles)
@@ -429,16 +419,6 @@ def layer_page_bytes(
 # ---------------------------------------------------------------------------- vLLM -> kvforge
 
 
-def _kind(spec: KVCacheSpec) -> tuple[GroupKind, int | None]:
-    if isinstance(spec, MambaSpec):
-        return GroupKind.PER_REQUEST, None
-    if isinstance(spec, SlidingWindowSpec):
-        return GroupKind.SLIDING_WINDOW, spec.sliding_window
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return GroupKind.CHUNKED, spec.attention_chunk_size
-    return GroupKind.FULL, None
-
-
 def _role_dtype(name: str, dtype: Any) -> str:
     try:
         return canonical_dtype(dtype)
@@ -448,7 +428,7 @@ def _role_dtype(name: str, dtype: Any) -> str:
 
 def _declaration(name: str, spec: KVCacheSpec, group: str) -> tuple[CacheGroup, list[CacheRole]]:
     """The group and roles of one vLLM layer, byte for byte."""
-    kind, window = _kind(spec)
+    kind, window = kind_of_spec(spec)
     if isinstance(spec, MambaSpec):
         cache_group = CacheGroup(
             name=group, block_size=1, kind=kind, slots_per_request=1 + spec.num_speculative_blocks
