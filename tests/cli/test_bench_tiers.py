@@ -186,7 +186,7 @@ def test_cli_writes_json_and_prints_the_table(capsys, tmp_path, monkeypatch):
     assert "kvforge tiers" in out and "restore from host" in out
 
 
-@pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake is not installed")
+@pytest.mark.skipif(not HAVE_MOONCAKE, reason=str(mooncake_missing()))
 def test_cli_measures_mooncake_in_a_process_of_its_own(tmp_path):
     # Mooncake's client keeps process-wide state in the network namespace of the first client
     # (docs/tiered_store.md): a fresh process, so that no other test's namespace is in the way
