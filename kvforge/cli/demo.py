@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -56,6 +56,7 @@ from kvforge.cli.demo_prefix import (
 from kvforge.cli.demo_report import DemoResult, GroupUsage, VerifyCount, print_summary
 from kvforge.cli.demo_sizing import (
     PREFILL_CHUNK,
+    DeviceSizing,
     live_blocks,
     prefill_peak,
     size_device,
@@ -569,7 +570,8 @@ def run_demo(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float) -> DemoResult:
+def _prepare(ctl: CacheController, config: DemoConfig) -> tuple[list[_Request], DeviceSizing]:
+    """The requests, and the controller's pools sized for them (device and host), warmed up."""
     requests = _make_requests(config)
     lengths = [(r.prompt_len, r.prompt_len + r.output_len) for r in requests]
     sizing = size_device(ctl.layout, lengths, config.device_memory, config.device_share)
@@ -577,10 +579,12 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
     # groups whose pages pair up draw on one pool of all their blocks (the same bytes)
     ctl.initialize_kv_cache(num_blocks=shared_pool_blocks(ctl.layout, sizing.blocks))
     ctl.initialize_host_cache(num_pages=host_pages)
-    device_bytes, host_bytes = ctl.device_bytes, ctl.host_bytes
-    _warm_up(ctl)
-    loop = _Loop(ctl, config, requests)
+    return requests, sizing
 
+
+def _serve(loop: _Loop, config: DemoConfig, total_tokens: int, progress: bool) -> None:
+    """Step ``loop`` until it is idle (or ``max_steps``), flipping a byte on the self-test's
+    step, with a progress bar on stderr."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -594,7 +598,7 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
         transient=True,
     )
     with bar:
-        task = bar.add_task("demo", total=sum(r.output_len for r in requests))
+        task = bar.add_task("demo", total=total_tokens)
         while loop.busy:
             if config.max_steps is not None and loop.steps >= config.max_steps:
                 break
@@ -614,12 +618,12 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
                     f"step {loop.steps}: {len(loop.running)} running, {len(loop.swapped)} swapped"
                 ),
             )
-    loop.finish()
-    if config.corrupt_after_step is not None and not loop.corrupted:
-        raise SelfTestOutOfRange(config.corrupt_after_step, loop.steps, loop.last_live_step)
+
+
+def _group_usage(ctl: CacheController, loop: _Loop) -> list[GroupUsage]:
     usage = ctl.host_pool_usage()
     host_usable = {g: usable for g, (_, usable) in usage.items()}
-    groups = [
+    return [
         GroupUsage(
             group=g.name,
             kind=g.kind.value,
@@ -632,14 +636,11 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
         )
         for g in ctl.layout.groups
     ]
-    ctl.platform.synchronize()
-    ctl.free()
-    return DemoResult(
-        model=config.model,
-        device=str(ctl.device),
-        seed=config.seed,
-        requests_total=len(requests),
-        requests_finished=sum(r.state == "finished" for r in requests),
+
+
+def _loop_counts(loop: _Loop) -> dict[str, Any]:
+    """What the serving loop counted, as :class:`DemoResult` fields."""
+    return dict(
         steps=loop.steps,
         tokens_generated=loop.tokens_generated,
         prompt_tokens_written=loop.prompt_tokens,
@@ -651,13 +652,6 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
         bytes_swapped_in=loop.bytes_in,
         swap_out_seconds=loop.seconds_out,
         swap_in_seconds=loop.seconds_in,
-        wall_seconds=time.perf_counter() - start,
-        device_memory_budget=sizing.budget,
-        device_cache_bytes=device_bytes,
-        host_cache_bytes=host_bytes,
-        device_share=float(sizing.share),
-        longest_request=sizing.longest,
-        groups=groups,
         verify_finished=loop.verify_finished,
         verify_swap_in=loop.verify_swap_in,
         verify_end=loop.verify_end,
@@ -665,6 +659,35 @@ def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float)
         swapped_at_end=loop.swapped_at_end,
         unverified_requests=loop.unverified,
         corrupted=loop.corrupted,
+    )
+
+
+def _run(ctl: CacheController, config: DemoConfig, progress: bool, start: float) -> DemoResult:
+    requests, sizing = _prepare(ctl, config)
+    device_bytes, host_bytes = ctl.device_bytes, ctl.host_bytes
+    _warm_up(ctl)
+    loop = _Loop(ctl, config, requests)
+    _serve(loop, config, sum(r.output_len for r in requests), progress)
+    loop.finish()
+    if config.corrupt_after_step is not None and not loop.corrupted:
+        raise SelfTestOutOfRange(config.corrupt_after_step, loop.steps, loop.last_live_step)
+    groups = _group_usage(ctl, loop)
+    ctl.platform.synchronize()
+    ctl.free()
+    return DemoResult(
+        model=config.model,
+        device=str(ctl.device),
+        seed=config.seed,
+        requests_total=len(requests),
+        requests_finished=sum(r.state == "finished" for r in requests),
+        wall_seconds=time.perf_counter() - start,
+        device_memory_budget=sizing.budget,
+        device_cache_bytes=device_bytes,
+        host_cache_bytes=host_bytes,
+        device_share=float(sizing.share),
+        longest_request=sizing.longest,
+        groups=groups,
+        **_loop_counts(loop),
     )
 
 

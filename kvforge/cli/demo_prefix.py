@@ -123,6 +123,25 @@ class PrefixDemoResult(BaseModel):
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def _one_engine(
+    backends: Mapping[int, AttentionBackend], conversations: int, seed: int, device: str, tier: str
+) -> PrefixDemoResult:
+    """The conversations on one controller, its prefixes on the device (and the host tier)."""
+    ctl = CacheController(backends, device=device, enable_prefix_caching=True)
+    try:
+        boundary = _size(ctl, tier)
+        run = _Conversations(conversations, seed, boundary).run(ctl)
+        stats = ctl.host_tier.stats if ctl.host_tier is not None else None
+        return run.result(
+            tier=tier,
+            host_hit_tokens=stats.hit_tokens if stats else 0,
+            host_blocks=sum(stats.hits.values()) if stats else 0,
+            host_demotions=sum(stats.demotions.values()) if stats else 0,
+        )
+    finally:
+        ctl.free()
+
+
 def run_prefix_demo(
     backends: Mapping[int, AttentionBackend],
     conversations: int,
@@ -144,19 +163,7 @@ def run_prefix_demo(
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {list(TIERS)}, got {tier!r}")
     if tier not in REMOTE_TIERS:
-        ctl = CacheController(backends, device=device, enable_prefix_caching=True)
-        try:
-            boundary = _size(ctl, tier)
-            run = _Conversations(conversations, seed, boundary).run(ctl)
-            stats = ctl.host_tier.stats if ctl.host_tier is not None else None
-            return run.result(
-                tier=tier,
-                host_hit_tokens=stats.hit_tokens if stats else 0,
-                host_blocks=sum(stats.hits.values()) if stats else 0,
-                host_demotions=sum(stats.demotions.values()) if stats else 0,
-            )
-        finally:
-            ctl.free()
+        return _one_engine(backends, conversations, seed, device, tier)
     if not address:
         raise ValueError(f"tier {tier!r} needs the store's address (HOST:PORT)")
     engines: list[CacheController] = []
@@ -175,28 +182,41 @@ def run_prefix_demo(
                 f"{FLUSH_TIMEOUT_S:.0f} s ({store.stats()})"
             )
         second = _Conversations(conversations, seed, boundary).run(reader)
-        host = reader.host_tier.stats  # type: ignore[union-attr]
-        remote = reader.remote_tier.stats  # type: ignore[union-attr]
-        return second.result(
-            tier=tier,
-            engines=2,
-            entries_verified=first.verified + second.verified,
-            entries_mismatched=first.mismatched + second.mismatched,
-            host_hit_tokens=host.hit_tokens,
-            host_blocks=sum(host.hits.values()),
-            host_demotions=sum(host.demotions.values()),
-            backend=tier,
-            server=address,
-            remote_hit_tokens=remote.reach_tokens,
-            remote_fetched=remote.fetched,
-            remote_fetch_misses=remote.fetch_misses,
-            remote_published=writer.remote_tier.stats.published,  # type: ignore[union-attr]
-            remote_stored=store.stats().puts_ok,
-            writer_hit_tokens=first.hit_tokens,
-        )
+        return _two_engines(first, second, writer, reader, tier, address)
     finally:
         for ctl in reversed(engines):
             ctl.free()
+
+
+def _two_engines(
+    first: _Conversations,
+    second: _Conversations,
+    writer: CacheController,
+    reader: CacheController,
+    tier: str,
+    address: str,
+) -> PrefixDemoResult:
+    """The result of engine B's run (``second``) after engine A's (``first``) published."""
+    host = reader.host_tier.stats  # type: ignore[union-attr]
+    remote = reader.remote_tier.stats  # type: ignore[union-attr]
+    store = writer.remote_tier.store  # type: ignore[union-attr]
+    return second.result(
+        tier=tier,
+        engines=2,
+        entries_verified=first.verified + second.verified,
+        entries_mismatched=first.mismatched + second.mismatched,
+        host_hit_tokens=host.hit_tokens,
+        host_blocks=sum(host.hits.values()),
+        host_demotions=sum(host.demotions.values()),
+        backend=tier,
+        server=address,
+        remote_hit_tokens=remote.reach_tokens,
+        remote_fetched=remote.fetched,
+        remote_fetch_misses=remote.fetch_misses,
+        remote_published=writer.remote_tier.stats.published,  # type: ignore[union-attr]
+        remote_stored=store.stats().puts_ok,
+        writer_hit_tokens=first.hit_tokens,
+    )
 
 
 @contextlib.contextmanager

@@ -146,24 +146,13 @@ class DemoResult(BaseModel):
         return f"verified {self.entries_verified} entries, {self.entries_mismatched} mismatched"
 
 
-def print_summary(result: DemoResult, out: Any = None) -> None:
-    """Print ``result`` as rich tables; the very last line is ``verified N entries, M mismatched``.
+def _rate(gbps: float | None) -> str:
+    return f"{gbps:.2f} GB/s" if gbps is not None else "-"
 
-    Args:
-        result: what :func:`run_demo` returned.
-        out: a rich ``Console`` (default: :func:`kvforge.cli.formatting.console`).
-    """
-    from rich.table import Table
 
-    out = out or console()
-
-    def rate(gbps: float | None) -> str:
-        return f"{gbps:.2f} GB/s" if gbps is not None else "-"
-
-    run = Table(title=f"kvforge demo: {result.model} on {result.device}", show_header=False)
-    run.add_column("what")
-    run.add_column("value", justify="right")
-    rows = [
+def _run_rows(result: DemoResult) -> list[tuple[str, str]]:
+    """The run's counts, bytes, throughputs and sizes, one (what, value) row each."""
+    return [
         ("requests finished / total", f"{result.requests_finished} / {result.requests_total}"),
         ("seed", str(result.seed)),
         ("steps", f"{result.steps:,}"),
@@ -175,8 +164,8 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
         ("recomputes (host pool full)", f"{result.recomputes:,}"),
         ("bytes swapped out", format_bytes(result.bytes_swapped_out)),
         ("bytes swapped in", format_bytes(result.bytes_swapped_in)),
-        ("swap-out throughput", rate(result.swap_out_gbps)),
-        ("swap-in throughput", rate(result.swap_in_gbps)),
+        ("swap-out throughput", _rate(result.swap_out_gbps)),
+        ("swap-in throughput", _rate(result.swap_in_gbps)),
         (
             "device cache (budget)",
             f"{format_bytes(result.device_cache_bytes)} "
@@ -187,9 +176,22 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
         ("host cache", format_bytes(result.host_cache_bytes)),
         ("wall time", f"{result.wall_seconds:.2f} s"),
     ]
+
+
+def _two_columns(title: str, rows: list[tuple[str, str]]) -> Any:
+    """A headerless table of (what, value) rows, values right-aligned."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
     for what, value in rows:
-        run.add_row(what, value)
-    out.print(run)
+        table.add_row(what, value)
+    return table
+
+
+def _groups_table(result: DemoResult) -> Any:
+    from rich.table import Table
 
     groups = Table(title="blocks per group (peak used / usable)")
     for col in ("group", "kind", "block size", "device peak", "device usable", "use", "host peak"):
@@ -206,7 +208,11 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
             use,
             host,
         )
-    out.print(groups)
+    return groups
+
+
+def _checks_table(result: DemoResult) -> Any:
+    from rich.table import Table
 
     checks = Table(title="byte-for-byte verification")
     for col in ("checkpoint", "entries", "mismatched"):
@@ -221,40 +227,57 @@ def print_summary(result: DemoResult, out: Any = None) -> None:
         ),
     ):
         checks.add_row(what, f"{count.entries:,}", f"{count.mismatched:,}")
-    out.print(checks)
+    return checks
+
+
+def _host_tier_rows(p: PrefixDemoResult) -> list[tuple[str, str]]:
+    """Where the hits came from with the host tier alone (none without it)."""
+    if p.tier != "host":
+        return []
+    return [
+        ("  of them from the device", f"{p.hit_tokens - p.host_hit_tokens:,}"),
+        (
+            "  of them from host tier pages",
+            f"{p.host_hit_tokens:,} ({p.host_blocks:,} blocks brought back)",
+        ),
+        ("blocks the device evicted into host pages", f"{p.host_demotions:,}"),
+    ]
+
+
+def _reuse_rows(p: PrefixDemoResult) -> list[tuple[str, str]]:
+    """The prefix-reuse table's rows (two engines: the remote tier's rows too)."""
+    two = p.engines > 1
+    each, by_b = (" (each engine)", " (engine B)") if two else ("", "")
+    return [
+        ("conversations / turns" + each, f"{p.conversations} / {p.turns}"),
+        ("prompt tokens" + each, f"{p.prompt_tokens:,}"),
+        *(_remote_rows(p) if two else []),
+        ("served from cache" + by_b, f"{p.hit_tokens:,} ({p.hit_rate:.1%})"),
+        *_host_tier_rows(p),
+        *(_store_rows(p) if two else []),
+        ("reuse boundary (LCM of block sizes)", f"{p.boundary} tokens"),
+        (
+            "entries verified (reused included" + (", both engines)" if two else ")"),
+            f"{p.entries_verified:,}",
+        ),
+        ("mismatched", f"{p.entries_mismatched:,}"),
+    ]
+
+
+def print_summary(result: DemoResult, out: Any = None) -> None:
+    """Print ``result`` as rich tables; the very last line is ``verified N entries, M mismatched``.
+
+    Args:
+        result: what :func:`run_demo` returned.
+        out: a rich ``Console`` (default: :func:`kvforge.cli.formatting.console`).
+    """
+    out = out or console()
+    out.print(_two_columns(f"kvforge demo: {result.model} on {result.device}", _run_rows(result)))
+    out.print(_groups_table(result))
+    out.print(_checks_table(result))
     if result.prefix is not None:
         p = result.prefix
-        reuse = Table(title="prefix reuse (multi-turn, shared system prompt)", show_header=False)
-        reuse.add_column("what")
-        reuse.add_column("value", justify="right")
-        each, by_b = (" (each engine)", " (engine B)") if p.engines > 1 else ("", "")
-        for what, value in (
-            ("conversations / turns" + each, f"{p.conversations} / {p.turns}"),
-            ("prompt tokens" + each, f"{p.prompt_tokens:,}"),
-            *(_remote_rows(p) if p.engines > 1 else []),
-            ("served from cache" + by_b, f"{p.hit_tokens:,} ({p.hit_rate:.1%})"),
-            *(
-                [
-                    ("  of them from the device", f"{p.hit_tokens - p.host_hit_tokens:,}"),
-                    (
-                        "  of them from host tier pages",
-                        f"{p.host_hit_tokens:,} ({p.host_blocks:,} blocks brought back)",
-                    ),
-                    ("blocks the device evicted into host pages", f"{p.host_demotions:,}"),
-                ]
-                if p.tier == "host"
-                else []
-            ),
-            *(_store_rows(p) if p.engines > 1 else []),
-            ("reuse boundary (LCM of block sizes)", f"{p.boundary} tokens"),
-            (
-                "entries verified (reused included" + (", both engines)" if p.engines > 1 else ")"),
-                f"{p.entries_verified:,}",
-            ),
-            ("mismatched", f"{p.entries_mismatched:,}"),
-        ):
-            reuse.add_row(what, value)
-        out.print(reuse)
+        out.print(_two_columns("prefix reuse (multi-turn, shared system prompt)", _reuse_rows(p)))
         for note in p.notes:
             out.print(f"note: {note}", markup=False, highlight=False)
     if result.corrupted:
