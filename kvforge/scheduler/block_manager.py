@@ -91,7 +91,7 @@ from kvforge.core.values import (
     check_request_id,
 )
 from kvforge.errors import RequestStateError, StepError
-from kvforge.scheduler import step_stages, tier_lookup, truncation
+from kvforge.scheduler import step_stages, truncation
 from kvforge.scheduler.arena import SlabArena, check_arena
 from kvforge.scheduler.args import batch_ids
 from kvforge.scheduler.block_pool import BlockPool
@@ -103,13 +103,13 @@ from kvforge.scheduler.host_tier import (
     check_state_policy,
     check_tier_groups,
 )
-from kvforge.scheduler.prefix_cache import (
+from kvforge.scheduler.prefix import (
     DEFAULT_PREFIX_RETENTION,
     PrefixCache,
     PrefixStats,
     Retention,
     StepWork,
-    check_prefix_retention,
+    host_lookup,
 )
 from kvforge.scheduler.swap_book import SwapBook, SwapStats
 from kvforge.scheduler.tables import GroupTable, RequestTables
@@ -187,7 +187,7 @@ class BlockManager:
             ``"dense"`` (every one a boundary's tail needs) or ``"checkpoints"`` (only the
             tails where a later prompt can end: each prompt's replay boundary and the
             junctions lookups find, as vLLM 0.33 keeps them by default); see
-            :func:`~kvforge.scheduler.prefix_cache.check_prefix_retention`.
+            :func:`~kvforge.scheduler.prefix.check_prefix_retention`.
         prefix_retention_interval: with ``"checkpoints"``, also keep the tail at every
             multiple of this many tokens (a multiple of :attr:`boundary`); ``None``: none.
 
@@ -211,7 +211,8 @@ class BlockManager:
         prefix_retention_interval: int | None = None,
         arena: ArenaGeometry | None = None,
     ) -> None:
-        check_prefix_retention(prefix_retention, prefix_retention_interval)
+        # prefix_retention and its interval are checked once, by the prefix cache built
+        # below (check_prefix_retention, against the boundary these pools give)
         self.layout = layout
         self.share_pools = check_share_pools(share_pools)
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, minimum=1)
@@ -314,6 +315,13 @@ class BlockManager:
         if swapped is not None:
             return swapped.num_tokens
         return int(self._t.num_tokens[self.row_of(request_id)])
+
+    @locked
+    def num_tokens_of(self, request_id: str) -> int:
+        """Tokens ``request_id`` holds on the device, 0 for a request that holds no row
+        (unknown, finished or swapped out): where its next step starts."""
+        row = self._t.row_of.get(request_id)
+        return int(self._t.num_tokens[row]) if row is not None else 0
 
     @locked
     def block_table(self, request_id: str, group: str) -> list[int]:
@@ -425,7 +433,7 @@ class BlockManager:
             step_id=self._issued,
             moves=self.arena.take_moves() if self.arena is not None else (),
             offloads=self._host_tier.take_offloads() if self._host_tier is not None else (),
-            onloads=tier_lookup.take_onloads(self),
+            onloads=host_lookup.take_onloads(self._host_tier),
         )
 
     def _drop_unended_steps(self) -> None:
@@ -507,7 +515,7 @@ class BlockManager:
 
     @locked
     def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
-        return tier_lookup.lookup(self, queries)  # the host tier's part first, if any
+        return host_lookup.lookup(self._prefix, self._host_tier, queries)  # host part first
 
     lookup.__doc__ = PrefixCache.lookup.__doc__
 
@@ -759,7 +767,7 @@ class BlockManager:
         once, in order, as it applies a step. ``None`` when nothing is due (no id is used)."""
         moves = self.arena.take_moves() if self.arena is not None else ()
         offloads = self._host_tier.take_offloads() if self._host_tier is not None else ()
-        onloads = tier_lookup.take_onloads(self)
+        onloads = host_lookup.take_onloads(self._host_tier)
         copies, deltas = self.take_copies(), self._t.take_pending()  # numbered deltas last
         if not (moves or offloads or onloads or deltas or copies):
             return None
