@@ -277,6 +277,7 @@ LOCK_FREE = {
     CacheController: {
         "platform": "fixed at construction",
         "device": "fixed at construction",
+        "options": "frozen, fixed at construction",
         "enable_prefix_caching": "options are frozen, fixed at construction",
         "share_pools": "options are frozen, fixed at construction",
         "prefix_retention": "options are frozen, fixed at construction",
