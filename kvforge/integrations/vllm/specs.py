@@ -5,6 +5,12 @@
 and ``kvforge plan`` take; :func:`dump_vllm_specs` / :func:`load_vllm_specs` carry specs as
 JSON (``kvforge plan --vllm-specs PATH``). Bytes agree per vLLM layer, in both directions.
 
+This module holds the translation both ways; beside it, one concern each:
+:mod:`~kvforge.integrations.vllm.spec_kinds` (what each group kind is to vLLM, one table),
+:mod:`~kvforge.integrations.vllm.spec_backend` (:class:`VllmSpecBackend`, one vLLM layer as a
+declaration) and :mod:`~kvforge.integrations.vllm.spec_files` (the JSON form). Every name is
+importable from here as before.
+
 The byte invariant: for every vLLM layer, vLLM's ``page_size_bytes`` (its padded page) is the
 sum of kvforge's ``device_block_bytes`` over the roles behind that layer, and vLLM's
 ``real_page_size_bytes`` (unpadded) is the sum of their ``block_bytes`` (a host page's share).
@@ -39,15 +45,12 @@ True
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import torch
-from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
@@ -56,28 +59,26 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     KVQuantMode,
     MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
     SlidingWindowSpec,
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
 
 from kvforge._checks import ArgumentError, check_int
-from kvforge.attn_backends.base import AttentionBackend, DeclaredBackend
+from kvforge.attn_backends.base import AttentionBackend
 from kvforge.attn_backends.deepseek_v4 import DeepseekV4Backend
 from kvforge.attn_backends.dsa import DSABackend
 from kvforge.attn_backends.gqa import GQABackend
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.attn_backends.mla import MLABackend
 from kvforge.core.layout import CacheLayout
-from kvforge.integrations.vllm.spec_kinds import kind_of_spec, vllm_kind
+from kvforge.integrations.vllm.spec_backend import SUPPORTED_SPECS, VllmSpecBackend
+from kvforge.integrations.vllm.spec_files import SPECS_FORMAT, dump_vllm_specs, load_vllm_specs
+from kvforge.integrations.vllm.spec_kinds import vllm_kind
 from kvforge.specs import (
     CacheGroup,
     CacheRole,
     canonical_dtype,
-    check_role_in_group,
-    torch_dtype,
 )
 
 __all__ = [
@@ -92,19 +93,7 @@ __all__ = [
     "to_vllm_specs",
 ]
 
-SPECS_FORMAT = "kvforge.vllm_specs/1"
-"""The ``format`` of :func:`dump_vllm_specs`'s dict."""
 
-# spec type -> the group name prefix from_vllm_specs gives it; exact types only: a subclass
-# (SinkFullAttentionSpec, RSWASpec, ...) means something these groups do not
-SUPPORTED_SPECS: dict[type[KVCacheSpec], str] = {
-    FullAttentionSpec: "full",
-    SlidingWindowSpec: "swa",
-    ChunkedLocalAttentionSpec: "chunked",
-    MLAAttentionSpec: "mla",
-    SlidingWindowMLASpec: "swa_mla",
-    MambaSpec: "mamba",
-}
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _SCALE_BYTES = 4  # vLLM's per-token-head scales are float32, inline after each head's data
@@ -419,96 +408,6 @@ def layer_page_bytes(
 # ---------------------------------------------------------------------------- vLLM -> kvforge
 
 
-def _role_dtype(name: str, dtype: Any) -> str:
-    try:
-        return canonical_dtype(dtype)
-    except ValueError as exc:
-        raise ArgumentError(f"layer {name!r}: {exc}") from None
-
-
-def _declaration(name: str, spec: KVCacheSpec, group: str) -> tuple[CacheGroup, list[CacheRole]]:
-    """The group and roles of one vLLM layer, byte for byte."""
-    kind, window = kind_of_spec(spec)
-    if isinstance(spec, MambaSpec):
-        cache_group = CacheGroup(
-            name=group, block_size=1, kind=kind, slots_per_request=1 + spec.num_speculative_blocks
-        )
-        roles = [
-            CacheRole(
-                name=f"state_{i}", group=group, entry_shape=shape, dtype=_role_dtype(name, dt)
-            )
-            for i, (shape, dt) in enumerate(zip(spec.shapes, spec.dtypes, strict=True))
-        ]
-        return cache_group, _pad(name, spec, cache_group, roles)
-    assert isinstance(spec, AttentionSpec)
-    ratio = spec.tokens_per_state
-    if isinstance(ratio, Fraction):
-        if ratio.denominator != 1:
-            raise ArgumentError(
-                f"layer {name!r}: tokens_per_state={ratio} stores several states per token; "
-                "kvforge's compress ratios are whole tokens per entry"
-            )
-        ratio = int(ratio)
-    cache_group = CacheGroup(name=group, block_size=spec.block_size, kind=kind, window=window)
-    heads = spec.num_heads
-    dtype = _role_dtype(name, spec.dtype)
-
-    def role(role_name: str, width: int, dt: str) -> CacheRole:
-        shape = (width,) if heads == 1 else (heads, width)
-        return CacheRole(
-            name=role_name, group=group, entry_shape=shape, dtype=dt, compress_ratio=ratio
-        )
-
-    if spec.state_content_bytes is not None:
-        roles = [role("cache", spec.state_content_bytes, "uint8")]
-    elif spec.head_size_v == 0:
-        roles = [role("key", spec.head_size, dtype)]
-    else:
-        roles = [role("key", spec.head_size, dtype), role("value", spec.head_size_v, dtype)]
-    return cache_group, _pad(name, spec, cache_group, roles)
-
-
-def _pad(
-    name: str, spec: KVCacheSpec, group: CacheGroup, roles: list[CacheRole]
-) -> list[CacheRole]:
-    """``roles`` with the last one's ``block_alignment`` making the device block vLLM's
-    padded page (vLLM's own ``alignment`` where it gives exactly that page)."""
-    padded, real = int(spec.page_size_bytes), int(spec.real_page_size_bytes)
-    if padded == real:
-        return roles
-    others = sum(r.block_bytes(group) for r in roles[:-1])
-    alignment = getattr(spec, "alignment", None)
-    if not (len(roles) == 1 and alignment and -(-real // alignment) * alignment == padded):
-        alignment = padded - others
-    last = roles[-1].model_copy(update={"block_alignment": alignment})
-    try:
-        check_role_in_group(last, group)
-    except ValueError as exc:
-        raise ArgumentError(f"layer {name!r}: its padded page of {padded} B: {exc}") from None
-    return [*roles[:-1], last]
-
-
-class VllmSpecBackend(DeclaredBackend):
-    """One vLLM layer's cache as a kvforge backend: one group, roles byte for byte.
-
-    Roles: ``key`` and ``value`` (``[heads, head_size]`` each) for a K/V spec, ``key`` alone
-    for a single-vector (MLA) spec, ``cache`` (uint8) for a packed one
-    (``state_content_bytes``), ``state_<i>`` per state tensor of a ``MambaSpec``. vLLM's
-    padding becomes the last role's ``block_alignment``; ``tokens_per_state`` the compress
-    ratio. ``to_vllm_specs`` gives ``spec`` back unchanged.
-    """
-
-    def __init__(self, spec: KVCacheSpec, group: str, layer_name: str = "") -> None:
-        self.spec = spec
-        self.group_name = group
-        try:
-            cache_group, roles = _declaration(layer_name or group, spec, group)
-            self.declare([cache_group], roles)
-        except ValueError as exc:
-            raise ArgumentError(f"layer {layer_name or group!r}: {exc}") from None
-
-    def __repr__(self) -> str:
-        return f"VllmSpecBackend({type(self.spec).__name__}, group={self.group_name!r})"
 
 
 def _native(spec: KVCacheSpec, group: str) -> AttentionBackend | None:
@@ -626,167 +525,3 @@ def from_vllm_specs(specs: Mapping[str, KVCacheSpec]) -> VllmSpecBackends:
     return VllmSpecBackends(backends, list(specs), list(specs.values()))
 
 
-# ---------------------------------------------------------------------------- JSON
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, SparseCacheRole):
-        return value.value
-    if isinstance(value, KVQuantMode | MambaAttentionBackendEnum):
-        return value.name
-    if isinstance(value, Fraction):
-        return str(value) if value.denominator != 1 else int(value)
-    if isinstance(value, MultipleOf):
-        return {"multiple_of": value.base}
-    if isinstance(value, tuple | list):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def dump_vllm_specs(specs: Mapping[str, KVCacheSpec]) -> dict[str, Any]:
-    """``specs`` as a JSON-ready dict, for :func:`load_vllm_specs` and
-    ``kvforge plan --vllm-specs``. From a running engine, one call::
-
-        json.dump(dump_vllm_specs(llm.llm_engine.model_executor.driver_worker.worker
-                                  .model_runner.get_kv_cache_spec()), open("specs.json", "w"))
-
-    Format: ``{"format": SPECS_FORMAT, "layers": {name: {"type": class name, field:
-    value, ...}}}`` with each spec's constructor fields that differ from their defaults;
-    dtypes as names (``"bfloat16"``), ``kv_quant_mode`` / ``mamba_type`` by member name,
-    ``cache_role`` by value, a fractional ``tokens_per_state`` as ``"1/4"``.
-
-    Raises:
-        ArgumentError: a layer whose spec type is not one of :data:`SUPPORTED_SPECS`.
-    """
-    if not isinstance(specs, Mapping):
-        raise ArgumentError(f"specs must be a mapping, got {type(specs).__name__}")
-    layers: dict[str, Any] = {}
-    for name, spec in specs.items():
-        if type(spec) not in SUPPORTED_SPECS:
-            raise ArgumentError(
-                f"layer {name!r}: cannot dump a {type(spec).__name__}; kvforge reads "
-                f"{', '.join(t.__name__ for t in SUPPORTED_SPECS)}"
-            )
-        entry: dict[str, Any] = {"type": type(spec).__name__}
-        for f in dataclasses.fields(spec):
-            if not f.init or f.name == "is_draft":
-                continue
-            value = getattr(spec, f.name)
-            if (
-                f.default is not dataclasses.MISSING
-                and value == f.default
-                and (type(value) is type(f.default))
-            ):
-                continue
-            entry[f.name] = _jsonable(value)
-        layers[str(name)] = entry
-    return {"format": SPECS_FORMAT, "layers": layers}
-
-
-_ENUMS: dict[str, Any] = {
-    "kv_quant_mode": lambda v: KVQuantMode[v],
-    "mamba_type": lambda v: MambaAttentionBackendEnum[v],
-    "cache_role": SparseCacheRole,
-}
-
-
-def _field_value(where: str, field: str, annotation: str, value: Any) -> Any:
-    """``value`` of a dumped spec field as the constructor takes it, or one error line."""
-
-    def bad(expected: str) -> ArgumentError:
-        return ArgumentError(f"{where}: field {field!r} must be {expected}, got {value!r}")
-
-    if value is None:
-        if "None" not in annotation:
-            raise bad("given (not null)")
-        return None
-    if field in ("dtype", "dtypes"):
-        names = value if field == "dtypes" and isinstance(value, list) else [value]
-        try:
-            dtypes = tuple(torch_dtype(canonical_dtype(v)) for v in names)
-        except ValueError:
-            what = "a list of dtype names" if field == "dtypes" else "a dtype name"
-            raise bad(what + " such as 'bfloat16'") from None
-        return dtypes if field == "dtypes" else dtypes[0]
-    if field == "shapes":
-        if not isinstance(value, list) or not all(
-            isinstance(s, list) and all(type(d) is int and d >= 0 for d in s) for s in value
-        ):
-            raise bad("a list of shapes (lists of ints >= 0)")
-        return tuple(tuple(s) for s in value)
-    if field in _ENUMS:
-        try:
-            return _ENUMS[field](value)
-        except (KeyError, ValueError, TypeError):
-            raise bad(
-                "a member name such as 'NONE'"
-                if field != "cache_role"
-                else f"one of {[r.value for r in SparseCacheRole]}"
-            ) from None
-    if field == "tokens_per_state" and isinstance(value, str):
-        try:
-            number = Fraction(value)
-        except ValueError:
-            raise bad("an int or a fraction string such as '1/4'") from None
-        return int(number) if number.denominator == 1 else number
-    if field == "block_stride_alignment" and isinstance(value, dict):
-        if set(value) != {"multiple_of"} or type(value["multiple_of"]) is not int:
-            raise bad('an int or {"multiple_of": int}')
-        return MultipleOf(value["multiple_of"])
-    if annotation.startswith("bool") and not isinstance(value, bool):
-        raise bad("true or false")
-    if annotation.startswith("int") and (type(value) is not int or value < 0):
-        raise bad("an int >= 0")
-    if annotation.startswith("str") and not isinstance(value, str):
-        raise bad("a string")
-    return value
-
-
-def load_vllm_specs(data: Mapping[str, Any]) -> dict[str, KVCacheSpec]:
-    """The specs :func:`dump_vllm_specs` wrote: ``{layer name: spec}``.
-
-    Raises:
-        ArgumentError: one line naming the layer, the field and the value: not a dump (no
-            ``layers``, another ``format``), an unknown spec type or field, a value of the
-            wrong kind, or a spec vLLM itself refuses.
-    """
-    if not isinstance(data, Mapping):
-        raise ArgumentError(f"vLLM specs must be a JSON object, got {type(data).__name__}")
-    if data.get("format", SPECS_FORMAT) != SPECS_FORMAT:
-        raise ArgumentError(f"format must be {SPECS_FORMAT!r}, got {data['format']!r}")
-    layers = data.get("layers")
-    if not isinstance(layers, Mapping) or not layers:
-        raise ArgumentError(
-            f"vLLM specs need a non-empty object 'layers' of layer name -> spec fields, got "
-            f"{layers!r}"[:200]
-        )
-    types = {t.__name__: t for t in SUPPORTED_SPECS}
-    out: dict[str, KVCacheSpec] = {}
-    for name, entry in layers.items():
-        where = f"layer {name!r}"
-        if not isinstance(entry, Mapping):
-            raise ArgumentError(f"{where}: must be an object of spec fields, got {entry!r}")
-        kind = entry.get("type")
-        if kind not in types:
-            raise ArgumentError(
-                f"{where}: field 'type' must be one of {sorted(types)}, got {kind!r}"
-            )
-        cls = types[kind]
-        init = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "is_draft"}
-        kwargs: dict[str, Any] = {}
-        for field, value in entry.items():
-            if field == "type":
-                continue
-            if field not in init:
-                raise ArgumentError(
-                    f"{where}: {kind} has no field {field!r} (fields: {', '.join(init)})"
-                )
-            kwargs[field] = _field_value(where, field, str(init[field].type), value)
-        try:
-            out[name] = cls(**kwargs)
-        except (TypeError, ValueError, AssertionError, KeyError) as exc:
-            message = str(exc).strip() or type(exc).__name__
-            raise ArgumentError(f"{where}: vLLM refuses this {kind}: {message}") from None
-    return out
