@@ -20,6 +20,7 @@ _SUM = np.add.reduce  # no Python-level wrapper per call
 __all__ = [
     "apply_growth",
     "fits_in_order",
+    "grow_one",
     "plan_growth",
     "prompt_fits",
     "schedule_one_by_one",
@@ -223,6 +224,97 @@ def schedule_one_by_one(
             continue
         apply_growth(t, rows, fresh, before, after, plans, np.array([i]))
     return accept
+
+
+# --- one request: the same growth in Python ints --------------------------------------------
+
+
+def grow_one(t: RequestTables, row: int, fresh: bool, before: int, after: int) -> bool:
+    """The growth of a batch of one request (``row``, from ``before`` to ``after`` tokens)
+    when it fits its pools: what :func:`plan_growth`, :func:`fits_in_order` and
+    :func:`apply_growth` do for a batch of one, in Python ints (numpy's per-call overhead
+    dominates at one request). Same cells, same releases and takes in the same order, same
+    deltas.
+
+    Returns ``False``, having changed nothing, where the general path must decide: a slab
+    arena, a kind with its own ``live_starts``, or a pool the request does not fit (its
+    refusal is the general path's). ``tests/scheduler/test_grow_one.py`` compares the two on
+    random states."""
+    if t.arenas:
+        return False
+    plans = _plan_one(t, row, fresh, before, after)
+    if plans is None or not _fits_one(t, row, plans):
+        return False
+    _apply_one(t, row, plans)
+    return True
+
+
+def _plan_one(
+    t: RequestTables, row: int, fresh: bool, before: int, after: int
+) -> list[tuple[int, int, int, int]] | None:
+    """:func:`plan_growth` of one request: per group (blocks needed, release from, release
+    to, first new column); ``None`` for a kind whose ``live_starts`` is its own."""
+    plans = []
+    for g in t.groups:
+        if g.per_request:
+            plans.append((g.slots if fresh else 0, 0, 0, 0))
+            continue
+        bs = g.block_size
+        old_len = (before + (bs - 1)) // bs
+        need = (after + (bs - 1)) // bs - old_len
+        if g.history:
+            plans.append((need, old_len, old_len, old_len))
+            continue
+        if not g.plain_live:
+            return None
+        first_read = before if after > before else max(before - 1, 0)
+        start = int(g.rule.window_start(g.spec, first_read))
+        lo = int(g.held_from[row])
+        plans.append((need, lo, max(lo, min(start // bs, old_len)), old_len))
+    return plans
+
+
+def _fits_one(t: RequestTables, row: int, plans: list[tuple[int, int, int, int]]) -> bool:
+    """:func:`fits_in_order` of one request, every pool (no arena): its needs fit the free
+    blocks, its window releases counted."""
+    for pool, members in t.capacity:
+        need = sum(plans[gi][0] for gi in members)
+        if need <= pool.num_free:
+            continue
+        credit = 0
+        for gi in members:
+            _, lo, hi, _ = plans[gi]
+            if hi > lo:
+                old = t.groups[gi].table[row, lo:hi]
+                old = old[old != NULL_BLOCK]
+                credit += int(_SUM(pool.ref_counts[old] == 1))
+        if need - credit > pool.num_free:
+            return False
+    return True
+
+
+def _apply_one(t: RequestTables, row: int, plans: list[tuple[int, int, int, int]]) -> None:
+    """:func:`apply_growth` of one request: every group releases behind its window, then
+    every group takes its new blocks; one delta per group that changed."""
+    parts: list[list[tuple[int, int, np.ndarray]]] = []
+    for g, (_, lo, hi, _) in zip(t.groups, plans, strict=True):
+        cells: list[tuple[int, int, np.ndarray]] = []
+        parts.append(cells)
+        if g.windowed and hi > lo:
+            old = g.table[row, lo:hi]
+            g.pool.release_held(old[old != NULL_BLOCK])  # the table's own cells
+            g.table[row, lo:hi] = NULL_BLOCK
+            g.held_from[row] = hi
+            cells.append((lo, hi, np.zeros(hi - lo, dtype=np.int32)))
+    for g, (need, _, _, first_new), cells in zip(t.groups, plans, parts, strict=True):
+        if need:
+            ids = g.pool.take(need)
+            g.table[row, first_new : first_new + need] = ids
+            cells.append((first_new, first_new + need, ids))
+        if cells:
+            cols = np.concatenate([np.arange(a, b, dtype=np.int32) for a, b, _ in cells])
+            rows = np.full(len(cols), row, dtype=np.int32)
+            t.record(g, rows, cols, np.concatenate([v for _, _, v in cells]))
 
 
 def prompt_fits(t: RequestTables, num_tokens: int, chunk: int, match: object = None) -> bool:

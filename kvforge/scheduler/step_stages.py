@@ -11,7 +11,8 @@ tables, the prefix cache, the swap book, the arena): none reads the manager itse
 4. :func:`bound`: the step's token counts (cut at a snapshot boundary) and ``max_model_len``
    refusals.
 5. :func:`grow`: release blocks behind windows and take new ones, for the whole batch at once
-   when it fits, else request by request (``out_of_blocks`` refusals).
+   when it fits, else request by request (``out_of_blocks`` refusals); a batch of one that
+   fits takes :func:`~.growth.grow_one`, the same growth in Python ints.
 6. :func:`give_back_refused`: a refused new request returns what stages 2 and 3 gave it.
 7. :func:`commit`: accepted requests keep their rows and token counts; the prefix cache records
    the step's hits and completed blocks.
@@ -36,7 +37,13 @@ from kvforge.core.values import BlockCopy, PrefixMatch, Refusal
 from kvforge.errors import RequestStateError
 from kvforge.scheduler.arena import SlabArena, packing
 from kvforge.scheduler.args import batch_ids, check_matches, check_token_ids, new_token_counts
-from kvforge.scheduler.growth import apply_growth, fits_in_order, plan_growth, schedule_one_by_one
+from kvforge.scheduler.growth import (
+    apply_growth,
+    fits_in_order,
+    grow_one,
+    plan_growth,
+    schedule_one_by_one,
+)
 from kvforge.scheduler.prefix import PrefixCache
 from kvforge.scheduler.swap_book import SwapBook
 from kvforge.scheduler.tables import RequestTables
@@ -234,6 +241,10 @@ def grow(
     out with the step). A refused request's cells and pools are never touched.
     """
     rows, fresh, before, after = batch.safe_rows, batch.fresh, batch.before, batch.after
+    if len(rows) == 1 and batch.accept[0]:  # one request: Python ints when it fits
+        with packing(arena, pack):
+            if grow_one(tables, int(rows[0]), bool(fresh[0]), int(before[0]), int(after[0])):
+                return
     plans = plan_growth(tables, rows, fresh, before, after)
     with packing(arena, pack):  # takes may move cached blocks
         if batch.accept.all() and all(

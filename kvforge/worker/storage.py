@@ -752,14 +752,30 @@ class CacheStorage:
                 cache[dst] = cache[src]
 
     def slot_mapping(
-        self, row: int, group: str, positions: np.ndarray, compress_ratio: int
+        self,
+        row: int,
+        group: str,
+        positions: np.ndarray,
+        compress_ratio: int,
+        checked: bool = False,
     ) -> np.ndarray:
-        """Slots of ``positions`` (``int64``) of the request in table ``row``, from the mirror."""
+        """Slots of ``positions`` (``int64``) of the request in table ``row``, from the mirror.
+
+        ``checked``: the caller validated ``row`` (a row of the tables), ``positions`` (1-D
+        ``int64``, non-negative) and ``compress_ratio`` (divides the group's block size), as
+        the facade does; then the arguments are not checked again, and one position is
+        computed in Python ints (:func:`_one_slot`, the numpy kernel's arithmetic; numpy's
+        per-call overhead dominates at one token)."""
         with self._lock:
             table = self.block_table(group)
-            rows = np.full(positions.shape, row, dtype=np.int64)
             block_size = self.layout.group(group).block_size
-            return ops.slot_mapping(table, rows, positions, block_size, compress_ratio)
+            if checked and positions.shape[0] == 1:
+                slot = _one_slot(table, row, int(positions[0]), block_size, compress_ratio)
+                return np.array([slot], dtype=np.int64)
+            rows = np.full(positions.shape, row, dtype=np.int64)
+            return ops.slot_mapping(
+                table, rows, positions, block_size, compress_ratio, check=not checked
+            )
 
     def block_table(self, group: str) -> np.ndarray:
         """The mirrored table of ``group`` (numpy, host side)."""
@@ -1057,3 +1073,17 @@ def _apply_on_device(table: torch.Tensor, delta: TableDelta) -> None:  # pragma:
         vals = torch.from_numpy(delta.block_ids).to(table.device, non_blocking=True)
         table[rows, cols] = vals
 
+
+
+def _one_slot(table: np.ndarray, row: int, position: int, block_size: int, ratio: int) -> int:
+    """The slot of one ``position`` of table ``row`` (``-1`` where none is written): the
+    arithmetic of :func:`kvforge.ops.slot_mapping` in Python ints, for validated arguments
+    (``tests/worker/test_one_slot.py`` compares the two)."""
+    if position % ratio != ratio - 1:
+        return -1  # the token completes no compressed entry
+    per_block = block_size // ratio
+    col, off = divmod(position // ratio, per_block)
+    if col >= table.shape[1]:
+        return -1
+    block = int(table[row, col])
+    return block * per_block + off if block > 0 else -1
