@@ -1,0 +1,130 @@
+"""A batch of one request grows through :func:`kvforge.scheduler.growth.grow_one` (Python
+ints); it must be exactly the batch path (``plan_growth`` / ``fits_in_order`` /
+``apply_growth``, ``schedule_one_by_one`` for refusals) for a batch of one.
+
+Two managers run the same random history of one-request steps and finishes, one with the fast
+path and one with it turned off (``step_stages.grow_one`` answering ``False``, so the batch
+path decides): after every call both hold the same tables, extents, token counts, rows and
+pools, and hand out the same steps (rows, counts, refusals, table deltas).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvforge import DeepseekV4Backend, GQABackend
+from kvforge.core.layout import CacheLayout
+from kvforge.scheduler import BlockManager, growth, step_stages
+
+
+
+def state(m: BlockManager) -> tuple:
+    """Everything a step may change: tables, extents, counts, rows, pools, queues."""
+    t = m._t  # a test reads the manager's parts
+    return (
+        [g.table.copy() for g in t.groups],
+        [g.held_from.copy() for g in t.groups],
+        t.num_tokens.copy(),
+        dict(t.row_of),
+        list(t.free_rows),
+        [(g.pool.num_free, g.pool.ref_counts.copy()) for g in t.groups],
+        len(t.pending),
+    )
+
+
+def same(a: object, b: object) -> bool:
+    """Equal values, arrays of equal dtype and contents, element by element."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and np.array_equal(a, b)
+        )
+    if isinstance(a, list | tuple):
+        return (
+            isinstance(b, list | tuple)
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return a == b
+
+
+def _manager(kv: int, swa: int, rows: int) -> BlockManager:
+    """A full group ``kv`` and the DeepSeek-V4 window and state groups, small pools."""
+    layout = CacheLayout({0: GQABackend(2, 8, 16), 1: DeepseekV4Backend(0)})
+    counts = {g.name: (kv if g.name == "kv" else swa) for g in layout.groups}
+    return BlockManager(layout, counts, rows, 2048)
+
+
+def _step_view(step) -> tuple:
+    deltas = [
+        (d.group, d.seq, d.rows, d.cols, d.block_ids, d.clear_rows) for d in step.table_deltas
+    ]
+    return (
+        step.request_ids,
+        step.rows,
+        step.num_computed,
+        step.num_new,
+        step.refused,
+        deltas,
+        step.copies_before,
+        step.copies_after,
+    )
+
+
+def _off(*args: object) -> bool:
+    return False  # the batch path decides
+
+
+OPS = st.lists(
+    st.tuples(st.integers(0, 4), st.integers(-1, 300)),  # (request, new tokens; -1: finish)
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=OPS,
+    kv=st.integers(2, 60),
+    swa=st.integers(2, 30),
+    rows=st.integers(1, 4),
+)
+def test_grow_one_is_the_batch_path_for_one_request(ops, kv, swa, rows):
+    fast, slow = _manager(kv, swa, rows), _manager(kv, swa, rows)
+    for request, n in ops:
+        rid = f"r{request}"
+        results = []
+        for m, patched in ((fast, False), (slow, True)):
+            with pytest.MonkeyPatch.context() as mp:
+                if patched:
+                    mp.setattr(step_stages, "grow_one", _off)
+                if n < 0:
+                    if rid not in m.requests:
+                        results.append(None)
+                        continue
+                    m.finish([rid])
+                    results.append(m.take_effects() is not None)
+                else:
+                    step = m.schedule([rid], [n])
+                    m.end_step(step)
+                    results.append(_step_view(step))
+        assert same(results[0], results[1])
+        assert same(state(fast), state(slow))
+
+
+def test_grow_one_declines_what_the_batch_path_must_decide():
+    """A request its pools cannot serve: ``grow_one`` changes nothing and answers ``False``;
+    the step then refuses it (``out_of_blocks``) through the batch path."""
+    m = _manager(kv=3, swa=30, rows=2)
+    t = m._t
+    before = state(m)
+    assert not growth.grow_one(t, 0, True, 0, 200)  # 13 blocks of 16 tokens, 2 usable
+    assert same(state(m), before)
+    step = m.schedule(["a"], [200])
+    assert [(r.reason, r.group) for r in step.refused] == [("out_of_blocks", "kv")]
+    assert step.request_ids == () and same(state(m), before)
