@@ -20,7 +20,6 @@ from kvforge.core.layout import CacheLayout
 from kvforge.scheduler import BlockManager, growth, step_stages
 
 
-
 def state(m: BlockManager) -> tuple:
     """Everything a step may change: tables, extents, counts, rows, pools, queues."""
     t = m._t  # a test reads the manager's parts
