@@ -4,6 +4,11 @@ its pools in order, and applying it (release behind windows, then take new block
 Functions of :class:`~.tables.RequestTables`, called by ``BlockManager.schedule`` under its
 lock. Every group releases before any group grows: groups that share a pool were checked
 against the pool with all their releases counted.
+
+A batch of one request that fits takes :func:`grow_one`, the same growth in Python ints (an
+engine that calls the facade request by request pays numpy's per-call overhead otherwise);
+``tests/scheduler/test_grow_one.py`` checks it gives the batch path's tables, pools, deltas
+and refusals on random histories.
 """
 
 from __future__ import annotations
