@@ -29,7 +29,6 @@ locked method per verb; splitting it would split the one object a program calls.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvforge._checks import check_int, locked
+from kvforge._checks import check_int, check_integer, locked
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.core.flow import plan_with_arena
-from kvforge.core.layout import CacheLayout, check_share_pools
+from kvforge.core.layout import CacheLayout
 from kvforge.core.memory_plan import (
     DEFAULT_MAX_NUM_SEQS,
     MemoryPlan,
@@ -52,7 +51,6 @@ from kvforge.core.memory_plan import (
 )
 from kvforge.core.naming import DEFAULT_NAME_TEMPLATE
 from kvforge.core.values import (
-    BlockCopy,
     PageCopy,
     PrefixMatch,
     PrefixQuery,
@@ -67,10 +65,16 @@ from kvforge.errors import (
     OutOfBlocksError,
     RequestStateError,
     StepError,
-    UnissuedCopyError,
-    WorkerRefusedError,
 )
 from kvforge.kinds import live_start
+from kvforge.options import (
+    UNSET,
+    CacheOptions,
+    HostTierOptions,
+    PlanOptions,
+    Unset,
+    merge_keywords,
+)
 from kvforge.platform import Platform
 from kvforge.remote_tier import RemoteTier, check_model_identity, layout_fingerprint
 from kvforge.scheduler import host_tier
@@ -79,19 +83,13 @@ from kvforge.scheduler.host_tier import (
     HostTier,
     HostTierPolicy,
     StatePolicy,
-    check_host_tier_policy,
-    check_state_policy,
     declared_state_policy,
 )
-from kvforge.scheduler.prefix_cache import (
-    DEFAULT_PREFIX_RETENTION,
-    Retention,
-    check_prefix_retention,
-)
+from kvforge.scheduler.prefix import Retention
 from kvforge.specs import SwapPurpose
-from kvforge.worker import guard, host_memory
-from kvforge.worker.host_tier import HostTierPages
+from kvforge.worker import host_memory
 from kvforge.worker.storage import CacheStorage, StepInputs, SwapExecution
+from kvforge.worker.tier_pages import HostTierPages
 from kvforge.worker.transfer import SwapHandle
 
 if TYPE_CHECKING:
@@ -111,53 +109,12 @@ class ScheduledStep:
     inputs: StepInputs
 
 
-class _LastSteps:
-    """Per table row, the latest step that scheduled the request in that row: which tokens
-    that step's kernels wrote, so the per-request :meth:`CacheController.slot_mapping` gives
-    the step's slots as :meth:`CacheController.schedule` did (window blocks a step writes stay
-    held until the request's next step). One array write per step: no per-request Python on
-    the step path."""
-
-    __slots__ = ("manager", "steps")
-
-    def __init__(self, manager: BlockManager) -> None:
-        self.manager = manager
-        self.steps = np.full(manager.max_num_seqs, None, dtype=object)
-
-    def note(self, step: StepAllocation) -> None:
-        if not step.request_ids:
-            return
-        if len(step.rows) == 1:  # one request (allocate): a plain item write
-            self.steps[int(step.rows[0])] = (step.request_ids, step.num_computed, step.num_new)
-            return
-        record = np.empty((), dtype=object)  # one object, not a sequence to broadcast
-        record[()] = (step.request_ids, step.num_computed, step.num_new)  # not the deltas
-        self.steps[step.rows] = record
-
-    def first_written(self, row: int, request_id: str, num_tokens: int) -> int:
-        """The first token the latest step of ``request_id`` (in ``row``) wrote, when that
-        step took it to ``num_tokens`` tokens (nothing moved it since); else ``num_tokens``."""
-        record = self.steps[row]
-        if record is None or request_id not in record[0]:
-            return num_tokens  # no step yet, or the step of a request that held the row before
-        request_ids, num_computed, num_new = record
-        i = request_ids.index(request_id)
-        first = int(num_computed[i])
-        if first + int(num_new[i]) != num_tokens:
-            return num_tokens  # truncated since
-        return first
-
-
 def _one_sizing(count: object, memory_budget: object, name: str = "num_blocks") -> None:
     if (count is None) == (memory_budget is None):
         raise ValueError(
             f"give exactly one of {name} or memory_budget, got "
             f"{name}={count!r}, memory_budget={memory_budget!r}"
         )
-
-
-def _count(name: str, value: object) -> int:
-    return check_int(name, value, -(1 << 63), type_message="{name} must be an int, got {value}")
 
 
 class CacheController:
@@ -170,17 +127,17 @@ class CacheController:
         rank: tensor-parallel rank (used in storage names).
         device_id: device ordinal used in storage names (default: the device's index or 0).
         name_template: storage-name template (see :mod:`kvforge.core.naming`).
-        enable_prefix_caching: keep the blocks of finished requests reusable by later
-            requests with the same prefix (see :meth:`lookup`).
-        share_pools: groups whose pages pair up byte for byte
-            (:attr:`CacheLayout.pool_sets`, e.g. gpt-oss's ``swa`` and ``kv``) draw on one
-            block pool whose bytes are paid once (see :class:`BlockManager` and
-            :meth:`CacheStorage.create`).
-        prefix_retention: which completed sliding-window and state blocks stay reusable,
-            ``"dense"`` or ``"checkpoints"``, and ``prefix_retention_interval`` (see
-            :class:`BlockManager`).
+        options: a :class:`~kvforge.options.CacheOptions`: prefix caching (on or off, the key
+            algorithm, the snapshot interval, the retention of window and state blocks) and
+            pool sharing, validated once. Default: ``CacheOptions()``, or the one the keywords
+            below build.
+        enable_prefix_caching, share_pools, prefix_retention, prefix_retention_interval: the
+            :class:`~kvforge.options.CacheOptions` fields of those names, as keywords (they
+            build the options object; give each either here or in ``options``, not both).
 
     Raises:
+        ArgumentError: a bad option (named, with its value), ``options`` that is not a
+            ``CacheOptions``, or a setting given both as a keyword and in ``options``.
         ValueError / TypeError: bad mapping, inconsistent declarations, two backends that
             declare one group name differently, an unknown device, a bad template, a template
             that gives two buffers one name.
@@ -193,33 +150,55 @@ class CacheController:
         rank: int = 0,
         device_id: int | None = None,
         name_template: str = DEFAULT_NAME_TEMPLATE,
-        enable_prefix_caching: bool = False,
-        share_pools: bool = True,
-        prefix_retention: Retention = DEFAULT_PREFIX_RETENTION,
-        prefix_retention_interval: int | None = None,
+        enable_prefix_caching: bool | Unset = UNSET,
+        share_pools: bool | Unset = UNSET,
+        prefix_retention: Retention | Unset = UNSET,
+        prefix_retention_interval: int | Unset | None = UNSET,
+        *,
+        options: CacheOptions | None = None,
     ) -> None:
-        check_share_pools(share_pools)
-        check_prefix_retention(prefix_retention, prefix_retention_interval)
-        self.prefix_retention = prefix_retention
-        self.prefix_retention_interval = prefix_retention_interval
+        keywords = {
+            "enable_prefix_caching": enable_prefix_caching,
+            "share_pools": share_pools,
+            "prefix_retention": prefix_retention,
+            "prefix_retention_interval": prefix_retention_interval,
+        }
+        self._options = merge_keywords(CacheOptions, options, keywords, "CacheController")
         self.layout = CacheLayout(backends)
-        self.enable_prefix_caching = enable_prefix_caching
-        self.share_pools = share_pools
         self.storage = CacheStorage(self.layout, device, rank, device_id, name_template)
         self._manager: BlockManager | None = None
         self._plan: MemoryPlan | None = None
-        self._last_steps: _LastSteps | None = None
-        #: a step the scheduler side handed out that an interrupt kept from the worker: the
-        #: next call applies it first, so the worker's sequence of steps has no gap
-        self._unapplied: StepAllocation | None = None
-        #: the copies_after of open steps not run yet (by end_step, or the next schedule),
-        #: and the steps whose copies failed there
-        self._snapshots_due: dict[int, tuple[tuple[str, ...], tuple[BlockCopy, ...]]] = {}
-        self._snapshots_failed: set[int] = set()
         self._closed = False
         self._remote: RemoteTier | None = None  # initialize_remote_tier
         self._owned_store: Any = None  # a store the controller opened (closed by free)
         self._lock = threading.RLock()
+
+    # ================================================================== options
+
+    @property
+    def options(self) -> CacheOptions:
+        """Every option of this controller, validated once (:class:`CacheOptions`, frozen)."""
+        return self._options
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """``options.enable_prefix_caching``."""
+        return self.options.enable_prefix_caching
+
+    @property
+    def share_pools(self) -> bool:
+        """``options.share_pools``."""
+        return self.options.share_pools
+
+    @property
+    def prefix_retention(self) -> Retention:
+        """``options.prefix_retention``."""
+        return self.options.prefix_retention
+
+    @property
+    def prefix_retention_interval(self) -> int | None:
+        """``options.prefix_retention_interval``."""
+        return self.options.prefix_retention_interval
 
     # ================================================================== declarations
 
@@ -264,13 +243,33 @@ class CacheController:
         memory_budget: int,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
-        **options: Any,
+        max_num_batched_tokens: int | None = None,
+        *,
+        plan: PlanOptions | None = None,
     ) -> MemoryPlan:
         """The plan :meth:`initialize_kv_cache` would allocate for these arguments: with
         ``share_pools``, groups whose pages differ draw on one slab arena
-        (:func:`~kvforge.core.flow.plan_with_arena`)."""
-        plan = plan_memory(self.layout, memory_budget, max_num_seqs, max_model_len, **options)
-        return plan_with_arena(plan, self.layout) if self.share_pools else plan
+        (:func:`~kvforge.core.flow.plan_with_arena`). ``plan``: the three sizes as one
+        :class:`~kvforge.options.PlanOptions` (instead of the keywords).
+
+        Raises:
+            ArgumentError: a bad size (named), or a size given both as a keyword and in
+                ``plan``.
+            ValueError: a bad budget, or one too small (see
+                :func:`kvforge.core.memory_plan.plan_memory`).
+        """
+        sizes = _plan_options(plan, max_num_seqs, max_model_len, max_num_batched_tokens)
+        return self._plan_memory(memory_budget, sizes)
+
+    def _plan_memory(self, memory_budget: int, sizes: PlanOptions) -> MemoryPlan:
+        made = plan_memory(
+            self.layout,
+            memory_budget,
+            sizes.max_num_seqs,
+            sizes.max_model_len,
+            sizes.max_num_batched_tokens,
+        )
+        return plan_with_arena(made, self.layout) if self.share_pools else made
 
     # ================================================================== the two sides
 
@@ -291,15 +290,18 @@ class CacheController:
         memory_budget: int | None = None,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
-        **plan_options: Any,
+        max_num_batched_tokens: int | None = None,
+        *,
+        plan: PlanOptions | None = None,
     ) -> MemoryPlan:
         """Allocate every device cache and the scheduler side's tables.
 
         Give either ``num_blocks`` (an int for every group, or group -> int; physical blocks
         including the reserved null block, so at least 2) or ``memory_budget`` in bytes
-        (optionally with ``max_num_seqs`` and ``max_model_len``; see :func:`plan_memory`).
+        (optionally with ``max_num_batched_tokens``; see :func:`plan_memory`).
         ``max_num_seqs`` (default 256) is the number of block-table rows; ``max_model_len``
-        their width in tokens (default: what the smallest full group holds).
+        their width in tokens (default: what the smallest full group holds). The three sizes
+        may come as one :class:`~kvforge.options.PlanOptions` in ``plan`` instead.
 
         With ``share_pools``, explicit ``num_blocks`` are the pools' counts, so the groups of
         a shared set need equal counts (the :class:`BlockManager` refuses others); a
@@ -316,44 +318,60 @@ class CacheController:
         if self.storage.ready:
             raise RuntimeError("initialize_kv_cache was already called on this controller")
         _one_sizing(num_blocks, memory_budget)
-        if num_blocks is not None:
-            if plan_options:
-                raise ValueError(f"{sorted(plan_options)} go with memory_budget, not num_blocks")
-            plan = plan_from_blocks(self.layout, self._blocks_per_group(num_blocks))
-        else:
-            plan = self.plan_memory(
-                _count("memory_budget", memory_budget),
-                max_num_seqs,
-                max_model_len,
-                **plan_options,
-            )
-        blocks = dict(plan.num_blocks)
+        sizes = _plan_options(plan, max_num_seqs, max_model_len, max_num_batched_tokens)
+        made = self._sized_plan(num_blocks, memory_budget, sizes)
+        blocks = dict(made.num_blocks)
         for g in self.layout.groups:  # groups with no bytes still need a pool for tables
             blocks.setdefault(g.name, 2)
         if self.share_pools and memory_budget is not None:
             blocks = shared_pool_blocks(self.layout, blocks)
-        seqs = max_num_seqs if max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
-        manager = BlockManager(
-            self.layout,
-            blocks,
-            seqs,
-            max_model_len,
-            self.enable_prefix_caching,
-            share_pools=self.share_pools,
-            prefix_retention=self.prefix_retention,
-            prefix_retention_interval=self.prefix_retention_interval,
-            arena=plan.arena,
-        )
+        seqs = sizes.max_num_seqs if sizes.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+        manager = self._new_manager(blocks, seqs, sizes.max_model_len, made.arena)
         self.storage.create(
             blocks,
             manager.max_num_seqs,
             manager.max_model_len,
             share_pools=self.share_pools,
-            arena=plan.arena,
+            arena=made.arena,
         )
         self._manager = manager
-        self._plan = plan
-        return plan
+        self._plan = made
+        return made
+
+    def _sized_plan(
+        self, num_blocks: object, memory_budget: object, sizes: PlanOptions
+    ) -> MemoryPlan:
+        """The plan of explicit ``num_blocks``, or of ``memory_budget`` for ``sizes``."""
+        if num_blocks is None:
+            return self._plan_memory(check_integer("memory_budget", memory_budget), sizes)
+        if sizes.max_num_batched_tokens is not None:
+            raise ValueError("['max_num_batched_tokens'] go with memory_budget, not num_blocks")
+        return plan_from_blocks(self.layout, self._blocks_per_group(num_blocks))  # type: ignore[arg-type]
+
+    def _new_manager(
+        self,
+        blocks: Mapping[str, int],
+        max_num_seqs: int,
+        max_model_len: int | None,
+        arena: Any = None,
+    ) -> BlockManager:
+        """The scheduler side for pools of ``blocks``, with this controller's options (valid
+        already: the manager checks only what the pools' sizes decide, such as intervals
+        against the groups' boundary)."""
+        options = self.options
+        return BlockManager(
+            self.layout,
+            blocks,
+            max_num_seqs,
+            max_model_len,
+            options.enable_prefix_caching,
+            snapshot_interval=options.snapshot_interval,
+            share_pools=options.share_pools,
+            key_algorithm=options.key_algorithm,
+            prefix_retention=options.prefix_retention,
+            prefix_retention_interval=options.prefix_retention_interval,
+            arena=arena,
+        )
 
     @locked
     def adopt_kv_cache(
@@ -383,16 +401,7 @@ class CacheController:
             # is missing rather than the scheduler side a count mismatch
             pool = self.layout.pool_of(g.name, self.share_pools)
             probe[g.name] = found.get(g.name, next((found[m] for m in pool if m in found), 2))
-        manager = BlockManager(
-            self.layout,
-            probe,
-            max_num_seqs,
-            max_model_len,
-            self.enable_prefix_caching,
-            share_pools=self.share_pools,
-            prefix_retention=self.prefix_retention,
-            prefix_retention_interval=self.prefix_retention_interval,
-        )
+        manager = self._new_manager(probe, max_num_seqs, max_model_len)
         blocks = self.storage.adopt(
             caches, manager.max_num_seqs, manager.max_model_len, share_pools=self.share_pools
         )
@@ -452,48 +461,22 @@ class CacheController:
         """Run on the worker what changed since the last step (finishes, swaps, truncations,
         a lookup's onloads, evictions' offloads, arena moves): the scheduler side hands it out
         as one numbered step of no request (``BlockManager.take_effects``), which the worker
-        checks and applies as it applies any step, once and in order."""
+        runs as it runs any step (``CacheStorage.run``), once and in order."""
         self._catch_up()
-        effects = self._unapplied = self._ready_manager().take_effects()
-        if effects is None:
-            return
-        self._apply(effects)  # with its copies on write, before anything writes their blocks
-        self._publish(effects.offloads)
-
-    def _apply(self, step: StepAllocation, slots: bool = False) -> StepInputs | None:
-        """The worker applies ``step`` (and computes its slots with ``slots``), then an
-        effects step's copies on write run. An interrupt before all of it happened leaves the
-        step to :meth:`_catch_up`; a refusal is the worker's answer and propagates."""
-        self._unapplied = step
-        try:
-            inputs = self.storage.apply(step) if slots else self.storage.apply_effects(step)
-        except WorkerRefusedError:
-            self._unapplied = None
-            raise
-        if step.copies_before:  # state restores, copies on write: before any kernel
-            self.storage.copy_blocks(step.copies_before)
-        self._unapplied = None
-        return inputs
-
-    def _catch_up(self) -> None:
-        """Finish applying the step an interrupt kept from the worker, before anything newer:
-        the whole step, or (the worker numbered it already) its deltas not yet mirrored and
-        its copies on write not yet run."""
-        step = self._unapplied
+        step = self._ready_manager().take_effects()
         if step is None:
             return
         storage = self.storage
-        if storage.next_step <= step.step_id:
-            self._apply(step)
-        else:
-            left = [d for d in step.table_deltas if d.seq >= storage.next_seq]
-            if left:
-                storage.apply_deltas(left)
-            if step.copies_before:
-                with contextlib.suppress(UnissuedCopyError):  # they ran before the interrupt
-                    storage.copy_blocks(step.copies_before)
-            self._unapplied = None
+        storage.pending = step  # handed over: an interrupt from here loses nothing
+        storage.run(step.effects)  # with its copies on write, before anything writes them
         self._publish(step.offloads)
+
+    def _catch_up(self) -> None:
+        """The worker finishes the step an interrupt kept from running whole
+        (``CacheStorage.catch_up``) before anything newer; its offloads are published."""
+        step = self.storage.catch_up()
+        if step is not None:
+            self._publish(step.offloads)
 
     # ================================================================== steps
 
@@ -513,39 +496,15 @@ class CacheController:
         allocation = self._ready_manager().schedule(
             request_ids, num_new_tokens, new_token_ids, prefix_matches
         )
-        self._unapplied = allocation  # until the worker applied it (see _catch_up)
-        self._take_snapshots(request_ids)  # before this step's kernels move their states on
-        self._note_step(allocation)
-        inputs = self._apply(allocation, slots=True)
-        assert inputs is not None
+        storage = self.storage
+        storage.pending = allocation  # handed over (see CacheStorage.pending)
+        # the snapshots of the open steps of these requests, before this step's kernels move
+        # their states on (an asynchronous engine ends step N after it schedules N + 1)
+        storage.run_snapshots(request_ids)
+        storage.run(allocation.effects)  # its copies_after wait for end_step (or the next)
+        inputs = storage.step_inputs(allocation)
         self._publish(allocation.offloads)
-        if allocation.copies_after:
-            self._snapshots_due[allocation.step_id] = (
-                allocation.request_ids,
-                allocation.copies_after,
-            )
         return ScheduledStep(allocation, inputs)
-
-    def _take_snapshots(self, request_ids: Sequence[str]) -> None:
-        """Run the ``copies_after`` of the open steps that scheduled any of ``request_ids``,
-        before a newer step of theirs is scheduled: an asynchronous engine schedules step
-        N + 1 before it ends step N, and N + 1's kernels would move a request's state past
-        the boundary step N's snapshot is of (the engine launched N's kernels before it
-        scheduled the request again). A copy that fails marks its step as one whose snapshots
-        did not run."""
-        due = self._snapshots_due
-        if not due:
-            return
-        ids = set(request_ids) if isinstance(request_ids, Sequence) else set()
-        for step_id, (names, copies) in list(due.items()):
-            if ids.isdisjoint(names):
-                continue
-            del due[step_id]
-            try:
-                self.storage.copy_blocks(copies)
-            except BaseException:
-                self._snapshots_failed.add(step_id)
-                raise
 
     @locked
     def end_step(self, step: ScheduledStep) -> None:
@@ -565,18 +524,12 @@ class CacheController:
         step_id = step.allocation.step_id
         if step_id not in manager.open_steps:
             manager.end_step(step.allocation)  # raises the StepError that says why
-        _, copies = self._snapshots_due.pop(step_id, ((), ()))  # (): ran at a later schedule
-        if copies:
-            try:
-                self.storage.copy_blocks(copies)
-            except BaseException:
-                manager.end_step(step.allocation, copies_ran=False)  # no snapshot of it
-                raise
-        if step_id in self._snapshots_failed:
-            self._snapshots_failed.discard(step_id)
-            manager.end_step(step.allocation, copies_ran=False)
-            return
-        manager.end_step(step.allocation)
+        try:  # unless a later schedule ran them (CacheStorage.run_snapshots)
+            ran = self.storage.end_snapshots(step_id)
+        except BaseException:
+            manager.end_step(step.allocation, copies_ran=False)  # no snapshot of it
+            raise
+        manager.end_step(step.allocation, copies_ran=ran)
 
     @locked
     def lookup(self, queries: Sequence[PrefixQuery]) -> list[PrefixMatch]:
@@ -599,14 +552,6 @@ class CacheController:
     def prefix_stats(self) -> PrefixStats:
         return self._ready_manager().prefix_stats
 
-    def _note_step(self, step: StepAllocation) -> None:
-        """Remember which tokens ``step`` wrote for each of its requests (for
-        :meth:`slot_mapping`)."""
-        manager = self._ready_manager()
-        if self._last_steps is None or self._last_steps.manager is not manager:
-            self._last_steps = _LastSteps(manager)
-        self._last_steps.note(step)
-
     @locked
     def allocate(self, request_id: str, num_tokens: int) -> None:
         """Grow ``request_id``'s block tables in every group to cover ``num_tokens`` tokens.
@@ -623,10 +568,8 @@ class CacheController:
         check_request_id(request_id)
         if manager.is_swapped(request_id):
             raise RequestStateError(f"request {request_id!r} is swapped out; swap_in it first")
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
-            raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-        row = manager._t.row_of.get(request_id)  # (swapped out was refused above)
-        current = int(manager._t.num_tokens[row]) if row is not None else 0
+        num_tokens = check_int("num_tokens", num_tokens, 1)
+        current = manager.num_tokens_of(request_id)  # (swapped out was refused above)
         if num_tokens < current:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than the {current} tokens request "
@@ -634,13 +577,12 @@ class CacheController:
             )
         self._catch_up()
         step = manager.schedule([request_id], [num_tokens - current])
-        self._unapplied = step  # until the worker applied it (see _catch_up)
-        self._note_step(step)
+        self.storage.pending = step  # handed over (see CacheStorage.pending)
         # no token ids: the step registers nothing and holds nothing, so it ends at once
         manager.end_step(step)
         # moves, evicted blocks out, brought-back blocks in, table changes: checked and run
         # by the worker as any step (slot_mapping computes this step's slots on demand)
-        self._apply(step)
+        self.storage.run(step.effects)
         self._publish(step.offloads)
         if step.refused:
             refusal = step.refused[0]
@@ -728,28 +670,28 @@ class CacheController:
         manager = self._ready_manager()
         row = manager.row_of(request_id)
         spec = self.layout.group(group)
-        ratio = compress_ratio
-        if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
-            raise ValueError(f"compress_ratio must be an int >= 1, got {ratio!r}")
+        ratio = check_int("compress_ratio", compress_ratio, 1)
         if spec.block_size % ratio:
             raise ValueError(
                 f"compress_ratio={ratio} does not divide block_size={spec.block_size} of group "
                 f"{group!r}"
             )
         pos = _positions(positions)
-        n = manager.num_tokens(request_id)
-        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= n):
-            bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
-            raise ValueError(
-                f"position {bad} is outside request {request_id!r}, which holds tokens 0..{n - 1}"
-            )
+        n = manager.num_tokens_of(request_id)  # resident: row_of refused any other
+        if pos.size:
+            low, high = (int(pos[0]),) * 2 if pos.size == 1 else (int(pos.min()), int(pos.max()))
+            if low < 0 or high >= n:
+                raise ValueError(
+                    f"position {low if low < 0 else high} is outside request {request_id!r}, "
+                    f"which holds tokens 0..{n - 1}"
+                )
         self._sync_tables()
-        slots = self.storage.slot_mapping(row, group, pos, ratio)
+        # row, positions and ratio validated above: the worker does not check them again
+        slots = self.storage.slot_mapping(row, group, pos, ratio, checked=True)
         first = live_start(spec, n)  # between steps only the window is readable ...
-        last = self._last_steps
-        if first and last is not None and last.manager is manager:
+        if first:
             # ... but the tokens the latest step wrote keep their slots, as schedule gave them
-            first = min(first, last.first_written(row, request_id, n))
+            first = min(first, self.storage.first_written(row, request_id, n))
         if first:
             slots[pos < first] = -1
         return torch.from_numpy(slots)
@@ -798,7 +740,8 @@ class CacheController:
         if num_pages is not None:
             plan = plan_from_blocks(self.layout, self._blocks_per_group(num_pages), host=True)
         else:
-            plan = plan_memory(self.layout, _count("memory_budget", memory_budget), host=True)
+            budget = check_integer("memory_budget", memory_budget)
+            plan = plan_memory(self.layout, budget, host=True)
         pages = plan.num_blocks
         # the worker's pages, then the scheduler side's ids: both or neither
         manager.init_host(pages, then=lambda: self.storage.init_host(pages))
@@ -808,8 +751,10 @@ class CacheController:
     def initialize_host_tier(
         self,
         num_pages: int | Mapping[str, int],
-        policy: HostTierPolicy = "eviction",
-        state_policy: StatePolicy | None = None,
+        policy: HostTierPolicy | Unset = UNSET,
+        state_policy: StatePolicy | Unset | None = UNSET,
+        *,
+        options: HostTierOptions | None = None,
     ) -> dict[str, int]:
         """Keep the prefix blocks the device evicts in host tier pages: pinned, page-first,
         a pool of their own per group (apart from :meth:`initialize_host_cache`'s swap
@@ -817,8 +762,9 @@ class CacheController:
         page included. ``state_policy``: what per-request (state snapshot) groups keep,
         ``"skip"`` (no pages: a hit needing a snapshot the device lost is recomputed) or
         ``"aligned"`` (pages for the snapshots taken at aligned boundaries); ``None``
-        (default) follows the backends' declared ``state_policy``. Returns the pages per
-        group.
+        (default) follows the backends' declared ``state_policy``. ``policy`` and
+        ``state_policy`` may come as one :class:`~kvforge.options.HostTierOptions` in
+        ``options`` instead. Returns the pages per group.
 
         Every evicted cached block is offloaded before its device block is written again
         (slab moves of an arena included), and :meth:`lookup` brings back what only the tier
@@ -827,17 +773,19 @@ class CacheController:
 
         Raises:
             RuntimeError: prefix caching is off, or the tier exists already.
-            ArgumentError: a bad count, ``policy`` or ``state_policy``.
+            ArgumentError: a bad count, ``policy`` or ``state_policy``, or a policy given both
+                as a keyword and in ``options``.
             ValueError: no group can keep anything there, or backends of per-request groups
                 declare different state policies and none was given.
         """
         manager = self._ready_manager()
         if not manager.prefix_caching:
             raise RuntimeError("the host tier keeps cached prefixes: enable_prefix_caching=True")
-        check_host_tier_policy(policy)
+        keywords = {"policy": policy, "state_policy": state_policy}
+        chosen = merge_keywords(HostTierOptions, options, keywords, "initialize_host_tier")
+        policy, state_policy = chosen.policy, chosen.state_policy
         if state_policy is None:
             state_policy = declared_state_policy(self.layout.backends.values())
-        check_state_policy(state_policy)
         pages = {
             g: n
             for g, n in self._blocks_per_group(num_pages).items()
@@ -895,7 +843,7 @@ class CacheController:
                 f"than this layout's for model {model} (open it with "
                 "kvforge.remote_tier.layout_fingerprint(layout, model))"
             )
-        self._remote = RemoteTier(manager, guard.tier_of(self.storage), store, model)
+        self._remote = RemoteTier(manager, self.storage.tier_pages, store, model)
         self._owned_store = owned
         return self._remote
 
@@ -1077,6 +1025,21 @@ class CacheController:
         )
 
 
+def _plan_options(
+    plan: PlanOptions | None,
+    max_num_seqs: object,
+    max_model_len: object,
+    max_num_batched_tokens: object,
+) -> PlanOptions:
+    """``plan``, or the :class:`PlanOptions` the size keywords given (not ``None``) build."""
+    keywords = {
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": max_num_batched_tokens,
+    }
+    return merge_keywords(PlanOptions, plan, keywords, "plan options", unset=None)
+
+
 def _roll_back(manager: BlockManager, plan: SwapPlan, exc: BaseException) -> None:
     """Settle ``plan`` as failed after ``exc`` struck while it was made, executed or
     completed: a swap out keeps its requests resident and gives back its pages, a swap in
@@ -1107,4 +1070,4 @@ def _positions(positions: object) -> np.ndarray:
     arr = np.asarray(positions)
     if arr.size and (arr.dtype == bool or arr.dtype.kind not in "iu"):
         raise ValueError(f"positions must be integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64).reshape(-1) if arr.ndim != 1 else arr.astype(np.int64)
+    return arr.astype(np.int64).reshape(-1) if arr.ndim != 1 else arr.astype(np.int64, copy=False)

@@ -273,6 +273,8 @@ LOCK_FREE = {
         "groups": "fixed at construction",
         "pool": "returns a pool object fixed at construction",
         "num_usable_blocks": "a pool's size never changes",
+        "prefix_cache": "returns the prefix cache object fixed at construction",
+        "group_tables": "the group tables are built at construction and never replaced",
     },
     CacheController: {
         "platform": "fixed at construction",
