@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "Retention": "kvforge.scheduler.prefix",
     "HostTier": "kvforge.scheduler.host_tier",
     "HostTierPolicy": "kvforge.scheduler.host_tier",
-    "StatePolicy": "kvforge.scheduler.host_tier",
+    "SnapshotPolicy": "kvforge.scheduler.host_tier",
     "RemoteTier": "kvforge.remote_tier",
     "RemoteStore": "kvforge.store.protocol",
     "StoreConfig": "kvforge.store.config",

@@ -82,8 +82,8 @@ from kvforge.scheduler.block_manager import BlockManager, PrefixStats, SwapStats
 from kvforge.scheduler.host_tier import (
     HostTier,
     HostTierPolicy,
-    StatePolicy,
-    declared_state_policy,
+    SnapshotPolicy,
+    declared_snapshot_policy,
 )
 from kvforge.scheduler.prefix import Retention
 from kvforge.specs import SwapPurpose
@@ -752,18 +752,18 @@ class CacheController:
         self,
         num_pages: int | Mapping[str, int],
         policy: HostTierPolicy | Unset = UNSET,
-        state_policy: StatePolicy | Unset | None = UNSET,
+        snapshot_policy: SnapshotPolicy | Unset | None = UNSET,
         *,
         options: HostTierOptions | None = None,
     ) -> dict[str, int]:
         """Keep the prefix blocks the device evicts in host tier pages: pinned, page-first,
         a pool of their own per group (apart from :meth:`initialize_host_cache`'s swap
         pages). ``num_pages``: pages per group (one count for all, or a mapping), the null
-        page included. ``state_policy``: what per-request (state snapshot) groups keep,
+        page included. ``snapshot_policy``: what per-request (state snapshot) groups keep,
         ``"skip"`` (no pages: a hit needing a snapshot the device lost is recomputed) or
         ``"aligned"`` (pages for the snapshots taken at aligned boundaries); ``None``
-        (default) follows the backends' declared ``state_policy``. ``policy`` and
-        ``state_policy`` may come as one :class:`~kvforge.options.HostTierOptions` in
+        (default) follows the backends' declared ``snapshot_policy``. ``policy`` and
+        ``snapshot_policy`` may come as one :class:`~kvforge.options.HostTierOptions` in
         ``options`` instead. Returns the pages per group.
 
         Every evicted cached block is offloaded before its device block is written again
@@ -773,24 +773,24 @@ class CacheController:
 
         Raises:
             RuntimeError: prefix caching is off, or the tier exists already.
-            ArgumentError: a bad count, ``policy`` or ``state_policy``, or a policy given both
+            ArgumentError: a bad count, ``policy`` or ``snapshot_policy``, or a policy given both
                 as a keyword and in ``options``.
             ValueError: no group can keep anything there, or backends of per-request groups
-                declare different state policies and none was given.
+                declare different snapshot policies and none was given.
         """
         manager = self._ready_manager()
         if not manager.prefix_caching:
             raise RuntimeError("the host tier keeps cached prefixes: enable_prefix_caching=True")
-        keywords = {"policy": policy, "state_policy": state_policy}
+        keywords = {"policy": policy, "snapshot_policy": snapshot_policy}
         chosen = merge_keywords(HostTierOptions, options, keywords, "initialize_host_tier")
-        policy, state_policy = chosen.policy, chosen.state_policy
-        if state_policy is None:
-            state_policy = declared_state_policy(self.layout.backends.values())
+        policy, snapshot_policy = chosen.policy, chosen.snapshot_policy
+        if snapshot_policy is None:
+            snapshot_policy = declared_snapshot_policy(self.layout.backends.values())
         pages = {
             g: n
             for g, n in self._blocks_per_group(num_pages).items()
             if self.layout.host_page_bytes(g)
-            and (state_policy == "aligned" or not self.layout.group(g).rule.per_request)
+            and (snapshot_policy == "aligned" or not self.layout.group(g).rule.per_request)
         }
         if not pages:
             raise ValueError(
@@ -798,7 +798,7 @@ class CacheController:
                 "offloaded role"
             )
         HostTierPages(self.storage, pages)  # the storage keeps it; raises if it has one
-        host_tier.attach(manager, pages, policy, state_policy)
+        host_tier.attach(manager, pages, policy, snapshot_policy)
         return pages
 
     @locked

@@ -41,9 +41,9 @@ from kvforge.core.layout import check_share_pools
 from kvforge.core.prefix_keys import Algorithm
 from kvforge.scheduler.host_tier import (
     HostTierPolicy,
-    StatePolicy,
+    SnapshotPolicy,
     check_host_tier_policy,
-    check_state_policy,
+    check_snapshot_policy,
 )
 from kvforge.scheduler.prefix import (
     DEFAULT_PREFIX_RETENTION,
@@ -234,24 +234,24 @@ class HostTierOptions(OptionsModel):
     Attributes:
         policy: when a device block goes to the tier: ``"eviction"`` (default, when the device
             evicts it) or ``"write_through"`` (as soon as the step that wrote it ended).
-        state_policy: what per-request (state snapshot) groups keep there: ``"skip"`` (no
+        snapshot_policy: what per-request (state snapshot) groups keep there: ``"skip"`` (no
             pages: a hit needing a snapshot the device lost is recomputed) or ``"aligned"``
             (pages for the snapshots taken at aligned boundaries); ``None``: what the backends
             declare.
     """
 
     policy: HostTierPolicy = "eviction"
-    state_policy: StatePolicy | None = None
+    snapshot_policy: SnapshotPolicy | None = None
 
     @field_validator("policy", mode="before")
     @classmethod
     def _check_policy(cls, value: object) -> str:
         return check_host_tier_policy(value)
 
-    @field_validator("state_policy", mode="before")
+    @field_validator("snapshot_policy", mode="before")
     @classmethod
-    def _check_state_policy(cls, value: object) -> str | None:
-        return None if value is None else check_state_policy(value)
+    def _check_snapshot_policy(cls, value: object) -> str | None:
+        return None if value is None else check_snapshot_policy(value)
 
 
 def merge_keywords(

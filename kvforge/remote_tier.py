@@ -13,7 +13,7 @@ worker's host pages), as :class:`~kvforge.controller.CacheController` does:
   reuse it while this one still serves it; with ``"eviction"`` when the device evicts it.
 - **fetch**: before the lookup, the boundaries past what the device and the host hold are
   asked of the store (``exists_prefix``: a full group's chain, a window group's tail at the
-  boundary, a per-request group's snapshot at it where the host tier's ``state_policy`` is
+  boundary, a per-request group's snapshot at it where the host tier's ``snapshot_policy`` is
   ``"aligned"``); the blocks found get host pages (:meth:`HostTier.reserve`), the unit records of
   this prompt's tokens and their tail proofs, and are read into the pages
   (``batch_get_into``) with this prompt's content proofs. A value that does not arrive whole

@@ -84,7 +84,7 @@ BAD_OPTIONS: list[tuple[type, dict[str, Any], str]] = [
         "host_tier_policy must be 'eviction' or 'write_through', got 'lru'",
     ),
     (HostTierOptions, {"policy": None}, "host_tier_policy must be 'eviction' or 'write_through', got None"),
-    (HostTierOptions, {"state_policy": "all"}, "state_policy must be 'skip' or 'aligned', got 'all'"),
+    (HostTierOptions, {"snapshot_policy": "all"}, "snapshot_policy must be 'skip' or 'aligned', got 'all'"),
 ]
 
 
@@ -128,7 +128,7 @@ def test_the_defaults_are_todays():
     assert PlanOptions().model_dump() == dict.fromkeys(
         ["max_num_seqs", "max_model_len", "max_num_batched_tokens"]
     )
-    assert HostTierOptions().model_dump() == {"policy": "eviction", "state_policy": None}
+    assert HostTierOptions().model_dump() == {"policy": "eviction", "snapshot_policy": None}
     numpy = pytest.importorskip("numpy")
     assert PlanOptions(max_num_seqs=numpy.int64(4)).max_num_seqs == 4
     assert type(PlanOptions(max_num_seqs=numpy.int64(4)).max_num_seqs) is int

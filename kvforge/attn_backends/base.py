@@ -184,7 +184,7 @@ class AttentionBackend(ABC):
       of the controller's cache list.
 
     Attributes:
-        state_policy: what the host and remote tiers do with the snapshots of this backend's
+        snapshot_policy: what the host and remote tiers do with the snapshots of this backend's
             per-request groups (ignored by a backend that declares none): ``"skip"``
             (default: none kept; a hit whose snapshot the device lost is recomputed) or
             ``"aligned"`` (the snapshots the prefix cache takes at aligned boundaries are
@@ -192,7 +192,7 @@ class AttentionBackend(ABC):
             follows it unless given one.
     """
 
-    state_policy: ClassVar[Literal["skip", "aligned"]] = "skip"
+    snapshot_policy: ClassVar[Literal["skip", "aligned"]] = "skip"
 
     @abstractmethod
     def cache_groups(self) -> list[CacheGroup]:

@@ -22,7 +22,7 @@ is freed. Invariants: the per-request bytes (:meth:`LinearAttentionBackend.state
 do not depend on the number of tokens; a swap, for preemption or for a prefix snapshot, moves the
 whole state (a partial state is useless: it sums up every token).
 
-The backend declares ``state_policy = "aligned"``: the host and remote tiers keep the state
+The backend declares ``snapshot_policy = "aligned"``: the host and remote tiers keep the state
 snapshots taken at aligned boundaries. Recomputing a lost snapshot means running the whole
 prefix again (the state sums up every token, no window of tokens rebuilds it), and the
 snapshot costs one fixed-size page, so without it a prefix whose snapshot the device evicted
@@ -46,7 +46,7 @@ LINEAR_STATE_GROUP = "linear_state"
 
 class LinearAttentionBackend(DeclaredBackend):
     """Conv and recurrent state of one Gated DeltaNet layer (its snapshots kept by the tiers:
-    ``state_policy = "aligned"``).
+    ``snapshot_policy = "aligned"``).
 
     Args:
         num_key_heads: q / k heads of the layer (``linear_num_key_heads``), before the
@@ -68,7 +68,7 @@ class LinearAttentionBackend(DeclaredBackend):
             checked before anything is built.
     """
 
-    state_policy = "aligned"
+    snapshot_policy = "aligned"
 
     def __init__(
         self,

@@ -100,7 +100,7 @@ from kvforge.scheduler.host_tier import (
     HostTier,
     check_attachable,
     check_host_tier_policy,
-    check_state_policy,
+    check_snapshot_policy,
     check_tier_groups,
 )
 from kvforge.scheduler.prefix import (
@@ -605,7 +605,7 @@ class BlockManager:
             raise ArgumentError(f"tier must be a HostTier, got {type(tier).__name__}")
         check_attachable(self._prefix.enabled, self._host_tier)
         check_host_tier_policy(tier.policy)
-        check_state_policy(tier.state_policy)
+        check_snapshot_policy(tier.snapshot_policy)
         check_tier_groups(tier.groups, self.groups, "the tier")
         if tier.records is not self._prefix.records:
             raise ArgumentError(

@@ -53,8 +53,8 @@ Invariants (tested): a page is in the index exactly when it is retained by its p
 whose offload or onload is queued is pinned (ref >= 1), so it is never evicted or reused
 before the worker ran the copy; every call checks its input in full before any state moves.
 
-Per-request (state snapshot) groups follow ``state_policy``, which their backend declares
-(``AttentionBackend.state_policy``, resolved by :func:`declared_state_policy`) and the caller
+Per-request (state snapshot) groups follow ``snapshot_policy``, which their backend declares
+(``AttentionBackend.snapshot_policy``, resolved by :func:`declared_snapshot_policy`) and the caller
 may override:
 
 - ``"skip"`` keeps none of them: a hit that needs a snapshot the device no longer holds is
@@ -87,28 +87,28 @@ from kvforge.scheduler.unit_records import UnitRecordStore
 
 __all__ = [
     "HOST_TIER_POLICIES",
-    "STATE_POLICIES",
+    "SNAPSHOT_POLICIES",
     "HostTier",
     "HostTierPolicy",
     "HostTierStats",
     "ServedBlocks",
-    "StatePolicy",
+    "SnapshotPolicy",
     "TierHost",
     "attach",
     "check_attachable",
     "check_host_tier_policy",
-    "check_state_policy",
+    "check_snapshot_policy",
     "check_tier_groups",
-    "declared_state_policy",
+    "declared_snapshot_policy",
 ]
 
 HostTierPolicy = Literal["eviction", "write_through"]
 #: when a device block goes to the host tier: on its eviction (default) or once it completes
 HOST_TIER_POLICIES: tuple[str, ...] = ("eviction", "write_through")
 _NO_PAGES = np.zeros(0, dtype=np.int32)
-StatePolicy = Literal["skip", "aligned"]
+SnapshotPolicy = Literal["skip", "aligned"]
 #: what the tiers do with per-request snapshots: recompute them, or keep the aligned ones
-STATE_POLICIES: tuple[str, ...] = ("skip", "aligned")
+SNAPSHOT_POLICIES: tuple[str, ...] = ("skip", "aligned")
 
 
 def check_host_tier_policy(policy: object) -> HostTierPolicy:
@@ -121,38 +121,44 @@ def check_host_tier_policy(policy: object) -> HostTierPolicy:
     return policy  # type: ignore[return-value]
 
 
-def check_state_policy(policy: object) -> StatePolicy:
+def check_snapshot_policy(policy: object) -> SnapshotPolicy:
     """``policy`` itself, refused (:class:`ArgumentError`) unless ``"skip"`` or
     ``"aligned"``."""
-    if not isinstance(policy, str) or policy not in STATE_POLICIES:
-        raise ArgumentError(f"state_policy must be 'skip' or 'aligned', got {policy!r}")
+    if not isinstance(policy, str) or policy not in SNAPSHOT_POLICIES:
+        raise ArgumentError(f"snapshot_policy must be 'skip' or 'aligned', got {policy!r}")
     return policy  # type: ignore[return-value]
 
 
-def declared_state_policy(backends: Iterable[Any]) -> StatePolicy:
-    """The ``state_policy`` the backends that declare a per-request group agree on
+def declared_snapshot_policy(backends: Iterable[Any]) -> SnapshotPolicy:
+    """The ``snapshot_policy`` the backends that declare a per-request group agree on
     (``"skip"`` when none declares one). Each backend is asked once, however many layers it
     serves.
 
     Raises:
-        ValueError: two such backends declare different policies (pass one explicitly), or
-            a backend declares one that is not a state policy.
+        ValueError: two such backends declare different policies (pass one explicitly), a
+            backend declares one that is not a snapshot policy, or declares the name this
+            setting had before (``state_policy``: "state" names only the group kind now).
     """
     declared: dict[str, str] = {}
     for backend in {id(b): b for b in backends}.values():
         if not any(g.rule.per_request for g in backend.cache_groups()):
             continue
-        policy = getattr(backend, "state_policy", "skip")
-        if policy not in STATE_POLICIES:
+        if hasattr(backend, "state_policy"):
             raise ValueError(
-                f"{backend!r} declares state_policy={policy!r}; a backend declares 'skip' or "
+                f"{backend!r} declares state_policy, which is now snapshot_policy (the same "
+                "values 'skip' or 'aligned'); rename the class attribute"
+            )
+        policy = getattr(backend, "snapshot_policy", "skip")
+        if policy not in SNAPSHOT_POLICIES:
+            raise ValueError(
+                f"{backend!r} declares snapshot_policy={policy!r}; a backend declares 'skip' or "
                 "'aligned'"
             )
         declared.setdefault(policy, repr(backend))
     if len(declared) > 1:
         raise ValueError(
-            "the backends of per-request groups declare different state policies "
-            f"({declared}); pass state_policy explicitly"
+            "the backends of per-request groups declare different snapshot policies "
+            f"({declared}); pass snapshot_policy explicitly"
         )
     return next(iter(declared), "skip")  # type: ignore[return-value]
 
@@ -166,7 +172,7 @@ class HostTierStats:
         repeats: demotions of a key the tier already held (no copy; the page is touched).
         dropped: demotions refused because every page was pinned by a queued copy.
         skipped: demotions of per-request (state snapshot) blocks, skipped by policy
-            (``state_policy="skip"``).
+            (``snapshot_policy="skip"``).
         evictions: host pages evicted (least recently used first) for new demotions.
         hits: blocks onloaded back to the device.
         hit_tokens: prompt tokens lookups served past what the device held alone.
@@ -212,7 +218,7 @@ class HostTier:
         per_request: the per-request (state snapshot) groups among them.
         policy: ``"eviction"`` (default) or ``"write_through"``: when the caller demotes
             (the tier itself only records it).
-        state_policy: what happens to the per-request groups' snapshots: ``"skip"``
+        snapshot_policy: what happens to the per-request groups' snapshots: ``"skip"``
             (default: none kept, a hit that needs one is recomputed) or ``"aligned"`` (kept
             as any block; the device prefix cache registers them only at aligned boundaries).
         on_evicted: called as ``on_evicted(group, keys)`` after pages are evicted (an owner
@@ -220,7 +226,7 @@ class HostTier:
 
     Raises:
         ArgumentError: a bad ``num_pages`` (not a mapping of group names to ints >= 2), a
-            bad ``policy`` or ``state_policy``; nothing is created.
+            bad ``policy`` or ``snapshot_policy``; nothing is created.
 
     The tier has no lock: its owner serialises its calls (a block manager holds its own lock
     around every call it makes here). Which call pins a page and which unpins it: see the
@@ -233,7 +239,7 @@ class HostTier:
         records: UnitRecordStore,
         per_request: Collection[str] = (),
         policy: HostTierPolicy = "eviction",
-        state_policy: StatePolicy = "skip",
+        snapshot_policy: SnapshotPolicy = "skip",
         on_evicted: Callable[[str, list[bytes]], None] | None = None,
     ) -> None:
         if not isinstance(num_pages, Mapping) or not num_pages:
@@ -251,12 +257,12 @@ class HostTier:
         if not isinstance(records, UnitRecordStore):
             raise ArgumentError(f"records must be a UnitRecordStore, got {type(records).__name__}")
         self.policy = check_host_tier_policy(policy)
-        self.state_policy = check_state_policy(state_policy)
+        self.snapshot_policy = check_snapshot_policy(snapshot_policy)
         self._on_evicted = on_evicted
         self.records = records
         self.per_request = frozenset(per_request) & set(num_pages)
         #: the per-request groups whose snapshots are recomputed, never kept (``"skip"``)
-        self.recomputed = self.per_request if state_policy == "skip" else frozenset()
+        self.recomputed = self.per_request if snapshot_policy == "skip" else frozenset()
         self.stats = HostTierStats()
         self._pools: dict[str, BlockPool] = {}
         self._index: dict[str, dict[bytes, int]] = {}
@@ -378,7 +384,7 @@ class HostTier:
         unit record ``ref`` in every case (released here when the block is not kept).
 
         Returns:
-            the page, or ``None``: a per-request group under ``state_policy="skip"``, or every
+            the page, or ``None``: a per-request group under ``snapshot_policy="skip"``, or every
             page pinned by a queued copy (counted in ``dropped``). A key already held keeps
             its page (touched, no copy; counted in ``repeats``).
 
@@ -517,7 +523,7 @@ class HostTier:
         every key of every group is held (all or nothing), and the first one missing stops
         the count. Nothing changes.
 
-        A per-request group holds nothing under ``state_policy="skip"``: a span that needs
+        A per-request group holds nothing under ``snapshot_policy="skip"``: a span that needs
         one of its keys is not held.
 
         Raises:
@@ -672,7 +678,7 @@ class HostTier:
 
     def __repr__(self) -> str:
         held = {g: len(ix) for g, ix in self._index.items()}
-        return f"HostTier({self.policy}, {self.state_policy}, pages held {held})"
+        return f"HostTier({self.policy}, {self.snapshot_policy}, pages held {held})"
 
 
 # ---------------------------------------------------------------------- wiring
@@ -739,7 +745,7 @@ def attach(
     manager: TierHost,
     num_pages: Mapping[str, int],
     policy: HostTierPolicy = "eviction",
-    state_policy: StatePolicy = "skip",
+    snapshot_policy: SnapshotPolicy = "skip",
 ) -> HostTier:
     """Build a :class:`HostTier` of ``num_pages`` for ``manager`` and attach it
     (:meth:`BlockManager.attach_host_tier
@@ -750,7 +756,7 @@ def attach(
     ``StepAllocation.offloads`` or :meth:`BlockManager.take_tier_offloads`, and its lookups
     bring back what only the tier holds.
 
-    With ``state_policy="aligned"``, the per-request groups ``num_pages`` names keep the
+    With ``snapshot_policy="aligned"``, the per-request groups ``num_pages`` names keep the
     snapshots the prefix cache registered (at ``snapshot_interval``-aligned boundaries) as
     any other group keeps its blocks; under ``"skip"`` they keep none.
     With ``policy="write_through"``, every block a step registers is also demoted at once
@@ -760,13 +766,13 @@ def attach(
     Raises:
         RuntimeError: prefix caching is off, or the manager has a host tier already.
         ArgumentError: a group ``num_pages`` names is not the manager's, a bad count,
-            ``policy`` or ``state_policy``. Nothing changes in any case.
+            ``policy`` or ``snapshot_policy``. Nothing changes in any case.
     """
     check_attachable(manager.prefix_caching, manager.host_tier)
     check_host_tier_policy(policy)
-    check_state_policy(state_policy)
+    check_snapshot_policy(snapshot_policy)
     check_tier_groups(num_pages, manager.groups)
     snapshots = {g.spec.name for g in manager.group_tables if g.per_request}
-    tier = HostTier(num_pages, manager.prefix_cache.records, snapshots, policy, state_policy)
+    tier = HostTier(num_pages, manager.prefix_cache.records, snapshots, policy, snapshot_policy)
     manager.attach_host_tier(tier)
     return tier

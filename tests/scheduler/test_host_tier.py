@@ -1,7 +1,7 @@
 """The host tier's scheduler side (``kvforge.scheduler.host_tier``): demotion queues an offload
 and keeps the exact check's record alive, lookups reach across held spans all or nothing,
 onloads pin their pages until handed out, the least recently used page goes when the pool is
-full (a shorter hit), per-request snapshots are skipped under the default ``state_policy``
+full (a shorter hit), per-request snapshots are skipped under the default ``snapshot_policy``
 (``"aligned"`` is tested in ``test_state_snapshots_tier.py``), and bad inputs change nothing."""
 
 from __future__ import annotations
@@ -259,8 +259,8 @@ BAD_TIERS = [
     ({"kv": True}, {}, r"num_pages\['kv'\] must be an int >= 2"),
     ({"": 4}, {}, "group names are non-empty str"),
     ({"kv": 4}, {"policy": "lazy"}, "host_tier_policy must be 'eviction' or 'write_through'"),
-    ({"kv": 4}, {"state_policy": "store"}, "state_policy must be 'skip' or 'aligned', got 'store'"),
-    ({"kv": 4}, {"state_policy": None}, "state_policy must be 'skip' or 'aligned', got None"),
+    ({"kv": 4}, {"snapshot_policy": "store"}, "snapshot_policy must be 'skip' or 'aligned', got 'store'"),
+    ({"kv": 4}, {"snapshot_policy": None}, "snapshot_policy must be 'skip' or 'aligned', got None"),
 ]
 
 
@@ -285,7 +285,7 @@ def test_policies():
     assert tier(policy="write_through")[0].policy == "write_through"
     assert tier()[0].policy == "eviction"
     assert repr(tier()[0]).startswith("HostTier(eviction, skip")
-    assert tier(state_policy="aligned")[0].state_policy == "aligned"
+    assert tier(snapshot_policy="aligned")[0].snapshot_policy == "aligned"
 
 
 # ------------------------------------------------------------------ wired to a BlockManager
@@ -357,7 +357,7 @@ BAD_ATTACH = [
     ({}, {"nope": 4}, {}, ArgumentError, r"num_pages names groups \['nope'\]"),
     ({}, {"kv": 1}, {}, ArgumentError, r"num_pages\['kv'\] must be an int >= 2"),
     ({}, {"kv": 4}, {"policy": "lazy"}, ArgumentError, "host_tier_policy must be"),
-    ({}, {"kv": 4}, {"state_policy": "lazy"}, ArgumentError, "state_policy must be 'skip' or"),
+    ({}, {"kv": 4}, {"snapshot_policy": "lazy"}, ArgumentError, "snapshot_policy must be 'skip' or"),
 ]
 
 

@@ -92,9 +92,9 @@ def _mutated_policy(m: BlockManager) -> HostTier:
     return tier
 
 
-def _mutated_state_policy(m: BlockManager) -> HostTier:
+def _mutated_snapshot_policy(m: BlockManager) -> HostTier:
     tier = own_tier(m)
-    tier.state_policy = "sometimes"  # type: ignore[assignment]
+    tier.snapshot_policy = "sometimes"  # type: ignore[assignment]
     return tier
 
 
@@ -109,7 +109,7 @@ BAD_TIERS = [
     ("no prefix", own_tier, RuntimeError, "enable prefix caching"),
     ("gqa", lambda m: own_tier(m, {"nope": 4}), ArgumentError, r"names groups \['nope'\]"),
     ("gqa", _mutated_policy, ArgumentError, "host_tier_policy must be 'eviction' or"),
-    ("gqa", _mutated_state_policy, ArgumentError, "state_policy must be 'skip' or 'aligned'"),
+    ("gqa", _mutated_snapshot_policy, ArgumentError, "snapshot_policy must be 'skip' or 'aligned'"),
     ("gqa", lambda m: {"kv": 4}, ArgumentError, "tier must be a HostTier, got dict"),
     ("gqa", lambda m: None, ArgumentError, "tier must be a HostTier, got NoneType"),
     (

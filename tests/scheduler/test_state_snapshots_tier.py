@@ -1,4 +1,4 @@
-"""Per-request state snapshots in the host tier (``state_policy``): under ``"aligned"`` a
+"""Per-request state snapshots in the host tier (``snapshot_policy``): under ``"aligned"`` a
 linear-attention snapshot the device evicted is kept in a host page with the full-attention
 blocks, and a later prompt hits at the aligned boundary through the host, its restored state
 and every other entry equal to the first request's byte for byte; under ``"skip"`` the same
@@ -24,7 +24,7 @@ from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.core.layout import CacheLayout
 from kvforge.core.values import PrefixQuery
 from kvforge.scheduler import BlockManager, host_tier
-from kvforge.scheduler.host_tier import HostTier, check_state_policy, declared_state_policy
+from kvforge.scheduler.host_tier import HostTier, check_snapshot_policy, declared_snapshot_policy
 from kvforge.scheduler.unit_records import UnitRecordStore
 from kvforge.verify import (
     entry_bytes_for,
@@ -39,7 +39,7 @@ INTERVAL = 512  # the default snapshot interval at a 16-token boundary
 
 
 def hybrid(
-    state_policy: str | None = None, linear_blocks: int = 3, tier: bool = True
+    snapshot_policy: str | None = None, linear_blocks: int = 3, tier: bool = True
 ) -> CacheController:
     """``linear_blocks`` 3: two usable state blocks, so two requests at once evict a cached
     snapshot; 8: they take free ones and the snapshot stays on the device."""
@@ -50,7 +50,7 @@ def hybrid(
         num_blocks={"linear_state": linear_blocks, "kv": 48}, max_num_seqs=2, max_model_len=768
     )
     if tier:
-        ctl.initialize_host_tier(num_pages=128, state_policy=state_policy)
+        ctl.initialize_host_tier(num_pages=128, snapshot_policy=snapshot_policy)
     return ctl
 
 
@@ -122,7 +122,7 @@ def test_an_evicted_snapshot_comes_back_from_the_host_byte_for_byte():
     ctl = hybrid("aligned")
     try:
         tier = ctl.host_tier
-        assert tier.state_policy == "aligned" and "linear_state" in tier.groups
+        assert tier.snapshot_policy == "aligned" and "linear_state" in tier.groups
         a, at_512, key = evict_a(ctl)
         # the snapshot left the device for a host page, its unit record with it
         assert ctl.scheduler.cached_block("linear_state", key) is None
@@ -150,7 +150,7 @@ def test_an_evicted_snapshot_comes_back_from_the_host_byte_for_byte():
 
 
 CASES = [
-    # (state_policy, state blocks, B's hit): the snapshot evicted (3 blocks) or on the device
+    # (snapshot_policy, state blocks, B's hit): the snapshot evicted (3 blocks) or on the device
     pytest.param("aligned", 3, INTERVAL, id="aligned-snapshot-on-host"),
     pytest.param("skip", 3, 0, id="skip-snapshot-lost-recomputed"),
     pytest.param("skip", 8, INTERVAL, id="skip-snapshot-on-device"),
@@ -219,7 +219,7 @@ def test_a_snapshot_brought_back_is_confirmed_exactly():
         snapshot_interval=64,
         key_algorithm=ignores_tokens,
     )
-    tier = host_tier.attach(m, {"kv": 32, "linear_state": 8}, state_policy="aligned")
+    tier = host_tier.attach(m, {"kv": 32, "linear_state": 8}, snapshot_policy="aligned")
 
     def serve(prompts: dict[str, np.ndarray]) -> None:
         done = dict.fromkeys(prompts, 0)
@@ -252,29 +252,29 @@ def test_a_snapshot_brought_back_is_confirmed_exactly():
 class SkippingState(LinearAttentionBackend):
     """A linear-attention variant that declares its snapshots recomputed."""
 
-    state_policy = "skip"
+    snapshot_policy = "skip"
 
 
 class UnknownState(LinearAttentionBackend):
-    state_policy = "lazy"  # type: ignore[assignment]
+    snapshot_policy = "lazy"  # type: ignore[assignment]
 
 
 def test_backends_declare_the_policy_and_the_controller_follows_it():
-    assert LinearAttentionBackend.state_policy == "aligned"
-    assert GQABackend.state_policy == "skip"
+    assert LinearAttentionBackend.snapshot_policy == "aligned"
+    assert GQABackend.snapshot_policy == "skip"
     linear = LinearAttentionBackend(2, 2, 8, 8, 4)
-    assert declared_state_policy([linear, GQABackend(1, 8, 16)]) == "aligned"
-    assert declared_state_policy([GQABackend(1, 8, 16)]) == "skip"  # no per-request group
-    assert declared_state_policy([SkippingState(2, 2, 8, 8, 4)]) == "skip"
+    assert declared_snapshot_policy([linear, GQABackend(1, 8, 16)]) == "aligned"
+    assert declared_snapshot_policy([GQABackend(1, 8, 16)]) == "skip"  # no per-request group
+    assert declared_snapshot_policy([SkippingState(2, 2, 8, 8, 4)]) == "skip"
     ctl = hybrid()  # follows LinearAttentionBackend's "aligned"
     try:
-        assert ctl.host_tier.state_policy == "aligned"
+        assert ctl.host_tier.snapshot_policy == "aligned"
         assert ctl.host_tier.per_request == {"linear_state"}
     finally:
         ctl.free()
     ctl = hybrid("skip")  # an explicit policy overrides the declaration
     try:
-        assert ctl.host_tier.state_policy == "skip" and "linear_state" not in ctl.host_tier.groups
+        assert ctl.host_tier.snapshot_policy == "skip" and "linear_state" not in ctl.host_tier.groups
     finally:
         ctl.free()
 
@@ -282,16 +282,16 @@ def test_backends_declare_the_policy_and_the_controller_follows_it():
 BAD_DECLARATIONS = [
     (
         [LinearAttentionBackend(2, 2, 8, 8, 4), SkippingState(2, 2, 8, 8, 4)],
-        "declare different state policies",
+        "declare different snapshot policies",
     ),
-    ([UnknownState(2, 2, 8, 8, 4)], "declares state_policy='lazy'"),
+    ([UnknownState(2, 2, 8, 8, 4)], "declares snapshot_policy='lazy'"),
 ]
 
 
 @pytest.mark.parametrize(("backends", "message"), BAD_DECLARATIONS)
 def test_bad_declarations_are_refused(backends, message):
     with pytest.raises(ValueError, match=message):
-        declared_state_policy(backends)
+        declared_snapshot_policy(backends)
 
 
 def test_backends_that_disagree_need_an_explicit_policy():
@@ -301,10 +301,10 @@ def test_backends_that_disagree_need_an_explicit_policy():
     )
     try:
         ctl.initialize_kv_cache(num_blocks=8, max_num_seqs=2, max_model_len=64)
-        with pytest.raises(ValueError, match="pass state_policy explicitly"):
+        with pytest.raises(ValueError, match="pass snapshot_policy explicitly"):
             ctl.initialize_host_tier(num_pages=8)
         assert ctl.host_tier is None
-        assert ctl.initialize_host_tier(num_pages=8, state_policy="aligned") == {"linear_state": 8}
+        assert ctl.initialize_host_tier(num_pages=8, snapshot_policy="aligned") == {"linear_state": 8}
     finally:
         ctl.free()
 
@@ -312,29 +312,29 @@ def test_backends_that_disagree_need_an_explicit_policy():
 # ------------------------------------------------------------------ bad policies
 
 BAD_POLICIES = [
-    ("store", ArgumentError, "state_policy must be 'skip' or 'aligned', got 'store'"),
-    ("ALIGNED", ArgumentError, "state_policy must be 'skip' or 'aligned', got 'ALIGNED'"),
-    ("", ArgumentError, "state_policy must be 'skip' or 'aligned', got ''"),
-    (1, ArgumentError, "state_policy must be 'skip' or 'aligned', got 1"),
-    (("aligned",), ArgumentError, r"state_policy must be 'skip' or 'aligned', got \('aligned',\)"),
+    ("store", ArgumentError, "snapshot_policy must be 'skip' or 'aligned', got 'store'"),
+    ("ALIGNED", ArgumentError, "snapshot_policy must be 'skip' or 'aligned', got 'ALIGNED'"),
+    ("", ArgumentError, "snapshot_policy must be 'skip' or 'aligned', got ''"),
+    (1, ArgumentError, "snapshot_policy must be 'skip' or 'aligned', got 1"),
+    (("aligned",), ArgumentError, r"snapshot_policy must be 'skip' or 'aligned', got \('aligned',\)"),
 ]
 
 
 @pytest.mark.parametrize(("policy", "error", "message"), BAD_POLICIES)
-def test_a_bad_state_policy_is_refused_by_the_tier(policy, error, message):
+def test_a_bad_snapshot_policy_is_refused_by_the_tier(policy, error, message):
     with pytest.raises(error, match=message):
-        check_state_policy(policy)
+        check_snapshot_policy(policy)
     with pytest.raises(error, match=message):
-        HostTier({"kv": 4, "state": 4}, UnitRecordStore(), {"state"}, state_policy=policy)
+        HostTier({"kv": 4, "state": 4}, UnitRecordStore(), {"state"}, snapshot_policy=policy)
 
 
 @pytest.mark.parametrize(("policy", "error", "message"), BAD_POLICIES)
-def test_a_bad_state_policy_changes_no_manager(policy, error, message):
+def test_a_bad_snapshot_policy_changes_no_manager(policy, error, message):
     layout = CacheLayout({0: LinearAttentionBackend(2, 2, 8, 8, 4), 1: GQABackend(1, 8, 16)})
     m = BlockManager(layout, {"linear_state": 4, "kv": 8}, 2, 64, True)
     hooks = {g: m.pool(g).on_evict for g in m.groups}
     with pytest.raises(error, match=message):
-        host_tier.attach(m, {"kv": 4, "linear_state": 4}, state_policy=policy)
+        host_tier.attach(m, {"kv": 4, "linear_state": 4}, snapshot_policy=policy)
     assert m.host_tier is None
     assert {g: m.pool(g).on_evict for g in m.groups} == hooks
     assert not any(m.pool(g).has_eviction_listeners for g in m.groups)
@@ -342,15 +342,15 @@ def test_a_bad_state_policy_changes_no_manager(policy, error, message):
 
 
 @pytest.mark.parametrize(("policy", "error", "message"), BAD_POLICIES)
-def test_a_bad_state_policy_changes_no_controller(policy, error, message):
+def test_a_bad_snapshot_policy_changes_no_controller(policy, error, message):
     ctl = hybrid(tier=False)
     try:
         with pytest.raises(error, match=message):
-            ctl.initialize_host_tier(num_pages=16, state_policy=policy)
+            ctl.initialize_host_tier(num_pages=16, snapshot_policy=policy)
         assert ctl.host_tier is None
         assert ctl.storage.tier_pages is None
         # refused before anything was made: the tier can still be created
-        assert ctl.initialize_host_tier(num_pages=16, state_policy="aligned") == {
+        assert ctl.initialize_host_tier(num_pages=16, snapshot_policy="aligned") == {
             "linear_state": 16,
             "kv": 16,
         }
@@ -362,13 +362,27 @@ def test_skip_keeps_no_snapshot_even_with_pages():
     # a tier given pages for a per-request group under "skip" refuses its snapshots and lets
     # their records go, as before "aligned" existed
     store = UnitRecordStore()
-    t = HostTier({"kv": 4, "state": 4}, store, {"state"}, state_policy="skip")
+    t = HostTier({"kv": 4, "state": 4}, store, {"state"}, snapshot_policy="skip")
     assert t.recomputed == {"state"}
     key = b"k" * 32
     assert t.demote("state", key, 512, 2) is None and t.stats.skipped == {"state": 1}
     assert t.reserve("state", key, 512, None, None) is None
-    aligned = HostTier({"kv": 4, "state": 4}, UnitRecordStore(), {"state"}, state_policy="aligned")
+    aligned = HostTier({"kv": 4, "state": 4}, UnitRecordStore(), {"state"}, snapshot_policy="aligned")
     assert aligned.recomputed == frozenset()
     assert aligned.demote("state", key, 512, 2) == 1
     assert [c.group for c in aligned.take_offloads()] == ["state"]
     assert aligned.reach([{"kv": [], "state": [key]}]) == 1
+
+
+
+def test_a_backend_declaring_the_old_setting_name_is_told_the_new_one():
+    """``state_policy`` was renamed ``snapshot_policy`` ("state" names only the group kind):
+    a backend that still declares the old name is refused by name, never silently read as
+    ``"skip"``."""
+
+    class Old(LinearAttentionBackend):
+        state_policy = "aligned"
+
+    with pytest.raises(ValueError, match="declares state_policy, which is now snapshot_policy"):
+        declared_snapshot_policy([Old(2, 2, 8, 8, 4)])
+    assert declared_snapshot_policy([LinearAttentionBackend(2, 2, 8, 8, 4)]) == "aligned"

@@ -7,7 +7,7 @@ stays pinned, and every hit offered serves exactly the bytes that were written.
 
 Layouts: gpt-oss-like (a 32-token sliding window group ``swa`` and a full group ``kv``,
 block 16, one shared pool), Qwen3-Next-like (linear-attention state ``linear_state``, one
-slot per request, snapshots every 512 tokens kept under ``state_policy="aligned"``, and a
+slot per request, snapshots every 512 tokens kept under ``snapshot_policy="aligned"``, and a
 full group ``kv``) and a small DeepSeek-V4 (window, compressed, two state groups in the slab
 arena, boundary 256).
 
@@ -50,7 +50,7 @@ def qwen3_next_like(kv_blocks: int = 96, pages: int = 256) -> CacheController:
     ctl.initialize_kv_cache(
         num_blocks={"linear_state": 3, "kv": kv_blocks}, max_num_seqs=2, max_model_len=2048
     )
-    ctl.initialize_host_tier(num_pages=pages, state_policy="aligned")
+    ctl.initialize_host_tier(num_pages=pages, snapshot_policy="aligned")
     return ctl
 
 

@@ -1,5 +1,5 @@
 """Per-request state snapshots through the remote tier, on a real Redis server: under the host
-tier's ``state_policy="aligned"`` (what linear attention declares) one controller publishes a
+tier's ``snapshot_policy="aligned"`` (what linear attention declares) one controller publishes a
 linear-attention snapshot with its full-attention blocks, and a second controller that never
 saw the prompt fetches both and hits at the aligned boundary, its restored state and every
 other entry equal to the writer's byte for byte; under ``"skip"`` nothing at the boundary can
@@ -34,14 +34,14 @@ pytestmark = pytest.mark.skipif(not HAVE_REDIS, reason="redis-server or redis-py
 INTERVAL = 512
 
 
-def hybrid(port: int, state_policy: str | None) -> CacheController:
+def hybrid(port: int, snapshot_policy: str | None) -> CacheController:
     linear = LinearAttentionBackend(2, 2, 8, 8, 4)
     kv = GQABackend(1, 8, 16)
     ctl = CacheController({0: linear, 1: kv, 2: linear, 3: kv}, enable_prefix_caching=True)
     ctl.initialize_kv_cache(
         num_blocks={"linear_state": 8, "kv": 64}, max_num_seqs=2, max_model_len=768
     )
-    ctl.initialize_host_tier(num_pages=128, policy="write_through", state_policy=state_policy)
+    ctl.initialize_host_tier(num_pages=128, policy="write_through", snapshot_policy=snapshot_policy)
     ctl.initialize_remote_tier(
         StoreConfig(
             backend="redis",

@@ -8,7 +8,7 @@ serves them as it serves any cached block.
 lookup alone). For each prompt it finds the longest boundary ``L`` whose blocks are all held
 on the device *or* the host (a full group every block of ``[0, L)``, a window or state group
 the tail the step after ``L`` reads, a per-request group a snapshot taken at exactly ``L``: on
-the device, or under the host tier's ``state_policy="aligned"`` on the host too; under
+the device, or under the host tier's ``snapshot_policy="aligned"`` on the host too; under
 ``"skip"`` the host keeps none, so a snapshot the device lost is recomputed). The blocks only
 the host holds get device blocks (taken as any block is: free first, then the least recently
 used cached block, which is demoted in turn), their pages are pinned and their onloads
@@ -116,7 +116,7 @@ class PromptPlan:
         self.device: dict[str, Mapping[bytes, int]] = {
             g.spec.name: prefix.cached_keys(g.spec.name) for g in self.groups
         }
-        #: the per-request groups whose snapshots the tiers keep (``state_policy="aligned"``)
+        #: the per-request groups whose snapshots the tiers keep (``snapshot_policy="aligned"``)
         self.kept_snapshots = frozenset() if tier is None else tier.per_request - tier.recomputed
 
     def key_at(self, t: int) -> bytes:
