@@ -60,9 +60,9 @@ def worker_main(conn: Any, model: str) -> None:
             raise MemoryError("injected copy failure")
         real_move(*args, **kwargs)
 
-    import kvforge.worker.storage as storage_module
+    import kvforge.worker.swap_execution as swap_execution
 
-    storage_module.move_pages = move_or_fail  # type: ignore[assignment]
+    swap_execution.move_pages = move_or_fail  # type: ignore[assignment]
 
     def entries(row: int, num_tokens: int, seed: int, skip: tuple[str, ...]):
         for e in layout.buffers:

@@ -7,6 +7,10 @@ line per piece:
 - ``storage``: :class:`CacheStorage`, the device storage of one worker (install, views, tables,
   swaps) and ``CacheStorage.run``, the one place a step's effects
   (:class:`~kvforge.core.values.StepEffects`) are applied;
+- ``device_buffers``: the device buffers created from the declarations or adopted from an
+  engine, checked before the storage keeps them (``BufferBuilder``, ``DeviceBuffers``);
+- ``swap_execution``: a swap plan's hooks and copies, its failure reported, its events
+  (``SwapExecutor``, ``SwapExecution``);
 - ``swap_pages``: host pages of swapped-out requests (page-first pools) and the host views
   backends get;
 - ``tier_pages``: host pages of the prefix tier (``HostTierPages``), owned by the storage;

@@ -7,6 +7,15 @@ receives, computes a step's slot mappings from those mirrors, and executes
 :class:`SwapPlan` values, answering each with a :class:`SwapResult`. Everything it receives
 and returns is a plain value, so the scheduler side may live in another process.
 
+Two concerns live in their own modules, as objects the storage owns and calls with explicit
+state (never reading its private attributes): the device buffers are created, adopted and
+checked by :class:`~kvforge.worker.device_buffers.BufferBuilder`, which hands back a checked
+:class:`~kvforge.worker.device_buffers.DeviceBuffers` value the storage then keeps; swap plans
+run through :class:`~kvforge.worker.swap_execution.SwapExecutor`, made at install and bound to
+the buffers, tables, guard and step ledger (it owns the side streams and the copies still in
+flight). The public methods here (``create``, ``adopt``, ``execute``, ``end_copies``,
+``synchronize``, ``streams``, ``device_bytes``) delegate to them.
+
 Invariants:
 
 - nothing is stored until everything was validated: a refused ``create`` or ``adopt`` leaves
@@ -53,22 +62,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvforge import ops
 from kvforge._checks import check_integer
-from kvforge.attn_backends.base import (
-    AttentionBackend,
-    SwapContext,
-    block_buffer_view,
-    new_block_buffer,
-)
 from kvforge.core.arena import ArenaGeometry
-from kvforge.core.layout import CacheLayout, check_share_pools, table_widths
+from kvforge.core.layout import CacheLayout, table_widths
 from kvforge.core.memory_plan import check_allocatable
 from kvforge.core.naming import DEFAULT_NAME_TEMPLATE, StorageNamer
 from kvforge.core.values import (
@@ -76,22 +79,19 @@ from kvforge.core.values import (
     PageCopy,
     StepAllocation,
     StepEffects,
-    SwapFailure,
     SwapPlan,
-    SwapResult,
     TableDelta,
 )
 from kvforge.errors import ControllerClosedError, UnissuedCopyError, WorkerRefusedError
 from kvforge.ops import PlaneSet
 from kvforge.platform import Platform, get_platform
 from kvforge.worker import guard
-from kvforge.worker.arena_views import arena_views, check_arena
-from kvforge.worker.buffer_checks import check_created_keys, overlap_of, plane_of
-from kvforge.worker.overlap import PoolMember
+from kvforge.worker.device_buffers import BufferBuilder, DeviceBuffers, device_bytes
 from kvforge.worker.step_ledger import StepLedger
+from kvforge.worker.swap_execution import SwapExecution, SwapExecutor, require_host
 from kvforge.worker.swap_pages import HostPools, HostViews
 from kvforge.worker.tokens import step_tokens
-from kvforge.worker.transfer import SwapStreams, move_pages, plane_bytes
+from kvforge.worker.transfer import SwapStreams
 
 if TYPE_CHECKING:
     from kvforge.worker.tier_pages import HostTierPages
@@ -117,26 +117,6 @@ class StepInputs:
     positions: np.ndarray
     slot_mappings: dict[tuple[str, int], Any]
     block_tables: dict[str, Any]
-
-
-@dataclass
-class SwapExecution:
-    """What :meth:`CacheStorage.execute` did with one plan.
-
-    Attributes:
-        result: the plain value to hand back to the scheduler side
-            (``BlockManager.complete_swap``): it pickles, the rest stays on the worker.
-        event: the event the plan's copies end with (``None`` on CPU, or on failure).
-        keep_alive: tensors the copies read or write until ``event`` completes.
-    """
-
-    result: SwapResult
-    event: Any = None
-    keep_alive: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.result.ok
 
 
 class CacheStorage:
@@ -179,10 +159,10 @@ class CacheStorage:
         """Whether the installed caches may share a pool's bytes (set by create / adopt)."""
         self._host: HostPools | None = None
         self._host_caches: list[dict[CacheKey, torch.Tensor]] = []
-        self._streams: SwapStreams | None = None
-        self._copies: list[SwapExecution] = []
         self._verify = guard.Verifier({}, {}, {})  # bound to the tables by _install
         self._steps = StepLedger(0)
+        self._builder = BufferBuilder(layout, self.platform.device, self.names)
+        self._swaps = SwapExecutor(layout, self.platform)  # bound to the buffers by _install
         self._tier_pages: HostTierPages | None = None
         #: the step the scheduler side handed this worker that has not run whole yet: whoever
         #: carries steps here in one process (``CacheController``) sets it as soon as the
@@ -249,85 +229,8 @@ class CacheStorage:
         """
         with self._lock:
             self._check_fresh()
-            check_share_pools(share_pools)
-            blocks = dict(num_blocks)
-            shared = self._shared_sets(share_pools, blocks, "create: num_blocks gives {} to")
-            in_arena = set(check_arena(arena, share_pools, blocks))
-            pooled = {g for members in shared for g in members} | in_arena
-            nbytes = sum(
-                blocks[g.name] * self.layout.bytes_per_block(g.name)
-                for g in self.layout.groups
-                if g.name not in pooled
-            )
-            # a shared set's members have equal counts and pair up byte for byte: paid once
-            nbytes += sum(blocks[m[0]] * self.layout.bytes_per_block(m[0]) for m in shared)
-            nbytes += arena.total_bytes if arena is not None else 0
-            check_allocatable(nbytes, self.device, "device caches")
-            created: dict[CacheKey, torch.Tensor] = self._create_shared(shared, blocks)
-            raw = None
-            if arena is not None:
-                raw = torch.zeros(arena.total_bytes, dtype=torch.uint8, device=self.device)
-                created.update(arena_views(self.layout, arena, raw))
-            self._create_by_backends(created, blocks, pooled)
-            self._install(
-                created, blocks, max_num_seqs, max_model_len, "create", share_pools, arena, raw
-            )
-
-    def _create_by_backends(
-        self, created: dict[CacheKey, torch.Tensor], blocks: Mapping[str, int], pooled: set[str]
-    ) -> None:
-        """Add the buffers not in ``created`` yet: built here as the default
-        ``create_kv_cache`` builds them for a backend serving a shared group, else asked of
-        each backend (its keys checked)."""
-        builds = self._default_builders(pooled)
-        for backend, layers in self.layout.backend_layers():
-            if id(backend) in builds:
-                for e in self.layout.buffers_of_layers(layers):
-                    if e.key not in created:
-                        created[e.key] = new_block_buffer(
-                            e.role, e.group, blocks[e.group.name], self.device
-                        )
-                continue
-            caches = backend.create_kv_cache(layers, dict(blocks), self.device)
-            check_created_keys(backend, layers, caches)
-            created.update(caches)
-
-    def _shared_sets(
-        self, share_pools: bool, blocks: Mapping[str, int], refusal: str
-    ) -> list[tuple[str, ...]]:
-        """The pools of more than one group (none without ``share_pools``), their counts
-        checked (``CacheLayout.pools``)."""
-        return [m for m in self.layout.pools(share_pools, blocks, refusal) if len(m) > 1]
-
-    def _default_builders(self, pooled: set[str]) -> set[int]:
-        """Ids of the backends serving a buffer of a shared group (the storage builds their
-        buffers itself). They keep the default ``create_kv_cache``: a group served by one
-        that lays out its own memory is never in a shared set (``CacheLayout.pool_sets``)."""
-        builds: set[int] = set()
-        for backend, layers in self.layout.backend_layers():
-            if any(e.group.name in pooled for e in self.layout.buffers_of_layers(layers)):
-                builds.add(id(backend))
-        return builds
-
-    def _create_shared(
-        self, shared: list[tuple[str, ...]], blocks: Mapping[str, int]
-    ) -> dict[CacheKey, torch.Tensor]:
-        """The buffers of the shared sets: position ``k`` of every member in one allocation."""
-        created: dict[CacheKey, torch.Tensor] = {}
-        for members in shared:
-            n = blocks[members[0]]
-            # sorted() is stable: equal strides pair up in layout order
-            columns = [
-                sorted(self.layout.buffers_of(g), key=lambda e: e.device_block_bytes)
-                for g in members
-            ]
-            for row in zip(*columns, strict=True):
-                raw = torch.zeros(
-                    (n, row[0].device_block_bytes), dtype=torch.uint8, device=self.device
-                )
-                for e in row:
-                    created[e.key] = block_buffer_view(raw, e.role, e.group)
-        return created
+            buffers = self._builder.create(num_blocks, share_pools, arena)
+            self._install(buffers, max_num_seqs, max_model_len)
 
     def adopt(
         self,
@@ -352,123 +255,47 @@ class CacheStorage:
         """
         with self._lock:
             self._check_fresh()
-            check_share_pools(share_pools)
-            if not isinstance(caches, Mapping):
-                raise TypeError(
-                    f"caches must map (role, layer) -> tensor, got {type(caches).__name__}"
-                )
-            expected = {e.key for e in self.layout.buffers}
-            got = set(caches)
-            if got != expected:
-                raise ValueError(
-                    "adopt: caches must hold exactly every (role, layer) of the layout; missing "
-                    f"{sorted(expected - got)}, unexpected {sorted(got - expected, key=str)}"
-                )
-            blocks: dict[str, int] = {}
-            for e in self.layout.buffers:
-                t = caches[e.key]
-                if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                    raise ValueError(f"adopt: cache {e.key} is not a block-major tensor: {t!r}")
-                n = int(t.shape[0])
-                known = blocks.setdefault(e.group.name, n)
-                if known != n:
-                    raise ValueError(
-                        f"adopt: cache {e.key} has {n} blocks but other caches of group "
-                        f"{e.group.name!r} have {known}"
-                    )
-            self._shared_sets(share_pools, blocks, "adopt: the caches hold {} blocks for")
-            self._install(dict(caches), blocks, max_num_seqs, max_model_len, "adopt", share_pools)
-            return blocks
+            buffers = self._builder.adopt(caches, share_pools)
+            self._install(buffers, max_num_seqs, max_model_len)
+            return dict(buffers.num_blocks)
 
-    def _install(
-        self,
-        created: dict[CacheKey, torch.Tensor],
-        num_blocks: dict[str, int],
-        max_num_seqs: int,
-        max_model_len: int,
-        action: str,
-        share_pools: bool = True,
-        arena: ArenaGeometry | None = None,
-        arena_raw: torch.Tensor | None = None,
-    ) -> None:
-        caches = [created[e.key] for e in self.layout.buffers]
-        self._check_shapes(caches, num_blocks, action)
-        self._check_own_bytes(caches, action, share_pools, arena, arena_raw)
-        planes: dict[str, PlaneSet] = {}
-        for g in self.layout.groups:
-            entries = self.layout.offload_buffers(g.name)
-            if entries:
-                planes[g.name] = PlaneSet(
-                    [plane_of(caches[e.index], self.names[e.index], action) for e in entries]
-                )
+    def _install(self, buffers: DeviceBuffers, max_num_seqs: int, max_model_len: int) -> None:
+        """Keep checked ``buffers``, with mirrored tables of ``max_num_seqs`` rows (checked
+        first: a refusal keeps nothing), a guard and step ledger bound to them, side streams
+        and the swap executor."""
         widths = table_widths(self.layout, max_num_seqs, max_model_len)
         # validated: now keep everything
-        self._caches = caches
-        self.share_pools = share_pools
-        self.arena = arena
-        self._planes = planes
-        self._num_blocks = dict(num_blocks)
+        self._caches = buffers.caches
+        self.share_pools = buffers.share_pools
+        self.arena = buffers.arena
+        self._planes = buffers.planes
+        self._num_blocks = dict(buffers.num_blocks)
         self._tables = {
             name: np.zeros((max_num_seqs, width), dtype=np.int32) for name, width in widths.items()
         }
         mates = {
-            g.name: tuple(m for m in self.layout.pool_of(g.name, share_pools) if m != g.name)
+            g.name: tuple(
+                m for m in self.layout.pool_of(g.name, buffers.share_pools) if m != g.name
+            )
             for g in self.layout.groups
         }
-        self._verify = guard.Verifier(self._tables, self._num_blocks, mates, arena)
+        self._verify = guard.Verifier(self._tables, self._num_blocks, mates, buffers.arena)
         self._steps = StepLedger(self._verify.num_rows)
         if self.platform.is_accelerator:  # pragma: no cover - accelerators only
             self._device_tables = {
                 name: torch.zeros(t.shape, dtype=torch.int32, device=self.device)
                 for name, t in self._tables.items()
             }
-        self._streams = SwapStreams.create(self.platform)
-
-    def _check_shapes(
-        self, caches: list[torch.Tensor], num_blocks: Mapping[str, int], action: str
-    ) -> None:
-        """Refuse a buffer whose shape, dtype or device is not its declaration's."""
-        for e, t in zip(self.layout.buffers, caches, strict=True):
-            backend = self.layout.backends[e.layer]
-            who = f"{backend!r}.create_kv_cache gave" if action == "create" else "adopt: cache"
-            shape = (num_blocks[e.group.name], *backend.block_shape(e.role))
-            if tuple(t.shape) != shape or t.dtype != e.role.torch_dtype:
-                raise ValueError(
-                    f"{who} ({e.role.name!r}, {e.layer}) shape {tuple(t.shape)} dtype "
-                    f"{t.dtype}; expected {shape} {e.role.torch_dtype}"
-                )
-            if t.device.type != self.device.type:
-                raise ValueError(
-                    f"{who} ({e.role.name!r}, {e.layer}) on {t.device}, expected {self.device}"
-                )
-
-    def _check_own_bytes(
-        self,
-        caches: list[torch.Tensor],
-        action: str,
-        share_pools: bool,
-        arena: ArenaGeometry | None,
-        arena_raw: torch.Tensor | None,
-    ) -> None:
-        """Refuse buffers that share bytes (but the coinciding planes of a shared pool, and
-        an arena's buffers, one plane together)."""
-        names, planes, members = self.names, caches, self._pool_members(share_pools)
-        if arena is not None and arena_raw is not None:
-            # the arena's buffers overlap by design (slabs change hands, never blocks in use);
-            # as one plane, nothing else may touch their bytes
-            inside = {e.index for g in arena.groups for e in self.layout.buffers_of(g)}
-            keep = [i for i in range(len(caches)) if i not in inside]
-            names = [names[i] for i in keep] + ["arena"]
-            planes = [caches[i] for i in keep] + [arena_raw.view(1, -1)]
-            if members is not None:
-                members = [members[i] for i in keep] + [None]
-        clash = overlap_of(names, planes, members)
-        if clash is not None:
-            a, b, i, j = clash
-            raise ValueError(
-                f"{action}: buffers {a.name!r} and {b.name!r} share bytes (block {i} of the "
-                f"first and block {j} of the second); every (role, layer) needs its own bytes"
-            )
+        self._swaps = SwapExecutor(
+            self.layout,
+            self.platform,
+            SwapStreams.create(self.platform),
+            self._caches,
+            self._planes,
+            self._verify,
+            self._steps,
+            self._tables,
+        )
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -494,7 +321,7 @@ class CacheStorage:
     @property
     def streams(self) -> SwapStreams | None:
         """The side streams swaps run on (``None`` on CPU)."""
-        return self._streams
+        return self._swaps.streams
 
     @property
     def num_blocks(self) -> dict[str, int]:
@@ -504,32 +331,7 @@ class CacheStorage:
     def device_bytes(self) -> int:
         """Bytes the device caches span, alignment padding included; the buffers a shared
         pool places in the same bytes count once."""
-        total = 0
-        seen: set[tuple[int, int, int]] = set()
-        inside: set[int] = set()
-        if self.arena is not None:  # its groups' buffers are one allocation
-            total += self.arena.total_bytes
-            inside = {e.index for g in self.arena.groups for e in self.layout.buffers_of(g)}
-        for i, t in enumerate(self._caches or []):
-            if i in inside:
-                continue
-            block = plane_bytes(t)
-            extent = (block.data_ptr(), block.shape[0], block.stride(0))
-            if extent in seen:  # only coinciding planes of one shared pool (see _install)
-                continue
-            seen.add(extent)
-            total += block.shape[0] * block.stride(0) if block.shape[0] else 0
-        return total
-
-    def _pool_members(self, share_pools: bool) -> list[PoolMember | None] | None:
-        """Each buffer's shared pool and group, for the overlap check (None: share nothing)."""
-        if not share_pools:
-            return None
-        members: list[PoolMember | None] = []
-        for e in self.layout.buffers:
-            pool = self.layout.pool_of(e.group.name, True)
-            members.append(PoolMember(pool, e.group.name) if len(pool) > 1 else None)
-        return members
+        return device_bytes(self.layout, self._caches or [], self.arena)
 
     # ================================================================== block tables, steps
 
@@ -808,9 +610,7 @@ class CacheStorage:
 
     @property
     def host(self) -> HostPools:
-        if self._host is None:
-            raise RuntimeError("call initialize_host_cache before swapping")
-        return self._host
+        return require_host(self._host)
 
     @property
     def host_ready(self) -> bool:
@@ -874,10 +674,7 @@ class CacheStorage:
         keeping ``keep_alive`` (what they read or write) until they finish; the event they end
         with (``None`` on CPU, where they are done already)."""
         with self._lock:
-            event = self._finish()
-            if event is not None:  # pragma: no cover - accelerators only
-                self._copies.append(SwapExecution(SwapResult(-1), event, keep_alive))
-            return event
+            return self._swaps.end_copies(keep_alive)
 
     @property
     def host_kv_caches(self) -> dict[CacheKey, torch.Tensor]:
@@ -910,90 +707,12 @@ class CacheStorage:
             WorkerRefusedError: a malformed plan.
         """
         with self._lock:
-            return self._execute(plan)
-
-    def _execute(self, plan: SwapPlan) -> SwapExecution:
-        self._ready()
-        if not isinstance(plan, SwapPlan):
-            raise TypeError(f"plan must be a SwapPlan, got {type(plan).__name__}")
-        pages = {g: p.num_pages for g, p in self.host.groups.items() if g in self._planes}
-        self._verify.plan(plan, pages, self._steps.row_request)
-        self._copies = [c for c in self._copies if not _finished(c)]
-        stage: Literal["hook", "copy"] = "hook"
-        current = ""
-        keep_alive: list[torch.Tensor] = []
-        try:
-            if plan.direction == "out":
-                for move in plan.requests:
-                    current = move.request_id
-                    for backend, layers in self.layout.backend_layers():
-                        backend.before_swap_out(self._context(backend, layers, move))
-                stage, current = "copy", ""
-                self._move(plan, keep_alive)
-            else:
-                stage = "copy"
-                self._move(plan, keep_alive)
-                stage = "hook"
-                self._finish()
-                for move in plan.requests:
-                    current = move.request_id
-                    for backend, layers in self.layout.backend_layers():
-                        backend.after_swap_in(self._context(backend, layers, move))
-        except BaseException as exc:
-            # no copy of a failed plan may still touch the blocks or pages it named
-            self.platform.synchronize()
-            failure = SwapFailure(stage, current, type(exc).__name__, str(exc))
-            return SwapExecution(SwapResult(plan.plan_id, failure, exc))
-        result = SwapResult(plan.plan_id, receipt=self._verify.executed(plan))  # swap ledger
-        if plan.direction == "in":  # the rows it filled serve its requests from now on
-            self._steps.swapped_in(plan, self._tables)
-        execution = SwapExecution(result, self._finish(), keep_alive)
-        if execution.event is not None:  # pragma: no cover - accelerators only
-            self._copies.append(execution)
-        return execution
-
-    def _context(
-        self, backend: AttentionBackend, layers: tuple[int, ...], move: Any
-    ) -> SwapContext:
-        caches = self._ready()
-        return SwapContext(
-            request_id=move.request_id,
-            num_tokens=move.num_tokens,
-            purpose=move.purpose,
-            layer_ids=layers,
-            caches={e.key: caches[e.index] for e in self.layout.buffers_of_layers(layers)},
-            device_blocks={g: ids.tolist() for g, ids in move.device_blocks.items()},
-        )
-
-    def _move(self, plan: SwapPlan, keep_alive: list[torch.Tensor]) -> None:
-        host = self.host
-        for group in plan.groups:
-            blocks, pages = plan.group_move(group)
-            if not len(blocks):
-                continue
-            move_pages(
-                plan.direction,
-                self.platform,
-                self._streams,
-                self._planes[group],
-                blocks,
-                host.groups[group].pages,
-                pages,
-                keep_alive,
-            )
-
-    def _finish(self) -> Any:
-        """Order later work on the current stream after the side-stream copies."""
-        streams = self._streams
-        event = self.platform.record_event(streams.compute if streams else None)
-        if event is not None:  # pragma: no cover - accelerators only
-            self.platform.current_stream_wait(event)
-        return event
+            self._ready()
+            return self._swaps.execute(plan, self._host)
 
     def synchronize(self) -> None:
         """Wait for every copy this storage queued."""
-        self.platform.synchronize()
-        self._copies.clear()
+        self._swaps.synchronize()
 
     # ================================================================== teardown
 
@@ -1003,8 +722,7 @@ class CacheStorage:
         with self._lock:
             if self._closed:
                 return
-            if self._copies:  # pragma: no cover - accelerators only
-                self.platform.synchronize()
+            self._swaps.close()  # waits for the copies still in flight
             # taken first: a free an interrupt cut short never frees a backend's views twice
             views, self._host_caches = self._host_caches, []
             for (backend, _), caches in zip(self.layout.backend_layers(), views, strict=False):
@@ -1018,8 +736,6 @@ class CacheStorage:
             self._planes = {}
             self._tables = {}
             self._device_tables = {}
-            self._streams = None
-            self._copies = []
             self._closed = True
 
     @property
@@ -1057,11 +773,6 @@ def _effects_of(step: object) -> StepEffects:
         f"apply: expected a StepAllocation or StepEffects, got {type(step).__name__}; "
         "nothing changed"
     )
-
-
-def _finished(completion: SwapExecution) -> bool:
-    event = completion.event
-    return event is None or bool(event.query())  # pragma: no cover - accelerators only
 
 
 def _apply_on_device(table: torch.Tensor, delta: TableDelta) -> None:  # pragma: no cover

@@ -562,7 +562,7 @@ def test_swap_in_many_failing_midway_changes_nothing(monkeypatch):
             raise MemoryError("staging")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("kvforge.worker.storage.move_pages", fails_on_second_group)
+    monkeypatch.setattr("kvforge.worker.swap_execution.move_pages", fails_on_second_group)
     with pytest.raises(MemoryError, match="staging"):
         ctl.swap_in("a")
     assert {g: ctl.num_used_blocks(g) for g in ctl.groups} == used
