@@ -95,7 +95,10 @@ class CostRecord:
 def _kvforge_unit_and_hit(model: str, prompt_len: int) -> tuple[int, int]:
     layout = build_layout(model)
     manager = BlockManager(
-        layout, {g.name: 2 for g in layout.groups}, 1, prompt_len + 64,
+        layout,
+        {g.name: 2 for g in layout.groups},
+        1,
+        prompt_len + 64,
         enable_prefix_caching=True,
     )
     boundary = manager.boundary
@@ -179,14 +182,23 @@ def print_cost_table(costs: Sequence[CostRecord], out: Any) -> None:
     table = make_table(
         f"prefix cost: {PROMPT_LEN}-token prompt, full hit, us (medians of {repeats})",
         (
-            "model", "kvforge hash", "kvforge lookup", "unit", "vLLM hash", "vLLM lookup",
-            "vLLM total", "vLLM hash unit / block", "hit", "ratio",
+            "model",
+            "kvforge hash",
+            "kvforge lookup",
+            "unit",
+            "vLLM hash",
+            "vLLM lookup",
+            "vLLM total",
+            "vLLM hash unit / block",
+            "hit",
+            "ratio",
         ),
         ("model",),
     )
     for c in costs:
         vllm_total = (
-            None if c.vllm_hash_us is None or c.vllm_lookup_us is None
+            None
+            if c.vllm_hash_us is None or c.vllm_lookup_us is None
             else c.vllm_hash_us + c.vllm_lookup_us
         )
         table.add_row(
@@ -197,9 +209,11 @@ def print_cost_table(costs: Sequence[CostRecord], out: Any) -> None:
             us(c.vllm_hash_us),
             us(c.vllm_lookup_us),
             us(vllm_total),
-            "-" if c.vllm_hash_block_size is None
+            "-"
+            if c.vllm_hash_block_size is None
             else f"{c.vllm_hash_block_size} / {c.vllm_block_size}",
-            str(c.kvforge_hit_tokens) if c.vllm_hit_tokens in (None, c.kvforge_hit_tokens)
+            str(c.kvforge_hit_tokens)
+            if c.vllm_hit_tokens in (None, c.kvforge_hit_tokens)
             else f"{c.kvforge_hit_tokens} (vLLM {c.vllm_hit_tokens})",
             "-" if c.ratio is None else f"{c.ratio:.3f}",
         )
@@ -229,9 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=16, help="running requests")
     parser.add_argument("--models", default=None, help="comma-separated (default all)")
     parser.add_argument("--repeats", type=int, default=200, help="rounds of the cost figures")
-    parser.add_argument(
-        "--quick", action="store_true", help="16 conversations, 8 open, 4 running"
-    )
+    parser.add_argument("--quick", action="store_true", help="16 conversations, 8 open, 4 running")
     parser.add_argument(
         "--cost-only", action="store_true", help="the cost figures only, no hit-rate runs"
     )
@@ -246,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in models if m not in MODELS]
         if unknown:
             parser.error(f"--models: unknown {unknown}; known: {sorted(MODELS)}")
-    conversations, concurrency, seqs = (16, 8, 4) if args.quick else (
-        args.conversations, args.concurrency, args.max_num_seqs
+    conversations, concurrency, seqs = (
+        (16, 8, 4) if args.quick else (args.conversations, args.concurrency, args.max_num_seqs)
     )
     try:
         wl = PrefixWorkload(
@@ -273,10 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{load_before[0]:.2f}, vLLM "
         f"{VLLM_VERSION if with_vllm else 'absent (kvforge side only)'}, "
         f"{args.repeats} cost rounds"
-        + ("" if args.cost_only else (
-            f", seed {wl.seed}, {wl.num_conversations} conversations, {wl.concurrency} open, "
-            f"{wl.max_num_seqs} running"
-        ))
+        + (
+            ""
+            if args.cost_only
+            else (
+                f", seed {wl.seed}, {wl.num_conversations} conversations, {wl.concurrency} open, "
+                f"{wl.max_num_seqs} running"
+            )
+        )
     )
     costs = measure_costs(
         models, args.repeats, vllm_rounds if with_vllm else None, progress=progress
@@ -289,13 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs: list[PrefixRecord] = []
     if not args.cost_only:
-        runs = run_prefix_bench(
-            wl, models, cost_repeats=0, vllm_cost=None, progress=progress
-        )
+        runs = run_prefix_bench(wl, models, cost_repeats=0, vllm_cost=None, progress=progress)
         apply_costs(runs, costs)
-        print_prefix_table(
-            runs, "prefix reuse: token hit rates; hashing + lookup of 2,048 tokens"
-        )
+        print_prefix_table(runs, "prefix reuse: token hit rates; hashing + lookup of 2,048 tokens")
     if args.json:
         write_json(args.json, environment, costs, runs)
         out.print(f"wrote {len(costs)} cost records and {len(runs)} runs to {args.json}")

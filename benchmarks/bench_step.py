@@ -56,7 +56,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--rounds", type=int, default=5, help="interleaved rounds of the per-request path (>= 3)"
     )
     parser.add_argument(
-        "--no-per-request", "--no-facade", dest="no_per_request", action="store_true",
+        "--no-per-request",
+        "--no-facade",
+        dest="no_per_request",
+        action="store_true",
         help="skip the per-request path (--no-facade: its former name)",
     )
     parser.add_argument("--no-vllm", action="store_true", help="kvforge side only")

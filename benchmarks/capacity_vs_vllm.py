@@ -119,28 +119,61 @@ class Scenario:
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
-        "gemma-2-9b 20GiB 8k", "gemma-2-9b", 20 * GIB, 8192, 256, 8192, 8000, 192, 16,
+        "gemma-2-9b 20GiB 8k",
+        "gemma-2-9b",
+        20 * GIB,
+        8192,
+        256,
+        8192,
+        8000,
+        192,
+        16,
         note="issue 21: vLLM ran 9 requests holding 73,674 tokens",
     ),
     Scenario(
-        "v4-flash 60GiB N=256", "deepseek-v4-flash", 60 * GIB, 65536, 256, 8192, 57344, 8192,
-        256, async_too=True, max_steps=3000,
+        "v4-flash 60GiB N=256",
+        "deepseek-v4-flash",
+        60 * GIB,
+        65536,
+        256,
+        8192,
+        57344,
+        8192,
+        256,
+        async_too=True,
+        max_steps=3000,
         note="issue 21: vLLM held 14.17M tokens, kvforge 14.32M",
     ),
     Scenario(
-        "v4-flash 60GiB N=16", "deepseek-v4-flash", 60 * GIB, 65536, 16, 8192, 57344, 8192, 32,
-        async_too=True, max_steps=3000,
+        "v4-flash 60GiB N=16",
+        "deepseek-v4-flash",
+        60 * GIB,
+        65536,
+        16,
+        8192,
+        57344,
+        8192,
+        32,
+        async_too=True,
+        max_steps=3000,
     ),
     Scenario("llama-3-8b 20GiB 8k", "llama-3-8b", 20 * GIB, 8192, 256, 8192, 7168, 1024, 32),
-    Scenario(
-        "gpt-oss-20b 20GiB 32k", "gpt-oss-20b", 20 * GIB, 32768, 256, 8192, 28672, 1024, 48
-    ),
+    Scenario("gpt-oss-20b 20GiB 32k", "gpt-oss-20b", 20 * GIB, 32768, 256, 8192, 28672, 1024, 48),
     Scenario(
         "mistral-7b 20GiB 32k", "mistral-7b-v0.1", 20 * GIB, 32768, 256, 8192, 28672, 1024, 48
     ),
     Scenario(
-        "v4-tiny 1GiB N=64", "deepseek-v4-tiny", GIB, 65536, 64, 8192, 57344, 8192, 64,
-        async_too=True, max_steps=2000,
+        "v4-tiny 1GiB N=64",
+        "deepseek-v4-tiny",
+        GIB,
+        65536,
+        64,
+        8192,
+        57344,
+        8192,
+        64,
+        async_too=True,
+        max_steps=2000,
     ),
 )
 
@@ -148,7 +181,15 @@ QUICK_SCENARIOS: tuple[Scenario, ...] = (
     Scenario("gemma-2-9b quick", "gemma-2-9b", GIB, 2048, 16, 1024, 1900, 48, 8),
     Scenario("llama-3-8b quick", "llama-3-8b", GIB // 2, 2048, 16, 1024, 1800, 48, 8),
     Scenario(
-        "v4-flash quick", "deepseek-v4-flash", 3 * GIB, 8192, 16, 1024, 6144, 32, 8,
+        "v4-flash quick",
+        "deepseek-v4-flash",
+        3 * GIB,
+        8192,
+        16,
+        1024,
+        6144,
+        32,
+        8,
         async_too=True,
     ),
 )
@@ -190,8 +231,12 @@ class Peaks:
 
     def key(self) -> tuple[int, ...]:
         return (
-            self.peak_running, self.peak_tokens, self.peak_kv_tokens, self.preemptions,
-            self.steps, self.finished,
+            self.peak_running,
+            self.peak_tokens,
+            self.peak_kv_tokens,
+            self.preemptions,
+            self.steps,
+            self.finished,
         )
 
 
@@ -265,7 +310,8 @@ def run_vllm_scheduler(s: Scenario, setup: Any, seed: int = 0) -> Peaks:
             else:
                 tokens.append([])
         output = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=tokens,
         )
         sched.update_from_output(out, output)
@@ -295,7 +341,10 @@ def run_vllm_scheduler(s: Scenario, setup: Any, seed: int = 0) -> Peaks:
 
 def _run_loop(s: Scenario, side: Any, name: str, seed: int) -> Peaks:
     engine = FcfsEngine(
-        side, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
+        side,
+        s.max_num_seqs,
+        s.max_num_batched_tokens,
+        s.max_model_len,
         long_prefill_token_threshold=0,
     )
     requests = make_requests(s, seed)
@@ -391,10 +440,16 @@ def run_capacity_vs_vllm(
     rows = []
     for s in scenarios:
         row = CapacityRow(
-            scenario=s.name, model=s.model, nominal_bytes=s.memory_bytes,
-            memory_bytes=s.memory_bytes, max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-            prompt_len=s.prompt_len, output_len=s.output_len, num_requests=s.num_requests,
+            scenario=s.name,
+            model=s.model,
+            nominal_bytes=s.memory_bytes,
+            memory_bytes=s.memory_bytes,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            prompt_len=s.prompt_len,
+            output_len=s.output_len,
+            num_requests=s.num_requests,
             note=s.note,
         )
         if progress is not None:
@@ -474,8 +529,17 @@ def print_rows(rows: Sequence[CapacityRow], out: Any) -> None:
         "capacity at equal bytes, after each step's scheduling: peak running requests, peak "
         "full-history tokens (sum of num_tokens), peak tokens with KV",
         (
-            "scenario", "GiB", "N", "side", "peak reqs", "peak tokens", "peak KV tokens",
-            "preempt", "steps", "tokens / vLLM", "KV tokens / vLLM",
+            "scenario",
+            "GiB",
+            "N",
+            "side",
+            "peak reqs",
+            "peak tokens",
+            "peak KV tokens",
+            "preempt",
+            "steps",
+            "tokens / vLLM",
+            "KV tokens / vLLM",
         ),
         ("scenario", "side"),
     )
@@ -529,7 +593,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="kvforge only")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
-        "--kvforge-option", action="append", default=[], metavar="NAME=VALUE",
+        "--kvforge-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
         help="an option for kvforge's plan_memory / BlockManager (repeatable)",
     )
     args = parser.parse_args(argv)

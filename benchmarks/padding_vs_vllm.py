@@ -33,8 +33,12 @@ def vllm_padding(model: str, budget: int, max_model_len: int, seqs: int) -> list
     import vllm_baseline as vb
 
     setup = vb.build_vllm_cache_setup(
-        model, budget, max_model_len=max_model_len, max_num_seqs=seqs,
-        max_num_batched_tokens=8192, enable_prefix_caching=False,
+        model,
+        budget,
+        max_model_len=max_model_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
     )
     rows = []
     for group, text in zip(setup.kv_cache_config.kv_cache_groups, setup.groups, strict=True):
@@ -85,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("vllm", "kvforge"):
             for r in report[model][side]:
                 table.add_row(
-                    side, r["group"], f"{r['real_bytes']:,}", f"{r['block_bytes']:,}",
+                    side,
+                    r["group"],
+                    f"{r['real_bytes']:,}",
+                    f"{r['block_bytes']:,}",
                     f"{r['padding']:.2%}",
                 )
         Console().print(table)

@@ -89,9 +89,7 @@ def _positive(name: str, value: object) -> int:
 # --- kvforge ------------------------------------------------------------------------------------
 
 
-def _check_slots(
-    ctl: CacheController, rid: str, group: str, pos: torch.Tensor, slots: Any
-) -> None:
+def _check_slots(ctl: CacheController, rid: str, group: str, pos: torch.Tensor, slots: Any) -> None:
     table = np.asarray(ctl.block_table(rid, group), dtype=np.int64)
     bs = ctl.layout.group(group).block_size
     p = pos.numpy()
@@ -178,9 +176,7 @@ def _vllm_allocate(driver: Any, request: Any, n: int, new: bool) -> tuple[Any, i
     return blocks, num_local
 
 
-def vllm_per_request(
-    wl: WorkloadLike, sched: ScheduleLike, check: bool = False
-) -> PerRequestTimes:
+def vllm_per_request(wl: WorkloadLike, sched: ScheduleLike, check: bool = False) -> PerRequestTimes:
     """One run of ``sched`` through vLLM's ``KVCacheManager``, one request at a time, as its
     scheduler calls it (see the module docstring); ``check``: every block back in the pool at
     the end."""

@@ -253,11 +253,19 @@ class ManagerModel:
     groups pair up, when ``share_pools``)."""
 
     def __init__(
-        self, layout: CacheLayout, num_blocks: Mapping[str, int], max_num_seqs: int,
-        max_model_len: int, share_pools: bool = False,
+        self,
+        layout: CacheLayout,
+        num_blocks: Mapping[str, int],
+        max_num_seqs: int,
+        max_model_len: int,
+        share_pools: bool = False,
     ) -> None:
         self.manager = BlockManager(
-            layout, num_blocks, max_num_seqs, max_model_len, enable_prefix_caching=True,
+            layout,
+            num_blocks,
+            max_num_seqs,
+            max_model_len,
+            enable_prefix_caching=True,
             share_pools=share_pools,
         )
         self.peak = {g: 0 for g in self.manager.groups}  # blocks in use or cached, at most
@@ -614,8 +622,10 @@ def simulate(
         counts: list[int] = []
         matches: list[object | None] = []
         for r in running:
-            n = 1 if r.computed >= r.prompt_len else min(
-                wl.chunk_size, r.prompt_len - r.computed, budget
+            n = (
+                1
+                if r.computed >= r.prompt_len
+                else min(wl.chunk_size, r.prompt_len - r.computed, budget)
             )
             if n <= 0 or budget <= 0:
                 continue
@@ -732,9 +742,7 @@ def _allowance(g: CacheGroup, wl: PrefixWorkload) -> int:
     return -(-wl.max_num_batched_tokens // g.block_size) + wl.max_num_seqs
 
 
-def working_set(
-    layout: CacheLayout, wl: PrefixWorkload, peak: Mapping[str, int]
-) -> dict[str, int]:
+def working_set(layout: CacheLayout, wl: PrefixWorkload, peak: Mapping[str, int]) -> dict[str, int]:
     """Per group, usable blocks at which nothing is ever evicted: the most blocks the group
     held (in use or cached) in the run with unbounded pools, plus one step's release
     allowance for window/state groups."""
@@ -763,9 +771,7 @@ def floor_blocks(
     return out
 
 
-def _pools(
-    ws: Mapping[str, int], fraction: Fraction, floor: Mapping[str, int]
-) -> dict[str, int]:
+def _pools(ws: Mapping[str, int], fraction: Fraction, floor: Mapping[str, int]) -> dict[str, int]:
     # usable blocks scaled by the same fraction for every group, plus the null block; never
     # below what the running requests hold at once (``floor``), which only caching may use.
     # Only the memory size M is taken from this (see ``split_pools`` for kvforge's pools).
@@ -1087,8 +1093,18 @@ def print_prefix_table(records: Sequence[PrefixRecord], title: str, out: Any = N
     table = make_table(
         title,
         (
-            "model", "memory", "bytes", "hit", "aligned oracle", "token oracle", "hit/token",
-            "plain LRU", "history-only", "evictions", "lookup us", "vLLM us",
+            "model",
+            "memory",
+            "bytes",
+            "hit",
+            "aligned oracle",
+            "token oracle",
+            "hit/token",
+            "plain LRU",
+            "history-only",
+            "evictions",
+            "lookup us",
+            "vLLM us",
         ),
         ("model", "evictions"),
     )

@@ -433,8 +433,7 @@ class FcfsEngine:
                 r.num_tokens += 1
             side.settle(r, n, sampled)
             if sampled and (
-                r.num_tokens - r.prompt_len >= r.max_output
-                or r.num_tokens >= self.max_model_len
+                r.num_tokens - r.prompt_len >= r.max_output or r.num_tokens >= self.max_model_len
             ):
                 finished.append(r)
         for r in finished:
@@ -568,9 +567,7 @@ class KvforgeSide:
     was refused. Without it (None), a request is admitted when its first chunk fits.
     """
 
-    def __init__(
-        self, manager: Any, name: str = "kvforge", gate_chunk: int | None = None
-    ) -> None:
+    def __init__(self, manager: Any, name: str = "kvforge", gate_chunk: int | None = None) -> None:
         from kvforge import PrefixQuery
 
         self.name = name
@@ -1035,7 +1032,10 @@ def run_prefix_vs_vllm(
                         real = run_conversations_on_scheduler(wl, convs, again, key, tick)
                         row.runs[f"{key}_scheduler"] = asdict(real) | {"hit_rate": real.hit_rate}
                         row.scheduler_check[key] = (
-                            real.hit_tokens, real.steps, real.preemptions, real.max_running
+                            real.hit_tokens,
+                            real.steps,
+                            real.preemptions,
+                            real.max_running,
                         ) == (res.hit_tokens, res.steps, res.preemptions, res.max_running)
                     if progress is not None:
                         progress.advance()
@@ -1095,8 +1095,16 @@ def print_rows(rows: Sequence[PrefixRow], out: Any, title: str) -> None:
     table = make_table(
         title,
         (
-            "model", "size", "GiB", "prompt tokens", "vLLM default", "vLLM dense", "kvforge",
-            "kvforge/default", "kvforge/dense", "preemptions v/d/k",
+            "model",
+            "size",
+            "GiB",
+            "prompt tokens",
+            "vLLM default",
+            "vLLM dense",
+            "kvforge",
+            "kvforge/default",
+            "kvforge/dense",
+            "preemptions v/d/k",
         ),
         ("model",),
     )
@@ -1167,8 +1175,12 @@ def _progress_bar(enabled: bool, out: Any) -> Iterator[Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=out, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=out,
+        transient=False,
     ) as bar:
         yield _Progress(bar)
 
@@ -1224,11 +1236,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="kvforge only")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
-        "--no-scheduler-check", action="store_true",
+        "--no-scheduler-check",
+        action="store_true",
         help="skip re-running every vLLM case through vLLM's real Scheduler",
     )
     parser.add_argument(
-        "--kvforge-option", action="append", default=[], metavar="NAME=VALUE",
+        "--kvforge-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
         help="an option for kvforge's plan_memory / BlockManager (repeatable)",
     )
     args = parser.parse_args(argv)
@@ -1266,7 +1282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = next(gen)
     try:
         rows = run_prefix_vs_vllm(
-            wl, models, DEFAULT_SIZES, with_vllm, options, progress,
+            wl,
+            models,
+            DEFAULT_SIZES,
+            with_vllm,
+            options,
+            progress,
             check_scheduler=not args.no_scheduler_check,
         )
     finally:
@@ -1274,7 +1295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["seconds"] = round(time.perf_counter() - t0, 1)
     env["load_after"] = [round(x, 2) for x in os.getloadavg()]
     print_rows(
-        rows, out,
+        rows,
+        out,
         "prefix hit tokens at equal bytes (share of prompt tokens); sizes are fractions of the "
         "working set" + (" (vLLM dense)" if with_vllm else " (estimated from kvforge pages)"),
     )

@@ -100,9 +100,7 @@ def make_controller(
     backends[3] = GQABackend(1, 8, block_size=16, sliding_window=40, group="gqa_swa")
     if share_pools:
         backends[4] = GQABackend(1, 8, block_size=16, group="gqa_full")
-    ctl = CacheController(
-        backends, enable_prefix_caching=prefix, share_pools=share_pools or arena
-    )
+    ctl = CacheController(backends, enable_prefix_caching=prefix, share_pools=share_pools or arena)
     blocks = num_blocks_for(prefix, share_pools, scale)
     if arena:
         budget = sum(n * ctl.layout.bytes_per_block(g) for g, n in blocks.items())

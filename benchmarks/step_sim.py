@@ -259,7 +259,9 @@ class _Driver:
         )
         self.storage = CacheStorage(layout, "cpu")
         self.storage.adopt(
-            empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len,
+            empty_caches(layout, num_blocks),
+            wl.num_requests,
+            wl.max_model_len,
             share_pools=False,
         )
         self.ids = [f"req-{i}" for i in range(wl.num_requests)]

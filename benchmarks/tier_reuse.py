@@ -56,8 +56,14 @@ TIER_MODELS: dict[str, str] = {**MODELS, "gemma-2-9b": "gemma-2-9b"}
 class TieredModel(ManagerModel):
     """:class:`prefix_sim.ManagerModel` with a host tier of ``pages`` per group."""
 
-    def __init__(self, layout: CacheLayout, num_blocks: Mapping[str, int], pages: Mapping[str, int],
-                 max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        layout: CacheLayout,
+        num_blocks: Mapping[str, int],
+        pages: Mapping[str, int],
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
         super().__init__(layout, num_blocks, max_num_seqs, max_model_len, share_pools=True)
         self.tier = host_tier.attach(self.manager, pages)
 
@@ -80,8 +86,9 @@ class TierRecord:
     host_evictions: int
 
 
-def run(wl: PrefixWorkload, models: Sequence[str], fraction: Fraction,
-        host: Fraction) -> list[TierRecord]:
+def run(
+    wl: PrefixWorkload, models: Sequence[str], fraction: Fraction, host: Fraction
+) -> list[TierRecord]:
     convs = make_conversations(wl)
     out = []
     for name in models:
@@ -105,7 +112,8 @@ def run(wl: PrefixWorkload, models: Sequence[str], fraction: Fraction,
         host_bytes = sum((n - 1) * layout.host_page_bytes(g) for g, n in pages.items())
         print(f"{name}: device only at {fraction}", file=sys.stderr, flush=True)
         device = simulate(
-            wl, convs,
+            wl,
+            convs,
             ManagerModel(layout, num_blocks, wl.max_num_seqs, wl.max_model_len, share_pools=True),
         )
         print(f"{name}: device at {fraction}, host tier at {host}", file=sys.stderr, flush=True)
@@ -138,14 +146,26 @@ def print_table(records: Sequence[TierRecord]) -> None:
     from rich.table import Table
 
     table = Table(title="Prefix reuse under device pressure: device only vs host tier")
-    for col in ("model", "device", "host", "oracle hits", "device only", "tiered",
-                "device / oracle", "tiered / oracle"):
+    for col in (
+        "model",
+        "device",
+        "host",
+        "oracle hits",
+        "device only",
+        "tiered",
+        "device / oracle",
+        "tiered / oracle",
+    ):
         table.add_column(col, justify="left" if col == "model" else "right")
     for r in records:
         table.add_row(
-            r.model, f"{r.device_fraction} ({r.device_bytes / 2**30:.2f} GiB)",
-            f"{r.host_fraction} ({r.host_bytes / 2**30:.2f} GiB)", f"{r.oracle_tokens:,}",
-            f"{r.device_tokens:,}", f"{r.tiered_tokens:,}", f"{r.device_vs_oracle:.3f}",
+            r.model,
+            f"{r.device_fraction} ({r.device_bytes / 2**30:.2f} GiB)",
+            f"{r.host_fraction} ({r.host_bytes / 2**30:.2f} GiB)",
+            f"{r.oracle_tokens:,}",
+            f"{r.device_tokens:,}",
+            f"{r.tiered_tokens:,}",
+            f"{r.device_vs_oracle:.3f}",
             f"{r.tiered_vs_oracle:.3f}",
         )
     Console(stderr=True).print(table)
@@ -155,10 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--models", default=None, help=f"of {', '.join(TIER_MODELS)}")
-    parser.add_argument("--fraction", type=Fraction, default=Fraction(1, 4),
-                        help="device memory, of the working set")
-    parser.add_argument("--host", type=Fraction, default=Fraction(1, 2),
-                        help="host tier pages, of the working set")
+    parser.add_argument(
+        "--fraction",
+        type=Fraction,
+        default=Fraction(1, 4),
+        help="device memory, of the working set",
+    )
+    parser.add_argument(
+        "--host", type=Fraction, default=Fraction(1, 2), help="host tier pages, of the working set"
+    )
     parser.add_argument("--quick", action="store_true", help="16 conversations (tests)")
     args = parser.parse_args(argv)
     models = args.models.split(",") if args.models else list(TIER_MODELS)
@@ -171,8 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = run(wl, models, args.fraction, args.host)
     print_table(records)
     if args.json:
-        env = {"python": platform.python_version(), "machine": platform.machine(),
-               "workload": wl.model_dump()}
+        env = {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "workload": wl.model_dump(),
+        }
         Path(args.json).write_text(
             json.dumps({"environment": env, "runs": [asdict(r) for r in records]}, indent=1)
         )

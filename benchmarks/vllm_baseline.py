@@ -1021,7 +1021,6 @@ def run_vllm_prefix_cost(
     return rounds.figures()
 
 
-
 # --- the vs-vLLM benchmarks: vLLM's engine as it starts, at a byte budget -----------------------
 #
 # ``prefix_vs_vllm.py`` and ``capacity_vs_vllm.py`` drive vLLM's real ``KVCacheManager`` and
@@ -1287,9 +1286,7 @@ def vllm_block_hasher(setup: VllmCacheSetup) -> Any:
     v = _vllm()
     hash_fn = v.get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
     v.init_none_hash(hash_fn)
-    return v.get_request_block_hasher(
-        setup.hash_block_size, hash_fn, cfg.num_hash_lookahead_tokens
-    )
+    return v.get_request_block_hasher(setup.hash_block_size, hash_fn, cfg.num_hash_lookahead_tokens)
 
 
 def build_vllm_scheduler(setup: VllmCacheSetup) -> Any:

@@ -48,7 +48,9 @@ def _engine(model: str, vllm_spec: bool, host_bytes: int, min_blocks: int = 0) -
     blocks = max(blocks, min_blocks)
     if vllm_spec:
         return build_offload_engine(
-            model, num_gpu_blocks=blocks, max_model_len=max_len,
+            model,
+            num_gpu_blocks=blocks,
+            max_model_len=max_len,
             kv_connector="OffloadingConnector",
             extra_config={
                 "cpu_bytes_to_use": host_bytes,
@@ -57,8 +59,11 @@ def _engine(model: str, vllm_spec: bool, host_bytes: int, min_blocks: int = 0) -
             },
         )
     return build_offload_engine(
-        model, num_gpu_blocks=blocks, max_model_len=max_len,
-        kv_connector="KVForgeConnector", kv_connector_module_path="kvforge.integrations.vllm",
+        model,
+        num_gpu_blocks=blocks,
+        max_model_len=max_len,
+        kv_connector="KVForgeConnector",
+        kv_connector_module_path="kvforge.integrations.vllm",
         extra_config={"kvforge": {"host_bytes": host_bytes}},
     )
 
@@ -160,24 +165,39 @@ def main(argv: list[str] | None = None) -> int:
     for col in ("model", "vLLM B/token", "kvforge B/token", "vLLM / kvforge"):
         t.add_column(col, justify="right")
     for s in sizes:
-        t.add_row(s["model"], f"{s['vllm_bytes_per_token']:,.0f}",
-                  f"{s['kvforge_bytes_per_token']:,.0f}", f"{s['ratio_vllm_over_kvforge']:.2f}")
+        t.add_row(
+            s["model"],
+            f"{s['vllm_bytes_per_token']:,.0f}",
+            f"{s['kvforge_bytes_per_token']:,.0f}",
+            f"{s['ratio_vllm_over_kvforge']:.2f}",
+        )
     console.print(t)
     t = Table(title="kvforge worker store/load vs a contiguous copy of the same bytes (CPU)")
     for col in ("model", "MiB", "store GB/s", "load GB/s", "copy GB/s", "store/copy", "load/copy"):
         t.add_column(col, justify="right")
     for s in speeds:
-        t.add_row(s["model"], f"{s['bytes'] / 2**20:.1f}", f"{s['store_gbps']:.2f}",
-                  f"{s['load_gbps']:.2f}", f"{s['copy_gbps']:.2f}", f"{s['store_vs_copy']:.2f}",
-                  f"{s['load_vs_copy']:.2f}")
+        t.add_row(
+            s["model"],
+            f"{s['bytes'] / 2**20:.1f}",
+            f"{s['store_gbps']:.2f}",
+            f"{s['load_gbps']:.2f}",
+            f"{s['copy_gbps']:.2f}",
+            f"{s['store_vs_copy']:.2f}",
+            f"{s['load_vs_copy']:.2f}",
+        )
     console.print(t)
     if args.json:
         import vllm
 
-        env = {"python": platform.python_version(), "machine": platform.machine(),
-               "torch": torch.__version__, "vllm": vllm.__version__}
-        Path(args.json).write_text(json.dumps(
-            {"environment": env, "host_bytes": sizes, "throughput": speeds}, indent=2))
+        env = {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "vllm": vllm.__version__,
+        }
+        Path(args.json).write_text(
+            json.dumps({"environment": env, "host_bytes": sizes, "throughput": speeds}, indent=2)
+        )
     return 0
 
 

@@ -47,16 +47,12 @@ def check_int(
     fields = {"name": name, "minimum": minimum}
     if isinstance(value, bool) or not isinstance(value, Integral):
         template = type_message or "{name} must be an int >= {minimum}, got {value}"
-        raise ArgumentError(
-            template.format(value=repr(value), type=type(value).__name__, **fields)
-        )
+        raise ArgumentError(template.format(value=repr(value), type=type(value).__name__, **fields))
     number = int(value)
     if number < minimum or (maximum is not None and number > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         template = range_message or "{name} must be an int " + bound + ", got {value}"
-        raise ArgumentError(
-            template.format(value=repr(value), type=type(value).__name__, **fields)
-        )
+        raise ArgumentError(template.format(value=repr(value), type=type(value).__name__, **fields))
     return number
 
 
@@ -67,9 +63,7 @@ def check_integer(name: str, value: object, minimum: int | None = None) -> int:
     range a later check words (a budget's), or whose only rule is a floor (a rank)."""
     if minimum is None:
         return check_int(name, value, -(1 << 63), type_message=_INT_TYPE)
-    return check_int(
-        name, value, minimum, type_message=_INT_TYPE, range_message=_INT_FLOOR
-    )
+    return check_int(name, value, minimum, type_message=_INT_TYPE, range_message=_INT_FLOOR)
 
 
 _INT_TYPE = "{name} must be an int, got {value}"

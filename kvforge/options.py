@@ -281,4 +281,3 @@ def merge_keywords(
             f"set them in the {model.__name__} (options.model_copy(update={{...}}))"
         )
     return options
-

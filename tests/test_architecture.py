@@ -35,8 +35,19 @@ import kvforge
 PACKAGE = Path(kvforge.__file__).parent
 
 LAYERS = [
-    ("contract", ("kvforge._lazy", "kvforge._checks", "kvforge.errors", "kvforge.kinds", "kvforge.platform",
-                  "kvforge.specs", "kvforge.attn_backends", "kvforge.ops")),
+    (
+        "contract",
+        (
+            "kvforge._lazy",
+            "kvforge._checks",
+            "kvforge.errors",
+            "kvforge.kinds",
+            "kvforge.platform",
+            "kvforge.specs",
+            "kvforge.attn_backends",
+            "kvforge.ops",
+        ),
+    ),
     ("core", ("kvforge.core",)),
     ("sides", ("kvforge.scheduler", "kvforge.worker", "kvforge.models", "kvforge.store")),
     ("facade", ("kvforge.controller", "kvforge.options", "kvforge.remote_tier")),
@@ -93,7 +104,8 @@ def imports_of(path: Path) -> set[str]:
                 node.value, ast.Dict
             ):
                 found.update(
-                    v.value for v in node.value.values
+                    v.value
+                    for v in node.value.values
                     if isinstance(v, ast.Constant) and str(v.value).startswith("kvforge")
                 )
     return found
@@ -152,7 +164,12 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_every_import_points_down_the_layers():
     graph = import_graph()
     upward = sorted(
-        (src, dst, LAYERS[layer_of(src)][0], LAYERS[layer_of(dst)][0] if dst != "kvforge" else "package")
+        (
+            src,
+            dst,
+            LAYERS[layer_of(src)][0],
+            LAYERS[layer_of(dst)][0] if dst != "kvforge" else "package",
+        )
         for src, dsts in graph.items()
         for dst in dsts
         if layer_of(dst) > layer_of(src)
@@ -168,7 +185,9 @@ def test_the_two_sides_and_models_never_import_each_other():
         for dst in dsts
         for a in APART
         for b in APART
-        if a != b and (src == a or src.startswith(a + ".")) and (dst == b or dst.startswith(b + "."))
+        if a != b
+        and (src == a or src.startswith(a + "."))
+        and (dst == b or dst.startswith(b + "."))
     )
     assert crossing == []
 
@@ -178,7 +197,8 @@ def test_core_imports_neither_side_and_no_kernel():
     for module, dsts in graph.items():
         if module.startswith("kvforge.core"):
             assert not {
-                d for d in dsts
+                d
+                for d in dsts
                 if d.startswith(("kvforge.scheduler", "kvforge.worker", "kvforge.ops"))
             }, module
 
@@ -230,7 +250,8 @@ def test_the_scheduler_side_loads_no_backend_worker_or_kernel():
     }
     assert not loaded & concrete
     assert not {
-        m for m in loaded
+        m
+        for m in loaded
         if m.startswith(("kvforge.ops", "kvforge.worker", "kvforge.models", "kvforge.controller"))
     }
     assert "kvforge.scheduler.block_manager" in loaded
@@ -238,5 +259,8 @@ def test_the_scheduler_side_loads_no_backend_worker_or_kernel():
 
 def test_the_facade_still_loads_on_first_use():
     loaded = loaded_after("from kvforge import CacheController")
-    assert {"kvforge.controller", "kvforge.worker.storage", "kvforge.scheduler.block_manager"} <= loaded
-
+    assert {
+        "kvforge.controller",
+        "kvforge.worker.storage",
+        "kvforge.scheduler.block_manager",
+    } <= loaded

@@ -47,9 +47,7 @@ def _model_len(model: str) -> int:
 #: The default run checks the command line with the model that once crashed it (the example
 #: hard-coded DeepSeek-V4's groups); the rest of the bundled models are a ``soak`` (CI).
 DEFAULT_RUN_MODELS = {"llama-3-8b"}
-SUMMARY = re.compile(
-    r"preemptions (\d+), resumes (\d+), verified (\d+) entries, (\d+) mismatched$"
-)
+SUMMARY = re.compile(r"preemptions (\d+), resumes (\d+), verified (\d+) entries, (\d+) mismatched$")
 
 
 @pytest.mark.parametrize(

@@ -174,9 +174,7 @@ def test_a_request_outside_the_open_step_and_a_free_are_not_refused():
 def linear_controller(max_num_seqs: int = 8) -> CacheController:
     linear = LinearAttentionBackend(2, 2, 8, 8, 4)
     ctl = CacheController({0: linear, 1: GQABackend(1, 8, 16)}, enable_prefix_caching=True)
-    ctl.initialize_kv_cache(
-        num_blocks={"linear_state": 8, "kv": 120}, max_num_seqs=max_num_seqs
-    )
+    ctl.initialize_kv_cache(num_blocks={"linear_state": 8, "kv": 120}, max_num_seqs=max_num_seqs)
     return ctl
 
 
@@ -202,7 +200,9 @@ def test_a_match_used_twice_with_one_refusal_leaks_nothing():
     ctl = linear_controller(max_num_seqs=1)
     a = prompt(600)
     for done in range(0, 600, 128):
-        ctl.end_step(ctl.schedule(["a"], [min(128, 600 - done)], new_token_ids=[a[done:done + 128]]))
+        ctl.end_step(
+            ctl.schedule(["a"], [min(128, 600 - done)], new_token_ids=[a[done : done + 128]])
+        )
     ctl.free_request("a")
     [match] = ctl.lookup([PrefixQuery([*a, 5])])
     assert match.num_tokens == 512

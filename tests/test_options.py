@@ -31,7 +31,11 @@ def gqa() -> dict[int, GQABackend]:
 
 BAD_OPTIONS: list[tuple[type, dict[str, Any], str]] = [
     (CacheOptions, {"enable_prefix_caching": 1}, "enable_prefix_caching must be a bool, got 1"),
-    (CacheOptions, {"enable_prefix_caching": "yes"}, "enable_prefix_caching must be a bool, got 'yes'"),
+    (
+        CacheOptions,
+        {"enable_prefix_caching": "yes"},
+        "enable_prefix_caching must be a bool, got 'yes'",
+    ),
     (CacheOptions, {"share_pools": "yes"}, "share_pools must be a bool, got 'yes'"),
     (CacheOptions, {"share_pools": None}, "share_pools must be a bool, got None"),
     (
@@ -83,8 +87,16 @@ BAD_OPTIONS: list[tuple[type, dict[str, Any], str]] = [
         {"policy": "lru"},
         "host_tier_policy must be 'eviction' or 'write_through', got 'lru'",
     ),
-    (HostTierOptions, {"policy": None}, "host_tier_policy must be 'eviction' or 'write_through', got None"),
-    (HostTierOptions, {"snapshot_policy": "all"}, "snapshot_policy must be 'skip' or 'aligned', got 'all'"),
+    (
+        HostTierOptions,
+        {"policy": None},
+        "host_tier_policy must be 'eviction' or 'write_through', got None",
+    ),
+    (
+        HostTierOptions,
+        {"snapshot_policy": "all"},
+        "snapshot_policy must be 'skip' or 'aligned', got 'all'",
+    ),
 ]
 
 
@@ -152,8 +164,7 @@ FACADE: list[tuple[str, Callable[[], object], str]] = [
         lambda: CacheController(
             gqa(), enable_prefix_caching=True, options=CacheOptions(share_pools=False)
         ),
-        "CacheController: ['enable_prefix_caching'] given both as keywords and with a "
-        "CacheOptions",
+        "CacheController: ['enable_prefix_caching'] given both as keywords and with a CacheOptions",
     ),
     (
         "both_ways_even_when_equal",
@@ -176,17 +187,36 @@ def test_the_controller_refuses_bad_options_before_it_builds_anything(name, call
 
 
 BAD_PLANS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
-    ("seqs_zero", {"memory_budget": 1 << 20, "max_num_seqs": 0}, ArgumentError,
-     "max_num_seqs must be a positive int, got 0"),
-    ("len_float", {"num_blocks": 4, "max_model_len": 64.0}, ArgumentError,
-     "max_model_len must be a positive int, got 64.0"),
-    ("batched_with_blocks", {"num_blocks": 4, "max_num_batched_tokens": 64}, ValueError,
-     "['max_num_batched_tokens'] go with memory_budget, not num_blocks"),
-    ("plan_and_keyword", {"memory_budget": 1 << 20, "max_num_seqs": 2,
-                          "plan": PlanOptions(max_model_len=64)}, ArgumentError,
-     "plan options: ['max_num_seqs'] given both as keywords and with a PlanOptions"),
-    ("plan_not_options", {"memory_budget": 1 << 20, "plan": {"max_num_seqs": 2}}, ArgumentError,
-     "plan options: options must be a PlanOptions or None"),
+    (
+        "seqs_zero",
+        {"memory_budget": 1 << 20, "max_num_seqs": 0},
+        ArgumentError,
+        "max_num_seqs must be a positive int, got 0",
+    ),
+    (
+        "len_float",
+        {"num_blocks": 4, "max_model_len": 64.0},
+        ArgumentError,
+        "max_model_len must be a positive int, got 64.0",
+    ),
+    (
+        "batched_with_blocks",
+        {"num_blocks": 4, "max_num_batched_tokens": 64},
+        ValueError,
+        "['max_num_batched_tokens'] go with memory_budget, not num_blocks",
+    ),
+    (
+        "plan_and_keyword",
+        {"memory_budget": 1 << 20, "max_num_seqs": 2, "plan": PlanOptions(max_model_len=64)},
+        ArgumentError,
+        "plan options: ['max_num_seqs'] given both as keywords and with a PlanOptions",
+    ),
+    (
+        "plan_not_options",
+        {"memory_budget": 1 << 20, "plan": {"max_num_seqs": 2}},
+        ArgumentError,
+        "plan options: options must be a PlanOptions or None",
+    ),
 ]
 
 
@@ -234,7 +264,9 @@ def test_the_key_algorithm_reaches_the_prefix_keys():
         calls.append(len(data))
         return hashlib.sha256(data).digest()
 
-    ctl = CacheController(gqa(), options=CacheOptions(enable_prefix_caching=True, key_algorithm=digest))
+    ctl = CacheController(
+        gqa(), options=CacheOptions(enable_prefix_caching=True, key_algorithm=digest)
+    )
     ctl.initialize_kv_cache(num_blocks=16, max_num_seqs=2, max_model_len=128)
     tokens = list(range(40))
     step = ctl.schedule(["a"], [40], [tokens])
@@ -250,7 +282,9 @@ def test_the_snapshot_interval_reaches_the_scheduler_and_is_checked_against_the_
         return {0: LinearAttentionBackend(2, 2, 8, 8, 4), 1: GQABackend(1, 8, 16)}
 
     sizes = {"num_blocks": {"linear_state": 5, "kv": 16}, "max_num_seqs": 2, "max_model_len": 256}
-    ctl = CacheController(backends(), options=CacheOptions(enable_prefix_caching=True, snapshot_interval=64))
+    ctl = CacheController(
+        backends(), options=CacheOptions(enable_prefix_caching=True, snapshot_interval=64)
+    )
     ctl.initialize_kv_cache(**sizes)
     assert ctl.scheduler.snapshot_interval == 64
     default = CacheController(backends(), enable_prefix_caching=True)
@@ -269,9 +303,13 @@ def test_host_tier_options_and_keywords():
         return ctl
 
     ctl = ready()
-    with pytest.raises(ArgumentError, match="host_tier_policy must be 'eviction' or 'write_through', got 'lru'"):
+    with pytest.raises(
+        ArgumentError, match="host_tier_policy must be 'eviction' or 'write_through', got 'lru'"
+    ):
         ctl.initialize_host_tier(4, policy="lru")
-    with pytest.raises(ArgumentError, match=r"\['policy'\] given both as keywords and with a HostTierOptions"):
+    with pytest.raises(
+        ArgumentError, match=r"\['policy'\] given both as keywords and with a HostTierOptions"
+    ):
         ctl.initialize_host_tier(4, policy="eviction", options=HostTierOptions())
     assert ctl.host_tier is None and ctl.host_bytes == 0  # nothing was attached or allocated
     assert ctl.initialize_host_tier(4, options=HostTierOptions(policy="write_through")) == {"kv": 4}

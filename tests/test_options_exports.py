@@ -140,5 +140,10 @@ def test_the_raises_reader_reads_a_section():
                 ValueError words on a continuation line are not entries.
         """
 
-    assert raised_names(f) == {"ArgumentError", "TypeError", "ValueError", "OutOfBlocksError",
-                               "RequestStateError"}
+    assert raised_names(f) == {
+        "ArgumentError",
+        "TypeError",
+        "ValueError",
+        "OutOfBlocksError",
+        "RequestStateError",
+    }

@@ -168,7 +168,9 @@ def test_the_redis_tests_skip_naming_what_is_missing(monkeypatch, hidden, fragme
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda n, p=None: None if f"module:{n}" == hidden else importlib.machinery.ModuleSpec(n, None),
+        lambda n, p=None: (
+            None if f"module:{n}" == hidden else importlib.machinery.ModuleSpec(n, None)
+        ),
     )
     monkeypatch.setattr(shutil, "which", lambda n: None if f"binary:{n}" == hidden else f"/x/{n}")
     why = _optional.redis_missing()

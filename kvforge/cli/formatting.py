@@ -100,8 +100,6 @@ def format_bytes(n: int) -> str:
     return f"{n:,} B"
 
 
-
-
 def format_exact(value: int | Fraction) -> str:
     """An exact byte figure: ``131072`` -> ``"131,072"``, ``15401/4`` -> ``"3,850 1/4"``."""
     value = Fraction(value)

@@ -138,14 +138,10 @@ class Spread:
 
     def text(self, fmt: str = ".2f", suffix: str = "") -> str:
         """``"median (min-max)"``, e.g. ``"4.10x (3.90-4.30)"``."""
-        return (
-            f"{self.median:{fmt}}{suffix} ({self.min:{fmt}}-{self.max:{fmt}})"
-        )
+        return f"{self.median:{fmt}}{suffix} ({self.min:{fmt}}-{self.max:{fmt}})"
 
 
-def ratio_spread(
-    ours: Sequence[float], baseline: Sequence[float], digits: int = 3
-) -> Spread:
+def ratio_spread(ours: Sequence[float], baseline: Sequence[float], digits: int = 3) -> Spread:
     """Spread of the throughput ratio ``baseline[k] / ours[k]`` over paired runs (seconds of the
     same bytes: above 1, ours is faster); run ``k`` of each side pairs with run ``k`` of the
     other, so pairs measured in the same round share the machine's state at that moment.

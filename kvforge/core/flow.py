@@ -52,9 +52,7 @@ def plan_with_arena(plan: MemoryPlan, layout: CacheLayout) -> MemoryPlan:
     if plan.max_model_len is not None and all(b is not None for b, _, _ in need.values()):
         limit = plan.max_num_seqs or 1 << 20
         held = _sequences(need, usable, limit)
-        others_held = [
-            p.max_sequences for p in groups if p.group not in names and p.max_sequences
-        ]
+        others_held = [p.max_sequences for p in groups if p.group not in names and p.max_sequences]
         concurrency = min([held, *others_held])
     full = [p.max_tokens for p in groups if rule_of(p.kind).history]
     return plan.model_copy(

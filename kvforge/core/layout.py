@@ -425,7 +425,4 @@ def table_widths(layout: CacheLayout, max_num_seqs: int, max_model_len: int) -> 
     """Columns of each group's table: the blocks ``max_model_len`` tokens span, or the slots
     of a per-request group. Shared by both sides so their tables have one shape."""
     check_int("max_num_seqs", max_num_seqs, minimum=1)
-    return {
-        g.name: g.rule.table_width(g, max_model_len)
-        for g in layout.groups
-    }
+    return {g.name: g.rule.table_width(g, max_model_len) for g in layout.groups}

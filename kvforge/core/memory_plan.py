@@ -50,7 +50,6 @@ length) and :mod:`kvforge.core.search` (the integer search they share). Tests:
 ``tests/scheduler/test_shared_pools.py``.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -138,7 +137,6 @@ def plan_memory(
     return _assemble(sized, sizing, budget, setting, host)
 
 
-
 def _assemble(
     sized: list[tuple[CacheGroup, int]],
     sizing: Sizing,
@@ -150,9 +148,7 @@ def _assemble(
     model_len = setting.model_len if setting is not None else None
     seqs = setting.planned_seqs if setting is not None else None
     batched = setting.planned_batched if setting is not None else None
-    plans = [
-        _group_plan(g, bpb, sizing, model_len, None if host else seqs) for g, bpb in sized
-    ]
+    plans = [_group_plan(g, bpb, sizing, model_len, None if host else seqs) for g, bpb in sized]
     full = [p.max_tokens for p in plans if rule_of(p.kind).history]
     helds = [p.max_sequences for p in plans if p.max_sequences is not None]
     concurrency = min(helds) if helds else None

@@ -77,8 +77,7 @@ class _Reservation:
     def fixed(self) -> dict[str, int]:
         """Bytes that do not depend on sequences: per-request slots, step allowances, nulls."""
         return {
-            g.name: (self.blocks(g, 0) if not g.rule.history else 1) * bpb
-            for g, bpb in self.sized
+            g.name: (self.blocks(g, 0) if not g.rule.history else 1) * bpb for g, bpb in self.sized
         }
 
 
@@ -141,9 +140,7 @@ def _no_sequence(budget: int, model_len: int, need: int, what: str) -> ValueErro
     )
 
 
-def sequences_held(
-    g: CacheGroup, usable: int, model_len: int, seqs: int | None, step: int
-) -> int:
+def sequences_held(g: CacheGroup, usable: int, model_len: int, seqs: int | None, step: int) -> int:
     """Sequences of ``model_len`` tokens ``usable`` blocks of ``g`` hold at once (``step``:
     the blocks among them kept for one step's tokens)."""
     if g.rule.per_request:

@@ -197,8 +197,6 @@ class Sizing:
     warnings: list[str] = field(default_factory=list)
 
 
-
-
 def plan_without_length(
     sized: list[tuple[CacheGroup, int]], budget: int, setting: Setting, host: bool
 ) -> Sizing:
@@ -234,4 +232,3 @@ def plan_without_length(
             "windows need; give max_model_len to size them for whole sequences"
         )
     return Sizing(blocks, warnings=warnings)
-

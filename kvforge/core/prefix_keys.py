@@ -94,7 +94,6 @@ def _blake2b(data: bytes) -> bytes:
 _ALGORITHMS: dict[str, Callable[[bytes], bytes]] = {"sha256": _sha256, "blake2b": _blake2b}
 
 
-
 def _check_at(at: object, before: int, after: int, unit: int) -> np.ndarray:
     arr = np.asarray(at)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):

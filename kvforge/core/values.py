@@ -303,7 +303,6 @@ class StepAllocation:
         return int(self.num_new.sum())
 
 
-
 @dataclass(frozen=True, slots=True)
 class RequestMove:
     """The blocks of one request that a swap moves.

@@ -252,9 +252,7 @@ class ArenaBlockPool(BlockPool):
             self.cached[block_id // self.blocks_per_slab] -= 1
             self._unsettled[block_id] = True
 
-    def evict(
-        self, count: int | None = None, block_ids: Sequence[int] | None = None
-    ) -> np.ndarray:
+    def evict(self, count: int | None = None, block_ids: Sequence[int] | None = None) -> np.ndarray:
         victims = super().evict(count, block_ids)
         if len(victims):
             np.subtract.at(self.cached, victims // self.blocks_per_slab, 1)
@@ -354,8 +352,9 @@ class SlabArena:
                     f"block_sizes has {len(block_sizes)} sizes for the arena's "
                     f"{len(geometry.groups)} groups {list(geometry.groups)}"
                 )
-            block_sizes = [check_int(f"block_sizes[{i}]", b, minimum=1)
-                           for i, b in enumerate(block_sizes)]
+            block_sizes = [
+                check_int(f"block_sizes[{i}]", b, minimum=1) for i, b in enumerate(block_sizes)
+            ]
         self.geometry = geometry
         #: takes move cached blocks (``_pack``) only inside a step's growth, whose
         #: ``StepAllocation`` carries the copies to the worker (the manager sets it)

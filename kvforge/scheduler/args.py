@@ -73,9 +73,7 @@ def new_token_counts(values: object, n: int) -> np.ndarray:
 
 def check_token_ids(token_ids: Sequence[Sequence[int]], new: np.ndarray) -> None:
     if len(token_ids) != len(new):
-        raise ValueError(
-            f"new_token_ids has {len(token_ids)} entries for {len(new)} requests"
-        )
+        raise ValueError(f"new_token_ids has {len(token_ids)} entries for {len(new)} requests")
     for i, (ids, n) in enumerate(zip(token_ids, new, strict=True)):
         if len(ids) != int(n):
             raise ValueError(

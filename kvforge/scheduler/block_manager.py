@@ -120,6 +120,7 @@ __all__ = ["MAX_OPEN_STEPS", "BlockManager", "PrefixStats", "SwapStats"]
 MAX_OPEN_STEPS = 16
 """Steps scheduled and not yet ended that a scheduler keeps (engines have one or two)."""
 
+
 def _build_pools(
     layout: CacheLayout,
     num_blocks: Mapping[str, int],
@@ -219,9 +220,7 @@ class BlockManager:
         self.arena, pools = _build_pools(layout, num_blocks, share_pools, arena)
         self.max_model_len = resolve_max_model_len(layout, num_blocks, max_model_len)
         widths = table_widths(layout, self.max_num_seqs, self.max_model_len)
-        check_allocatable(
-            4 * self.max_num_seqs * sum(widths.values()), "cpu", "block tables"
-        )
+        check_allocatable(4 * self.max_num_seqs * sum(widths.values()), "cpu", "block tables")
         groups = [
             GroupTable.create(g, pools[g.name], self.max_num_seqs, widths[g.name])
             for g in layout.groups
@@ -233,8 +232,13 @@ class BlockManager:
         )
         self._t = RequestTables(groups, self.max_num_seqs)
         self._prefix = PrefixCache(
-            self._t, bool(enable_prefix_caching), self.boundary, snapshot_interval, key_algorithm,
-            prefix_retention, prefix_retention_interval,
+            self._t,
+            bool(enable_prefix_caching),
+            self.boundary,
+            snapshot_interval,
+            key_algorithm,
+            prefix_retention,
+            prefix_retention_interval,
         )
         self._book = SwapBook(self._t, layout)
         self._lock = threading.RLock()
@@ -478,9 +482,7 @@ class BlockManager:
                     f"{MAX_OPEN_STEPS} later steps were open); steps in flight: "
                     f"{list(self._open_steps)}"
                 )
-            raise StepError(
-                f"step {step_id} is unknown: this scheduler issued steps 1..{issued}"
-            )
+            raise StepError(f"step {step_id} is unknown: this scheduler issued steps 1..{issued}")
         self._prefix.finish_step(work, kernels_ran=True, copies_ran=copies_ran is True)
 
     def _refuse_in_open_step(self, request_id: object, verb: str) -> None:

@@ -283,9 +283,7 @@ class BlockPool:
             self._stack[self._num_free] = block_id
             self._num_free += 1
 
-    def evict(
-        self, count: int | None = None, block_ids: Sequence[int] | None = None
-    ) -> np.ndarray:
+    def evict(self, count: int | None = None, block_ids: Sequence[int] | None = None) -> np.ndarray:
         """Put evictable blocks on the free stack, telling the eviction listeners (in the
         order they were added) and then the keeper (``on_evict``) first: the ``count`` least
         recently released, or exactly ``block_ids`` (each must be evictable). Returns their

@@ -63,6 +63,7 @@ def plan_growth(
         plans.append((need, lo, hi, old_len))
     return plans
 
+
 def fits_in_order(
     t: RequestTables,
     pool: BlockPool | SlabArena,
@@ -156,9 +157,8 @@ def apply_growth(
             parts_c.append(c)
             parts_v.append(ids)
         if parts_r:
-            t.record(
-                g, np.concatenate(parts_r), np.concatenate(parts_c), np.concatenate(parts_v)
-            )
+            t.record(g, np.concatenate(parts_r), np.concatenate(parts_c), np.concatenate(parts_v))
+
 
 def _prepare_arenas(
     t: RequestTables,
@@ -218,9 +218,7 @@ def schedule_one_by_one(
             available = pool.num_free + credit
             if need > available:
                 # a shared pool is named by its first group that asked for blocks
-                name = next(
-                    t.groups[gi].spec.name for gi in members if plans[gi][0][i]
-                )
+                name = next(t.groups[gi].spec.name for gi in members if plans[gi][0][i])
                 short = Refusal(ids[i], "out_of_blocks", name, need, available)
                 break
         if short is not None:

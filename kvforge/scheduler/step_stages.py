@@ -229,9 +229,7 @@ def bound(
     batch.before, batch.after = before, after
 
 
-def grow(
-    batch: StepBatch, tables: RequestTables, arena: SlabArena | None, pack: bool
-) -> None:
+def grow(batch: StepBatch, tables: RequestTables, arena: SlabArena | None, pack: bool) -> None:
     """Stage 5: release the blocks behind each window and take the new blocks
     (:mod:`.growth`), in one pass when every request fits its pools in order, else request by
     request, refusing those a pool cannot serve (``out_of_blocks``).
@@ -248,8 +246,7 @@ def grow(
     plans = plan_growth(tables, rows, fresh, before, after)
     with packing(arena, pack):  # takes may move cached blocks
         if batch.accept.all() and all(
-            fits_in_order(tables, pool, members, rows, plans)
-            for pool, members in tables.capacity
+            fits_in_order(tables, pool, members, rows, plans) for pool, members in tables.capacity
         ):
             apply_growth(tables, rows, fresh, before, after, plans, None)
         else:

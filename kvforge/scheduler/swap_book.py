@@ -420,9 +420,7 @@ class SwapBook:
                 "device", "table rows", len(ids), len(self._t.free_rows), "swap_in"
             )
 
-    def _live_columns(
-        self, ids: list[str]
-    ) -> tuple[list[dict[str, np.ndarray]], dict[str, int]]:
+    def _live_columns(self, ids: list[str]) -> tuple[list[dict[str, np.ndarray]], dict[str, int]]:
         """Per swapped request, the columns it comes back to in each group (its live window,
         plus any column the swap out moved outside it), and the blocks per group in all."""
         cols_of: list[dict[str, np.ndarray]] = []
@@ -453,8 +451,7 @@ class SwapBook:
         for pool, members in self._t.capacity:
             if isinstance(pool, SlabArena):
                 needs = {
-                    self._t.groups[gi].pool: totals[self._t.groups[gi].spec.name]
-                    for gi in members
+                    self._t.groups[gi].pool: totals[self._t.groups[gi].spec.name] for gi in members
                 }
                 missing = pool.shortfall(needs)
                 if missing is not None:

@@ -210,8 +210,7 @@ def encode_into(
     src = memoryview(payload).cast("B")
     if dst.nbytes != HEADER_SIZE + src.nbytes:
         raise ValueError(
-            f"out must hold {HEADER_SIZE + src.nbytes} bytes (header and payload), "
-            f"got {dst.nbytes}"
+            f"out must hold {HEADER_SIZE + src.nbytes} bytes (header and payload), got {dst.nbytes}"
         )
     dst[HEADER_SIZE:] = src
     dst[:HEADER_SIZE] = encode_header(key, fingerprint, dst[HEADER_SIZE:], proof)

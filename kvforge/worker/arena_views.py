@@ -40,9 +40,7 @@ def arena_views(
     return views
 
 
-def check_arena(
-    arena: object, share_pools: bool, blocks: Mapping[str, int]
-) -> tuple[str, ...]:
+def check_arena(arena: object, share_pools: bool, blocks: Mapping[str, int]) -> tuple[str, ...]:
     """The groups of ``arena`` (none without one), refused unless its counts are ``blocks``'.
 
     Raises:

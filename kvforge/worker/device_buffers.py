@@ -173,9 +173,7 @@ class BufferBuilder:
         their blocks per group are the value's ``num_blocks``."""
         check_share_pools(share_pools)
         if not isinstance(caches, Mapping):
-            raise TypeError(
-                f"caches must map (role, layer) -> tensor, got {type(caches).__name__}"
-            )
+            raise TypeError(f"caches must map (role, layer) -> tensor, got {type(caches).__name__}")
         expected = {e.key for e in self.layout.buffers}
         got = set(caches)
         if got != expected:

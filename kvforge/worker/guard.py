@@ -346,8 +346,7 @@ def check_page_copies(
         for copy in copies:
             if type(copy) is not PageCopy:
                 raise WorkerRefusedError(
-                    f"{action}: expected PageCopy values, got {type(copy).__name__}; nothing "
-                    "moved"
+                    f"{action}: expected PageCopy values, got {type(copy).__name__}; nothing moved"
                 )
             group = copy.group
             if not isinstance(group, str) or group not in num_pages or group not in num_blocks:

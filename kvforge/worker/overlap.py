@@ -289,8 +289,7 @@ def _check_members(members: Sequence[PoolMember | None], n: int) -> list[PoolMem
     tags = list(members)
     if len(tags) != n:
         raise ValueError(
-            f"members must name one pool member (or None) per plane: {len(tags)} for "
-            f"{n} planes"
+            f"members must name one pool member (or None) per plane: {len(tags)} for {n} planes"
         )
     for i, tag in enumerate(tags):
         if tag is not None and not isinstance(tag, PoolMember):

@@ -63,9 +63,7 @@ class StepLedger:
         self.request_row: dict[str, int] = {}
         #: per row, ``(request_ids, num_computed, num_new)`` of the latest step that named
         #: the request in that row (what :meth:`first_written` reads)
-        self.latest: list[tuple[tuple[str, ...], np.ndarray, np.ndarray] | None] = [
-            None
-        ] * num_rows
+        self.latest: list[tuple[tuple[str, ...], np.ndarray, np.ndarray] | None] = [None] * num_rows
         #: step id -> (request ids, copies_after) of applied steps whose snapshots have not
         #: run (``CacheStorage.run_snapshots`` / ``end_snapshots``), and the steps whose
         #: snapshots failed there

@@ -147,8 +147,9 @@ class CacheStorage:
         self.namer = StorageNamer(name_template, self.rank, self.device_id)
         self.names: list[str] = self.namer.check_unique(e.key for e in layout.buffers)
         # a step's slot mappings, one per (group, compress ratio): listed once per layout
-        self._slot_plan = [(g.name, g.block_size, r) for g in layout.groups
-                           for r in layout.compress_ratios(g.name)]
+        self._slot_plan = [
+            (g.name, g.block_size, r) for g in layout.groups for r in layout.compress_ratios(g.name)
+        ]
         self._caches: list[torch.Tensor] | None = None
         self._planes: dict[str, PlaneSet] = {}
         self._num_blocks: dict[str, int] = {}
@@ -783,7 +784,6 @@ def _apply_on_device(table: torch.Tensor, delta: TableDelta) -> None:  # pragma:
         cols = torch.from_numpy(delta.cols).to(table.device, non_blocking=True).long()
         vals = torch.from_numpy(delta.block_ids).to(table.device, non_blocking=True)
         table[rows, cols] = vals
-
 
 
 def _one_slot(table: np.ndarray, row: int, position: int, block_size: int, ratio: int) -> int:

@@ -26,10 +26,15 @@ def step_tokens(step: StepAllocation | StepEffects) -> tuple[np.ndarray, np.ndar
     [[0, 1], [7, 0], [3, 5]]
     """
     num_new, n = step.num_new, len(step.num_new)
-    if n and type(num_new) is np.ndarray and num_new.dtype.kind in "iu" and (
-        set(num_new.tolist()) == {1}
-        if n <= _SMALL
-        else np.minimum.reduce(num_new) == 1 == np.maximum.reduce(num_new)
+    if (
+        n
+        and type(num_new) is np.ndarray
+        and num_new.dtype.kind in "iu"
+        and (
+            set(num_new.tolist()) == {1}
+            if n <= _SMALL
+            else np.minimum.reduce(num_new) == 1 == np.maximum.reduce(num_new)
+        )
     ):
         index = np.arange(n, dtype=np.int64)
         return index, step.num_computed.astype(np.int64), step.rows

@@ -42,18 +42,25 @@ TINY = PrefixWorkload(
 )
 FRACTIONS = (Fraction(1), Fraction(1, 4))
 JSON_FIELDS = {
-    "model", "memory_bytes", "hit_rate", "oracle_hit_rate", "token_oracle_hit_rate",
-    "history_only_hit_rate", "lru_hit_rate", "evictions", "hash_us", "lookup_us",
-    "vllm_hash_us", "vllm_lookup_us",
+    "model",
+    "memory_bytes",
+    "hit_rate",
+    "oracle_hit_rate",
+    "token_oracle_hit_rate",
+    "history_only_hit_rate",
+    "lru_hit_rate",
+    "evictions",
+    "hash_us",
+    "lookup_us",
+    "vllm_hash_us",
+    "vllm_lookup_us",
 }
 
 
 @pytest.fixture(scope="module")
 def records() -> list[PrefixRecord]:
     models = ("llama-3-8b", "gpt-oss-20b", "deepseek-v4-flash")
-    return run_prefix_bench(
-        TINY, models, dict.fromkeys(models, FRACTIONS), cost_repeats=3
-    )
+    return run_prefix_bench(TINY, models, dict.fromkeys(models, FRACTIONS), cost_repeats=3)
 
 
 def test_conversations_are_multi_turn_and_seeded() -> None:
@@ -142,8 +149,7 @@ def test_record_pools_and_memory(records: list[PrefixRecord]) -> None:
         layout = build_layout(r.model)
         # a shared pool's blocks are paid once, whichever of its groups holds them
         assert r.memory_bytes == sum(
-            n * int(layout.bytes_per_block(pool.split("+")[0]))
-            for pool, n in r.pool_blocks.items()
+            n * int(layout.bytes_per_block(pool.split("+")[0])) for pool, n in r.pool_blocks.items()
         )
         assert set(r.pool_blocks) == {"+".join(s) for s in layout.pool_sets}
     gpt_oss = [r for r in records if r.model == "gpt-oss-20b"]
@@ -219,7 +225,9 @@ def test_lru_matches_block_manager_on_one_pool(model: str, families: set[str]) -
     layout = build_layout(model)
     convs = make_conversations(TINY)
     oracle = ManagerModel(
-        layout, prefix_sim._unbounded_blocks(layout, convs), TINY.max_num_seqs,
+        layout,
+        prefix_sim._unbounded_blocks(layout, convs),
+        TINY.max_num_seqs,
         TINY.max_model_len,
     )
     simulate(TINY, convs, oracle)
@@ -228,9 +236,7 @@ def test_lru_matches_block_manager_on_one_pool(model: str, families: set[str]) -
     live = sum(oracle.live_peak[g] for g in names)
     usable = max(live, oracle.peak["kv"] // 4)
     blocks = dict.fromkeys(names, usable + 1)
-    manager = ManagerModel(
-        layout, blocks, TINY.max_num_seqs, TINY.max_model_len, share_pools=True
-    )
+    manager = ManagerModel(layout, blocks, TINY.max_num_seqs, TINY.max_model_len, share_pools=True)
     run = simulate(TINY, convs, manager)
     key_at = prefix_sim._stream_keys(convs, 16)
     lru_model = LruModel(layout, usable * int(layout.bytes_per_block("kv")), key_at)
@@ -258,7 +264,8 @@ def test_benchmark_script_kvforge_only(tmp_path, monkeypatch) -> None:
     assert set(data) == {"environment", "cost", "runs"}
     runs = data["runs"]
     assert [(r["model"], r["fraction"]) for r in runs] == [
-        ("llama-3-8b", "1"), ("llama-3-8b", "1/4"),
+        ("llama-3-8b", "1"),
+        ("llama-3-8b", "1/4"),
     ]
     assert all(r["vllm_hash_us"] is None and r["hash_lookup_ratio"] is None for r in runs)
     assert runs[0]["hit_rate"] == runs[0]["oracle_hit_rate"]
@@ -278,7 +285,12 @@ def _tiny_bench(wl, models=None, fractions=None, cost_repeats=200, **kw):
 
 
 COST_FIELDS = {
-    "model", "kvforge_lookup_us", "kvforge_hash_us", "vllm_hash_us", "vllm_lookup_us", "ratio",
+    "model",
+    "kvforge_lookup_us",
+    "kvforge_hash_us",
+    "vllm_hash_us",
+    "vllm_lookup_us",
+    "ratio",
 }
 
 
@@ -309,7 +321,8 @@ def test_cost_records_kvforge_side(tmp_path, monkeypatch) -> None:
         assert c["prompt_tokens"] == 2048 and c["repeats"] == 2
     # the BlockManager's unit and the full hit of 2,047 tokens at each model's boundary
     assert [(c["kvforge_unit"], c["kvforge_hit_tokens"]) for c in cost] == [
-        (16, 2032), (256, 1792),
+        (16, 2032),
+        (256, 1792),
     ]
 
 
@@ -333,8 +346,12 @@ class _FakeRounds:
 
     def figures(self) -> dict:
         return {
-            "hash_us": 100.0, "lookup_us": 20.0, "hit_tokens": 2032, "hash_block_size": 16,
-            "scheduler_block_size": 16, "groups": ["FullAttentionSpec block 16, 32 layers"],
+            "hash_us": 100.0,
+            "lookup_us": 20.0,
+            "hit_tokens": 2032,
+            "hash_block_size": 16,
+            "scheduler_block_size": 16,
+            "groups": ["FullAttentionSpec block 16, 32 layers"],
         }
 
 

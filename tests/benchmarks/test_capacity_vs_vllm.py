@@ -71,8 +71,12 @@ def test_gated_admission_holds_whole_prompts() -> None:
 
 def test_gate_probe_leaves_the_pools_as_they_were() -> None:
     manager, _ = kvforge_manager(
-        "llama-3-8b", GIB // 4, enable_prefix_caching=False, max_model_len=1024,
-        max_num_seqs=16, max_num_batched_tokens=256,
+        "llama-3-8b",
+        GIB // 4,
+        enable_prefix_caching=False,
+        max_model_len=1024,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
     )
     side = KvforgeSide(manager, gate_chunk=256)
     empty = manager.num_free_blocks("kv")
@@ -95,8 +99,12 @@ def test_gate_probe_leaves_the_pools_as_they_were() -> None:
     assert manager.num_free_blocks("kv") == before and manager.num_free_rows == rows
     assert manager.requests == sorted(held)
     cached, _ = kvforge_manager(
-        "llama-3-8b", GIB // 4, enable_prefix_caching=True, max_model_len=1024,
-        max_num_seqs=2, max_num_batched_tokens=256,
+        "llama-3-8b",
+        GIB // 4,
+        enable_prefix_caching=True,
+        max_model_len=1024,
+        max_num_seqs=2,
+        max_num_batched_tokens=256,
     )
     # kvforge's own check needs no probe, so prefix caching may stay on
     assert KvforgeSide(cached, gate_chunk=256).query
@@ -126,8 +134,15 @@ def test_main_without_vllm_says_so_and_exits_2(monkeypatch, capsys) -> None:
 def test_main_no_vllm_writes_json(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(cv, "QUICK_SCENARIOS", (TINY,))
     path = tmp_path / "capacity.json"
-    argv = ["--quick", "--no-vllm", "--no-progress", "--scenarios", "llama tiny",
-            "--json", str(path)]
+    argv = [
+        "--quick",
+        "--no-vllm",
+        "--no-progress",
+        "--scenarios",
+        "llama tiny",
+        "--json",
+        str(path),
+    ]
     assert cv.main(argv) == 0
     data = json.loads(path.read_text())
     assert set(data) == {"environment", "kvforge", "scenarios", "rows"}

@@ -16,7 +16,11 @@ def test_rows_from_each_harness():
 
 def test_compare_gives_each_row_its_ratio_spread_and_flags_only_a_slower_row():
     old = [{"a": 10.0, "b": 10.0, "c": 10.0}] * 3
-    new = [{"a": 12.0, "b": 9.0, "c": 9.0}, {"a": 11.0, "b": 12.0, "c": 10.0}, {"a": 13.0, "b": 10.0}]
+    new = [
+        {"a": 12.0, "b": 9.0, "c": 9.0},
+        {"a": 11.0, "b": 12.0, "c": 10.0},
+        {"a": 13.0, "b": 10.0},
+    ]
     rows = {r["row"]: r for r in compare(old, new, threshold=0.05)}
     assert set(rows) == {"a", "b"}  # "c" is missing from one round: never compared
     assert rows["a"]["ratio_spread"] == [1.1, 1.2, 1.3] and rows["a"]["ratio"] == 1.2

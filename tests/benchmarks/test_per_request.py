@@ -87,5 +87,7 @@ def test_rounds_report_each_ratio_with_its_spread(tmp_path: Path, capsys) -> Non
 def test_bad_rounds(rounds, fragment) -> None:
     calls: list[str] = []
     with pytest.raises(ValueError, match=fragment):
-        per_request_rounds([tiny(SW.LLAMA_GROUPS)], SW.schedule, rounds=rounds, progress=calls.append)
+        per_request_rounds(
+            [tiny(SW.LLAMA_GROUPS)], SW.schedule, rounds=rounds, progress=calls.append
+        )
     assert calls == []  # refused before any run

@@ -93,8 +93,13 @@ def _req(rid: str, prompt: int, output: int) -> SimRequest:
 
 def test_engine_chunks_samples_and_finishes() -> None:
     side = FakeSide(1000)
-    engine = FcfsEngine(side, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
-                        long_prefill_token_threshold=0)
+    engine = FcfsEngine(
+        side,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        long_prefill_token_threshold=0,
+    )
     r = _req("a", 100, 3)
     engine.add(r)
     out = engine.step()  # one request alone: the whole budget, no per-request cap
@@ -130,8 +135,9 @@ def test_engine_stops_admitting_at_the_first_misfit_and_respects_rows() -> None:
     # a fits, b does not, and c (which would fit) waits behind it: first come, first served
     assert [x.rid for x, _ in out.scheduled] == ["a"]
     assert [x.rid for x in engine.waiting] == ["b", "c"]
-    rows = FcfsEngine(FakeSide(10_000), max_num_seqs=2, max_num_batched_tokens=1000,
-                      max_model_len=512)
+    rows = FcfsEngine(
+        FakeSide(10_000), max_num_seqs=2, max_num_batched_tokens=1000, max_model_len=512
+    )
     for rid in "xyz":
         rows.add(_req(rid, 10, 4))
     assert [x.rid for x, _ in rows.step().scheduled] == ["x", "y"]
@@ -173,8 +179,13 @@ def _budget(model: str, engine: dict[str, int] = SMALL) -> int:
     layout = CacheLayout(kvforge_backends(model))
     for mib in (8, 16, 32, 64, 128, 256, 512):
         try:
-            plan_memory(layout, mib << 20, engine["max_num_seqs"], engine["max_model_len"],
-                        engine["max_num_batched_tokens"])
+            plan_memory(
+                layout,
+                mib << 20,
+                engine["max_num_seqs"],
+                engine["max_model_len"],
+                engine["max_num_batched_tokens"],
+            )
         except ValueError:
             continue
         return mib << 20
@@ -208,24 +219,37 @@ def test_kvforge_manager_is_sized_as_the_controller_sizes_it(model: str) -> None
 
 def test_kvforge_options_go_where_they_are_taken() -> None:
     assert parse_kvforge_options(["share_pools=True", "x=abc", "n=3"]) == {
-        "share_pools": True, "x": "abc", "n": 3,
+        "share_pools": True,
+        "x": "abc",
+        "n": 3,
     }
     with pytest.raises(ValueError, match="NAME=VALUE"):
         parse_kvforge_options(["nonsense"])
     budget = _budget("gpt-oss-20b", ENGINE)
     _, shared = kvforge_manager(
-        "gpt-oss-20b", budget, enable_prefix_caching=True, options={"share_pools": True},
+        "gpt-oss-20b",
+        budget,
+        enable_prefix_caching=True,
+        options={"share_pools": True},
         **ENGINE,
     )
     assert set(shared["pools"]) == {"swa+kv"} and shared["share_pools"] is True
     _, alone = kvforge_manager(
-        "gpt-oss-20b", budget, enable_prefix_caching=True, options={"share_pools": False},
+        "gpt-oss-20b",
+        budget,
+        enable_prefix_caching=True,
+        options={"share_pools": False},
         **ENGINE,
     )
     assert set(alone["pools"]) == {"swa", "kv"}
     with pytest.raises(ValueError, match="taken by neither"):
-        kvforge_manager("llama-3-8b", budget, enable_prefix_caching=True,
-                        options={"no_such_option": 1}, **ENGINE)
+        kvforge_manager(
+            "llama-3-8b",
+            budget,
+            enable_prefix_caching=True,
+            options={"no_such_option": 1},
+            **ENGINE,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -293,8 +317,19 @@ def test_main_no_vllm_writes_json(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(pv, "run_prefix_vs_vllm", tiny)
     path = tmp_path / "prefix.json"
-    argv = ["--quick", "--no-vllm", "--no-progress", "--models", "llama-3-8b", "--seed", "3",
-            "--kvforge-option", "share_pools=False", "--json", str(path)]
+    argv = [
+        "--quick",
+        "--no-vllm",
+        "--no-progress",
+        "--models",
+        "llama-3-8b",
+        "--seed",
+        "3",
+        "--kvforge-option",
+        "share_pools=False",
+        "--json",
+        str(path),
+    ]
     assert pv.main(argv) == 0
     assert calls["models"] == ["llama-3-8b"] and calls["with_vllm"] is False
     assert calls["options"] == {"share_pools": False} and calls["wl"].seed == 3
@@ -336,7 +371,8 @@ def test_vllm_sizes_hybrid_models_with_one_pool() -> None:
 
     setup = vb.build_vllm_cache_setup("gemma-2-9b", 1 << 30, **ENGINE)
     assert setup.groups == (
-        "SlidingWindowSpec block 16 window 4096, 21 layers", "FullAttentionSpec block 16, 21 layers"
+        "SlidingWindowSpec block 16 window 4096, 21 layers",
+        "FullAttentionSpec block 16, 21 layers",
     )
     # a block is 21 layers' pages (K and V, 8 heads x 256 dims, bf16, 16 tokens); the window
     # group's layers and the full group's alias the same bytes, one group per block at a time
@@ -365,5 +401,8 @@ def test_manager_runs_are_what_vllms_scheduler_serves(model: str) -> None:
             setup = vb.build_vllm_cache_setup(model, memory, retention_interval=retention, **args)
             real = pv.run_conversations_on_scheduler(QUICK, convs, setup)
             assert (mine.hit_tokens, mine.steps, mine.preemptions, mine.max_running) == (
-                real.hit_tokens, real.steps, real.preemptions, real.max_running
+                real.hit_tokens,
+                real.steps,
+                real.preemptions,
+                real.max_running,
             )

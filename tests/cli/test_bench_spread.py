@@ -15,7 +15,9 @@ from kvforge.platform import get_platform
 
 
 def tiny_case() -> bench.BenchCase:
-    return bench.BenchCase("tiny", {i: bench._SynthBackend(1_168) for i in range(2)}, "kv", 32 * 2 * 1_168)
+    return bench.BenchCase(
+        "tiny", {i: bench._SynthBackend(1_168) for i in range(2)}, "kv", 32 * 2 * 1_168
+    )
 
 
 def test_ratio_spread_pairs_run_k_of_each_side():
@@ -73,7 +75,14 @@ def test_bench_results_carry_a_spread_beside_every_ratio(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("repeats", "fragment"),
-    [(1, "got 1"), (2, "got 2"), (0, "got 0"), (-3, "got -3"), (True, "got True"), (3.5, "got 3.5")],
+    [
+        (1, "got 1"),
+        (2, "got 2"),
+        (0, "got 0"),
+        (-3, "got -3"),
+        (True, "got True"),
+        (3.5, "got 3.5"),
+    ],
 )
 def test_run_bench_refuses_fewer_than_three_repeats(repeats, fragment, monkeypatch):
     measured: list[object] = []
@@ -100,7 +109,9 @@ def test_run_tiers_refuses_fewer_than_three_repeats(repeats, monkeypatch):
         (["--tiers", "--remote", "none", "--repeats", "2"], "--repeats must be at least 3"),
     ],
 )
-def test_bench_command_refuses_fewer_than_three_repeats(argv, fragment, tmp_path, capsys, monkeypatch):
+def test_bench_command_refuses_fewer_than_three_repeats(
+    argv, fragment, tmp_path, capsys, monkeypatch
+):
     measured: list[object] = []
     monkeypatch.setattr(bench, "_measure_case", lambda *a: measured.append(a) or [])
     path = tmp_path / "out.json"

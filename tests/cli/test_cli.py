@@ -31,7 +31,9 @@ def run(capsys, *argv):
 def inputs(tmp_path):
     """Files the bad-input tables refer to as "{name}"."""
     depth = 100_000  # json's decoder recurses per level: a RecursionError, unless caught
-    (tmp_path / "deep.json").write_text('{"model_type": "llama", "x": ' + "[" * depth + "]" * depth + "}")
+    (tmp_path / "deep.json").write_text(
+        '{"model_type": "llama", "x": ' + "[" * depth + "]" * depth + "}"
+    )
     llama = {"model_type": "llama", "num_attention_heads": 8, "hidden_size": 512}
     (tmp_path / "huge.json").write_text(json.dumps(llama | {"num_hidden_layers": 10**9}))
     (tmp_path / "float.json").write_text(json.dumps(llama | {"num_hidden_layers": 1e9}))
@@ -77,48 +79,129 @@ def test_parse_size_units():
         ),
         (["--max-num-seqs", "4"], "--max-num-seqs and --max-model-len go together"),
         # zero usable blocks
-        (["--num-blocks", "1"], "argument --num-blocks: 1 leaves no usable block (block 0 of every group is the null block); give at least 2"),
+        (
+            ["--num-blocks", "1"],
+            "argument --num-blocks: 1 leaves no usable block (block 0 of every group is the null block); give at least 2",
+        ),
         (["--num-blocks", "0"], "argument --num-blocks: '0' must be a positive integer"),
-        (["--num-blocks", "4", "--max-num-seqs", "3"], "--max-num-seqs does not apply with --num-blocks"),
+        (
+            ["--num-blocks", "4", "--max-num-seqs", "3"],
+            "--max-num-seqs does not apply with --num-blocks",
+        ),
         (["--num-blocks", "4", "--own-pools"], "--own-pools does not apply with --num-blocks"),
         # ranks
         (["--rank", "-1"], "argument --rank: '-1' must be a non-negative integer"),
-        (["--model", "llama-3-8b", "--tp-size", "4", "--rank", "4"], "--rank 4 is out of range for --tp-size 4 (ranks 0..3)"),
+        (
+            ["--model", "llama-3-8b", "--tp-size", "4", "--rank", "4"],
+            "--rank 4 is out of range for --tp-size 4 (ranks 0..3)",
+        ),
         # options that do not apply to a model from a config
-        (["--model", "deepseek-v4-flash", "--head-dim", "64"], "--head-dim does not apply to a model from a config (--model deepseek-v4-flash); it takes --block-size, --dtype, --kv-cache-dtype, --tp-size, --num-speculative-tokens"),
-        (["--model", "llama-3-8b", "--layers", "4"], "--layers does not apply to a model from a config (--model llama-3-8b)"),
-        (["--config", "{llama}", "--kv-lora-rank", "4", "--layers", "2"], "--kv-lora-rank, --layers do not apply to a model from a config (--config "),
-        (["--model", "llama-3-8b", "--kv-cache-quant", "fp8"], "--kv-cache-quant does not apply to a model from a config"),
+        (
+            ["--model", "deepseek-v4-flash", "--head-dim", "64"],
+            "--head-dim does not apply to a model from a config (--model deepseek-v4-flash); it takes --block-size, --dtype, --kv-cache-dtype, --tp-size, --num-speculative-tokens",
+        ),
+        (
+            ["--model", "llama-3-8b", "--layers", "4"],
+            "--layers does not apply to a model from a config (--model llama-3-8b)",
+        ),
+        (
+            ["--config", "{llama}", "--kv-lora-rank", "4", "--layers", "2"],
+            "--kv-lora-rank, --layers do not apply to a model from a config (--config ",
+        ),
+        (
+            ["--model", "llama-3-8b", "--kv-cache-quant", "fp8"],
+            "--kv-cache-quant does not apply to a model from a config",
+        ),
         # ... or to its family
-        (["--model", "deepseek-v4-flash", "--block-size", "64"], "block_size=64 cannot be set for model_type 'deepseek_v4'"),
-        (["--model", "deepseek-v4-flash", "--dtype", "float16"], "dtype='float16' does not apply to model_type 'deepseek_v4': its cache dtype is set by kv_cache_dtype ('fp8' or 'bf16')"),
-        (["--model", "deepseek-v3.2", "--dtype", "bfloat16"], "dtype='bfloat16' does not apply to model_type 'deepseek_v32'"),
-        (["--model", "deepseek-v3", "--kv-cache-dtype", "block_wise_fp8"], "kv_cache_dtype='block_wise_fp8' is not supported for model_type 'deepseek_v3'"),
-        (["--model", "llama-3-8b", "--num-speculative-tokens", "1"], "num_speculative_tokens=1 needs MTP layers, but the config has num_nextn_predict_layers=0 (model_type 'llama')"),
-        (["--model", "deepseek-v3", "--num-speculative-tokens", "-1"], "argument --num-speculative-tokens: '-1' must be a non-negative integer"),
+        (
+            ["--model", "deepseek-v4-flash", "--block-size", "64"],
+            "block_size=64 cannot be set for model_type 'deepseek_v4'",
+        ),
+        (
+            ["--model", "deepseek-v4-flash", "--dtype", "float16"],
+            "dtype='float16' does not apply to model_type 'deepseek_v4': its cache dtype is set by kv_cache_dtype ('fp8' or 'bf16')",
+        ),
+        (
+            ["--model", "deepseek-v3.2", "--dtype", "bfloat16"],
+            "dtype='bfloat16' does not apply to model_type 'deepseek_v32'",
+        ),
+        (
+            ["--model", "deepseek-v3", "--kv-cache-dtype", "block_wise_fp8"],
+            "kv_cache_dtype='block_wise_fp8' is not supported for model_type 'deepseek_v3'",
+        ),
+        (
+            ["--model", "llama-3-8b", "--num-speculative-tokens", "1"],
+            "num_speculative_tokens=1 needs MTP layers, but the config has num_nextn_predict_layers=0 (model_type 'llama')",
+        ),
+        (
+            ["--model", "deepseek-v3", "--num-speculative-tokens", "-1"],
+            "argument --num-speculative-tokens: '-1' must be a non-negative integer",
+        ),
         # options that do not apply to the chosen backend
-        (["--backend", "mla", "--kv-cache-quant", "fp8"], "--kv-cache-quant does not apply to --backend mla; it takes --kv-lora-rank, --qk-rope-head-dim, --block-size, --dtype, --layers"),
-        (["--backend", "deepseek-v4", "--head-dim", "64"], "--head-dim does not apply to --backend deepseek-v4; it takes --compress-ratio, --qk-rope-head-dim, --index-head-dim, --kv-cache-dtype, --layers"),
-        (["--backend", "deepseek-v4", "--block-size", "64"], "--block-size does not apply to --backend deepseek-v4"),
+        (
+            ["--backend", "mla", "--kv-cache-quant", "fp8"],
+            "--kv-cache-quant does not apply to --backend mla; it takes --kv-lora-rank, --qk-rope-head-dim, --block-size, --dtype, --layers",
+        ),
+        (
+            ["--backend", "deepseek-v4", "--head-dim", "64"],
+            "--head-dim does not apply to --backend deepseek-v4; it takes --compress-ratio, --qk-rope-head-dim, --index-head-dim, --kv-cache-dtype, --layers",
+        ),
+        (
+            ["--backend", "deepseek-v4", "--block-size", "64"],
+            "--block-size does not apply to --backend deepseek-v4",
+        ),
         (["--backend", "dsa", "--dtype", "float16"], "--dtype does not apply to --backend dsa"),
         (["--backend", "gqa", "--tp-size", "2"], "--tp-size does not apply to --backend gqa"),
-        (["--num-speculative-tokens", "1"], "--num-speculative-tokens does not apply to --backend gqa"),
-        (["--backend", "dsa", "--kv-cache-dtype", "int4"], "kv_cache_dtype must be 'fp8' or 'bf16', got 'int4'"),
+        (
+            ["--num-speculative-tokens", "1"],
+            "--num-speculative-tokens does not apply to --backend gqa",
+        ),
+        (
+            ["--backend", "dsa", "--kv-cache-dtype", "int4"],
+            "kv_cache_dtype must be 'fp8' or 'bf16', got 'int4'",
+        ),
         # --dtype names a floating-point cache dtype: the integer storage dtypes are not caches
-        (["--dtype", "int64"], "argument --dtype: 'int64' is not a cache dtype; use one of float32, float16, bfloat16, float8_e4m3fn, float8_e5m2"),
-        (["--backend", "mla", "--dtype", "uint8"], "argument --dtype: 'uint8' is not a cache dtype"),
-        (["--model", "llama-3-8b", "--dtype", "int8"], "argument --dtype: 'int8' is not a cache dtype"),
+        (
+            ["--dtype", "int64"],
+            "argument --dtype: 'int64' is not a cache dtype; use one of float32, float16, bfloat16, float8_e4m3fn, float8_e5m2",
+        ),
+        (
+            ["--backend", "mla", "--dtype", "uint8"],
+            "argument --dtype: 'uint8' is not a cache dtype",
+        ),
+        (
+            ["--model", "llama-3-8b", "--dtype", "int8"],
+            "argument --dtype: 'int8' is not a cache dtype",
+        ),
         (["--dtype", "float128"], "argument --dtype: 'float128' is not a cache dtype"),
         (["--dtype", ""], "argument --dtype: '' is not a cache dtype"),
         # a float cache dtype that is not a model dtype is the model's to refuse, quoted as typed
-        (["--model", "llama-3-8b", "--dtype", "fp8"], "dtype='fp8' is not a model dtype; use one of ['float16', 'bfloat16', 'float32']"),
-        (["--backend", "deepseek-v4", "--compress-ratio", "8"], "compress_ratio must be one of [0, 4, 128], got 8"),
-        (["--list-models", "--backend", "mla"], "--list-models lists the bundled configs and takes no model options, got --backend"),
+        (
+            ["--model", "llama-3-8b", "--dtype", "fp8"],
+            "dtype='fp8' is not a model dtype; use one of ['float16', 'bfloat16', 'float32']",
+        ),
+        (
+            ["--backend", "deepseek-v4", "--compress-ratio", "8"],
+            "compress_ratio must be one of [0, 4, 128], got 8",
+        ),
+        (
+            ["--list-models", "--backend", "mla"],
+            "--list-models lists the bundled configs and takes no model options, got --backend",
+        ),
         # layer counts and configs that would take minutes or a RecursionError
-        (["--layers", "1000000000"], "argument --layers: 1000000000 exceeds the maximum of 4096 cache layers a model may have"),
+        (
+            ["--layers", "1000000000"],
+            "argument --layers: 1000000000 exceeds the maximum of 4096 cache layers a model may have",
+        ),
         (["--layers", "1e9"], "argument --layers: '1e9' is not an integer"),
-        (["--config", "{huge}"], "config field num_hidden_layers = 1000000000 is out of range: kvforge supports at most 4096 cache layers per model (MAX_LAYERS)"),
-        (["--config", "{float}"], "config field num_hidden_layers = 1000000000.0 is invalid for model_type 'llama': Input should be a valid integer"),
+        (
+            ["--config", "{huge}"],
+            "config field num_hidden_layers = 1000000000 is out of range: kvforge supports at most 4096 cache layers per model (MAX_LAYERS)",
+        ),
+        (
+            ["--config", "{float}"],
+            "config field num_hidden_layers = 1000000000.0 is invalid for model_type 'llama': Input should be a valid integer",
+        ),
         (["--config", "{deep}"], "nests JSON arrays or objects too deeply to be a model config"),
         (["--config", "{dir}"], "holds no config.json"),
         # output paths, refused before any work
@@ -139,18 +222,48 @@ def test_plan_bad_input_is_one_line_exit_2(capsys, inputs, argv, message):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["demo", "--json", "{dir}"], "kvforge demo: error: cannot write --json '{dir}': it is a directory"),
-        (["demo", "--json", "{missing}"], "kvforge demo: error: cannot write --json '{missing}': directory"),
-        (["demo", "--layers", "4"], "kvforge demo: error: --layers does not apply to a model from a config (--model deepseek-v4-tiny)"),
+        (
+            ["demo", "--json", "{dir}"],
+            "kvforge demo: error: cannot write --json '{dir}': it is a directory",
+        ),
+        (
+            ["demo", "--json", "{missing}"],
+            "kvforge demo: error: cannot write --json '{missing}': directory",
+        ),
+        (
+            ["demo", "--layers", "4"],
+            "kvforge demo: error: --layers does not apply to a model from a config (--model deepseek-v4-tiny)",
+        ),
         (["demo", "--model", "deepseek-v4-tiny", "--head-dim", "64"], "--head-dim does not apply"),
-        (["demo", "--list-models", "--layers", "2"], "--list-models lists the bundled configs and takes no model options, got --layers"),
-        (["demo", "--tier", "redis", "--prefix-conversations", "0"], "kvforge demo: error: --tier redis applies to the prefix-reuse phase, which --prefix-conversations 0 skips"),
-        (["demo", "--tier", "mooncake", "--redis", "h:1"], "kvforge demo: error: --redis applies with --tier redis, not --tier mooncake"),
-        (["demo", "--tier", "mooncake", "--mooncake-master", "h"], "kvforge demo: error: --mooncake-master must be HOST:PORT with a port in 1..65535, got 'h'"),
-        (["demo", "--tier", "host", "--prefix-conversations", "0"], "kvforge demo: error: --tier host applies to the prefix-reuse phase, which --prefix-conversations 0 skips"),
+        (
+            ["demo", "--list-models", "--layers", "2"],
+            "--list-models lists the bundled configs and takes no model options, got --layers",
+        ),
+        (
+            ["demo", "--tier", "redis", "--prefix-conversations", "0"],
+            "kvforge demo: error: --tier redis applies to the prefix-reuse phase, which --prefix-conversations 0 skips",
+        ),
+        (
+            ["demo", "--tier", "mooncake", "--redis", "h:1"],
+            "kvforge demo: error: --redis applies with --tier redis, not --tier mooncake",
+        ),
+        (
+            ["demo", "--tier", "mooncake", "--mooncake-master", "h"],
+            "kvforge demo: error: --mooncake-master must be HOST:PORT with a port in 1..65535, got 'h'",
+        ),
+        (
+            ["demo", "--tier", "host", "--prefix-conversations", "0"],
+            "kvforge demo: error: --tier host applies to the prefix-reuse phase, which --prefix-conversations 0 skips",
+        ),
         (["demo", "--tier", "disk"], "argument --tier: invalid choice: 'disk'"),
-        (["bench", "--json", "{dir}"], "kvforge bench: error: cannot write --json '{dir}': it is a directory"),
-        (["bench", "--json", "{under_file}"], "kvforge bench: error: cannot write --json '{under_file}': "),
+        (
+            ["bench", "--json", "{dir}"],
+            "kvforge bench: error: cannot write --json '{dir}': it is a directory",
+        ),
+        (
+            ["bench", "--json", "{under_file}"],
+            "kvforge bench: error: cannot write --json '{under_file}': ",
+        ),
     ],
 )
 def test_demo_and_bench_refuse_before_any_work(capsys, inputs, monkeypatch, argv, message):
@@ -203,11 +316,15 @@ def test_a_refused_run_leaves_an_existing_output_file_alone(capsys, tmp_path):
 
 def test_plan_json_path_writes_the_report_and_prints_tables(capsys, tmp_path):
     path = tmp_path / "plan.json"
-    code, out, _ = run(capsys, "plan", "--backend", "mla", "--layers", "2", "--num-blocks", "3", "--json", path)
+    code, out, _ = run(
+        capsys, "plan", "--backend", "mla", "--layers", "2", "--num-blocks", "3", "--json", path
+    )
     assert code == 0
     assert "KV bytes per token: 2,304" in out  # 2 layers * 576 * bf16
     assert json.loads(path.read_text())["kv_bytes_per_token"] == 2 * 576 * 2
-    code, out, _ = run(capsys, "plan", "--backend", "mla", "--layers", "2", "--num-blocks", "3", "--json", "-")
+    code, out, _ = run(
+        capsys, "plan", "--backend", "mla", "--layers", "2", "--num-blocks", "3", "--json", "-"
+    )
     assert json.loads(out)["num_layers"] == 2
 
 
@@ -226,7 +343,12 @@ def test_check_output_path(tmp_path):
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(0, "0"), (131_072, "131,072"), (Fraction(15_401, 4), "3,850 1/4"), (Fraction(747, 4), "186 3/4")],
+    [
+        (0, "0"),
+        (131_072, "131,072"),
+        (Fraction(15_401, 4), "3,850 1/4"),
+        (Fraction(747, 4), "186 3/4"),
+    ],
 )
 def test_format_exact(value, text):
     assert format_exact(value) == text
@@ -239,7 +361,10 @@ def test_one_line():
     )
     with pytest.raises(ValidationError) as info:
         type("M", (BaseModel,), {"__annotations__": {"n": int}})(n=[1] * 100)
-    assert one_line(info.value) == "n=[1, 1, 1, 1, 1, 1, 1, 1, ...] is invalid: Input should be a valid integer"
+    assert (
+        one_line(info.value)
+        == "n=[1, 1, 1, 1, 1, 1, 1, 1, ...] is invalid: Input should be a valid integer"
+    )
 
 
 def test_plan_json_for_bundled_flash(capsys):
@@ -300,7 +425,9 @@ def test_plan_names_groups_that_can_share_a_pool(capsys):
     assert "groups swa, kv pair up byte for byte: with share_pools=True they draw on one" in (
         " ".join(out.split())
     )
-    code, out, _ = run(capsys, "plan", "--model", "deepseek-v4-flash", "--num-blocks", "9", "--json")
+    code, out, _ = run(
+        capsys, "plan", "--model", "deepseek-v4-flash", "--num-blocks", "9", "--json"
+    )
     assert code == 0 and json.loads(out)["shared_pools"] == []
 
 
@@ -314,10 +441,27 @@ def test_plan_table_from_flags(capsys):
 
 @pytest.mark.parametrize(
     ("dtype", "stored", "itemsize"),
-    [("fp8", "float8_e4m3fn", 1), ("float8_e5m2", "float8_e5m2", 1), ("bf16", "bfloat16", 2), ("fp32", "float32", 4)],
+    [
+        ("fp8", "float8_e4m3fn", 1),
+        ("float8_e5m2", "float8_e5m2", 1),
+        ("bf16", "bfloat16", 2),
+        ("fp32", "float32", 4),
+    ],
 )
 def test_plan_dtype_takes_every_float_cache_dtype(capsys, dtype, stored, itemsize):
-    code, out, _ = run(capsys, "plan", "--backend", "gqa", "--layers", "1", "--dtype", dtype, "--num-blocks", "2", "--json")
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--backend",
+        "gqa",
+        "--layers",
+        "1",
+        "--dtype",
+        dtype,
+        "--num-blocks",
+        "2",
+        "--json",
+    )
     assert code == 0
     report = json.loads(out)
     assert {r["dtype"] for r in report["roles"]} == {stored}

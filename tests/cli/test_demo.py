@@ -197,7 +197,9 @@ def test_self_test_past_the_run_is_refused_and_its_last_step_works(capsys, tmp_p
     with pytest.raises(SelfTestOutOfRange) as info:
         run_demo(DemoConfig(**small, corrupt_after_step=100_000), progress=False)
     err = info.value
-    assert str(err).startswith(f"corrupt_after_step=100000 is past the run: it ran {err.steps} steps")
+    assert str(err).startswith(
+        f"corrupt_after_step=100000 is past the run: it ran {err.steps} steps"
+    )
     assert 0 < err.last_live <= err.steps
     assert str(err).endswith(f"give a step from 1 to {err.last_live}")
     # the last step the message offers is one the self-test can use: the run then fails
@@ -208,16 +210,45 @@ def test_self_test_past_the_run_is_refused_and_its_last_step_works(capsys, tmp_p
 @pytest.mark.parametrize(
     ("argv", "code", "message"),
     [
-        (["--self-test-corrupt", "100000"], 2, "kvforge demo: error: --self-test-corrupt 100000 is past the run: it ran "),
-        (["--self-test-corrupt", "0"], 2, "kvforge demo: error: argument --self-test-corrupt: '0' must be a positive integer"),
-        (["--self-test-corrupt", "-3"], 2, "argument --self-test-corrupt: '-3' must be a positive integer"),
-        (["--self-test-corrupt", "2.5"], 2, "argument --self-test-corrupt: '2.5' is not an integer"),
-        (["--dtype", "int64", "--backend", "gqa", "--layers", "2"], 2, "kvforge demo: error: argument --dtype: 'int64' is not a cache dtype"),
+        (
+            ["--self-test-corrupt", "100000"],
+            2,
+            "kvforge demo: error: --self-test-corrupt 100000 is past the run: it ran ",
+        ),
+        (
+            ["--self-test-corrupt", "0"],
+            2,
+            "kvforge demo: error: argument --self-test-corrupt: '0' must be a positive integer",
+        ),
+        (
+            ["--self-test-corrupt", "-3"],
+            2,
+            "argument --self-test-corrupt: '-3' must be a positive integer",
+        ),
+        (
+            ["--self-test-corrupt", "2.5"],
+            2,
+            "argument --self-test-corrupt: '2.5' is not an integer",
+        ),
+        (
+            ["--dtype", "int64", "--backend", "gqa", "--layers", "2"],
+            2,
+            "kvforge demo: error: argument --dtype: 'int64' is not a cache dtype",
+        ),
     ],
 )
 def test_cli_self_test_and_dtype_out_of_range_exit_2(capsys, tmp_path, argv, code, message):
     path = tmp_path / "demo.json"
-    base = ["demo", "--device", "cpu", "--requests", "2", "--no-progress", "--prefix-conversations", "0"]
+    base = [
+        "demo",
+        "--device",
+        "cpu",
+        "--requests",
+        "2",
+        "--no-progress",
+        "--prefix-conversations",
+        "0",
+    ]
     assert main([*base, "--json", str(path), *argv]) == code
     captured = capsys.readouterr()
     assert message in captured.err and len(captured.err.strip().splitlines()) == 1

@@ -122,7 +122,10 @@ def test_the_installed_command_runs_from_outside_the_checkout(installed):
     assert {g["group"] for g in report["groups"]} == {"swa", "compressed", "c4_state", "c128_state"}
     assert report["total_bytes"] <= 60 * 1024**3
 
-    for flag, script in (("--step", "benchmarks/bench_step.py"), ("--prefix", "benchmarks/bench_prefix.py")):
+    for flag, script in (
+        ("--step", "benchmarks/bench_step.py"),
+        ("--prefix", "benchmarks/bench_prefix.py"),
+    ):
         done = kvforge(site, "bench", flag)
         assert (done.returncode, done.stdout) == (2, "")
         assert len(done.stderr.strip().splitlines()) == 1 and f"python {script}" in done.stderr

@@ -58,7 +58,9 @@ def test_bundled_rules_worked_arithmetic():
     assert chunk.max_live_blocks(1 << 20) == 8192 // 16
     full = CacheGroup(name="kv", block_size=16)
     assert (full.rule.history, full.rule.tail_start(full, 999), full.max_live_blocks(100)) == (
-        True, 0, 7,
+        True,
+        0,
+        7,
     )
     state = CacheGroup(name="s", block_size=4, kind="state", window=8)
     assert state.rule.recomputed_for_prefix and not swa.rule.recomputed_for_prefix
@@ -110,12 +112,21 @@ def test_a_new_kind_is_one_rule_object(block_window):
     ("rule", "exception", "message"),
     [
         (object(), TypeError, "rule must be a KindRule instance, got object"),
-        (BlockWindowRule.__new__(type("Nameless", (KindRule,), {"family": GroupFamily.WINDOW})),
-         ValueError, "rule.name must be a non-empty str"),
-        (type("NoFamily", (KindRule,), {"name": "x", "family": "window"})(), ValueError,
-         "rule.family must be a GroupFamily, got 'window'"),
-        (type("Dup", (KindRule,), {"name": "full", "family": GroupFamily.HISTORY})(), ValueError,
-         "group kind 'full' is already registered"),
+        (
+            BlockWindowRule.__new__(type("Nameless", (KindRule,), {"family": GroupFamily.WINDOW})),
+            ValueError,
+            "rule.name must be a non-empty str",
+        ),
+        (
+            type("NoFamily", (KindRule,), {"name": "x", "family": "window"})(),
+            ValueError,
+            "rule.family must be a GroupFamily, got 'window'",
+        ),
+        (
+            type("Dup", (KindRule,), {"name": "full", "family": GroupFamily.HISTORY})(),
+            ValueError,
+            "group kind 'full' is already registered",
+        ),
     ],
 )
 def test_bad_registrations_change_nothing(rule, exception, message):

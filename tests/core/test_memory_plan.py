@@ -629,9 +629,10 @@ def test_controller_allocates_exactly_the_plan():
     # shared (the default): kv and swa pair up, so one pool of the plan's bytes with one
     # null block instead of two: the spare one is usable (shared_pool_blocks)
     shared = CacheController(backends)
-    assert shared.initialize_kv_cache(
-        memory_budget=4 << 20, max_num_seqs=4, max_model_len=4096
-    ) == plan
+    assert (
+        shared.initialize_kv_cache(memory_budget=4 << 20, max_num_seqs=4, max_model_len=4096)
+        == plan
+    )
     assert shared.device_bytes == plan.total_bytes
     usable = plan.num_blocks["kv"] + plan.num_blocks["swa"] - 1
     assert shared.scheduler.num_usable_blocks("kv") == usable

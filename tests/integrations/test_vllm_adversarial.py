@@ -47,19 +47,44 @@ def snapshot(w):
 BAD_SPECS = [
     # -1 is "skip this row" to kvforge's gather/scatter: a load would leave the device block
     # holding whatever it held (another request's KV), a store the page's previous key's bytes
-    (1, GPULoadStoreSpec([-1, 2], [1, 1], [0, 0]), host([1], [1]), "load",
-     r"group position 0: device block ids must be >= 0, got \[-1\]"),
-    (1, GPULoadStoreSpec([1, -1], [1, 1], [0, 0]), host([1], [1]), "store",
-     r"group position 1: device block ids must be >= 0, got \[-1\]"),
+    (
+        1,
+        GPULoadStoreSpec([-1, 2], [1, 1], [0, 0]),
+        host([1], [1]),
+        "load",
+        r"group position 0: device block ids must be >= 0, got \[-1\]",
+    ),
+    (
+        1,
+        GPULoadStoreSpec([1, -1], [1, 1], [0, 0]),
+        host([1], [1]),
+        "store",
+        r"group position 1: device block ids must be >= 0, got \[-1\]",
+    ),
     # group sizes that do not cover the block ids: extra ids were silently dropped
-    (1, ForgedGPUSpec([1, 2, 3], [1, 1], [0, 0]), host([1], [1]), "store",
-     r"3 device block ids, the group sizes \[1, 1\] add up to 2"),
-    (1, ForgedGPUSpec([1, 2, 3], [1, 1], [0, 0]), host([1], [1]), "load",
-     r"3 device block ids, the group sizes \[1, 1\] add up to 2"),
+    (
+        1,
+        ForgedGPUSpec([1, 2, 3], [1, 1], [0, 0]),
+        host([1], [1]),
+        "store",
+        r"3 device block ids, the group sizes \[1, 1\] add up to 2",
+    ),
+    (
+        1,
+        ForgedGPUSpec([1, 2, 3], [1, 1], [0, 0]),
+        host([1], [1]),
+        "load",
+        r"3 device block ids, the group sizes \[1, 1\] add up to 2",
+    ),
     # a store fills whole chunks (only the first may start mid-chunk): a later partial chunk
     # would put its blocks in the wrong rows and leave the rest of the page stale
-    (2, GPULoadStoreSpec([1, 3], [2, 0], [1, 0]), host([1, 2], []), "store",
-     r"group position 0: a store fills whole chunks: 2 blocks from offset 1 in 2 pages"),
+    (
+        2,
+        GPULoadStoreSpec([1, 3], [2, 0], [1, 0]),
+        host([1, 2], []),
+        "store",
+        r"group position 0: a store fills whole chunks: 2 blocks from offset 1 in 2 pages",
+    ),
 ]
 
 

@@ -94,8 +94,10 @@ def test_host_bytes_per_token_are_the_groups_unpadded_pages():
         group = config.kv_cache_groups[gid]
         layers = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
         unpadded.append(
-            sum(layers.get(n, group.kv_cache_spec).unpadded_page_size_bytes
-                for n in group.layer_names)
+            sum(
+                layers.get(n, group.kv_cache_spec).unpadded_page_size_bytes
+                for n in group.layer_names
+            )
         )
     assert worker.block_bytes == unpadded
     assert [h.shape[1] for h in worker.host] == unpadded
@@ -105,9 +107,11 @@ def test_host_bytes_per_token_are_the_groups_unpadded_pages():
     eng.run_until_done()
     held = manager.held()
     # every stored block took exactly its group's unpadded bytes: no padding crossed
-    assert worker.bytes_stored == sum(
-        held[g] * b for g, b in zip(manager.plan.group_ids, unpadded, strict=True)
-    ) > 0
+    assert (
+        worker.bytes_stored
+        == sum(held[g] * b for g, b in zip(manager.plan.group_ids, unpadded, strict=True))
+        > 0
+    )
 
 
 def test_an_injected_load_failure_recomputes_and_the_tokens_equal(monkeypatch):
@@ -194,17 +198,31 @@ def test_a_store_that_does_not_fit_stores_nothing():
     ("connector", "extra", "message"),
     [
         ("KVForgeConnector", {"kvforge": {"host_bytes": 1}}, "host_bytes=1 holds no chunk"),
-        ("KVForgeConnector", {"kvforge": {"nope": 1}},
-         r"kvforge option 'nope'=1: no such option; kvforge's options are 'host_bytes'"),
-        ("KVForgeConnector", {"spec_name": "CPUOffloadingSpec"},
-         r"\['spec_name'\] must be 'KVForgeOffloadingSpec' .* got 'CPUOffloadingSpec'"),
+        (
+            "KVForgeConnector",
+            {"kvforge": {"nope": 1}},
+            r"kvforge option 'nope'=1: no such option; kvforge's options are 'host_bytes'",
+        ),
+        (
+            "KVForgeConnector",
+            {"spec_name": "CPUOffloadingSpec"},
+            r"\['spec_name'\] must be 'KVForgeOffloadingSpec' .* got 'CPUOffloadingSpec'",
+        ),
         ("KVForgeConnector", {"canonical_layout": True}, r"\['canonical_layout'\] must be false"),
-        ("KVForgeConnector", {"sync_load_budget_bytes": 1 << 20},
-         r"\['sync_load_budget_bytes'\] must be 0 with kvforge: .* got 1048576"),
+        (
+            "KVForgeConnector",
+            {"sync_load_budget_bytes": 1 << 20},
+            r"\['sync_load_budget_bytes'\] must be 0 with kvforge: .* got 1048576",
+        ),
         ("KVForgeConnector", {"sync_load_budget_bytes": "lots"}, r"must be 0 .* got 'lots'"),
-        ("OffloadingConnector",
-         {"spec_name": "KVForgeOffloadingSpec", "spec_module_path": "kvforge.integrations.vllm.spec"},
-         "needs each group's unpadded block bytes, which vLLM's OffloadingConnector does not pass"),
+        (
+            "OffloadingConnector",
+            {
+                "spec_name": "KVForgeOffloadingSpec",
+                "spec_module_path": "kvforge.integrations.vllm.spec",
+            },
+            "needs each group's unpadded block bytes, which vLLM's OffloadingConnector does not pass",
+        ),
     ],
 )
 def test_bad_configurations_are_refused_with_the_key_and_value(connector, extra, message):
@@ -212,7 +230,9 @@ def test_bad_configurations_are_refused_with_the_key_and_value(connector, extra,
 
     with pytest.raises(ArgumentError, match=message):
         build_offload_engine(
-            "llama", num_gpu_blocks=64, kv_connector=connector,
+            "llama",
+            num_gpu_blocks=64,
+            kv_connector=connector,
             kv_connector_module_path=(
                 "kvforge.integrations.vllm" if connector == "KVForgeConnector" else None
             ),

@@ -48,29 +48,53 @@ def test_every_option_has_a_type_rule_and_a_machine_rule():
 
 # (machine, extra_config, message): the key, the value, what this machine supports
 REFUSED = [
-    (CPU_BOX, {"kvforge": {"gather_impl": "triton"}},
-     r"^kvforge option 'gather_impl'='triton': the KV caches are on cpu, where this machine "
-     r"runs 'torch' \('auto' picks the fastest\)"),
-    (CPU_BOX, {"kvforge": {"gather_impl": "cpu"}},
-     r"^kvforge option 'gather_impl'='cpu': the KV caches are on cpu, where this machine runs "
-     r"'torch'"),
-    (GPU_BOX, {"kvforge": {"gather_impl": "cpu"}},
-     r"^kvforge option 'gather_impl'='cpu': the KV caches are on cuda, where this machine runs "
-     r"'torch', 'triton' .*impl 'cpu' runs on cpu tensors only"),
-    (CPU_BOX, {"kvforge": {"pin_memory": True}},
-     r"^kvforge option 'pin_memory'=True: this machine has no accelerator; pinned host memory "
-     r"needs CUDA or an Ascend NPU"),
-    (CPU_BOX, {"kvforge": {"host_bytes": 9 * GiB}},
-     r"^kvforge option 'host_bytes'=9663676416: this machine has 8,589,934,592 bytes of memory"),
-    (MachineFacts("cpu", None, 2 * GiB, ("torch",)), {},
-     r"^kvforge option 'host_bytes'=4294967296 \(the default\): this machine has "
-     r"2,147,483,648 bytes"),
-    (CPU_BOX, {"cpu_bytes_to_use": 9 * GiB},
-     r"^kv_connector_extra_config option 'cpu_bytes_to_use'=9663676416: this machine has "
-     r"8,589,934,592 bytes"),
-    (CPU_BOX, {"cpu_bytes_to_use": math.nan},
-     r"^kv_connector_extra_config option 'cpu_bytes_to_use'=nan: must be a positive whole "
-     r"number of bytes"),
+    (
+        CPU_BOX,
+        {"kvforge": {"gather_impl": "triton"}},
+        r"^kvforge option 'gather_impl'='triton': the KV caches are on cpu, where this machine "
+        r"runs 'torch' \('auto' picks the fastest\)",
+    ),
+    (
+        CPU_BOX,
+        {"kvforge": {"gather_impl": "cpu"}},
+        r"^kvforge option 'gather_impl'='cpu': the KV caches are on cpu, where this machine runs "
+        r"'torch'",
+    ),
+    (
+        GPU_BOX,
+        {"kvforge": {"gather_impl": "cpu"}},
+        r"^kvforge option 'gather_impl'='cpu': the KV caches are on cuda, where this machine runs "
+        r"'torch', 'triton' .*impl 'cpu' runs on cpu tensors only",
+    ),
+    (
+        CPU_BOX,
+        {"kvforge": {"pin_memory": True}},
+        r"^kvforge option 'pin_memory'=True: this machine has no accelerator; pinned host memory "
+        r"needs CUDA or an Ascend NPU",
+    ),
+    (
+        CPU_BOX,
+        {"kvforge": {"host_bytes": 9 * GiB}},
+        r"^kvforge option 'host_bytes'=9663676416: this machine has 8,589,934,592 bytes of memory",
+    ),
+    (
+        MachineFacts("cpu", None, 2 * GiB, ("torch",)),
+        {},
+        r"^kvforge option 'host_bytes'=4294967296 \(the default\): this machine has "
+        r"2,147,483,648 bytes",
+    ),
+    (
+        CPU_BOX,
+        {"cpu_bytes_to_use": 9 * GiB},
+        r"^kv_connector_extra_config option 'cpu_bytes_to_use'=9663676416: this machine has "
+        r"8,589,934,592 bytes",
+    ),
+    (
+        CPU_BOX,
+        {"cpu_bytes_to_use": math.nan},
+        r"^kv_connector_extra_config option 'cpu_bytes_to_use'=nan: must be a positive whole "
+        r"number of bytes",
+    ),
     (CPU_BOX, {"cpu_bytes_to_use": math.inf}, r"'cpu_bytes_to_use'=inf: must be a positive"),
     (CPU_BOX, {"cpu_bytes_to_use": -math.inf}, r"'cpu_bytes_to_use'=-inf: must be a positive"),
     (CPU_BOX, {"cpu_bytes_to_use": 0}, r"'cpu_bytes_to_use'=0: must be a positive"),
@@ -78,21 +102,33 @@ REFUSED = [
     (CPU_BOX, {"cpu_bytes_to_use": "1GiB"}, r"'cpu_bytes_to_use'='1GiB': must be a positive"),
     (CPU_BOX, {"cpu_bytes_to_use": 1.5}, r"'cpu_bytes_to_use'=1.5: must be a positive whole"),
     # types and unknown keys, in the same form
-    (CPU_BOX, {"kvforge": {"pin_memory": 1}},
-     r"^kvforge option 'pin_memory'=1: must be true, false or null$"),
+    (
+        CPU_BOX,
+        {"kvforge": {"pin_memory": 1}},
+        r"^kvforge option 'pin_memory'=1: must be true, false or null$",
+    ),
     (CPU_BOX, {"kvforge": {"pin_memory": "yes"}}, r"^kvforge option 'pin_memory'='yes': must"),
-    (CPU_BOX, {"kvforge": {"host_bytes": math.nan}},
-     r"^kvforge option 'host_bytes'=nan: must be a positive int \(bytes\) or null$"),
+    (
+        CPU_BOX,
+        {"kvforge": {"host_bytes": math.nan}},
+        r"^kvforge option 'host_bytes'=nan: must be a positive int \(bytes\) or null$",
+    ),
     (CPU_BOX, {"kvforge": {"host_bytes": math.inf}}, r"^kvforge option 'host_bytes'=inf: must"),
     (CPU_BOX, {"kvforge": {"host_bytes": 1.0}}, r"^kvforge option 'host_bytes'=1.0: must"),
     (CPU_BOX, {"kvforge": {"host_bytes": True}}, r"^kvforge option 'host_bytes'=True: must"),
     (CPU_BOX, {"kvforge": {"host_bytes": -1}}, r"^kvforge option 'host_bytes'=-1: must"),
-    (CPU_BOX, {"kvforge": {"gather_impl": 3}},
-     r"^kvforge option 'gather_impl'=3: must be one of 'auto', 'torch', 'cpu', 'triton'$"),
+    (
+        CPU_BOX,
+        {"kvforge": {"gather_impl": 3}},
+        r"^kvforge option 'gather_impl'=3: must be one of 'auto', 'torch', 'cpu', 'triton'$",
+    ),
     (CPU_BOX, {"kvforge": {"gather_impl": "cuda"}}, r"^kvforge option 'gather_impl'='cuda'"),
-    (CPU_BOX, {"kvforge": {"gatherimpl": "torch"}},
-     r"^kvforge option 'gatherimpl'='torch': no such option; kvforge's options are "
-     r"'host_bytes', 'gather_impl', 'pin_memory'$"),
+    (
+        CPU_BOX,
+        {"kvforge": {"gatherimpl": "torch"}},
+        r"^kvforge option 'gatherimpl'='torch': no such option; kvforge's options are "
+        r"'host_bytes', 'gather_impl', 'pin_memory'$",
+    ),
     (CPU_BOX, {"kvforge": "host_bytes=1"}, r"\['kvforge'\] must be an object"),
 ]
 
@@ -139,11 +175,15 @@ def test_the_detected_machine_is_this_one():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"kvforge": {"gather_impl": "triton"}},
-         r"^kvforge option 'gather_impl'='triton': the KV caches are on cpu, where this machine "
-         r"runs 'torch'"),
-        ({"kvforge": {"host_bytes": 1 << 60}},
-         r"^kvforge option 'host_bytes'=1152921504606846976: this machine has [\d,]+ bytes"),
+        (
+            {"kvforge": {"gather_impl": "triton"}},
+            r"^kvforge option 'gather_impl'='triton': the KV caches are on cpu, where this machine "
+            r"runs 'torch'",
+        ),
+        (
+            {"kvforge": {"host_bytes": 1 << 60}},
+            r"^kvforge option 'host_bytes'=1152921504606846976: this machine has [\d,]+ bytes",
+        ),
         ({"cpu_bytes_to_use": math.nan}, r"'cpu_bytes_to_use'=nan: must be a positive whole"),
     ]
     + (
@@ -156,8 +196,11 @@ def test_engine_start_refuses_what_this_machine_cannot_run(extra, message, monke
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # triton on CPU is for tests only
     with pytest.raises(ArgumentError, match=message):
         build_offload_engine(
-            "llama", num_gpu_blocks=64, kv_connector="KVForgeConnector",
-            kv_connector_module_path="kvforge.integrations.vllm", extra_config=extra,
+            "llama",
+            num_gpu_blocks=64,
+            kv_connector="KVForgeConnector",
+            kv_connector_module_path="kvforge.integrations.vllm",
+            extra_config=extra,
         )
 
 
@@ -172,16 +215,22 @@ def plan(pages: int = 4):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"impl": "triton"},
-         r"^kvforge option 'gather_impl'='triton': the KV caches are on cpu, where this machine "
-         r"runs .*needs the Triton interpreter"),
+        (
+            {"impl": "triton"},
+            r"^kvforge option 'gather_impl'='triton': the KV caches are on cpu, where this machine "
+            r"runs .*needs the Triton interpreter",
+        ),
         ({"impl": 3}, r"^kvforge option 'gather_impl'=3: must be one of"),
         ({"impl": "fast"}, r"^kvforge option 'gather_impl'='fast': .*not one of"),
         ({"pin_memory": "yes"}, r"^kvforge option 'pin_memory'='yes': must be true, false"),
-        ({"machine": CPU_BOX, "pin_memory": True},
-         r"^kvforge option 'pin_memory'=True: this machine has no accelerator"),
-        ({"machine": MachineFacts("cpu", None, 100, ("torch",))},
-         r"^kvforge option 'host_bytes'=512: its pages take 512 B; this machine has 100 bytes"),
+        (
+            {"machine": CPU_BOX, "pin_memory": True},
+            r"^kvforge option 'pin_memory'=True: this machine has no accelerator",
+        ),
+        (
+            {"machine": MachineFacts("cpu", None, 100, ("torch",))},
+            r"^kvforge option 'host_bytes'=512: its pages take 512 B; this machine has 100 bytes",
+        ),
     ],
 )
 def test_the_worker_checks_its_options_against_its_caches(kwargs, message, monkeypatch):
@@ -197,8 +246,11 @@ def test_a_host_allocation_failure_names_host_bytes(monkeypatch):
 
     monkeypatch.setattr(worker_module.torch, "empty", no_memory)
     caches, _ = packed_caches()
-    with pytest.raises(ArgumentError, match=r"^kvforge option 'host_bytes'=512: allocating 512 B "
-                       r"of host pages failed on this machine .*can't allocate memory"):
+    with pytest.raises(
+        ArgumentError,
+        match=r"^kvforge option 'host_bytes'=512: allocating 512 B "
+        r"of host pages failed on this machine .*can't allocate memory",
+    ):
         KVForgeOffloadingWorker(caches, plan(), impl="torch")
 
 

@@ -70,28 +70,49 @@ def manager_state(m):
 # (call, exception, message fragment)
 BAD_REPORTS = [
     # the issue's example: a failure report for a key never held
-    (lambda m: m.mark_failed([key(4)], ctx("A")), TransferRefusedError,
-     "request 'A' has no store or load of it outstanding"),
-    (lambda m: m.mark_failed([key(2)], ctx("B")), TransferRefusedError,
-     "request 'B' has no store or load of it outstanding \\(request 'A' reserved its store\\)"),
+    (
+        lambda m: m.mark_failed([key(4)], ctx("A")),
+        TransferRefusedError,
+        "request 'A' has no store or load of it outstanding",
+    ),
+    (
+        lambda m: m.mark_failed([key(2)], ctx("B")),
+        TransferRefusedError,
+        "request 'B' has no store or load of it outstanding \\(request 'A' reserved its store\\)",
+    ),
     (lambda m: m.mark_failed([key(3)], ctx("B")), TransferRefusedError, "request 'B' has no"),
     (lambda m: m.mark_failed([key(1)], ctx("A")), TransferRefusedError, "request 'A' has no"),
     # all or nothing: key 2's store is A's, key 4 is not: key 2 is not marked failed either
     (lambda m: m.mark_failed([key(2), key(4)], ctx("A")), TransferRefusedError, "has no"),
     (lambda m: m.mark_failed([b"x"], ctx("A")), TransferRefusedError, "has no"),
     (lambda m: m.mark_failed([7], ctx("A")), TransferRefusedError, "has no"),
-    (lambda m: m.complete_store([key(4)], ctx("A")), TransferRefusedError,
-     "complete_store: .* request 'A' has no store of it outstanding"),
-    (lambda m: m.complete_store([key(2)], ctx("B")), TransferRefusedError,
-     "request 'A' reserved its store"),
+    (
+        lambda m: m.complete_store([key(4)], ctx("A")),
+        TransferRefusedError,
+        "complete_store: .* request 'A' has no store of it outstanding",
+    ),
+    (
+        lambda m: m.complete_store([key(2)], ctx("B")),
+        TransferRefusedError,
+        "request 'A' reserved its store",
+    ),
     (lambda m: m.complete_store([key(1)], ctx("A")), TransferRefusedError, "no store of it"),
     (lambda m: m.complete_store([key(2), key(4)], ctx("A")), TransferRefusedError, "no store"),
-    (lambda m: m.complete_store([key(2)], ctx("A"), success="no"), ArgumentError,
-     "success must be a bool, got 'no'"),
-    (lambda m: m.complete_store([key(2)], ctx("A"), success=0), ArgumentError,
-     "success must be a bool, got 0"),
-    (lambda m: m.complete_load([key(1)], ctx("A")), TransferRefusedError,
-     "complete_load: .* request 'A' has no load of it outstanding"),
+    (
+        lambda m: m.complete_store([key(2)], ctx("A"), success="no"),
+        ArgumentError,
+        "success must be a bool, got 'no'",
+    ),
+    (
+        lambda m: m.complete_store([key(2)], ctx("A"), success=0),
+        ArgumentError,
+        "success must be a bool, got 0",
+    ),
+    (
+        lambda m: m.complete_load([key(1)], ctx("A")),
+        TransferRefusedError,
+        "complete_load: .* request 'A' has no load of it outstanding",
+    ),
     (lambda m: m.complete_load([key(3)], ctx("B")), TransferRefusedError, "request 'B' has no"),
     (lambda m: m.complete_load([key(3), key(4)], ctx("A")), TransferRefusedError, "has no load"),
     (lambda m: m.complete_load([key(2)], ctx("A")), TransferRefusedError, "has no load"),
@@ -137,11 +158,24 @@ def test_a_genuine_failure_report_still_forgets_the_pages():
 @pytest.mark.parametrize(
     ("value", "ok"),
     [
-        (3, True), (np.int64(3), True), (np.uint8(3), True), (torch.tensor(3), True),
+        (3, True),
+        (np.int64(3), True),
+        (np.uint8(3), True),
+        (torch.tensor(3), True),
         (torch.tensor(3, dtype=torch.int16), True),
-        (4.5, False), (4.0, False), (math.nan, False), (True, False), (np.bool_(True), False),
-        ("3", False), (None, False), (np.float32(3), False), (torch.tensor(3.0), False),
-        (torch.tensor([3]), False), (torch.tensor(True), False), (-1, False), (12, False),
+        (4.5, False),
+        (4.0, False),
+        (math.nan, False),
+        (True, False),
+        (np.bool_(True), False),
+        ("3", False),
+        (None, False),
+        (np.float32(3), False),
+        (torch.tensor(3.0), False),
+        (torch.tensor([3]), False),
+        (torch.tensor(True), False),
+        (-1, False),
+        (12, False),
     ],
 )
 def test_an_id_is_an_int_in_range(value, ok):
@@ -179,24 +213,58 @@ BAD_IDS = []
 for direction in ("store", "load"):
     BAD_IDS += [
         # the issue's example: 4.5 was read as block 4
-        (SimpleNamespace(block_ids=np.array([4.5, 2.0]), group_sizes=[1, 1],
-                         block_indices=[0, 0]), host([1], [1]), direction,
-         r"device block ids\[0\]=4.5: must be an int"),
-        (SimpleNamespace(block_ids=np.array([True, False]), group_sizes=[1, 1],
-                         block_indices=[0, 0]), host([1], [1]), direction,
-         r"device block ids\[0\]=True: must be an int"),
-        (SimpleNamespace(block_ids=[1, math.nan], group_sizes=[1, 1], block_indices=[0, 0]),
-         host([1], [1]), direction, r"device block ids\[1\]=nan"),
-        (GPULoadStoreSpec([1, NUM_BLOCKS], [1, 1], [0, 0]), host([1], [1]), direction,
-         rf"group position 1: device block ids must be below {NUM_BLOCKS}, got \[{NUM_BLOCKS}\]"),
-        (GPULoadStoreSpec([2**30, 1], [1, 1], [0, 0]), host([1], [1]), direction,
-         r"group position 0: device block ids must be below"),
-        (SimpleNamespace(block_ids=np.array([1, 2]), group_sizes=[1.0, 1], block_indices=[0, 0]),
-         host([1], [1]), direction, r"group_sizes\[0\]=1.0: must be an int"),
-        (SimpleNamespace(block_ids=np.array([1, 2]), group_sizes=[1, 1], block_indices=[0.5, 0]),
-         host([1], [1]), direction, r"block_indices\[0\]=0.5: must be an int"),
-        (SimpleNamespace(block_ids=np.array([1, 2]), group_sizes=[1, 1], block_indices=[0]),
-         host([1], [1]), direction, r"names 1 block indices for 2 groups"),
+        (
+            SimpleNamespace(
+                block_ids=np.array([4.5, 2.0]), group_sizes=[1, 1], block_indices=[0, 0]
+            ),
+            host([1], [1]),
+            direction,
+            r"device block ids\[0\]=4.5: must be an int",
+        ),
+        (
+            SimpleNamespace(
+                block_ids=np.array([True, False]), group_sizes=[1, 1], block_indices=[0, 0]
+            ),
+            host([1], [1]),
+            direction,
+            r"device block ids\[0\]=True: must be an int",
+        ),
+        (
+            SimpleNamespace(block_ids=[1, math.nan], group_sizes=[1, 1], block_indices=[0, 0]),
+            host([1], [1]),
+            direction,
+            r"device block ids\[1\]=nan",
+        ),
+        (
+            GPULoadStoreSpec([1, NUM_BLOCKS], [1, 1], [0, 0]),
+            host([1], [1]),
+            direction,
+            rf"group position 1: device block ids must be below {NUM_BLOCKS}, got \[{NUM_BLOCKS}\]",
+        ),
+        (
+            GPULoadStoreSpec([2**30, 1], [1, 1], [0, 0]),
+            host([1], [1]),
+            direction,
+            r"group position 0: device block ids must be below",
+        ),
+        (
+            SimpleNamespace(block_ids=np.array([1, 2]), group_sizes=[1.0, 1], block_indices=[0, 0]),
+            host([1], [1]),
+            direction,
+            r"group_sizes\[0\]=1.0: must be an int",
+        ),
+        (
+            SimpleNamespace(block_ids=np.array([1, 2]), group_sizes=[1, 1], block_indices=[0.5, 0]),
+            host([1], [1]),
+            direction,
+            r"block_indices\[0\]=0.5: must be an int",
+        ),
+        (
+            SimpleNamespace(block_ids=np.array([1, 2]), group_sizes=[1, 1], block_indices=[0]),
+            host([1], [1]),
+            direction,
+            r"names 1 block indices for 2 groups",
+        ),
     ]
 
 
@@ -208,8 +276,13 @@ def forged_host(*pages):
 
 
 BAD_IDS += [
-    (GPULoadStoreSpec([1, 2], [1, 1], [0, 0]), forged_host([1.5], [1]), d,
-     r"group position 0: host pages\[0\]=1.5: must be an int") for d in ("store", "load")
+    (
+        GPULoadStoreSpec([1, 2], [1, 1], [0, 0]),
+        forged_host([1.5], [1]),
+        d,
+        r"group position 0: host pages\[0\]=1.5: must be an int",
+    )
+    for d in ("store", "load")
 ]
 
 
@@ -244,8 +317,12 @@ def test_a_transfer_names_its_job_by_an_int(job_id):
 
 @pytest.mark.parametrize(
     ("pages", "message"),
-    [([1.5], r"pages\[0\]\[0\]=1.5"), ([True], r"pages\[0\]\[0\]=True"),
-     ([-1], r"pages\[0\]\[0\]=-1"), ([2**31], r"pages\[0\]\[0\]=2147483648")],
+    [
+        ([1.5], r"pages\[0\]\[0\]=1.5"),
+        ([True], r"pages\[0\]\[0\]=True"),
+        ([-1], r"pages\[0\]\[0\]=-1"),
+        ([2**31], r"pages\[0\]\[0\]=2147483648"),
+    ],
 )
 def test_host_pages_refuse_a_page_id_that_is_not_an_int(pages, message):
     with pytest.raises(ArgumentError, match=message):
@@ -327,7 +404,9 @@ def test_an_over_counted_report_for_an_outstanding_job_is_refused():
     assert outstanding
     job = min(outstanding)
     meta = KVForgeWorkerMetadata({job: 2}, failed_jobs={job})  # one worker: 1 outstanding
-    eng.scheduler_connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+    eng.scheduler_connector.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=meta)
+    )
     assert sched.refused_reports == 2
     manager, worker_ = parts(eng)
     eng.run_until_done()
@@ -347,56 +426,117 @@ def test_block_ids_from_vllm_must_be_ints_in_range():
     def output(new=(), cached=((), ()), copies=None, finished=(), boundary=None):
         return SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=b) for r, b in new],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached[0]),
-                                                  new_block_ids=list(cached[1])),
-            kv_cache_block_copies=copies, finished_req_ids=set(finished),
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=list(cached[0]), new_block_ids=list(cached[1])
+            ),
+            kv_cache_block_copies=copies,
+            finished_req_ids=set(finished),
             preempted_req_ids=set(),
-            kv_connector_block_state=None if boundary is None else SimpleNamespace(
-                boundary_state_offloads=boundary),
+            kv_connector_block_state=None
+            if boundary is None
+            else SimpleNamespace(boundary_state_offloads=boundary),
         )
 
     calls = [
-        (lambda: conn.update_state_after_alloc(req, blocks(1, 4.5), 16), ArgumentError,
-         r"update_state_after_alloc: blocks.blocks\[0\] block_id\[1\]=4.5: must be an int in "
-         r"\[0, \d+\)"),
-        (lambda: conn.update_state_after_alloc(req, blocks(True), 16), ArgumentError,
-         r"block_id\[0\]=True"),
-        (lambda: conn.update_state_after_alloc(req, blocks(math.nan), 16), ArgumentError,
-         r"block_id\[0\]=nan"),
-        (lambda: conn.update_state_after_alloc(req, blocks(-1), 16), ArgumentError,
-         r"block_id\[0\]=-1"),
-        (lambda: conn.update_state_after_alloc(req, blocks(10**6), 16), ArgumentError,
-         r"block_id\[0\]=1000000: must be an int in \[0, \d+\)"),
-        (lambda: conn.update_state_after_alloc(req, blocks(1), 1.5), ArgumentError,
-         r"num_external_tokens=1.5"),
-        (lambda: conn.get_num_new_matched_tokens(req, 16.0), ArgumentError,
-         r"get_num_new_matched_tokens: num_computed_tokens=16.0: must be an int >= 0"),
-        (lambda: conn.get_num_new_matched_tokens(req, -16), ArgumentError,
-         r"num_computed_tokens=-16"),
-        (lambda: conn.get_external_cache_hit_sources(req, math.nan), ArgumentError,
-         r"get_external_cache_hit_sources: num_external_tokens=nan"),
-        (lambda: conn.request_finished(req, [1, 2.5]), ArgumentError,
-         r"request_finished: block_ids\[1\]=2.5"),
+        (
+            lambda: conn.update_state_after_alloc(req, blocks(1, 4.5), 16),
+            ArgumentError,
+            r"update_state_after_alloc: blocks.blocks\[0\] block_id\[1\]=4.5: must be an int in "
+            r"\[0, \d+\)",
+        ),
+        (
+            lambda: conn.update_state_after_alloc(req, blocks(True), 16),
+            ArgumentError,
+            r"block_id\[0\]=True",
+        ),
+        (
+            lambda: conn.update_state_after_alloc(req, blocks(math.nan), 16),
+            ArgumentError,
+            r"block_id\[0\]=nan",
+        ),
+        (
+            lambda: conn.update_state_after_alloc(req, blocks(-1), 16),
+            ArgumentError,
+            r"block_id\[0\]=-1",
+        ),
+        (
+            lambda: conn.update_state_after_alloc(req, blocks(10**6), 16),
+            ArgumentError,
+            r"block_id\[0\]=1000000: must be an int in \[0, \d+\)",
+        ),
+        (
+            lambda: conn.update_state_after_alloc(req, blocks(1), 1.5),
+            ArgumentError,
+            r"num_external_tokens=1.5",
+        ),
+        (
+            lambda: conn.get_num_new_matched_tokens(req, 16.0),
+            ArgumentError,
+            r"get_num_new_matched_tokens: num_computed_tokens=16.0: must be an int >= 0",
+        ),
+        (
+            lambda: conn.get_num_new_matched_tokens(req, -16),
+            ArgumentError,
+            r"num_computed_tokens=-16",
+        ),
+        (
+            lambda: conn.get_external_cache_hit_sources(req, math.nan),
+            ArgumentError,
+            r"get_external_cache_hit_sources: num_external_tokens=nan",
+        ),
+        (
+            lambda: conn.request_finished(req, [1, 2.5]),
+            ArgumentError,
+            r"request_finished: block_ids\[1\]=2.5",
+        ),
         (lambda: conn.request_finished(req, "1,2"), ArgumentError, r"must be a list"),
-        (lambda: conn.request_finished_all_groups(req, ([1], [np.float64(2)])), ArgumentError,
-         r"request_finished: block_ids\[1\]\[0\]=2.0"),
-        (lambda: conn.request_finished_all_groups(req, [[1]]), ArgumentError,
-         r"must be a tuple of one list of block ids per group"),
-        (lambda: conn.build_connector_meta(output(new=[("A", ([1, 4.5],))])), ArgumentError,
-         r"scheduled_new_reqs\[0\].block_ids\[0\]\[1\]=4.5"),
-        (lambda: conn.build_connector_meta(output(new=[("ghost", ([1],))])), RequestStateError,
-         r"scheduled_new_reqs\[0\].req_id='ghost' is not a request this connector was told of"),
-        (lambda: conn.build_connector_meta(output(cached=(["A"], [([2.5],)]))), ArgumentError,
-         r"scheduled_cached_reqs.new_block_ids\[0\]\[0\]\[0\]=2.5"),
-        (lambda: conn.build_connector_meta(output(cached=(["A"], []))), ArgumentError,
-         r"1 request ids and 0 block id lists"),
-        (lambda: conn.build_connector_meta(output(
-            copies=[SimpleNamespace(src_block_id=1, dst_block_id=1.5)])), ArgumentError,
-         r"kv_cache_block_copies\[0\]\[1\]=1.5"),
-        (lambda: conn.build_connector_meta(output(finished=[3])), ArgumentError,
-         r"finished_req_ids: request id 3 is not a string"),
-        (lambda: conn.build_connector_meta(output(boundary={"A": [(0, 2.5, 16)]})),
-         ArgumentError, r"boundary_state_offloads\['A'\]\[0\] block id=2.5"),
+        (
+            lambda: conn.request_finished_all_groups(req, ([1], [np.float64(2)])),
+            ArgumentError,
+            r"request_finished: block_ids\[1\]\[0\]=2.0",
+        ),
+        (
+            lambda: conn.request_finished_all_groups(req, [[1]]),
+            ArgumentError,
+            r"must be a tuple of one list of block ids per group",
+        ),
+        (
+            lambda: conn.build_connector_meta(output(new=[("A", ([1, 4.5],))])),
+            ArgumentError,
+            r"scheduled_new_reqs\[0\].block_ids\[0\]\[1\]=4.5",
+        ),
+        (
+            lambda: conn.build_connector_meta(output(new=[("ghost", ([1],))])),
+            RequestStateError,
+            r"scheduled_new_reqs\[0\].req_id='ghost' is not a request this connector was told of",
+        ),
+        (
+            lambda: conn.build_connector_meta(output(cached=(["A"], [([2.5],)]))),
+            ArgumentError,
+            r"scheduled_cached_reqs.new_block_ids\[0\]\[0\]\[0\]=2.5",
+        ),
+        (
+            lambda: conn.build_connector_meta(output(cached=(["A"], []))),
+            ArgumentError,
+            r"1 request ids and 0 block id lists",
+        ),
+        (
+            lambda: conn.build_connector_meta(
+                output(copies=[SimpleNamespace(src_block_id=1, dst_block_id=1.5)])
+            ),
+            ArgumentError,
+            r"kv_cache_block_copies\[0\]\[1\]=1.5",
+        ),
+        (
+            lambda: conn.build_connector_meta(output(finished=[3])),
+            ArgumentError,
+            r"finished_req_ids: request id 3 is not a string",
+        ),
+        (
+            lambda: conn.build_connector_meta(output(boundary={"A": [(0, 2.5, 16)]})),
+            ArgumentError,
+            r"boundary_state_offloads\['A'\]\[0\] block id=2.5",
+        ),
     ]
     for call, exc, message in calls:
         with pytest.raises(exc, match=message):
@@ -424,6 +564,7 @@ def test_a_worker_runs_each_job_once_and_refuses_malformed_jobs(caplog):
     with_jobs = [m for m in metas if m.load_jobs or m.store_jobs]
     assert any(m.load_jobs for m in with_jobs) and any(m.store_jobs for m in with_jobs)
     before = held_state(eng)
+
     def raw(t):
         return t.contiguous().view(torch.uint8).clone()  # bytes: a NaN equals itself
 
@@ -458,15 +599,23 @@ def test_a_worker_runs_each_job_once_and_refuses_malformed_jobs(caplog):
     pages = KVForgeHostSpec([np.array([1])])
     top = 10**6
     for meta, message in [
-        (OffloadingConnectorMetadata({4.5: TransferJob("A", pages, spec)}, {}),
-         r"load_jobs job id=4.5: must be an int"),
-        (OffloadingConnectorMetadata({}, {True: TransferJob("A", spec, pages)}),
-         r"store_jobs job id=True"),
+        (
+            OffloadingConnectorMetadata({4.5: TransferJob("A", pages, spec)}, {}),
+            r"load_jobs job id=4.5: must be an int",
+        ),
+        (
+            OffloadingConnectorMetadata({}, {True: TransferJob("A", spec, pages)}),
+            r"store_jobs job id=True",
+        ),
         (OffloadingConnectorMetadata({top: "job"}, {}), r"load_jobs\[1000000\]='job'"),
-        (OffloadingConnectorMetadata({top: TransferJob(7, pages, spec)}, {}),
-         r"must be a TransferJob of a request id"),
-        (OffloadingConnectorMetadata({}, {top: TransferJob("A", pages, spec)}),
-         r"store_jobs\[1000000\]: must move between a GPULoadStoreSpec and kvforge host pages"),
+        (
+            OffloadingConnectorMetadata({top: TransferJob(7, pages, spec)}, {}),
+            r"must be a TransferJob of a request id",
+        ),
+        (
+            OffloadingConnectorMetadata({}, {top: TransferJob("A", pages, spec)}),
+            r"store_jobs\[1000000\]: must move between a GPULoadStoreSpec and kvforge host pages",
+        ),
         (OffloadingConnectorMetadata({}, {}, jobs_to_flush={"1"}), r"jobs_to_flush job id='1'"),
         ("meta", r"kv_connector_metadata='meta': must be an OffloadingConnectorMetadata"),
     ]:

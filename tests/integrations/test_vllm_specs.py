@@ -89,8 +89,16 @@ def test_round_trip_bytes_per_block(kind: str) -> None:
 
 @pytest.mark.parametrize(
     "model",
-    ["llama-3-8b", "gemma-2-9b", "gpt-oss-20b", "deepseek-v3", "deepseek-v3.2",
-     "deepseek-v4-tiny", "llama-4-scout-17b-16e", "qwen3-next-80b-a3b"],
+    [
+        "llama-3-8b",
+        "gemma-2-9b",
+        "gpt-oss-20b",
+        "deepseek-v3",
+        "deepseek-v3.2",
+        "deepseek-v4-tiny",
+        "llama-4-scout-17b-16e",
+        "qwen3-next-80b-a3b",
+    ],
 )
 def test_round_trip_bundled_models(model: str) -> None:
     _check_both_ways(from_hf_config(model))
@@ -158,16 +166,21 @@ class _Chunky(DeclaredBackend):
 class _Extra(DeclaredBackend):
     def __init__(self) -> None:
         group = CacheGroup(name="kv", block_size=16)
-        roles = [CacheRole(name=n, group="kv", entry_shape=(2, 8), dtype="bf16")
-                 for n in ("key", "value", "bias")]
+        roles = [
+            CacheRole(name=n, group="kv", entry_shape=(2, 8), dtype="bf16")
+            for n in ("key", "value", "bias")
+        ]
         self.declare([group], roles)
 
 
 @pytest.mark.parametrize(
     ("backends", "kwargs", "message"),
     [
-        ({0: GQABackend(4, 64, kv_cache_quant="block_wise_fp8", scale_dtype="bfloat16")}, {},
-         "role 'key_scale' is bfloat16"),
+        (
+            {0: GQABackend(4, 64, kv_cache_quant="block_wise_fp8", scale_dtype="bfloat16")},
+            {},
+            "role 'key_scale' is bfloat16",
+        ),
         ({0: _Chunky()}, {}, "group 'c', role latent: vLLM has no chunked"),
         ({0: _Extra()}, {}, "not role 'bias'"),
         ({0: LinearAttentionBackend(4, 8, 64, 64, 4)}, {}, "mamba_block_size"),
@@ -200,17 +213,38 @@ _FULL = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=to
         ({}, "specs is empty"),
         ({"": _FULL}, "non-empty strs"),
         ({"x": 3}, "layer 'x': kvforge cannot plan a int (not a vLLM KVCacheSpec)"),
-        ({"x": SinkFullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,
-                                     dtype=torch.bfloat16)},
-         "layer 'x': kvforge cannot plan a SinkFullAttentionSpec"),
-        ({"x": CrossAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,
-                                  dtype=torch.bfloat16)},
-         "layer 'x': kvforge cannot plan a CrossAttentionSpec"),
-        ({"x": UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"y": _FULL})},
-         "layer 'x': a UniformTypeKVCacheSpecs"),
-        ({"x": MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,
-                                dtype=torch.bfloat16, tokens_per_state=3)},
-         "layer 'x'"),
+        (
+            {
+                "x": SinkFullAttentionSpec(
+                    block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
+                )
+            },
+            "layer 'x': kvforge cannot plan a SinkFullAttentionSpec",
+        ),
+        (
+            {
+                "x": CrossAttentionSpec(
+                    block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16
+                )
+            },
+            "layer 'x': kvforge cannot plan a CrossAttentionSpec",
+        ),
+        (
+            {"x": UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"y": _FULL})},
+            "layer 'x': a UniformTypeKVCacheSpecs",
+        ),
+        (
+            {
+                "x": MLAAttentionSpec(
+                    block_size=16,
+                    num_kv_heads=1,
+                    head_size=8,
+                    dtype=torch.bfloat16,
+                    tokens_per_state=3,
+                )
+            },
+            "layer 'x'",
+        ),
     ],
 )
 def test_from_vllm_refusals(specs, message: str) -> None:
@@ -239,8 +273,13 @@ def _dump(**fields):
     return {"format": "kvforge.vllm_specs/1", "layers": {"l0": fields}}
 
 
-GOOD = {"type": "FullAttentionSpec", "block_size": 16, "num_kv_heads": 8, "head_size": 128,
-        "dtype": "bfloat16"}
+GOOD = {
+    "type": "FullAttentionSpec",
+    "block_size": 16,
+    "num_kv_heads": 8,
+    "head_size": 128,
+    "dtype": "bfloat16",
+}
 
 
 @pytest.mark.parametrize(
@@ -251,7 +290,10 @@ GOOD = {"type": "FullAttentionSpec", "block_size": 16, "num_kv_heads": 8, "head_
         ({"layers": {}}, "non-empty object 'layers'"),
         ({"layers": {"l0": 3}}, "layer 'l0': must be an object"),
         (_dump(**(GOOD | {"type": "CrossAttentionSpec"})), "field 'type' must be one of"),
-        (_dump(**(GOOD | {"block_size": "16"})), "field 'block_size' must be an int >= 0, got '16'"),
+        (
+            _dump(**(GOOD | {"block_size": "16"})),
+            "field 'block_size' must be an int >= 0, got '16'",
+        ),
         (_dump(**(GOOD | {"block_size": 16.0})), "field 'block_size' must be an int"),
         (_dump(**(GOOD | {"block_size": True})), "field 'block_size' must be an int"),
         (_dump(**(GOOD | {"dtype": "bfloat17"})), "field 'dtype' must be a dtype name"),
@@ -259,8 +301,10 @@ GOOD = {"type": "FullAttentionSpec", "block_size": 16, "num_kv_heads": 8, "head_
         (_dump(**(GOOD | {"heads": 8})), "FullAttentionSpec has no field 'heads'"),
         (_dump(**(GOOD | {"block_size": None})), "field 'block_size' must be given"),
         (_dump(**{k: v for k, v in GOOD.items() if k != "head_size"}), "vLLM refuses"),
-        (_dump(type="MambaSpec", block_size=16, shapes=[[2, "x"]], dtypes=["bfloat16"]),
-         "field 'shapes' must be a list of shapes"),
+        (
+            _dump(type="MambaSpec", block_size=16, shapes=[[2, "x"]], dtypes=["bfloat16"]),
+            "field 'shapes' must be a list of shapes",
+        ),
     ],
 )
 def test_load_refusals(data, message: str) -> None:
@@ -307,8 +351,11 @@ def test_plan_vllm_specs_deepseek_v4_bytes(capsys, tmp_path) -> None:
     ("content", "extra", "message"),
     [
         ("{not json", [], "is not JSON"),
-        (json.dumps(_dump(**(GOOD | {"block_size": "16"}))), [],
-         "field 'block_size' must be an int >= 0, got '16'"),
+        (
+            json.dumps(_dump(**(GOOD | {"block_size": "16"}))),
+            [],
+            "field 'block_size' must be an int >= 0, got '16'",
+        ),
         (json.dumps(_dump(**(GOOD | {"type": "Nope"}))), [], "field 'type' must be one of"),
         (json.dumps(_dump(**GOOD)), ["--model", "llama-3-8b"], "cannot be combined"),
         (json.dumps(_dump(**GOOD)), ["--block-size", "32"], "--block-size cannot be combined"),

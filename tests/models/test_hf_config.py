@@ -571,7 +571,9 @@ def test_a_builder_that_breaks_its_contract_is_a_type_error(isolated_registry, r
 def test_a_builder_with_too_many_layers_is_refused(isolated_registry):
     b = GQABackend(1, 8)
     registry_module.register_model_type("huge", lambda c, t, o: dict.fromkeys(range(4097), b))
-    with pytest.raises(ValueError, match=r"model_type 'huge' has 4097 cache layers; kvforge supports at most 4096"):
+    with pytest.raises(
+        ValueError, match=r"model_type 'huge' has 4097 cache layers; kvforge supports at most 4096"
+    ):
         from_hf_config({"model_type": "huge"})
 
 
@@ -583,7 +585,11 @@ def test_result_is_a_dict_that_carries_max_position_embeddings():
     copy = backends.copy()
     assert isinstance(copy, ModelBackends) and copy.max_position_embeddings == 8192
     again = pickle.loads(pickle.dumps(backends))
-    assert (again.model_type, again.max_position_embeddings, list(again)) == ("llama", 8192, list(range(32)))
+    assert (again.model_type, again.max_position_embeddings, list(again)) == (
+        "llama",
+        8192,
+        list(range(32)),
+    )
     assert from_hf_config(llama()).max_position_embeddings is None
 
 

@@ -88,13 +88,35 @@ def _snapshot():
 @pytest.mark.parametrize(
     ("register", "error", "message"),
     [
-        (lambda: register_backend(1, GQABackend), TypeError, "backend name must be a str, got int 1"),
-        (lambda: register_backend("", GQABackend), ValueError, "backend name '' is not a valid name"),
-        (lambda: register_backend("my gqa", GQABackend), ValueError, "backend name 'my gqa' is not a valid name"),
-        (lambda: register_backend("x", int), TypeError, "backend 'x': cls must be a subclass of AttentionBackend, got <class 'int'>"),
-        (lambda: register_backend("x", GQABackend, cli_builder=3), TypeError, "backend 'x': cli_builder must be callable or None, got 3"),
         (
-            lambda: register_backend("x", GQABackend, cli_builder=lambda heads, /: GQABackend(heads, 8)),
+            lambda: register_backend(1, GQABackend),
+            TypeError,
+            "backend name must be a str, got int 1",
+        ),
+        (
+            lambda: register_backend("", GQABackend),
+            ValueError,
+            "backend name '' is not a valid name",
+        ),
+        (
+            lambda: register_backend("my gqa", GQABackend),
+            ValueError,
+            "backend name 'my gqa' is not a valid name",
+        ),
+        (
+            lambda: register_backend("x", int),
+            TypeError,
+            "backend 'x': cls must be a subclass of AttentionBackend, got <class 'int'>",
+        ),
+        (
+            lambda: register_backend("x", GQABackend, cli_builder=3),
+            TypeError,
+            "backend 'x': cli_builder must be callable or None, got 3",
+        ),
+        (
+            lambda: register_backend(
+                "x", GQABackend, cli_builder=lambda heads, /: GQABackend(heads, 8)
+            ),
             TypeError,
             "backend 'x': builder parameter 'heads' is positional-only",
         ),
@@ -108,15 +130,33 @@ def _snapshot():
             ValueError,
             "backend 'gqa' is already registered",
         ),
-        (lambda: register_backend("x", GQABackend, replace="yes"), TypeError, "backend 'x': replace must be a bool, got 'yes'"),
-        (lambda: register_model_type("llama", build_qwen, replace=1), TypeError, "model_type 'llama': replace must be a bool, got 1"),
         (
-            lambda: register_model_type("new", build_qwen, architectures=("LlamaForCausalLM",), replace=True),
+            lambda: register_backend("x", GQABackend, replace="yes"),
+            TypeError,
+            "backend 'x': replace must be a bool, got 'yes'",
+        ),
+        (
+            lambda: register_model_type("llama", build_qwen, replace=1),
+            TypeError,
+            "model_type 'llama': replace must be a bool, got 1",
+        ),
+        (
+            lambda: register_model_type(
+                "new", build_qwen, architectures=("LlamaForCausalLM",), replace=True
+            ),
             ValueError,
             "model_type 'new': architecture 'LlamaForCausalLM' already stands for model_type 'llama'",
         ),
-        (lambda: register_model_type(None, build_gqa), TypeError, "model_type must be a str, got NoneType None"),
-        (lambda: register_model_type("new", 5), TypeError, "model_type 'new': builder must be callable, got 5"),
+        (
+            lambda: register_model_type(None, build_gqa),
+            TypeError,
+            "model_type must be a str, got NoneType None",
+        ),
+        (
+            lambda: register_model_type("new", 5),
+            TypeError,
+            "model_type 'new': builder must be callable, got 5",
+        ),
         (
             lambda: register_model_type("llama", build_qwen),
             ValueError,
@@ -132,14 +172,20 @@ def _snapshot():
             TypeError,
             "model_type 'new': architectures must be a sequence of names, not the string 'NewForCausalLM'",
         ),
-        (lambda: register_model_type("new", build_gqa, architectures=(3,)), TypeError, "architecture must be a str, got int 3"),
+        (
+            lambda: register_model_type("new", build_gqa, architectures=(3,)),
+            TypeError,
+            "architecture must be a str, got int 3",
+        ),
         (
             lambda: register_model_type("new", build_gqa, architectures=("A", "A")),
             ValueError,
             "model_type 'new': architectures ['A', 'A'] repeat a name",
         ),
         (
-            lambda: register_model_type("new", build_gqa, architectures=("NewForCausalLM", "LlamaForCausalLM")),
+            lambda: register_model_type(
+                "new", build_gqa, architectures=("NewForCausalLM", "LlamaForCausalLM")
+            ),
             ValueError,
             "model_type 'new': architecture 'LlamaForCausalLM' already stands for model_type 'llama'",
         ),
@@ -204,7 +250,10 @@ def test_model_options_refuse_what_is_set():
     options.refuse("m", "block_size", "num_speculative_tokens", why="unused")  # not set: fine
     with pytest.raises(ValueError) as info:
         options.refuse("m", "block_size", "dtype", why="its cache dtype is fixed")
-    assert str(info.value) == "dtype='float16' does not apply to model_type 'm': its cache dtype is fixed"
+    assert (
+        str(info.value)
+        == "dtype='float16' does not apply to model_type 'm': its cache dtype is fixed"
+    )
     with pytest.raises(KeyError, match=r"'dtypes' is not a ModelOptions field"):
         options.is_set("dtypes")
     assert ModelOptions(num_speculative_tokens=3).mtp_layer_ids(61, 1, "m") == range(61, 62)
@@ -216,7 +265,11 @@ def test_model_options_refuse_what_is_set():
     [
         (3, TypeError, "plugin module name must be a str, got int"),
         (" ", ValueError, "plugin module name ' ' is empty"),
-        ("kvforge_no_such_plugin", PluginError, "cannot import plugin module 'kvforge_no_such_plugin': ModuleNotFoundError"),
+        (
+            "kvforge_no_such_plugin",
+            PluginError,
+            "cannot import plugin module 'kvforge_no_such_plugin': ModuleNotFoundError",
+        ),
     ],
 )
 def test_load_plugin_module_bad_names(name, error, message):
@@ -247,7 +300,9 @@ def test_from_hf_config_on_the_sample_config(example):
     assert isinstance(b, example.FusedKVBackend) and all(x is b for x in backends.values())
     # float32 checkpoint, served in bf16; multi-query: one kv head of 6144 // 48 = 128
     assert (b.num_kv_heads, b.head_dim, b.block_size, b.dtype) == (1, 128, 16, "bfloat16")
-    assert [(r.name, r.group, r.entry_shape) for r in b.cache_roles()] == [("kv", "kv", (2, 1, 128))]
+    assert [(r.name, r.group, r.entry_shape) for r in b.cache_roles()] == [
+        ("kv", "kv", (2, 1, 128))
+    ]
     assert (backends.model_type, backends.max_position_embeddings) == ("gpt_bigcode", 8192)
     layout = CacheLayout(backends)
     assert layout.kv_bytes_per_token() == STARCODER_BYTES_PER_TOKEN == 20_480
@@ -272,15 +327,27 @@ def test_sample_config_options(example):
     ("overrides", "kwargs", "message"),
     [
         ({"n_layer": ...}, {}, "config is missing 'n_layer' (needed for model_type 'gpt_bigcode')"),
-        ({"n_layer": 10**9}, {}, "config field n_layer = 1000000000 is invalid for model_type 'gpt_bigcode'"),
-        ({"n_embd": 6100}, {}, "n_embd=6100 is not divisible by n_head=48 (model_type 'gpt_bigcode')"),
+        (
+            {"n_layer": 10**9},
+            {},
+            "config field n_layer = 1000000000 is invalid for model_type 'gpt_bigcode'",
+        ),
+        (
+            {"n_embd": 6100},
+            {},
+            "n_embd=6100 is not divisible by n_head=48 (model_type 'gpt_bigcode')",
+        ),
         ({}, {"tp_size": 5}, "n_head=48 is not divisible by tp_size=5 (model_type 'gpt_bigcode')"),
         (
             {},
             {"num_speculative_tokens": 1},
             "num_speculative_tokens=1 does not apply to model_type 'gpt_bigcode': GPT-BigCode has no MTP layers to cache",
         ),
-        ({}, {"kv_cache_dtype": "int4"}, "kv_cache_dtype='int4' is not supported for model_type 'gpt_bigcode'"),
+        (
+            {},
+            {"kv_cache_dtype": "int4"},
+            "kv_cache_dtype='int4' is not supported for model_type 'gpt_bigcode'",
+        ),
     ],
 )
 def test_sample_config_errors(example, overrides, kwargs, message):
@@ -308,7 +375,9 @@ def test_fused_kv_caches_round_trip_through_the_controller(example):
     blocks = ctl.block_table("r", "kv")
     for layer in (0, 1):
         cache = ctl.get("kv", layer)
-        cache[blocks] = torch.arange(3 * 4 * 2 * 2 * 8, dtype=torch.float32).view(3, 4, 2, 2, 8) + 1000 * layer
+        cache[blocks] = (
+            torch.arange(3 * 4 * 2 * 2 * 8, dtype=torch.float32).view(3, 4, 2, 2, 8) + 1000 * layer
+        )
     expected = {layer: ctl.get("kv", layer)[blocks].clone() for layer in (0, 1)}
     ctl.swap_out("r").wait()
     for layer in (0, 1):
@@ -338,7 +407,10 @@ def test_fused_kv_backend_passes_the_conformance_kit(example):
     [
         ({"num_kv_heads": 0, "head_dim": 8}, "num_kv_heads must be a positive integer, got 0"),
         ({"num_kv_heads": 1, "head_dim": 8.0}, "head_dim must be a positive integer, got 8.0"),
-        ({"num_kv_heads": 1, "head_dim": 8, "block_size": True}, "block_size must be a positive integer, got True"),
+        (
+            {"num_kv_heads": 1, "head_dim": 8, "block_size": True},
+            "block_size must be a positive integer, got True",
+        ),
     ],
 )
 def test_fused_kv_backend_bad_arguments(example, kwargs, message):
@@ -352,7 +424,15 @@ def test_fused_kv_backend_bad_arguments(example, kwargs, message):
 
 def test_plan_with_plugin_option_in_process(example, capsys):
     code, out, err = run(
-        capsys, "plan", "--config", SAMPLE, "--plugin", "kvforge_example_plugin", "--num-blocks", "3", "--json"
+        capsys,
+        "plan",
+        "--config",
+        SAMPLE,
+        "--plugin",
+        "kvforge_example_plugin",
+        "--num-blocks",
+        "3",
+        "--json",
     )
     assert (code, err) == (0, "")
     report = json.loads(out)
@@ -395,7 +475,17 @@ def test_backend_choice_of_the_plugin(example, capsys):
             "kvforge plan: error: --backend fused-kv needs --num-kv-heads, --head-dim",
         ),
         (
-            ["plan", "--backend", "fused-kv", "--num-kv-heads", "1", "--head-dim", "8", "--kv-lora-rank", "4"],
+            [
+                "plan",
+                "--backend",
+                "fused-kv",
+                "--num-kv-heads",
+                "1",
+                "--head-dim",
+                "8",
+                "--kv-lora-rank",
+                "4",
+            ],
             "kvforge plan: error: --kv-lora-rank does not apply to --backend fused-kv; it takes --num-kv-heads, --head-dim, --block-size, --dtype, --layers",
         ),
         (
@@ -451,31 +541,57 @@ def failing_plugins(isolated_registry, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("plugin", "message"),
     [
-        ("kvforge_no_such_plugin", "cannot import plugin module 'kvforge_no_such_plugin': ModuleNotFoundError: No module named 'kvforge_no_such_plugin'"),
-        ("kvforge_p_bad_import", "cannot import plugin module 'kvforge_p_bad_import': ModuleNotFoundError: No module named 'kvforge_no_such_dependency_xyz'"),
-        ("kvforge_p_crash", "cannot import plugin module 'kvforge_p_crash': RuntimeError: plugin bug"),
-        ("kvforge_p_exit0", "cannot import plugin module 'kvforge_p_exit0': it called sys.exit(0) while loading"),
-        ("kvforge_p_exit_text", "cannot import plugin module 'kvforge_p_exit_text': it called sys.exit('bye') while loading"),
+        (
+            "kvforge_no_such_plugin",
+            "cannot import plugin module 'kvforge_no_such_plugin': ModuleNotFoundError: No module named 'kvforge_no_such_plugin'",
+        ),
+        (
+            "kvforge_p_bad_import",
+            "cannot import plugin module 'kvforge_p_bad_import': ModuleNotFoundError: No module named 'kvforge_no_such_dependency_xyz'",
+        ),
+        (
+            "kvforge_p_crash",
+            "cannot import plugin module 'kvforge_p_crash': RuntimeError: plugin bug",
+        ),
+        (
+            "kvforge_p_exit0",
+            "cannot import plugin module 'kvforge_p_exit0': it called sys.exit(0) while loading",
+        ),
+        (
+            "kvforge_p_exit_text",
+            "cannot import plugin module 'kvforge_p_exit_text': it called sys.exit('bye') while loading",
+        ),
         (
             "kvforge_p_llama",
             "cannot import plugin module 'kvforge_p_llama': ValueError: model_type 'llama' is already registered to "
             "kvforge.models.families.build_gqa (architectures ['LlamaForCausalLM']), bundled with kvforge; refusing "
             "kvforge.models.families.build_qwen (architectures []): pass replace=True to register_model_type to replace it on purpose",
         ),
-        ("kvforge_p_arch", "ValueError: model_type 'my_llama': architecture 'LlamaForCausalLM' already stands for model_type 'llama'"),
+        (
+            "kvforge_p_arch",
+            "ValueError: model_type 'my_llama': architecture 'LlamaForCausalLM' already stands for model_type 'llama'",
+        ),
         (
             "kvforge_p_gqa",
             "cannot import plugin module 'kvforge_p_gqa': ValueError: backend 'gqa' is already registered to "
             "kvforge.attn_backends.gqa.GQABackend (cli_builder kvforge.models.bundled._gqa_from_cli), bundled with kvforge",
         ),
         ("kvforge_p_half", "cannot import plugin module 'kvforge_p_half': KeyError: 'second step'"),
-        ("kvforge_p_lines", "cannot import plugin module 'kvforge_p_lines': ValueError: first line second line"),
+        (
+            "kvforge_p_lines",
+            "cannot import plugin module 'kvforge_p_lines': ValueError: first line second line",
+        ),
         ("", "kvforge: error: --plugin '': plugin module name '' is empty"),
         ("  ", "kvforge: error: --plugin '  ': plugin module name '  ' is empty"),
-        (".relative", "cannot import plugin module '.relative': TypeError: the 'package' argument is required"),
+        (
+            ".relative",
+            "cannot import plugin module '.relative': TypeError: the 'package' argument is required",
+        ),
     ],
 )
-def test_a_plugin_that_fails_to_load_is_one_line_exit_2_and_registers_nothing(failing_plugins, capsys, plugin, message):
+def test_a_plugin_that_fails_to_load_is_one_line_exit_2_and_registers_nothing(
+    failing_plugins, capsys, plugin, message
+):
     before = _snapshot()
     code, out, err = run(capsys, "plan", "--plugin", plugin, "--num-blocks", "3")
     assert (code, out) == (2, "")
@@ -486,32 +602,55 @@ def test_a_plugin_that_fails_to_load_is_one_line_exit_2_and_registers_nothing(fa
     assert _snapshot() == before
     assert "half-done" not in registered_backends()
     assert plugin.strip() == "" or plugin not in sys.modules
-    assert run(capsys, "plan", "--backend", "gqa", "--layers", "2", "--num-blocks", "3", "--json")[0] == 0
+    assert (
+        run(capsys, "plan", "--backend", "gqa", "--layers", "2", "--num-blocks", "3", "--json")[0]
+        == 0
+    )
     code, out, err = run(capsys, "--help")
     assert (code, err) == (0, "") and "usage: kvforge" in out
 
 
 def test_help_still_works_with_a_failing_plugin(failing_plugins, capsys):
     before = _snapshot()
-    for argv in (["--plugin", "kvforge_p_llama", "--help"], ["plan", "--plugin", "kvforge_p_exit0", "-h"]):
+    for argv in (
+        ["--plugin", "kvforge_p_llama", "--help"],
+        ["plan", "--plugin", "kvforge_p_exit0", "-h"],
+    ):
         code, out, err = run(capsys, *argv)
         assert code == 0 and "usage: kvforge" in out
-        assert err.startswith("kvforge: warning: cannot import plugin module") and len(err.splitlines()) == 1
+        assert (
+            err.startswith("kvforge: warning: cannot import plugin module")
+            and len(err.splitlines()) == 1
+        )
     assert _snapshot() == before
 
 
 def test_replace_is_explicit_and_replaces_the_bundled_entry(isolated_registry):
     register_model_type("llama", build_qwen, architectures=("MyLlamaForCausalLM",), replace=True)
     entry = registered_model_types()["llama"]
-    assert (entry.builder, entry.architectures, entry.bundled) == (build_qwen, ("MyLlamaForCausalLM",), False)
+    assert (entry.builder, entry.architectures, entry.bundled) == (
+        build_qwen,
+        ("MyLlamaForCausalLM",),
+        False,
+    )
     # the bundled architecture went with the replaced entry
-    assert from_hf_config({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8})[0].sliding_window is None
+    assert (
+        from_hf_config(
+            {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8}
+        )[0].sliding_window
+        is None
+    )
     with pytest.raises(ValueError, match="unsupported model_type None"):
         from_hf_config({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2})
     register_backend("gqa", MLABackend, replace=True)
-    assert registered_backends()["gqa"].cls is MLABackend and not registered_backends()["gqa"].bundled
+    assert (
+        registered_backends()["gqa"].cls is MLABackend and not registered_backends()["gqa"].bundled
+    )
     # replaced once, a name is no longer bundled: registering it again still needs replace
-    with pytest.raises(ValueError, match=r"backend 'gqa' is already registered to .*MLABackend .cli_builder None.; refusing"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend 'gqa' is already registered to .*MLABackend .cli_builder None.; refusing",
+    ):
         register_backend("gqa", GQABackend)
 
 
@@ -543,7 +682,9 @@ def test_the_bundled_entries_are_there_before_anyone_can_register():
             print(exc)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "bundled with kvforge" in proc.stdout
 
@@ -587,7 +728,9 @@ def write_dist_info(root: Path, name: str, entry_points: str) -> None:
 
 
 def test_entry_point_discovery_in_a_subprocess(tmp_path):
-    write_dist_info(tmp_path, "kvforge-example-plugin-copy", "example-copy = kvforge_example_plugin")
+    write_dist_info(
+        tmp_path, "kvforge-example-plugin-copy", "example-copy = kvforge_example_plugin"
+    )
     script = textwrap.dedent(
         f"""
         import json
@@ -635,22 +778,33 @@ def test_a_broken_entry_point_is_named(tmp_path, monkeypatch, capsys):
     ("entry_point", "cause"),
     [
         ("exits = kvforge_p_exit0", "it called sys.exit(0) while loading"),
-        ("llama = kvforge_p_llama", "ValueError: model_type 'llama' is already registered to kvforge.models.families.build_gqa"),
+        (
+            "llama = kvforge_p_llama",
+            "ValueError: model_type 'llama' is already registered to kvforge.models.families.build_gqa",
+        ),
         ("half = kvforge_p_half", "KeyError: 'second step'"),
         ("function = kvforge_p_crash:register", "RuntimeError: plugin bug"),
     ],
 )
-def test_an_entry_point_that_fails_is_one_line_and_registers_nothing(failing_plugins, tmp_path, capsys, entry_point, cause):
+def test_an_entry_point_that_fails_is_one_line_and_registers_nothing(
+    failing_plugins, tmp_path, capsys, entry_point, cause
+):
     write_dist_info(tmp_path, "kvforge-failing-plugin", entry_point)
     before = _snapshot()
     code, out, err = run(capsys, "plan", "--backend", "gqa", "--num-blocks", "3")
     assert (code, out) == (2, "")
     name, value = (part.strip() for part in entry_point.split("="))
-    assert err.startswith(f"kvforge: error: kvforge plugin entry point '{name} = {value}' (group 'kvforge.backends'")
+    assert err.startswith(
+        f"kvforge: error: kvforge plugin entry point '{name} = {value}' (group 'kvforge.backends'"
+    )
     assert f"failed to load: {cause}" in err and len(err.splitlines()) == 1
     assert _snapshot() == before
     code, out, err = run(capsys, "--help")  # help still works, and says what failed
-    assert code == 0 and "usage: kvforge" in out and err.startswith("kvforge: warning: kvforge plugin entry point")
+    assert (
+        code == 0
+        and "usage: kvforge" in out
+        and err.startswith("kvforge: warning: kvforge plugin entry point")
+    )
 
 
 def test_an_entry_point_may_name_a_register_function(isolated_registry, tmp_path, monkeypatch):
@@ -683,4 +837,3 @@ def test_a_backend_the_cli_cannot_build_says_so(isolated_registry, capsys):
         "kvforge plan: error: --backend windowed cannot be built from command-line options: its "
         "builder needs ['window'], which no option sets (register it with a cli_builder)\n"
     )
-

@@ -124,9 +124,12 @@ class Worker:
             assert result.mismatched == 0, (rid, result)
 
     def run(self) -> None:
-        ops = [self.op_new] * 3 + [self.op_grow] * 6 + [self.op_swap, self.op_truncate] + [
-            self.op_free
-        ] * 2
+        ops = (
+            [self.op_new] * 3
+            + [self.op_grow] * 6
+            + [self.op_swap, self.op_truncate]
+            + [self.op_free] * 2
+        )
         try:
             for _ in range(self.ops):
                 self.rng.choice(ops)()

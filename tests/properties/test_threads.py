@@ -95,7 +95,9 @@ def test_a_refused_create_leaves_the_controller_retryable():
             return caches
 
     ctl = CacheController({0: Shared(1, 8, 16)})
-    with pytest.raises(ValueError, match=r"buffers 'key_caches_0_rank0.device0' and 'value_caches_0"):
+    with pytest.raises(
+        ValueError, match=r"buffers 'key_caches_0_rank0.device0' and 'value_caches_0"
+    ):
         ctl.initialize_kv_cache(num_blocks=8)
     assert "declared" in repr(ctl) and ctl.device_bytes == 0
     with pytest.raises(RuntimeError, match="call initialize_kv_cache before using the caches"):
@@ -130,7 +132,9 @@ def test_wrong_values_are_refused():
             ctl.slot_mapping("a", "kv", positions)
     with pytest.raises(KeyError, match="layer must be an int, got True"):
         ctl.index_of("key", True)
-    with pytest.raises(ValueError, match="num_blocks\\['kv'\\]=10,000,000,000,000,000,000,000 is more blocks"):
+    with pytest.raises(
+        ValueError, match="num_blocks\\['kv'\\]=10,000,000,000,000,000,000,000 is more blocks"
+    ):
         CacheController({0: GQABackend(1, 8, 16)}).initialize_kv_cache(num_blocks=10**22)
     with pytest.raises(RequestStateError, match="request_id must be a non-empty str"):
         ctl.allocate("", 4)

@@ -28,9 +28,7 @@ def manager(budget: int = 160 << 20, prefix: bool = True, seqs: int = 8) -> Bloc
     geometry = plan_arena(V4, budget)
     assert geometry is not None
     blocks = {g: geometry.num_blocks(g) for g in geometry.groups}
-    return BlockManager(
-        V4, blocks, seqs, 8192, enable_prefix_caching=prefix, arena=geometry
-    )
+    return BlockManager(V4, blocks, seqs, 8192, enable_prefix_caching=prefix, arena=geometry)
 
 
 def owned_by_holder(m: BlockManager) -> None:
@@ -99,7 +97,12 @@ def test_a_take_moves_a_cached_block_out_of_the_busiest_slab() -> None:
     assert list(p._evictable) == [dst] and int(p.released_at[dst]) == age
     assert p.live[s1] == k and p.cached[s1] == 0 and p.cached[dst // k] == 1
     [copy] = arena.take_moves()
-    assert (copy.group, copy.src.tolist(), copy.dst.tolist(), copy.row) == ("swa", [cached], [dst], -1)
+    assert (copy.group, copy.src.tolist(), copy.dst.tolist(), copy.row) == (
+        "swa",
+        [cached],
+        [dst],
+        -1,
+    )
     assert arena.moved_blocks == 1 and arena.take_moves() == ()
     arena.check()
 
@@ -277,8 +280,9 @@ def test_cached_blocks_of_an_idle_slab_are_evicted_when_it_moves() -> None:
 @settings(max_examples=25, deadline=None)
 @given(
     ops=st.lists(
-        st.tuples(st.sampled_from(["new", "grow", "finish"]), st.integers(0, 7),
-                  st.integers(1, 600)),
+        st.tuples(
+            st.sampled_from(["new", "grow", "finish"]), st.integers(0, 7), st.integers(1, 600)
+        ),
         min_size=1,
         max_size=40,
     ),
@@ -347,4 +351,3 @@ def test_slab_arena_repr_and_pool_lookup() -> None:
     with pytest.raises(ValueError, match="group 'kv' is not in the arena"):
         arena.pool("kv")
     assert np.all(arena.owner[1 : arena.geometry.num_slabs] == FREE)
-

@@ -189,7 +189,9 @@ def test_random_growth_and_frees_never_leak(steps):
             held = [b for r in lengths for b in ctl.block_table(r, g) if b != NULL_BLOCK]
             assert len(held) == len(set(held)), "a block is in two tables"
             assert ctl.num_used_blocks(g) == len(held)
-            assert ctl.num_used_blocks(g) + ctl.num_free_blocks(g) == ctl.scheduler.num_usable_blocks(g)
+            assert ctl.num_used_blocks(g) + ctl.num_free_blocks(
+                g
+            ) == ctl.scheduler.num_usable_blocks(g)
     for name in lengths:
         ctl.free_request(name)
     assert all(ctl.num_used_blocks(g) == 0 for g in ctl.groups)

@@ -46,7 +46,10 @@ def hit(m: BlockManager, tokens: list[int], extra=None, mm=()) -> int:
 
 
 MODELS = [
-    *(pytest.param({0: GQABackend(2, 8, bs)}, id=f"gqa-block{bs}") for bs in (16, 64, 128, 256, 512, 1024)),
+    *(
+        pytest.param({0: GQABackend(2, 8, bs)}, id=f"gqa-block{bs}")
+        for bs in (16, 64, 128, 256, 512, 1024)
+    ),
     pytest.param(from_hf_config("deepseek-v4-tiny"), id="deepseek-v4-tiny"),
 ]
 # token pairs whose polynomial mix agreed in the low 20 bits under the old key (and others)

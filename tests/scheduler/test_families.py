@@ -99,7 +99,10 @@ def test_qwen3_next_every_fourth_layer_is_full():
     assert linear == set(range(48)) - full and len(linear) == 36
     (group,) = backends[0].cache_groups()
     assert (group.name, group.kind, group.block_size, group.slots_per_request) == (
-        "linear_state", GroupKind.PER_REQUEST, 1, 1
+        "linear_state",
+        GroupKind.PER_REQUEST,
+        1,
+        1,
     )
 
 
@@ -342,13 +345,19 @@ BAD_CONFIGS = [
         "config field linear_num_value_heads = 0 is invalid for model_type 'qwen3_next'",
     ),
     (
-        {"model_type": "gemma2", "num_hidden_layers": 2, "num_attention_heads": 2,
-         "head_dim": 8},
+        {"model_type": "gemma2", "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 8},
         "config is missing 'sliding_window' (needed for model_type 'gemma2'",
     ),
     (
-        {"model_type": "gemma3", "text_config": {"num_hidden_layers": 2,
-         "num_attention_heads": 2, "head_dim": 8, "sliding_window": 4}},
+        {
+            "model_type": "gemma3",
+            "text_config": {
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "head_dim": 8,
+                "sliding_window": 4,
+            },
+        },
         "config.text_config is missing 'sliding_window_pattern' (needed for model_type "
         "'gemma3' without layer_types)",
     ),
@@ -357,19 +366,38 @@ BAD_CONFIGS = [
         "config field text_config = [1] is invalid for model_type 'gemma3'",
     ),
     (
-        {"model_type": "llama4", "text_config": {"num_hidden_layers": 2,
-         "num_attention_heads": 2, "head_dim": 8, "attention_chunk_size": 0}},
+        {
+            "model_type": "llama4",
+            "text_config": {
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "head_dim": 8,
+                "attention_chunk_size": 0,
+            },
+        },
         "config field text_config.attention_chunk_size = 0 is invalid for model_type 'llama4'",
     ),
     (
-        {"model_type": "llama4_text", "num_hidden_layers": 2, "num_attention_heads": 2,
-         "head_dim": 8, "attention_chunk_size": 16, "no_rope_layers": [1, 2]},
+        {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "attention_chunk_size": 16,
+            "no_rope_layers": [1, 2],
+        },
         "no_rope_layers[1]=2 is not 0 (NoPE, global) or 1 (RoPE, chunked) "
         "(model_type 'llama4_text')",
     ),
     (
-        {"model_type": "llama4_text", "num_hidden_layers": 2, "num_attention_heads": 2,
-         "head_dim": 8, "attention_chunk_size": 16, "no_rope_layers": [1]},
+        {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "head_dim": 8,
+            "attention_chunk_size": 16,
+            "no_rope_layers": [1],
+        },
         "no_rope_layers has 1 entries but num_hidden_layers=2 (model_type 'llama4_text')",
     ),
 ]
@@ -433,8 +461,17 @@ def test_chunked_layer_keeps_only_the_current_chunk():
 @pytest.mark.parametrize("name", NEW_MODELS)
 def test_kvforge_plan_runs(name, capsys):
     rc = main(
-        ["plan", "--model", name, "--device-memory", "80GiB", "--max-num-seqs", "8",
-         "--max-model-len", "32768"]
+        [
+            "plan",
+            "--model",
+            name,
+            "--device-memory",
+            "80GiB",
+            "--max-num-seqs",
+            "8",
+            "--max-model-len",
+            "32768",
+        ]
     )
     out = capsys.readouterr().out
     assert rc == 0

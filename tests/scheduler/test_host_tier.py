@@ -259,7 +259,11 @@ BAD_TIERS = [
     ({"kv": True}, {}, r"num_pages\['kv'\] must be an int >= 2"),
     ({"": 4}, {}, "group names are non-empty str"),
     ({"kv": 4}, {"policy": "lazy"}, "host_tier_policy must be 'eviction' or 'write_through'"),
-    ({"kv": 4}, {"snapshot_policy": "store"}, "snapshot_policy must be 'skip' or 'aligned', got 'store'"),
+    (
+        {"kv": 4},
+        {"snapshot_policy": "store"},
+        "snapshot_policy must be 'skip' or 'aligned', got 'store'",
+    ),
     ({"kv": 4}, {"snapshot_policy": None}, "snapshot_policy must be 'skip' or 'aligned', got None"),
 ]
 
@@ -357,7 +361,13 @@ BAD_ATTACH = [
     ({}, {"nope": 4}, {}, ArgumentError, r"num_pages names groups \['nope'\]"),
     ({}, {"kv": 1}, {}, ArgumentError, r"num_pages\['kv'\] must be an int >= 2"),
     ({}, {"kv": 4}, {"policy": "lazy"}, ArgumentError, "host_tier_policy must be"),
-    ({}, {"kv": 4}, {"snapshot_policy": "lazy"}, ArgumentError, "snapshot_policy must be 'skip' or"),
+    (
+        {},
+        {"kv": 4},
+        {"snapshot_policy": "lazy"},
+        ArgumentError,
+        "snapshot_policy must be 'skip' or",
+    ),
 ]
 
 

@@ -64,8 +64,14 @@ def test_a_recomputed_block_takes_over_a_key_whose_copy_is_evictable():
     assert ctl.num_free_blocks("kv") == 39 - 4
     events = ctl.scheduler.take_events()
     assert [(e.kind, e.num_tokens) for e in events] == [
-        ("removed", 16), ("stored", 16), ("removed", 32), ("stored", 32),
-        ("removed", 48), ("stored", 48), ("removed", 64), ("stored", 64),
+        ("removed", 16),
+        ("stored", 16),
+        ("removed", 32),
+        ("stored", 32),
+        ("removed", 48),
+        ("stored", 48),
+        ("removed", 64),
+        ("stored", 64),
     ]
     # LRU follows the new copy: a later prompt is served from b's blocks, bytes intact
     [match] = ctl.lookup([PrefixQuery([*PROMPT, 5])])

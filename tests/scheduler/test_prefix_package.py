@@ -37,16 +37,28 @@ def compute(ctl: CacheController, rid: str, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "old", ["kvforge.scheduler.prefix_cache", "kvforge.scheduler.tier_lookup",
-            "kvforge.scheduler.retention"],
+    "old",
+    [
+        "kvforge.scheduler.prefix_cache",
+        "kvforge.scheduler.tier_lookup",
+        "kvforge.scheduler.retention",
+    ],
 )
 def test_the_old_module_paths_are_gone(old: str):
     assert importlib.util.find_spec(old) is None
 
 
 def test_the_package_exports_its_public_names():
-    for name in ("PrefixCache", "PrefixStats", "PromptPlan", "StepWork", "Retention",
-                 "DEFAULT_PREFIX_RETENTION", "PREFIX_RETENTIONS", "check_prefix_retention"):
+    for name in (
+        "PrefixCache",
+        "PrefixStats",
+        "PromptPlan",
+        "StepWork",
+        "Retention",
+        "DEFAULT_PREFIX_RETENTION",
+        "PREFIX_RETENTIONS",
+        "check_prefix_retention",
+    ):
         assert name in prefix_package.__all__
         assert getattr(prefix_package, name) is not None
     assert prefix_package.PrefixCache is PrefixCache
@@ -54,8 +66,18 @@ def test_the_package_exports_its_public_names():
 
 def test_every_module_states_what_it_owns_and_the_behaviour_ones_their_invariants():
     names = [m.name for m in pkgutil.iter_modules(prefix_package.__path__)]
-    assert set(names) >= {"adopt", "cache", "chains", "commit", "host_lookup", "index",
-                          "lookup", "records", "retention", "seal"}
+    assert set(names) >= {
+        "adopt",
+        "cache",
+        "chains",
+        "commit",
+        "host_lookup",
+        "index",
+        "lookup",
+        "records",
+        "retention",
+        "seal",
+    }
     for name in names:
         doc = importlib.import_module(f"kvforge.scheduler.prefix.{name}").__doc__ or ""
         assert len(doc) > 200, name

@@ -274,7 +274,9 @@ def test_backends_declare_the_policy_and_the_controller_follows_it():
         ctl.free()
     ctl = hybrid("skip")  # an explicit policy overrides the declaration
     try:
-        assert ctl.host_tier.snapshot_policy == "skip" and "linear_state" not in ctl.host_tier.groups
+        assert (
+            ctl.host_tier.snapshot_policy == "skip" and "linear_state" not in ctl.host_tier.groups
+        )
     finally:
         ctl.free()
 
@@ -304,7 +306,9 @@ def test_backends_that_disagree_need_an_explicit_policy():
         with pytest.raises(ValueError, match="pass snapshot_policy explicitly"):
             ctl.initialize_host_tier(num_pages=8)
         assert ctl.host_tier is None
-        assert ctl.initialize_host_tier(num_pages=8, snapshot_policy="aligned") == {"linear_state": 8}
+        assert ctl.initialize_host_tier(num_pages=8, snapshot_policy="aligned") == {
+            "linear_state": 8
+        }
     finally:
         ctl.free()
 
@@ -316,7 +320,11 @@ BAD_POLICIES = [
     ("ALIGNED", ArgumentError, "snapshot_policy must be 'skip' or 'aligned', got 'ALIGNED'"),
     ("", ArgumentError, "snapshot_policy must be 'skip' or 'aligned', got ''"),
     (1, ArgumentError, "snapshot_policy must be 'skip' or 'aligned', got 1"),
-    (("aligned",), ArgumentError, r"snapshot_policy must be 'skip' or 'aligned', got \('aligned',\)"),
+    (
+        ("aligned",),
+        ArgumentError,
+        r"snapshot_policy must be 'skip' or 'aligned', got \('aligned',\)",
+    ),
 ]
 
 
@@ -367,12 +375,13 @@ def test_skip_keeps_no_snapshot_even_with_pages():
     key = b"k" * 32
     assert t.demote("state", key, 512, 2) is None and t.stats.skipped == {"state": 1}
     assert t.reserve("state", key, 512, None, None) is None
-    aligned = HostTier({"kv": 4, "state": 4}, UnitRecordStore(), {"state"}, snapshot_policy="aligned")
+    aligned = HostTier(
+        {"kv": 4, "state": 4}, UnitRecordStore(), {"state"}, snapshot_policy="aligned"
+    )
     assert aligned.recomputed == frozenset()
     assert aligned.demote("state", key, 512, 2) == 1
     assert [c.group for c in aligned.take_offloads()] == ["state"]
     assert aligned.reach([{"kv": [], "state": [key]}]) == 1
-
 
 
 def test_a_backend_declaring_the_old_setting_name_is_told_the_new_one():

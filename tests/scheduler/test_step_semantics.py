@@ -43,9 +43,7 @@ def test_truncate_and_regrow_round_trip():
     ctl = CacheController(
         {0: DeepseekV4Backend(0), 1: DeepseekV4Backend(4), 2: GQABackend(1, 8, 16)}
     )
-    ctl.initialize_kv_cache(
-        num_blocks={"swa": 40, "compressed": 8, "c4_state": 200, "kv": 80}
-    )
+    ctl.initialize_kv_cache(num_blocks={"swa": 40, "compressed": 8, "c4_state": 200, "kv": 80})
     ctl.initialize_host_cache(num_pages=40)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 1000, 700)

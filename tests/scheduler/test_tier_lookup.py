@@ -42,7 +42,9 @@ def run(ctl: CacheController, rid: str, toks: np.ndarray, chunk: int, match=None
     while done < len(toks):
         n = min(chunk, len(toks) - done)
         step = ctl.schedule(
-            [rid], [n], new_token_ids=[toks[done : done + n]],
+            [rid],
+            [n],
+            new_token_ids=[toks[done : done + n]],
             prefix_matches=[match] if match is not None and done == match.num_tokens else None,
         )
         assert not step.allocation.refused, step.allocation.refused

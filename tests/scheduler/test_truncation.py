@@ -116,9 +116,7 @@ def _sharing(kv: int) -> tuple[BlockManager, int]:
     m.end_step(m.schedule(["a"], [48], new_token_ids=[np.arange(48)]))
     [match] = m.lookup([PrefixQuery(np.arange(48))])
     assert match.num_tokens == 32
-    m.end_step(
-        m.schedule(["b"], [16], new_token_ids=[np.arange(32, 48)], prefix_matches=[match])
-    )
+    m.end_step(m.schedule(["b"], [16], new_token_ids=[np.arange(32, 48)], prefix_matches=[match]))
     m.take_table_deltas()
     m.take_copies()
     return m, m._t.by_name["kv"].table[m.row_of("b"), 1]

@@ -251,9 +251,13 @@ def test_refcounts_match_a_reference_model(prompts, ops):
         assert store._object_bytes == sum(_NODE_FIXED + len(n.key) + len(n.payload) for n in nodes)
         # the links a lookup walks are exactly the stored children
         for n in nodes:
-            kids = n.kids if isinstance(n.kids, dict) else {} if n.kids is None else {
-                n.kids.payload: n.kids
-            }
+            kids = (
+                n.kids
+                if isinstance(n.kids, dict)
+                else {}
+                if n.kids is None
+                else {n.kids.payload: n.kids}
+            )
             assert {c.key for c in kids.values()} == {c for c in live if parent[c] == n.key}
             assert all(c.payload == pay and c.parent is n for pay, c in kids.items())
 

@@ -28,7 +28,11 @@ from kvforge.store.servers import MooncakeSegmentHost, free_port
 from kvforge.store.value import decode
 
 # ImportError, not only ModuleNotFoundError: the wheel without the libibverbs it loads skips too
-pytest.importorskip("mooncake.store", reason="Mooncake Store's client does not load: pip install 'kvforge[mooncake]' and apt-get install libibverbs1 ibverbs-providers", exc_type=ImportError)
+pytest.importorskip(
+    "mooncake.store",
+    reason="Mooncake Store's client does not load: pip install 'kvforge[mooncake]' and apt-get install libibverbs1 ibverbs-providers",
+    exc_type=ImportError,
+)
 
 LAYOUT = b"deepseek-v4|mla+indexer|fp8|block=64|tp=0/1"
 

@@ -15,17 +15,25 @@ from kvforge.store.servers import MooncakeMaster, RedisServer
 
 def redis_config(server: RedisServer, **fields) -> StoreConfig:
     base = dict(
-        backend="redis", redis_port=server.port, op_timeout_s=2.0, connect_timeout_s=1.0,
-        retry_after_s=0.2, close_timeout_s=1.0,
+        backend="redis",
+        redis_port=server.port,
+        op_timeout_s=2.0,
+        connect_timeout_s=1.0,
+        retry_after_s=0.2,
+        close_timeout_s=1.0,
     )
     return StoreConfig(**{**base, **fields})
 
 
 def mooncake_config(master: MooncakeMaster, **fields) -> StoreConfig:
     base = dict(
-        backend="mooncake", mooncake_master=master.address,
-        mooncake_global_segment_bytes=32 << 20, mooncake_local_buffer_bytes=16 << 20,
-        op_timeout_s=5.0, retry_after_s=0.2, close_timeout_s=5.0,
+        backend="mooncake",
+        mooncake_master=master.address,
+        mooncake_global_segment_bytes=32 << 20,
+        mooncake_local_buffer_bytes=16 << 20,
+        op_timeout_s=5.0,
+        retry_after_s=0.2,
+        close_timeout_s=5.0,
     )
     return StoreConfig(**{**base, **fields})
 

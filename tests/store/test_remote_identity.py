@@ -69,7 +69,11 @@ BAD_IDENTITIES = [
 ]
 
 
-@pytest.mark.parametrize(("fields", "message"), BAD_IDENTITIES, ids=[str(f).replace(str(MISSING), "missing") for f, _ in BAD_IDENTITIES])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    BAD_IDENTITIES,
+    ids=[str(f).replace(str(MISSING), "missing") for f, _ in BAD_IDENTITIES],
+)
 def test_a_bad_model_identity_is_refused_naming_the_field(fields, message):
     kw = {**BASE, **fields}
     kw = {k: v for k, v in kw.items() if v is not MISSING}
@@ -97,7 +101,9 @@ def test_an_identity_is_frozen_and_a_path_alone_is_none():
     ],
 )
 def test_a_config_without_a_canonical_form_is_refused(bad, message):
-    with pytest.raises((TypeError, ValueError), match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(
+        (TypeError, ValueError), match=message.replace("[", r"\[").replace("(", r"\(")
+    ):
         bad()
 
 
@@ -120,7 +126,9 @@ def test_every_field_of_the_identity_is_in_the_fingerprint():
     ctl = CacheController({0: engine_backend()}, enable_prefix_caching=True)
     try:
         base = layout_fingerprint(ctl.layout, identity())
-        prints = {name: layout_fingerprint(ctl.layout, identity(**f)) for name, f in VARIANTS.items()}
+        prints = {
+            name: layout_fingerprint(ctl.layout, identity(**f)) for name, f in VARIANTS.items()
+        }
         assert base == layout_fingerprint(ctl.layout, identity())  # equal identities share
         assert len({base, *prints.values()}) == len(VARIANTS) + 1  # all different
     finally:
@@ -203,7 +211,12 @@ def test_engines_of_other_models_never_read_each_others_values(redis_server, var
             check = verify_request(reader, "b", token_seeds(P1))
             assert check.entries > 0 and check.mismatched == 0
         else:  # never even read: another model's values have other names
-            assert (stats.fetched, stats.fetch_misses, store.gets_hit, store.misses) == (0, 0, 0, {})
+            assert (stats.fetched, stats.fetch_misses, store.gets_hit, store.misses) == (
+                0,
+                0,
+                0,
+                {},
+            )
             assert len(reader.host_tier) == 0
     finally:
         reader.free()

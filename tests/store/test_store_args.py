@@ -45,7 +45,11 @@ BAD_CALLS = [
     ("batch_put", ([K], [HOST[:0]]), ["sources[0] must hold at least one byte"]),
     ("batch_put", ([K], [HOST[::2]]), ["sources[0] must be contiguous"]),
     ("batch_put", ([K], [42]), ["sources[0] must be a memoryview", "int"]),
-    ("batch_put", ([K], [torch.zeros(4, dtype=torch.float32)]), ["sources[0]", "torch.uint8", "float32"]),
+    (
+        "batch_put",
+        ([K], [torch.zeros(4, dtype=torch.float32)]),
+        ["sources[0]", "torch.uint8", "float32"],
+    ),
     ("put_async", ([K, K], [HOST[:8]]), ["2 keys but 1 sources"]),
     ("batch_get_into", ([K], [bytes(8)]), ["destinations[0] must be writable"]),
     ("batch_get_into", ([K], [OTHER]), ["destinations[0]", "outside every registered buffer"]),
@@ -57,7 +61,9 @@ BAD_CALLS = [
 ]
 
 
-@pytest.mark.parametrize(("call", "args", "named"), BAD_CALLS, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(BAD_CALLS)])
+@pytest.mark.parametrize(
+    ("call", "args", "named"), BAD_CALLS, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(BAD_CALLS)]
+)
 def test_a_malformed_call_is_refused_and_changes_nothing(store, call, args, named):
     store.register_buffer(HOST)
     before = store.stats()

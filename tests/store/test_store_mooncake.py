@@ -22,7 +22,11 @@ from kvforge.store.servers import MooncakeMaster, free_port
 from kvforge.store.value import HEADER_SIZE, encode
 
 # ImportError, not only ModuleNotFoundError: the wheel without the libibverbs it loads skips too
-pytest.importorskip("mooncake.store", reason="Mooncake Store's client does not load: pip install 'kvforge[mooncake]' and apt-get install libibverbs1 ibverbs-providers", exc_type=ImportError)
+pytest.importorskip(
+    "mooncake.store",
+    reason="Mooncake Store's client does not load: pip install 'kvforge[mooncake]' and apt-get install libibverbs1 ibverbs-providers",
+    exc_type=ImportError,
+)
 
 LAYOUT_A = b"deepseek-v4|mla+indexer|fp8|block=64|tp=0/1"
 LAYOUT_B = b"deepseek-v4|mla+indexer|fp8|block=64|tp=0/2"
@@ -191,7 +195,10 @@ def test_a_value_buffer_the_client_will_not_register_is_put_by_copy(mooncake_mas
     assert store.batch_get_into(keys(2), dst.pages([0, 1])) == [4096, 4096]
     assert dst.bytes_of(0) == src.bytes_of(0) and dst.bytes_of(1) == src.bytes_of(1)
     stats = store.stats()
-    assert stats.puts_ok == 2 and stats.last_error == f"register_buffer({4096 + HEADER_SIZE} bytes) returned -600"
+    assert (
+        stats.puts_ok == 2
+        and stats.last_error == f"register_buffer({4096 + HEADER_SIZE} bytes) returned -600"
+    )
     assert store._value_regs == {}
 
 
@@ -284,7 +291,11 @@ def test_two_layouts_never_read_each_others_values(mooncake_master, stores):
 
 # (what is done to the stored value, the miss reason)
 TAMPERING = [
-    ("flip a payload byte", lambda v: v[:HEADER_SIZE + 9] + bytes([v[HEADER_SIZE + 9] ^ 4]) + v[HEADER_SIZE + 10:], "corrupted"),
+    (
+        "flip a payload byte",
+        lambda v: v[: HEADER_SIZE + 9] + bytes([v[HEADER_SIZE + 9] ^ 4]) + v[HEADER_SIZE + 10 :],
+        "corrupted",
+    ),
     ("flip a checksum byte", lambda v: v[:66] + bytes([v[66] ^ 1]) + v[67:], "corrupted"),
     ("cut the last byte", lambda v: v[:-1], "truncated"),
     ("cut to a header", lambda v: v[:HEADER_SIZE], "truncated"),
@@ -430,9 +441,7 @@ def test_no_master_is_misses_and_close_returns(mooncake_net, stores):
     if not mooncake_net.private:
         pytest.skip(mooncake_net.why)
     missing = MooncakeMaster(free_port(), free_port())
-    store = MooncakeStore(
-        mooncake_config(missing, close_timeout_s=0.5, retry_after_s=30), LAYOUT_A
-    )
+    store = MooncakeStore(mooncake_config(missing, close_timeout_s=0.5, retry_after_s=30), LAYOUT_A)
     pages = Pages(2, 1024)
     store.register_buffer(pages.buf)
     assert not store.wait_ready(0.3)  # setup keeps retrying in the background

@@ -12,7 +12,11 @@ import sys
 import pytest
 
 # ImportError, not only ModuleNotFoundError: the wheel without the libibverbs it loads skips too
-pytest.importorskip("mooncake.store", reason="Mooncake Store's client does not load: pip install 'kvforge[mooncake]' and apt-get install libibverbs1 ibverbs-providers", exc_type=ImportError)
+pytest.importorskip(
+    "mooncake.store",
+    reason="Mooncake Store's client does not load: pip install 'kvforge[mooncake]' and apt-get install libibverbs1 ibverbs-providers",
+    exc_type=ImportError,
+)
 
 CASES = os.path.join(os.path.dirname(__file__), "_put_blocks_mooncake_cases.py")
 

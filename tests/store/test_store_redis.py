@@ -146,14 +146,24 @@ def _get_one(store, pages: Pages, key: bytes, page: int = 1):
 
 # (what is done to the stored value, the miss reason)
 TAMPERING = [
-    ("flip a payload byte", lambda v: v[:HEADER_SIZE + 100] + bytes([v[HEADER_SIZE + 100] ^ 1]) + v[HEADER_SIZE + 101:], "corrupted"),
+    (
+        "flip a payload byte",
+        lambda v: (
+            v[: HEADER_SIZE + 100] + bytes([v[HEADER_SIZE + 100] ^ 1]) + v[HEADER_SIZE + 101 :]
+        ),
+        "corrupted",
+    ),
     ("flip a checksum byte", lambda v: v[:100] + bytes([v[100] ^ 0x80]) + v[101:], "corrupted"),
     ("flip a proof byte", lambda v: v[:70] + bytes([v[70] ^ 0x80]) + v[71:], "corrupted"),
     ("flip a key-digest byte", lambda v: v[:9] + bytes([v[9] ^ 1]) + v[10:], "corrupted"),
     ("wrong magic", lambda v: b"XXXX" + v[4:], "corrupted"),
-    ("other version", lambda v: v[:4] + (VERSION + 1).to_bytes(2, "little") + v[6:], "other_version"),
+    (
+        "other version",
+        lambda v: v[:4] + (VERSION + 1).to_bytes(2, "little") + v[6:],
+        "other_version",
+    ),
     ("cut inside the payload", lambda v: v[:-1], "truncated"),
-    ("cut inside the header", lambda v: v[:HEADER_SIZE - 1], "truncated"),
+    ("cut inside the header", lambda v: v[: HEADER_SIZE - 1], "truncated"),
     ("cut to nothing", lambda v: b"", "truncated"),
     ("a byte appended", lambda v: v + b"\0", "corrupted"),
     ("not kvforge's format", lambda v: b"hello", "truncated"),
@@ -187,7 +197,9 @@ def test_a_value_of_an_older_format_is_an_old_format_miss(redis_server, stores, 
     store.register_buffer(pages.buf)
     key = keys(1, b"old")[0]
     payload = bytes(range(256)) * (length // 256)
-    raw_client(store).set(_stored(store, key), old(key, store.fingerprint, payload[:length - 32 * (length > 4096)]))
+    raw_client(store).set(
+        _stored(store, key), old(key, store.fingerprint, payload[: length - 32 * (length > 4096)])
+    )
     before = pages.bytes_of(0)
     got, new = _get_one(store, pages, key)
     assert (got, new) == ([None], {"old_format": 1})
@@ -211,17 +223,47 @@ def test_a_value_is_read_only_with_the_proof_it_was_put_with(redis_server, store
 
 # (call, exception type, message): a malformed proofs argument, refused before anything moves
 BAD_PROOFS = [
-    ("batch_put", lambda s, p, k: s.batch_put(k, p.pages([0, 1]), [b"x" * 32]), "2 keys but 1 proofs"),
-    ("batch_put", lambda s, p, k: s.batch_put(k, p.pages([0, 1]), [b"x" * 32, b"y"]), "proofs[1] must be 32 bytes"),
-    ("put_async", lambda s, p, k: s.put_async(k, p.pages([0, 1]), b"x" * 64), "proofs must be a sequence"),
-    ("put_async", lambda s, p, k: s.put_async(k, p.pages([0, 1]), ["x" * 32] * 2), "proofs[0] must be 32 bytes"),
-    ("batch_put_blocks", lambda s, p, k: s.batch_put_blocks(k, [p.buf.reshape(4, -1)], [0, 1], [None, None]), "proofs[0]"),
-    ("batch_get_into", lambda s, p, k: s.batch_get_into(k, p.pages([2, 3]), [b"x" * 33] * 2), "proofs[0] must be 32 bytes"),
+    (
+        "batch_put",
+        lambda s, p, k: s.batch_put(k, p.pages([0, 1]), [b"x" * 32]),
+        "2 keys but 1 proofs",
+    ),
+    (
+        "batch_put",
+        lambda s, p, k: s.batch_put(k, p.pages([0, 1]), [b"x" * 32, b"y"]),
+        "proofs[1] must be 32 bytes",
+    ),
+    (
+        "put_async",
+        lambda s, p, k: s.put_async(k, p.pages([0, 1]), b"x" * 64),
+        "proofs must be a sequence",
+    ),
+    (
+        "put_async",
+        lambda s, p, k: s.put_async(k, p.pages([0, 1]), ["x" * 32] * 2),
+        "proofs[0] must be 32 bytes",
+    ),
+    (
+        "batch_put_blocks",
+        lambda s, p, k: s.batch_put_blocks(k, [p.buf.reshape(4, -1)], [0, 1], [None, None]),
+        "proofs[0]",
+    ),
+    (
+        "batch_get_into",
+        lambda s, p, k: s.batch_get_into(k, p.pages([2, 3]), [b"x" * 33] * 2),
+        "proofs[0] must be 32 bytes",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("call", "bad", "message"), BAD_PROOFS, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(BAD_PROOFS)])
-def test_malformed_proofs_are_refused_with_nothing_changed(redis_server, stores, call, bad, message):
+@pytest.mark.parametrize(
+    ("call", "bad", "message"),
+    BAD_PROOFS,
+    ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(BAD_PROOFS)],
+)
+def test_malformed_proofs_are_refused_with_nothing_changed(
+    redis_server, stores, call, bad, message
+):
     from kvforge._checks import ArgumentError
 
     store = make(stores, redis_server)
@@ -236,7 +278,11 @@ def test_malformed_proofs_are_refused_with_nothing_changed(redis_server, stores,
     assert (pages.buf == before).all()  # nothing read into the destinations
     stats = store.stats()
     assert (stats.puts_ok, stats.puts_failed, stats.puts_dropped, stats.gets_hit, stats.misses) == (
-        0, 0, 0, 0, {}
+        0,
+        0,
+        0,
+        0,
+        {},
     )
 
 
@@ -416,9 +462,7 @@ def test_the_put_queue_never_holds_more_than_its_bytes(redis_server, stores):
     """Values of 4,096 + 112 bytes (payload, header) under a 3-value byte bound: the fourth is
     dropped however many values the count bound would allow, and nothing is lost after."""
     value = 4096 + HEADER_SIZE
-    store = make(
-        stores, redis_server, max_inflight_put_bytes=3 * value, op_timeout_s=30
-    )
+    store = make(stores, redis_server, max_inflight_put_bytes=3 * value, op_timeout_s=30)
     assert store.config.max_inflight_puts == 4096  # the count bound is not what stops it
     src = Pages(8, 4096, seed=23)
     store.register_buffer(src.buf)

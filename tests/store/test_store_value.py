@@ -66,7 +66,9 @@ def test_the_header_is_the_documented_layout():
 # the checksum function, its seed or its byte order fails here (values already in stores would
 # stop verifying).
 V3_HEADER = bytes.fromhex(
-    "4b564656" "0300" "7000"  # magic, version 3, header size 112
+    "4b564656"
+    "0300"
+    "7000"  # magic, version 3, header size 112
     "2db0c2b8880c9b5dc10e362b764bafe825d58a3cfbc810d39a5674bcfe3c9f30"  # key digest
     "441dbc3a437e9bfb03f287ee25b56433"  # layout digest
     "6465666768696a6b6c6d6e6f707172737475767778797a7b7c7d7e7f80818283"  # content proof
@@ -93,14 +95,18 @@ def test_parts_and_into_write_the_same_value():
 # Version 2's header for KEY, LAYOUT, PAYLOAD as kvforge wrote it before the content proof,
 # and version 1's as kvforge 0.1.0 (commit acb9209) wrote it: both are old-format misses now.
 V2_HEADER = bytes.fromhex(
-    "4b564656" "0200" "5000"
+    "4b564656"
+    "0200"
+    "5000"
     "2db0c2b8880c9b5dc10e362b764bafe825d58a3cfbc810d39a5674bcfe3c9f30"
     "441dbc3a437e9bfb03f287ee25b56433"
     "e803000000000000"
     "25aacfaf0fbb48db219f186f12719ff8"  # XXH3-128
 )
 V1_HEADER = bytes.fromhex(
-    "4b564656" "0100" "5000"
+    "4b564656"
+    "0100"
+    "5000"
     "2db0c2b8880c9b5dc10e362b764bafe825d58a3cfbc810d39a5674bcfe3c9f30"
     "441dbc3a437e9bfb03f287ee25b56433"
     "e803000000000000"
@@ -173,18 +179,79 @@ MISSES = [
     ("length field grown", _flip(BLOB, 88), KEY, LAYOUT, None, PROOF, MissReason.TRUNCATED),
     ("length field shrunk", _flip(BLOB, 89), KEY, LAYOUT, None, PROOF, MissReason.CORRUPTED),
     ("proof changed", _flip(BLOB, 60), KEY, LAYOUT, None, PROOF, MissReason.CORRUPTED),
-    ("first payload byte", _flip(BLOB, HEADER_SIZE), KEY, LAYOUT, None, PROOF, MissReason.CORRUPTED),
-    ("last payload byte", _flip(BLOB, len(BLOB) - 1), KEY, LAYOUT, None, PROOF, MissReason.CORRUPTED),
-    ("version 4", BLOB[:4] + b"\x04\x00" + BLOB[6:], KEY, LAYOUT, None, PROOF, MissReason.OTHER_VERSION),
-    ("version 0", BLOB[:4] + b"\x00\x00" + BLOB[6:], KEY, LAYOUT, None, PROOF, MissReason.OTHER_VERSION),
+    (
+        "first payload byte",
+        _flip(BLOB, HEADER_SIZE),
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.CORRUPTED,
+    ),
+    (
+        "last payload byte",
+        _flip(BLOB, len(BLOB) - 1),
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.CORRUPTED,
+    ),
+    (
+        "version 4",
+        BLOB[:4] + b"\x04\x00" + BLOB[6:],
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.OTHER_VERSION,
+    ),
+    (
+        "version 0",
+        BLOB[:4] + b"\x00\x00" + BLOB[6:],
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.OTHER_VERSION,
+    ),
     ("high version byte", _flip(BLOB, 5), KEY, LAYOUT, None, PROOF, MissReason.OTHER_VERSION),
-    ("short and a bad checksum", _flip(BLOB, 100)[:-3], KEY, LAYOUT, None, PROOF, MissReason.TRUNCATED),
-    ("middle payload byte", _flip(BLOB, HEADER_SIZE + 500), KEY, LAYOUT, None, PROOF,
-     MissReason.CORRUPTED),
-    ("two payload bytes swapped", BLOB[:HEADER_SIZE] + PAYLOAD[1::-1] + PAYLOAD[2:], KEY,
-     LAYOUT, None, PROOF, MissReason.CORRUPTED),
-    ("payload zeroed", BLOB[:HEADER_SIZE] + bytes(len(PAYLOAD)), KEY, LAYOUT, None, PROOF,
-     MissReason.CORRUPTED),
+    (
+        "short and a bad checksum",
+        _flip(BLOB, 100)[:-3],
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.TRUNCATED,
+    ),
+    (
+        "middle payload byte",
+        _flip(BLOB, HEADER_SIZE + 500),
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.CORRUPTED,
+    ),
+    (
+        "two payload bytes swapped",
+        BLOB[:HEADER_SIZE] + PAYLOAD[1::-1] + PAYLOAD[2:],
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.CORRUPTED,
+    ),
+    (
+        "payload zeroed",
+        BLOB[:HEADER_SIZE] + bytes(len(PAYLOAD)),
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.CORRUPTED,
+    ),
     ("another key", BLOB, KEY[::-1], LAYOUT, None, PROOF, MissReason.WRONG_KEY),
     ("another layout", BLOB, KEY, LAYOUT + b"!", None, PROOF, MissReason.OTHER_LAYOUT),
     ("another length", BLOB, KEY, LAYOUT, len(PAYLOAD) + 1, PROOF, MissReason.OTHER_LENGTH),
@@ -192,13 +259,22 @@ MISSES = [
     # a key collision: this key and layout, another prompt's tokens
     ("another prompt's proof", BLOB, KEY, LAYOUT, None, OTHER_PROOF, MissReason.OTHER_CONTENT),
     ("no proof expected", BLOB, KEY, LAYOUT, None, NO_PROOF, MissReason.OTHER_CONTENT),
-    ("version 2 number", BLOB[:4] + b"\x02\x00" + BLOB[6:], KEY, LAYOUT, None, PROOF,
-     MissReason.OLD_FORMAT),
+    (
+        "version 2 number",
+        BLOB[:4] + b"\x02\x00" + BLOB[6:],
+        KEY,
+        LAYOUT,
+        None,
+        PROOF,
+        MissReason.OLD_FORMAT,
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("what", "blob", "key", "layout", "length", "proof", "reason"), MISSES, ids=[m[0] for m in MISSES]
+    ("what", "blob", "key", "layout", "length", "proof", "reason"),
+    MISSES,
+    ids=[m[0] for m in MISSES],
 )
 def test_a_bad_value_is_a_typed_miss(what, blob, key, layout, length, proof, reason):
     assert decode(blob, key, layout, expected_length=length, proof=proof) is reason

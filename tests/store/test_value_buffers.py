@@ -120,8 +120,10 @@ def test_encode_into_writes_the_value_encode_gives(size):
 @pytest.mark.parametrize(
     ("out_bytes", "message"),
     [
-        (HEADER_SIZE + 99, f"out must hold {HEADER_SIZE + 100} bytes (header and payload), got "
-         f"{HEADER_SIZE + 99}"),
+        (
+            HEADER_SIZE + 99,
+            f"out must hold {HEADER_SIZE + 100} bytes (header and payload), got {HEADER_SIZE + 99}",
+        ),
         (100, f"out must hold {HEADER_SIZE + 100} bytes (header and payload), got 100"),
     ],
 )

@@ -43,7 +43,9 @@ def run(ctl: CacheController, rid: str, toks: np.ndarray, match=None, chunk: int
     while done < len(toks):
         n = min(chunk, len(toks) - done)
         step = ctl.schedule(
-            [rid], [n], new_token_ids=[toks[done : done + n]],
+            [rid],
+            [n],
+            new_token_ids=[toks[done : done + n]],
             prefix_matches=[match] if first else None,
         )
         if step.allocation.refused:

@@ -304,8 +304,11 @@ def test_apply_refuses_a_step_whose_move_writes_a_held_block_before_anything() -
     env = Env()
     step = env.manager.schedule(["a"], [16])
     for dst, fragment in (
-        (env.blocks("b")[0], f"copy_blocks: block {env.blocks('b')[0]} of group 'kv' is held by "
-         f"row {env.row('b')} (column 0), which the copy does not write for"),
+        (
+            env.blocks("b")[0],
+            f"copy_blocks: block {env.blocks('b')[0]} of group 'kv' is held by "
+            f"row {env.row('b')} (column 0), which the copy does not write for",
+        ),
         (BLOCKS, f"copy_blocks: block id {BLOCKS} of group 'kv' is outside [1, {BLOCKS})"),
     ):
         bad = dataclasses.replace(step, moves=(_copy([env.blocks("c")[0]], [dst]),))

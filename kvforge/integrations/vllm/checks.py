@@ -63,8 +63,11 @@ def int_id(field: str, value: object, low: int = 0, high: int | None = None) -> 
         ArgumentError: naming ``field`` and ``value``.
     """
     if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or value.dtype == torch.bool or value.dtype.is_floating_point or (
-            value.dtype.is_complex
+        if (
+            value.dim() != 0
+            or value.dtype == torch.bool
+            or value.dtype.is_floating_point
+            or (value.dtype.is_complex)
         ):
             raise ArgumentError(f"{field}={_shown(value)}: must be an int {_range(low, high)}")
         value = int(value.item())
@@ -108,8 +111,10 @@ def int_array(
             raise ArgumentError(f"{field}={values!r}: must be a flat sequence of ints")
         items = list(values)
         for i, v in enumerate(items):
-            if isinstance(v, torch.Tensor) and v.dim() == 0 and not (
-                v.dtype == torch.bool or v.dtype.is_floating_point or v.dtype.is_complex
+            if (
+                isinstance(v, torch.Tensor)
+                and v.dim() == 0
+                and not (v.dtype == torch.bool or v.dtype.is_floating_point or v.dtype.is_complex)
             ):
                 items[i] = v = int(v.item())
             if isinstance(v, bool | np.bool_) or not isinstance(v, Integral):

@@ -225,9 +225,7 @@ def parse_options(
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ArgumentError(
-            f"kv_connector_extra_config['kvforge'] must be an object, got {raw!r}"
-        )
+        raise ArgumentError(f"kv_connector_extra_config['kvforge'] must be an object, got {raw!r}")
     options = _validate(raw)
     machine = machine or MachineFacts.detect()
     host_bytes = options.host_bytes

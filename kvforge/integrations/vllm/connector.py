@@ -144,9 +144,7 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
 
     # ------------------------------------------------------------------ ids from vLLM
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         int_id("update_state_after_alloc: num_external_tokens", num_external_tokens)
         for g, group in enumerate(blocks.blocks):
             _block_ids(
@@ -243,8 +241,10 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
         """
         completed = meta.completed_jobs
         failed = getattr(meta, "failed_jobs", set())
-        if not isinstance(completed, Mapping) or isinstance(failed, str | bytes) or not (
-            isinstance(failed, Iterable)
+        if (
+            not isinstance(completed, Mapping)
+            or isinstance(failed, str | bytes)
+            or not (isinstance(failed, Iterable))
         ):
             raise ArgumentError(
                 f"kv_connector_worker_meta: completed_jobs={completed!r} must be a dict and "
@@ -351,8 +351,9 @@ class KVForgeConnectorWorker(OffloadingConnectorWorker):
                         "TransferJob of a request id (a string)"
                     )
                 device, host = (
-                    (job.dst_spec, job.src_spec) if kind == "load_jobs" else
-                    (job.src_spec, job.dst_spec)
+                    (job.dst_spec, job.src_spec)
+                    if kind == "load_jobs"
+                    else (job.src_spec, job.dst_spec)
                 )
                 if not isinstance(device, GPULoadStoreSpec) or not isinstance(host, HostPages):
                     raise ArgumentError(
@@ -378,7 +379,8 @@ class KVForgeConnectorWorker(OffloadingConnectorWorker):
                 self.refused_jobs += 1
                 logger.warning(
                     "kvforge: refused job %d: a replay (this worker was handed it before); it "
-                    "does not run again", job_id
+                    "does not run again",
+                    job_id,
                 )
                 continue
             self._taken.add(job_id)
@@ -440,7 +442,8 @@ class KVForgeConnectorWorker(OffloadingConnectorWorker):
                 self.refused_jobs += 1
                 logger.warning(
                     "kvforge: refused a result for job %r: no such job was submitted, or its "
-                    "result came already", job_id
+                    "result came already",
+                    job_id,
                 )
                 continue
             self._issued.discard(job_id)

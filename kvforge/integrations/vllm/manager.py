@@ -148,9 +148,7 @@ class KVForgeOffloadingManager(OffloadingManager):
             elif loads and isinstance(key, bytes) and self._pins[(req_id, key)] > 0:
                 loaded.append(key)
             else:
-                kinds = " or ".join(
-                    k for k, on in (("store", stores), ("load", loads)) if on
-                )
+                kinds = " or ".join(k for k, on in (("store", stores), ("load", loads)) if on)
                 owner = f" (request {entry[0]!r} reserved its store)" if entry is not None else ""
                 raise TransferRefusedError(
                     what, key, f"request {req_id!r} has no {kinds} of it outstanding{owner}"

@@ -64,8 +64,7 @@ class VllmKind:
         """The single-vector spec of ``group``; refused where vLLM has none."""
         if self.latent_spec is None:
             raise ArgumentError(
-                f"{where}: vLLM has no chunked local-attention spec for a single-vector (MLA) "
-                "cache"
+                f"{where}: vLLM has no chunked local-attention spec for a single-vector (MLA) cache"
             )
         if self.latent_window:
             kwargs["sliding_window"] = group.window

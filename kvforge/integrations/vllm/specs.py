@@ -94,7 +94,6 @@ __all__ = [
 ]
 
 
-
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _SCALE_BYTES = 4  # vLLM's per-token-head scales are float32, inline after each head's data
 _DSV4_MODULES = {
@@ -408,8 +407,6 @@ def layer_page_bytes(
 # ---------------------------------------------------------------------------- vLLM -> kvforge
 
 
-
-
 def _native(spec: KVCacheSpec, group: str) -> AttentionBackend | None:
     """A :class:`GQABackend` where one declares exactly this plain K/V spec."""
     if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
@@ -523,5 +520,3 @@ def from_vllm_specs(specs: Mapping[str, KVCacheSpec]) -> VllmSpecBackends:
             distinct.append((spec, backend))
         backends[layer] = backend
     return VllmSpecBackends(backends, list(specs), list(specs.values()))
-
-

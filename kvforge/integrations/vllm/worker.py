@@ -125,7 +125,9 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         if host_bytes > plan.host_bytes:
             logger.warning(
                 "kvforge host pages take %d B, above the %d B planned: vLLM's scheduler sees one "
-                "page for layers whose pages differ", host_bytes, plan.host_bytes
+                "page for layers whose pages differ",
+                host_bytes,
+                plan.host_bytes,
             )
         why = MACHINE_RULES["host_bytes"](host_bytes, machine)
         if why is not None:
@@ -293,8 +295,9 @@ class KVForgeOffloadingWorker(OffloadingWorker):
         planes = self.planes[pos]
         idx = torch.from_numpy(rows)
         if store:
-            staging = torch.empty((len(blocks), planes.row_bytes), dtype=torch.uint8,
-                                  device=planes.device)
+            staging = torch.empty(
+                (len(blocks), planes.row_bytes), dtype=torch.uint8, device=planes.device
+            )
             gather_blocks(planes, blocks, staging, self.impls[pos])
             self.host[pos].index_copy_(0, idx, staging.cpu())
         else:

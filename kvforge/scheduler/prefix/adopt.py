@@ -163,5 +163,3 @@ class Adoption:
                 blocks,
             )
         return copies
-
-

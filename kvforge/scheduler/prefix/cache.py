@@ -285,5 +285,3 @@ class PrefixCache:
         if not self.enabled:
             return 0
         return self._index.reset()
-
-

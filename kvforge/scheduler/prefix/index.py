@@ -44,9 +44,7 @@ class PrefixIndex:
         stats: the counters evictions are added to.
     """
 
-    def __init__(
-        self, tables: RequestTables, records: UnitRecordStore, stats: PrefixStats
-    ) -> None:
+    def __init__(self, tables: RequestTables, records: UnitRecordStore, stats: PrefixStats) -> None:
         self._groups = tables.groups
         self._pools = tables.pools
         self._records = records

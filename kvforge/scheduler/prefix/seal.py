@@ -84,7 +84,12 @@ class MatchSealer:
         """Whether ``match`` carries the seal this sealer gives what it claims."""
         m = match
         seal = self.seal(
-            m.num_tokens, m.first_col, m.blocks, m.keys, m.hasher, m.num_prompt_tokens,
+            m.num_tokens,
+            m.first_col,
+            m.blocks,
+            m.keys,
+            m.hasher,
+            m.num_prompt_tokens,
             m.junction,
         )
         return hmac.compare_digest(m.seal, seal)
