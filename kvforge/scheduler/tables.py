@@ -146,8 +146,9 @@ class RequestTables:
     def take_pending(self) -> tuple[TableDelta, ...]:
         """Hand out the pending deltas, numbered in order (``TableDelta.seq``): a worker that
         mirrors them refuses a gap, a repeat or a reordering."""
-        if not self.pending:
-            return ()  # the facade asks between most calls: nothing to number
+        if not self.pending:  # the facade asks between most calls: nothing to number
+            self.pending = []  # a fresh list, as below (an undo holds the one it saved)
+            return ()
         deltas, number = tuple(self.pending), object.__setattr__
         # numbered in place: a pending delta is this object's alone until handed out (frozen
         # for everyone after), and a copy per delta costs as much as the step
