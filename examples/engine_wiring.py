@@ -58,10 +58,14 @@ class AttentionLayer:
 
 def device_budget(ctl: CacheController, max_model_len: int, chunk: int) -> int:
     """The cache budget of a small device: the least that plans two sequences of three
-    quarters of ``max_model_len`` at once (one and a half sequences of history, two windows
-    and two requests' state), beside what the plan reserves whatever the length (window
-    allowances for a step's chunk). A real engine passes the device memory left after its
-    weights; this one is small on purpose, so that decoding preempts.
+    quarters of ``max_model_len`` at once, and one of ``max_model_len`` (one and a half
+    sequences of history, two windows and two requests' state), beside what the plan
+    reserves whatever the length (window allowances for a step's chunk). A real engine
+    passes the device memory left after its weights; this one is small on purpose, so that
+    decoding preempts where history fills the device. A model whose budget is set by what
+    the plan reserves per sequence (windows and compressor states for ``max_num_seqs``
+    requests, as DeepSeek-V4-Flash at 1,024 tokens) keeps room to spare in its compressed
+    history, and runs without preempting.
 
     Found by bisection over :meth:`CacheController.plan_memory`, which allocates nothing.
     """
@@ -70,6 +74,8 @@ def device_budget(ctl: CacheController, max_model_len: int, chunk: int) -> int:
     def plans(budget: int) -> bool:
         try:
             plan = ctl.plan_memory(budget, MAX_NUM_SEQS, shorter, max_num_batched_tokens=chunk)
+            # and the engine's own plan at the full length must hold one sequence
+            ctl.plan_memory(budget, MAX_NUM_SEQS, max_model_len, max_num_batched_tokens=chunk)
         except ValueError:
             return False  # too small for the reservations or for one sequence
         return (plan.max_concurrency or 0) >= 2

@@ -47,6 +47,11 @@ def _model_len(model: str) -> int:
 #: The default run checks the command line with the model that once crashed it (the example
 #: hard-coded DeepSeek-V4's groups); the rest of the bundled models are a ``soak`` (CI).
 DEFAULT_RUN_MODELS = {"llama-3-8b"}
+#: Models whose device budget is set by what the plan reserves per sequence (sliding windows and
+#: compressor states for ``max_num_seqs`` requests), not by history: at the least budget that
+#: plans two sequences, their compressed history has room to spare, so decoding never runs dry
+#: and nothing is preempted (the example says so).
+RESERVED_MODELS = {"deepseek-v4-flash"}
 SUMMARY = re.compile(r"preemptions (\d+), resumes (\d+), verified (\d+) entries, (\d+) mismatched$")
 
 
@@ -72,7 +77,10 @@ def test_engine_wiring_runs_for_every_bundled_model(model: str):
     found = SUMMARY.search(last)
     assert found, done.stdout[-3000:]
     preemptions, resumes, verified, mismatched = map(int, found.groups())
-    assert preemptions >= 1 and resumes >= 1, last
+    if model in RESERVED_MODELS:
+        assert preemptions == resumes, last  # every preempted request came back
+    else:
+        assert preemptions >= 1 and resumes >= 1, last
     assert verified > 0 and mismatched == 0, last
 
 

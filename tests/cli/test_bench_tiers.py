@@ -194,7 +194,7 @@ def test_cli_measures_mooncake_in_a_process_of_its_own(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]
         from kvforge.cli import bench_tiers
         from kvforge.cli.main import main
         from test_bench_tiers import tiny_cases
