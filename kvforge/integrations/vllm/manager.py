@@ -24,14 +24,13 @@ Invariants (tests/integrations/test_vllm_manager.py):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     LoadStoreSpec,
     LookupResult,
     Medium,
@@ -45,6 +44,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+try:  # vLLM 0.33 names the type of config_info's rows; 0.32 has neither the name nor the hook
+    from vllm.v1.kv_offload.base import ConfigInfoMapping
+except ImportError:  # vLLM 0.32
+    ConfigInfoMapping = Mapping[str, str | int | float | bool]  # type: ignore[misc]
 
 from kvforge._checks import check_bool
 from kvforge.integrations.vllm.checks import TransferRefusedError
