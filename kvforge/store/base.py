@@ -266,6 +266,10 @@ class StoreBase:
         """Read (name, key, proof, destination) items; ``None`` where the value is a hit."""
         raise NotImplementedError
 
+    def _remove(self, names: list[str]) -> int:
+        """Delete the values ``names``; how many were there."""
+        raise NotImplementedError
+
     def _values_dropped(self, values: list[np.ndarray]) -> None:
         """``put_async`` buffers that will not be reused (over the bound, or their write
         raised): an adapter that registered them with its client forgets them."""
@@ -416,6 +420,22 @@ class StoreBase:
                     return found
                 found += 1
         return found
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Delete the values of ``keys`` (a value a reader found bad, so the next writer's put
+        lands: Mooncake's put never overwrites); how many existed (0 on any error)."""
+        keys = _check_keys(keys, "remove")
+        if not keys or not self._available():
+            return 0
+        gone = 0
+        for part in self._batches(len(keys)):
+            try:
+                gone += self._remove([self._name(keys[i]) for i in part])
+            except Exception as exc:
+                self._note_error(f"remove: {type(exc).__name__}: {exc}", trip=True)
+                break
+        self._count(removed=gone)
+        return gone
 
     def _fits(self, span: Span) -> bool:
         return HEADER_SIZE + span.nbytes <= self._config.max_value_bytes
@@ -603,6 +623,7 @@ class StoreBase:
                 puts_dropped=c["puts_dropped"],
                 puts_too_large=c["puts_too_large"],
                 gets_hit=c["gets_hit"],
+                removed=c["removed"],
                 misses=dict(self._misses),
                 errors=c["errors"],
                 last_error=self._last_error,

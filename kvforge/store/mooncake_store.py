@@ -260,6 +260,11 @@ class MooncakeStore(StoreBase):
         self._trip_on(codes, "exists")
         return [code == 1 for code in codes]
 
+    def _remove(self, names: list[str]) -> int:
+        codes = list(self._call(lambda: [self._client.remove(n) for n in names]))
+        self._trip_on(codes, "remove")
+        return sum(code == OK for code in codes)
+
     def _put(self, items: list[tuple[str, bytes, bytes, Span]]) -> list[bool]:
         def job() -> list[int]:
             ptrs, sizes = [], []

@@ -33,6 +33,8 @@ class StoreStats:
     #: values over ``max_value_bytes``, never sent
     puts_too_large: int = 0
     gets_hit: int = 0
+    #: values :meth:`RemoteStore.remove` deleted (found bad by a reader)
+    removed: int = 0
     #: misses by :class:`kvforge.store.value.MissReason` value
     misses: dict[str, int] = field(default_factory=dict)
     #: client errors (each also counted as a miss or a failed put)
@@ -115,6 +117,11 @@ class RemoteStore(Protocol):
     ) -> list[int | None]:
         """Read ``keys[i]``'s payload into ``destinations[i]``: its byte count on a hit,
         ``None`` on a miss. After a miss the destination's bytes are unspecified."""
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Delete the values of ``keys`` (one a reader found bad: the next put then lands,
+        whether the server keeps the first writer's value or the last's); how many existed
+        (0 on any error)."""
 
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for queued puts; ``True`` if none is left."""

@@ -105,6 +105,9 @@ class RedisStore(StoreBase):
             pipe.exists(name)
         return [flag == 1 for flag in pipe.execute(raise_on_error=False)]
 
+    def _remove(self, names: list[str]) -> int:
+        return int(self._client.delete(*names))
+
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Any]:
         """A pooled connection (the pool checked it has nothing left unread) for commands

@@ -127,7 +127,7 @@ REFUSED = [
         CPU_BOX,
         {"kvforge": {"gatherimpl": "torch"}},
         r"^kvforge option 'gatherimpl'='torch': no such option; kvforge's options are "
-        r"'host_bytes', 'gather_impl', 'pin_memory'$",
+        r"'host_bytes', 'gather_impl', 'pin_memory', 'remote'$",
     ),
     (CPU_BOX, {"kvforge": "host_bytes=1"}, r"\['kvforge'\] must be an object"),
 ]

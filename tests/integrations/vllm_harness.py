@@ -600,6 +600,8 @@ def build_offload_engine(
     max_num_seqs: int = 8,
     kv_load_failure_policy: str = "recompute",
     enable_prefix_caching: bool = True,
+    kv_role: str = "kv_both",
+    hf_overrides: dict[str, Any] | None = None,
 ) -> OffloadEngine:
     """Build the engine of ``model`` (a key of :data:`MODELS`) with ``num_gpu_blocks`` blocks.
 
@@ -642,7 +644,7 @@ def build_offload_engine(
         skip_tokenizer_init=True,
         max_model_len=max_model_len,
         dtype="auto",
-        hf_overrides=dict(mdef.hf_overrides),
+        hf_overrides={**mdef.hf_overrides, **(hf_overrides or {})},
     )
     layer_types = getattr(model_config.hf_text_config, "layer_types", None)
     sliding_window = None
@@ -669,7 +671,7 @@ def build_offload_engine(
         kv_transfer_config=KVTransferConfig(
             kv_connector=kv_connector,
             kv_connector_module_path=kv_connector_module_path,
-            kv_role="kv_both",
+            kv_role=kv_role,  # type: ignore[arg-type]
             kv_connector_extra_config=dict(extra_config or {}),
             kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
         ),

@@ -23,6 +23,7 @@ This module imports no vLLM code, so the options are checked (and documented) wi
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -65,6 +66,11 @@ class KVForgeOffloadOptions(BaseModel):
         pin_memory: page-lock the host pages (default: exactly when the KV caches live on an
             accelerator; it makes device <-> host copies asynchronous). ``True`` needs CUDA or
             an Ascend NPU on this machine.
+        remote: a remote tier behind the host pages: the fields of
+            :class:`~kvforge.store.config.StoreConfig` (``backend`` ``"redis"`` or
+            ``"mooncake"``, ...), checked with vLLM's ``kv_role`` by
+            :mod:`~kvforge.integrations.vllm.remote_options`; its client library must be
+            installed here. ``None``: host pages only.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -72,6 +78,7 @@ class KVForgeOffloadOptions(BaseModel):
     host_bytes: int | None = Field(default=None, gt=0, strict=True)
     gather_impl: str = Field(default="auto", pattern="^(auto|torch|cpu|triton)$")
     pin_memory: bool | None = Field(default=None, strict=True)
+    remote: dict[str, Any] | None = Field(default=None, strict=True)
 
 
 #: what each option's value must be, said when its type or form is wrong
@@ -79,6 +86,7 @@ _TYPE_RULES = {
     "host_bytes": "must be a positive int (bytes) or null",
     "gather_impl": "must be one of 'auto', 'torch', 'cpu', 'triton'",
     "pin_memory": "must be true, false or null",
+    "remote": "must be an object of StoreConfig fields or null",
 }
 
 
@@ -172,11 +180,33 @@ def _pin_memory_rule(value: bool | None, machine: MachineFacts) -> str | None:
     return None
 
 
+#: the client library each remote backend needs (pip extra, import name)
+_REMOTE_CLIENTS = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake.store")}
+
+
+def _remote_rule(value: Mapping[str, Any] | None, machine: MachineFacts) -> str | None:
+    backend = value.get("backend") if isinstance(value, Mapping) else None
+    if not isinstance(backend, str) or backend not in _REMOTE_CLIENTS:
+        return None  # no remote tier, or a backend remote_options refuses by name
+    extra, module = _REMOTE_CLIENTS[backend]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return (
+            f"backend {backend!r} needs its client library, not installed on this machine: "
+            f"pip install 'kvforge[{extra}]'"
+        )
+    return None
+
+
 #: option -> its rule against the machine: the reason a value cannot run here, or ``None``
 MACHINE_RULES: dict[str, Callable[[Any, MachineFacts], str | None]] = {
     "host_bytes": _host_bytes_rule,
     "gather_impl": _gather_impl_rule,
     "pin_memory": _pin_memory_rule,
+    "remote": _remote_rule,
 }
 
 
@@ -246,6 +276,8 @@ def parse_options(
         if key == "host_bytes" and options.host_bytes is None and not default:
             continue  # cpu_bytes_to_use, checked above under its own name
         why = rule(values[key], machine)
+        if why is not None and key == "remote":  # name the field: the entry holds secrets
+            raise option_error("remote.backend", values[key]["backend"], why)
         if why is not None:
             raise option_error(key, values[key], why, default=key == "host_bytes" and default)
     return options, host_bytes

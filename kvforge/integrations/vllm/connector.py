@@ -80,6 +80,7 @@ from kvforge.integrations.vllm.checks import int_id, req_ids
 from kvforge.integrations.vllm.identity import model_identity
 from kvforge.integrations.vllm.manager import KVForgeOffloadingManager
 from kvforge.integrations.vllm.pages import HostPages
+from kvforge.integrations.vllm.remote_setup import remote_settings, remote_spec
 from kvforge.integrations.vllm.spec import (
     KVForgeOffloadingSpec,
     group_block_bytes,
@@ -222,7 +223,17 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
 
     def _build_connector_meta(self, scheduler_output: Any) -> Any:
         self._check_scheduler_output(scheduler_output)  # before anything changes
-        return super()._build_connector_meta(scheduler_output)
+        meta = super()._build_connector_meta(scheduler_output)
+        keep = getattr(self.manager, "keep_requests", None)  # a remote tier's keys
+        if keep is not None:
+            keep(self._req_status)
+        return meta
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        add = getattr(self.manager, "add_request", None)  # a remote tier keys its tokens
+        if add is not None:
+            add(request.request_id, request)
 
     # ------------------------------------------------------------------ worker reports
 
@@ -514,11 +525,13 @@ class KVForgeConnector(OffloadingConnector):
             )
         self._canonical_layout = False
         group_ids = [g.group_id for g in offloading_config.groups]
-        spec = KVForgeOffloadingSpec(
-            offloading_config,
-            group_block_bytes(kv_cache_config, group_ids),
-            device_type=getattr(vllm_config.device_config, "device_type", None),
-        )
+        block_bytes = group_block_bytes(kv_cache_config, group_ids)
+        device_type = getattr(vllm_config.device_config, "device_type", None)
+        remote = remote_settings(vllm_config, extra)
+        if remote is None:
+            spec = KVForgeOffloadingSpec(offloading_config, block_bytes, device_type=device_type)
+        else:  # the remote tier behind the host pages (.remote)
+            spec = remote_spec(vllm_config, offloading_config, block_bytes, device_type, remote)
         self.spec = spec
         self.connector_scheduler = None
         self.connector_worker = None
