@@ -163,23 +163,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"layer count with --backend (default {DEFAULT_LAYERS}, at most {MAX_LAYERS})",
     )
-    # Backend options default to None, so that "given" is visible: the backend's builder
-    # supplies the defaults of those not given (gqa: 8 kv heads of 128, mla: 512 + 64, ...).
-    src.add_argument("--num-kv-heads", type=_positive, default=None)
-    src.add_argument("--head-dim", type=_positive, default=None)
-    src.add_argument("--block-size", type=_positive, default=None, help="tokens per block")
-    src.add_argument(
-        "--dtype",
-        type=_cache_dtype,
-        default=None,
-        help=f"model / cache dtype: {', '.join(CACHE_DTYPES)} or auto (default auto: with "
-        "--model / --config the config's torch_dtype as engines serve it, float32 downcast to "
-        "bfloat16 as vLLM does; with --backend the backend's default)",
-    )
-    src.add_argument("--kv-cache-quant", choices=["fp8", "block_wise_fp8"], default=None)
-    src.add_argument("--kv-lora-rank", type=_positive, default=None)
-    src.add_argument("--qk-rope-head-dim", type=_positive, default=None)
-    src.add_argument("--index-head-dim", type=_positive, default=None)
+    _add_backend_sizes(src)
     src.add_argument("--kv-cache-dtype", default=None, help="cache storage, e.g. fp8 or bf16")
     src.add_argument("--compress-ratio", type=int, default=None, help="deepseek-v4 ratio")
     src.add_argument(
@@ -192,7 +176,65 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="draft tokens per step; MTP layers get caches only when N > 0 (config models)",
     )
-    src.add_argument("--list-models", action="store_true", help="list bundled configs and exit")
+    src.add_argument(
+        "--list-models",
+        action="store_true",
+        help="list the bundled configs and the supported model types, and exit",
+    )
+
+
+def _add_backend_sizes(src: Any) -> None:
+    """The sizes of a ``--backend`` model (and ``--block-size`` / ``--dtype``, which config
+    models take too)."""
+    # Backend options default to None, so that "given" is visible: the backend's builder
+    # supplies the defaults of those not given (gqa: 8 kv heads of 128, mla: 512 + 64, ...).
+    src.add_argument(
+        "--num-kv-heads",
+        type=_positive,
+        default=None,
+        help="key/value heads per layer with --backend gqa or mha (default 8)",
+    )
+    src.add_argument(
+        "--head-dim",
+        type=_positive,
+        default=None,
+        help="dims per key/value head with --backend gqa or mha (default 128)",
+    )
+    src.add_argument("--block-size", type=_positive, default=None, help="tokens per block")
+    src.add_argument(
+        "--dtype",
+        type=_cache_dtype,
+        default=None,
+        help=f"model / cache dtype: {', '.join(CACHE_DTYPES)} or auto (default auto: with "
+        "--model / --config the config's torch_dtype as engines serve it, float32 downcast to "
+        "bfloat16 as vLLM does; with --backend the backend's default)",
+    )
+    src.add_argument(
+        "--kv-cache-quant",
+        choices=["fp8", "block_wise_fp8"],
+        default=None,
+        help="with --backend gqa or mha: keys and values in float8_e4m3fn (fp8), plus a "
+        "float32 scale per token and kv head (block_wise_fp8); default: none",
+    )
+    src.add_argument(
+        "--kv-lora-rank",
+        type=_positive,
+        default=None,
+        help="latent (compressed KV) dims with --backend mla or dsa (default 512)",
+    )
+    src.add_argument(
+        "--qk-rope-head-dim",
+        type=_positive,
+        default=None,
+        help="rotary key dims stored beside the latent, --backend mla, dsa or deepseek-v4 "
+        "(default 64)",
+    )
+    src.add_argument(
+        "--index-head-dim",
+        type=_positive,
+        default=None,
+        help="indexer key dims with --backend dsa or deepseek-v4 (default 128)",
+    )
 
 
 def _given(args: argparse.Namespace, dests: Sequence[str]) -> list[str]:
@@ -261,8 +303,9 @@ def _backend_from_options(kind: str, args: argparse.Namespace) -> AttentionBacke
 
 
 def list_models(args: argparse.Namespace) -> int:
-    """``--list-models``: print the bundled config names, one a line."""
-    from kvforge.models.reading import bundled_models
+    """``--list-models``: print the bundled configs and the supported model types
+    (:mod:`kvforge.cli.plan_models`)."""
+    from kvforge.cli.plan_models import print_models
 
     others = _given(args, ("model", "config", "backend", *MODEL_OPTIONS))
     if others:
@@ -270,8 +313,7 @@ def list_models(args: argparse.Namespace) -> int:
             f"--list-models lists the bundled configs and takes no model options, got "
             f"{', '.join(flag(d) for d in others)}"
         )
-    for name in bundled_models():
-        print(name)
+    print_models()
     return 0
 
 
@@ -350,8 +392,20 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
         help="a pool per group, as CacheController(share_pools=False) allocates (default: "
         "groups whose pages differ draw on one slab arena)",
     )
-    plan.add_argument("--max-model-len", type=_positive, default=None)
-    plan.add_argument("--max-num-seqs", type=_positive, default=None)
+    plan.add_argument(
+        "--max-model-len",
+        type=_positive,
+        default=None,
+        help="longest sequence in tokens the plan holds (default: the config's "
+        "max_position_embeddings, as vLLM defaults it)",
+    )
+    plan.add_argument(
+        "--max-num-seqs",
+        type=_positive,
+        default=None,
+        help="sequences running at once the plan must hold at --max-model-len (default 256, "
+        "vLLM's); fewer fitting is a warning",
+    )
     plan.add_argument(
         "--rank", type=_non_negative, default=0, help="tensor-parallel rank for names"
     )

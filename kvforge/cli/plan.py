@@ -2,45 +2,24 @@
 
 :func:`plan_report` builds the model the options name, sizes its groups with the integer
 planner (:func:`~kvforge.core.memory_plan.plan_memory` from ``--device-memory``, or the
-explicit ``--num-blocks``), and returns everything the command prints as plain data: per
-role its groups, shapes, bytes and storage-name pattern, per group its blocks and token
-capacity, which groups can share one pool, and the host pages of ``--host-memory``.
-:func:`print_plan` shows it as tables; ``--json`` prints it as JSON.
+explicit ``--num-blocks``), and returns everything the command prints as plain data
+(:mod:`kvforge.cli.plan_report`: every figure labelled with what it counts): the
+concurrency values the plan used and its warnings, per role its groups, shapes, bytes and
+storage-name pattern, per group its blocks and token capacity, the pools each counted once,
+bytes per token per group and per-request state, and the host pages of ``--host-memory``.
+:func:`kvforge.cli.plan_print.print_plan` shows it as tables; ``--json`` prints it as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
-from fractions import Fraction
 from typing import Any
 
 from kvforge.cli.args import MODEL_OPTIONS, build_backends, flag, list_models
-from kvforge.cli.formatting import (
-    UsageError,
-    check_output_path,
-    console,
-    format_bytes,
-    format_exact,
-    make_table,
-    write_text,
-)
+from kvforge.cli.formatting import UsageError, check_output_path, write_text
 
-__all__ = ["cmd_plan", "plan_report", "print_plan"]
-
-
-def _layer_ranges(layers: Sequence[int]) -> str:
-    parts: list[str] = []
-    start = prev = layers[0]
-    for layer in [*layers[1:], None]:
-        if layer is not None and layer == prev + 1:
-            prev = layer
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if layer is not None:
-            start = prev = layer
-    return ",".join(parts)
+__all__ = ["cmd_plan", "plan_report"]
 
 
 def _vllm_backends(args: argparse.Namespace) -> tuple[str, Any]:
@@ -89,125 +68,90 @@ def _plan_backends(args: argparse.Namespace) -> tuple[str, Any]:
     return description, backends
 
 
-def _sizes(
-    args: argparse.Namespace, layout: Any, backends: Any
-) -> tuple[dict[str, int], int, Any, int | None]:
-    """Blocks per group, the device budget, the memory plan (``None`` with ``--num-blocks``)
-    and the max model length in effect."""
+def _sizes(args: argparse.Namespace, layout: Any) -> tuple[dict[str, int], int, Any]:
+    """Planned blocks per group (each group's share, before pooling), the device budget and
+    the plan as allocated (with its arena when groups draw on one; ``None`` with
+    ``--num-blocks``).
+
+    ``--max-num-seqs`` and ``--max-model-len`` are each optional: the planner takes the
+    engine default of one not given (``max_num_seqs`` 256) or the model's
+    ``max_position_embeddings`` (``max_model_len``), and the report says which it assumed.
+    """
     from kvforge.core.flow import plan_with_arena
     from kvforge.core.memory_plan import plan_memory
 
-    max_model_len = args.max_model_len
     if args.num_blocks is not None:
         blocks = dict.fromkeys((g.name for g in layout.groups), args.num_blocks)
         budget = sum(n * layout.bytes_per_block(g) for g, n in blocks.items())
-        return blocks, budget, None, max_model_len
-    if args.max_num_seqs is not None and max_model_len is None:
-        # vLLM's rule: max_model_len defaults to the model's max_position_embeddings
-        max_model_len = getattr(backends, "max_position_embeddings", None)
-    if (args.max_num_seqs is None) != (max_model_len is None):
+        return blocks, budget, None
+    if (
+        args.max_num_seqs is not None
+        and args.max_model_len is None
+        and layout.max_model_len is None
+    ):
         raise UsageError(
-            "--max-num-seqs and --max-model-len go together (the model's config gives no "
-            "max_position_embeddings to default --max-model-len to)"
+            f"--max-num-seqs {args.max_num_seqs} needs a sequence length: give --max-model-len "
+            "(the model gives no max_position_embeddings to default it to)"
         )
-    plan = plan_memory(layout, args.device_memory, args.max_num_seqs, max_model_len)
+    plan = plan_memory(layout, args.device_memory, args.max_num_seqs, args.max_model_len)
     # what CacheController(share_pools=True), the default, allocates: groups whose pages
     # differ draw on one slab arena
-    if not args.own_pools:
-        plan = plan_with_arena(plan, layout)
-    return plan.num_blocks, args.device_memory, plan, max_model_len
+    pooled = plan if args.own_pools else plan_with_arena(plan, layout)
+    return plan.num_blocks, args.device_memory, pooled
 
 
-def _role_rows(layout: Any, blocks: dict[str, int], rank: int) -> list[dict[str, Any]]:
-    """One row per (role, group), its layers and bytes summed over them."""
-    from kvforge.core.naming import StorageNamer
+def _block_ids(layout: Any, planned: dict[str, int], pooled: Any, share: bool) -> dict[str, int]:
+    """Each group's block ids as allocated: its arena's, its shared pool's, or its own."""
+    from kvforge.core.memory_plan import shared_pool_blocks
 
-    namer = StorageNamer(rank=rank)
-    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for e in layout.buffers:
-        key = (e.role, e.group.name)
-        row = rows.setdefault(
-            key,
-            {
-                "role": e.role.name,
-                "group": e.group.name,
-                "entry_shape": list(e.role.entry_shape),
-                "dtype": e.role.dtype,
-                "compress_ratio": e.role.compress_ratio,
-                "block_shape": [
-                    blocks[e.group.name],
-                    e.role.entries_per_block(e.group),
-                    *e.role.entry_shape,
-                ],
-                "bytes_per_block": e.block_bytes,
-                "storage_name": namer.pattern(e.role.name),
-                "layers": [],
-                "total_bytes": 0,
-            },
-        )
-        row["layers"].append(e.layer)
-        row["total_bytes"] += blocks[e.group.name] * e.block_bytes
-    return list(rows.values())
+    blocks = shared_pool_blocks(layout, planned) if share else dict(planned)
+    arena = pooled.arena if pooled is not None else None
+    if arena is not None:
+        blocks.update({g: arena.num_blocks(g) for g in arena.groups})
+    return blocks
 
 
-def _group_rows(layout: Any, blocks: dict[str, int], arena: Any) -> list[dict[str, Any]]:
-    """One row per group; an arena group's bytes are the arena's, counted once elsewhere."""
-    in_arena = set(arena.groups) if arena is not None else set()
-    groups = []
-    for g in layout.groups:
-        page = layout.bytes_per_block(g.name)
-        stride = arena.block_stride[arena.index(g.name)] if g.name in in_arena else page
-        groups.append(
-            {
-                "group": g.name,
-                "kind": g.kind.value,
-                "block_size": g.block_size,
-                "window": g.window,
-                "num_blocks": blocks[g.name],
-                "bytes_per_block": page,
-                "device_stride": stride,
-                # an arena group's blocks are the arena's bytes, counted once below
-                "total_bytes": 0 if g.name in in_arena else blocks[g.name] * page,
-                "token_capacity": (blocks[g.name] - 1) * g.block_size,
-            }
-        )
-    return groups
-
-
-def _arena_report(arena: Any) -> dict[str, Any] | None:
-    if arena is None:
-        return None
+def _settings(args: argparse.Namespace, pooled: Any) -> dict[str, Any]:
+    """The concurrency values the plan used, and which of them it assumed."""
+    if pooled is None:
+        return {
+            "max_num_seqs": None,
+            "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": None,
+            "defaulted": [],
+        }
     return {
-        "groups": list(arena.groups),
-        "num_slabs": arena.num_slabs,
-        "slab_bytes": arena.slab_bytes,
-        "total_bytes": arena.total_bytes,
-        "blocks_per_slab": dict(zip(arena.groups, arena.blocks_per_slab, strict=True)),
-        "padding": {g: round(p, 6) for g, p in arena.padding.items()},
-        # slab 0 (past the null blocks) and the tail past the last slab never move
-        "home": arena.groups[arena.home],
-        "home_reserved": arena.home_reserved,
-        "tail_blocks": arena.tail_blocks,
-        "pinned_blocks": arena.pinned_blocks(arena.groups[arena.home]),
+        "max_num_seqs": pooled.max_num_seqs,
+        "max_model_len": pooled.max_model_len,
+        "max_num_batched_tokens": pooled.max_num_batched_tokens,
+        "defaulted": list(pooled.defaulted),
     }
 
 
-def _shared_pools(layout: Any, blocks: dict[str, int]) -> list[dict[str, Any]]:
-    """Groups whose pages pair up byte for byte: CacheController(share_pools=True) gives each
-    set one pool of sum(num_blocks - 1) + 1 blocks, paid once."""
-    from kvforge.core.memory_plan import shared_pool_blocks
+def _warnings(pooled: Any, per_sequence: int | None) -> list[str]:
+    """The plan's warnings, the shortfall of sequences first (in the CLI's words: the
+    planner's own sentence about it is replaced, not repeated)."""
+    from kvforge.cli.plan_report import shortfall_warning
 
-    return [
-        {"groups": list(members), "num_blocks": shared_pool_blocks(layout, blocks)[members[0]]}
-        for members in layout.pool_sets
-        if len(members) > 1
-    ]
+    if pooled is None:
+        return []
+    held, seqs, length = pooled.max_concurrency, pooled.max_num_seqs, pooled.max_model_len
+    if held is None or seqs is None or length is None or held >= seqs:
+        return list(pooled.warnings)
+    assert per_sequence is not None
+    first = shortfall_warning(held, seqs, length, per_sequence, pooled.defaulted)
+    return [first, *(w for w in pooled.warnings if not w.startswith("the plan holds "))]
 
 
-def _host_report(layout: Any, host_memory: int) -> dict[str, Any]:
+def _host_report(
+    layout: Any, host_memory: int, max_num_seqs: int | None, max_model_len: int | None
+) -> dict[str, Any]:
+    """Host pages of ``--host-memory`` (offloaded roles only, packed, no padding) for
+    requests at rest: ``--max-num-seqs`` of them (the planner's default when not given) of
+    the device plan's ``max_model_len``."""
     from kvforge.core.memory_plan import plan_memory
 
-    host = plan_memory(layout, host_memory, host=True)
+    host = plan_memory(layout, host_memory, max_num_seqs, max_model_len, host=True)
     return {
         "memory": host_memory,
         "pages": host.num_blocks,
@@ -218,159 +162,44 @@ def _host_report(layout: Any, host_memory: int) -> dict[str, Any]:
 
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything ``kvforge plan`` prints, as plain data."""
+    """Everything ``kvforge plan`` prints, as plain data (``docs/plans.md``: its keys)."""
+    from kvforge.cli import plan_report as values
     from kvforge.core.layout import CacheLayout
     from kvforge.core.memory_plan import cache_bytes_per_sequence
 
     _check_sizing_flags(args)
     description, backends = _plan_backends(args)
     layout = CacheLayout(backends)
-    blocks, budget, plan, max_model_len = _sizes(args, layout, backends)
-    arena = plan.arena if plan is not None else None
-    groups = _group_rows(layout, blocks, arena)
-    report: dict[str, Any] = {
+    planned, budget, pooled = _sizes(args, layout)
+    share = args.num_blocks is None and not args.own_pools
+    blocks = _block_ids(layout, planned, pooled, share)
+    arena = pooled.arena if pooled is not None else None
+    settings = _settings(args, pooled)
+    length = settings["max_model_len"]
+    per_sequence = cache_bytes_per_sequence(layout, length) if length else None
+    pools = values.pool_rows(layout, planned, arena, share)
+    return {
         "model": description,
         "num_layers": len(layout.layers),
-        "roles": _role_rows(layout, blocks, args.rank),
-        "groups": groups,
-        # exact: an int when whole, else the string of a fraction ("15401/4"): no float bytes
-        "kv_bytes_per_token": _exact(layout.kv_bytes_per_token()),
+        **settings,
+        "max_concurrency": pooled.max_concurrency if pooled is not None else None,
+        "warnings": _warnings(pooled, per_sequence),
         "device_memory": budget,
-        "total_bytes": sum(g["total_bytes"] for g in groups)
-        + (arena.total_bytes if arena is not None else 0),
-        "arena": _arena_report(arena),
-        "max_tokens": plan.max_tokens if plan else None,
-        "shared_pools": _shared_pools(layout, blocks),
+        "total_bytes": sum(p["total_bytes"] for p in pools),
+        "max_tokens": pooled.max_tokens if pooled is not None else None,
+        "bytes_per_token": values.bytes_per_token_report(layout),
+        "bytes_per_request": values.request_state_report(layout),
+        "bytes_per_sequence": per_sequence,
+        "roles": values.role_rows(layout, blocks, planned, args.rank),
+        "groups": values.group_rows(layout, blocks, planned, pooled, arena),
+        "pools": pools,
+        "arena": values.arena_report(arena),
+        "host": (
+            _host_report(layout, args.host_memory, args.max_num_seqs, length)
+            if args.host_memory
+            else None
+        ),
     }
-    if max_model_len:
-        report["bytes_per_sequence"] = cache_bytes_per_sequence(layout, max_model_len)
-        report["max_num_seqs"] = args.max_num_seqs
-        report["max_model_len"] = max_model_len
-    if args.host_memory:
-        report["host"] = _host_report(layout, args.host_memory)
-    return report
-
-
-def _exact(value: int | Fraction) -> int | str:
-    if isinstance(value, Fraction) and value.denominator != 1:
-        return str(value)
-    return int(value)
-
-
-def _print_roles(out: Any, report: dict[str, Any]) -> None:
-    roles = make_table(
-        f"kvforge plan: {report['model']} ({report['num_layers']} cache layers)",
-        (
-            "role",
-            "group",
-            "layers",
-            "entry shape",
-            "dtype",
-            "ratio",
-            "bytes/block",
-            "storage name",
-            "total",
-        ),
-        left=("role", "group", "layers", "entry shape", "dtype", "ratio", "storage name"),
-    )
-    for r in report["roles"]:
-        roles.add_row(
-            r["role"],
-            r["group"],
-            _layer_ranges(r["layers"]),
-            str(tuple(r["entry_shape"])),
-            r["dtype"],
-            str(r["compress_ratio"]),
-            f"{r['bytes_per_block']:,}",
-            r["storage_name"],
-            format_bytes(r["total_bytes"]),
-        )
-    out.print(roles)
-
-
-def _print_groups(out: Any, report: dict[str, Any]) -> None:
-    groups = make_table(
-        "groups",
-        (
-            "group",
-            "kind",
-            "block size",
-            "window",
-            "blocks",
-            "bytes/block",
-            "total",
-            "token capacity",
-        ),
-        left=("group", "kind"),
-    )
-    arena_groups = set((report.get("arena") or {}).get("groups", ()))
-    for g in report["groups"]:
-        groups.add_row(
-            g["group"],
-            g["kind"],
-            str(g["block_size"]),
-            str(g["window"] or "-"),
-            f"{g['num_blocks']:,}",
-            f"{g['bytes_per_block']:,}",
-            "arena" if g["group"] in arena_groups else format_bytes(g["total_bytes"]),
-            f"{g['token_capacity']:,}",
-        )
-    out.print(groups)
-
-
-def _print_arena(out: Any, arena: dict[str, Any]) -> None:
-    out.print(
-        f"groups {', '.join(arena['groups'])} draw on one arena of {arena['num_slabs']:,} "
-        f"slabs x {arena['slab_bytes']:,} B: a slab moves to the group that needs it once "
-        "none of its blocks is in use, so their bytes flow with the load; under slab "
-        "pressure a step moves cached blocks out of busy slabs (blocks: each group's ids "
-        "across the whole arena)"
-    )
-    out.print(
-        f"{arena['home']} keeps slab 0 past the null blocks and {arena['tail_blocks']:,} "
-        f"blocks past the last slab for good ({arena['pinned_blocks']:,} blocks)"
-    )
-    out.print(
-        "device padding per block: "
-        + ", ".join(f"{g} {p:.2%}" for g, p in arena["padding"].items())
-    )
-
-
-def _print_totals(out: Any, report: dict[str, Any]) -> None:
-    per_token = Fraction(report["kv_bytes_per_token"])
-    out.print(f"KV bytes per token: {format_exact(per_token)}")
-    out.print(
-        f"device memory: {format_bytes(report['total_bytes'])} of "
-        f"{format_bytes(report['device_memory'])}"
-    )
-    if report.get("max_tokens") is not None:
-        out.print(f"token capacity (full groups): {report['max_tokens']:,}")
-
-
-def print_plan(report: dict[str, Any]) -> None:
-    """The tables and lines of ``kvforge plan`` for ``report`` (:func:`plan_report`)."""
-    out = console()
-    _print_roles(out, report)
-    _print_groups(out, report)
-    _print_totals(out, report)
-    if report.get("arena"):
-        _print_arena(out, report["arena"])
-    for pool in report.get("shared_pools", ()):
-        out.print(
-            f"groups {', '.join(pool['groups'])} pair up byte for byte: with share_pools=True "
-            f"they draw on one pool of {pool['num_blocks']:,} blocks"
-        )
-    if "bytes_per_sequence" in report:
-        out.print(
-            f"one sequence of {report['max_model_len']:,} tokens keeps "
-            f"{format_bytes(report['bytes_per_sequence'])} live"
-        )
-    if "host" in report:
-        host = report["host"]
-        out.print(
-            f"host pages: {host['pages']} ({format_bytes(host['total_bytes'])} of "
-            f"{format_bytes(host['memory'])})"
-        )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -390,5 +219,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(text)
     else:
+        from kvforge.cli.plan_print import print_plan
+
         print_plan(report)
     return 0

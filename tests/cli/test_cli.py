@@ -19,6 +19,7 @@ from kvforge.cli.formatting import (
     parse_size,
 )
 from kvforge.cli.main import main
+from kvforge.cli.plan_report import read_exact
 
 
 def run(capsys, *argv):
@@ -77,7 +78,11 @@ def test_parse_size_units():
             ["--model", "llama-3-8b", "--backend", "mla"],
             "give one of --model, --config or --backend",
         ),
-        (["--max-num-seqs", "4"], "--max-num-seqs and --max-model-len go together"),
+        (
+            ["--max-num-seqs", "4"],
+            "--max-num-seqs 4 needs a sequence length: give --max-model-len (the model gives no "
+            "max_position_embeddings to default it to)",
+        ),
         # zero usable blocks
         (
             ["--num-blocks", "1"],
@@ -320,8 +325,9 @@ def test_plan_json_path_writes_the_report_and_prints_tables(capsys, tmp_path):
         capsys, "plan", "--backend", "mla", "--layers", "2", "--num-blocks", "3", "--json", path
     )
     assert code == 0
-    assert "KV bytes per token: 2,304" in out  # 2 layers * 576 * bf16
-    assert json.loads(path.read_text())["kv_bytes_per_token"] == 2 * 576 * 2
+    # 2 layers * 576 * bf16
+    assert "KV bytes per token of history: 2,304 (full-history layers: 2 of 2)" in out
+    assert read_exact(json.loads(path.read_text())["bytes_per_token"]["history"]) == 2 * 576 * 2
     code, out, _ = run(
         capsys, "plan", "--backend", "mla", "--layers", "2", "--num-blocks", "3", "--json", "-"
     )
@@ -397,8 +403,10 @@ def test_plan_json_for_bundled_flash(capsys):
     assert report["total_bytes"] <= 60 * 1024**3
     # exact: 1,002,240 device bytes per 256-token block of the compressed group (blocks padded
     # to 576 B: 21 x (65 x 576 + 15 x 576) + 20 x 3 x 576), 1,002,240 / 256 = 3,915, a whole
-    # number, so JSON carries an int
-    assert report["kv_bytes_per_token"] == 3_915 == Fraction(1_002_240, 256)
+    # number, still carried as the exact object (denominator 1)
+    history = report["bytes_per_token"]["history"]
+    assert history == {"numerator": 3_915, "denominator": 1, "value": 3_915.0}
+    assert read_exact(history) == 3_915 == Fraction(1_002_240, 256)
     assert 21 * (65 * 576 + 15 * 576) + 20 * 3 * 576 == 1_002_240
     roles = {(r["role"], r["group"]): r for r in report["roles"]}
     assert len(roles[("swa_kv", "swa")]["layers"]) == 43  # the MTP layer only with drafts
@@ -415,27 +423,41 @@ def test_plan_names_groups_that_can_share_a_pool(capsys):
     code, out, _ = run(capsys, *args, "--json")
     assert code == 0
     report = json.loads(out)
-    blocks = {g["group"]: g["num_blocks"] for g in report["groups"]}
-    # one pool of every block of both groups, one null block (the spare one is usable)
-    assert report["shared_pools"] == [
-        {"groups": ["swa", "kv"], "num_blocks": blocks["swa"] + blocks["kv"]}
+    planned = {g["group"]: g["planned_blocks"] for g in report["groups"]}
+    pool = planned["swa"] + planned["kv"]
+    # one pool of every block of both groups, one null block (the spare one is usable),
+    # counted once: 12 layers * (k, v) * 16 tokens * 8 heads * 64 dims * 2 B per block
+    assert report["pools"] == [
+        {
+            "groups": ["swa", "kv"],
+            "sharing": "shared",
+            "num_blocks": {"swa": pool, "kv": pool},
+            "total_bytes": pool * 393_216,
+        }
     ]
+    assert 12 * 2 * 16 * 8 * 64 * 2 == 393_216
+    assert [g["num_blocks"] for g in report["groups"]] == [pool, pool]
+    assert report["total_bytes"] == pool * 393_216
     code, out, _ = run(capsys, *args)
     assert code == 0
-    assert "groups swa, kv pair up byte for byte: with share_pools=True they draw on one" in (
-        " ".join(out.split())
-    )
+    assert f"│ swa, kv │ shared  │ swa {pool:,}, kv {pool:,} │" in out
     code, out, _ = run(
         capsys, "plan", "--model", "deepseek-v4-flash", "--num-blocks", "9", "--json"
     )
-    assert code == 0 and json.loads(out)["shared_pools"] == []
+    pools = json.loads(out)["pools"]
+    assert code == 0 and [(p["groups"], p["sharing"]) for p in pools] == [
+        (["swa"], "own"),
+        (["compressed"], "own"),
+        (["c4_state"], "own"),
+        (["c128_state"], "own"),
+    ]
 
 
 def test_plan_table_from_flags(capsys):
     code, out, _ = run(capsys, "plan", "--backend", "gqa", "--layers", "32", "--num-blocks", "100")
     assert code == 0
     assert "key_caches_{layer}_rank0.device0" in out
-    assert "KV bytes per token: 131,072" in out
+    assert "KV bytes per token of history: 131,072 (full-history layers: 32 of 32)" in out
     assert "0-31" in out
 
 
@@ -466,7 +488,7 @@ def test_plan_dtype_takes_every_float_cache_dtype(capsys, dtype, stored, itemsiz
     report = json.loads(out)
     assert {r["dtype"] for r in report["roles"]} == {stored}
     # one layer: (key, value) * 8 kv heads * 128 dims * itemsize
-    assert report["kv_bytes_per_token"] == 2 * 8 * 128 * itemsize
+    assert read_exact(report["bytes_per_token"]["history"]) == 2 * 8 * 128 * itemsize
 
 
 def test_plan_from_config_path(capsys, tmp_path):
@@ -486,7 +508,7 @@ def test_plan_from_config_path(capsys, tmp_path):
     assert code == 0
     report = json.loads(out)
     # 2 layers * (k, v) * 2 heads * 64 dims * 2 bytes
-    assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 2
+    assert read_exact(report["bytes_per_token"]["history"]) == 2 * 2 * 2 * 64 * 2
 
 
 def test_list_models(capsys):
@@ -642,7 +664,7 @@ def test_plan_num_speculative_tokens_adds_the_mtp_layer(capsys, tokens, layers, 
     report = json.loads(out)
     assert report["num_layers"] == layers
     # (512 + 64) bf16 values per layer
-    assert report["kv_bytes_per_token"] == layers * 576 * 2
+    assert read_exact(report["bytes_per_token"]["history"]) == layers * 576 * 2
     assert report["roles"][0]["layers"] == list(range(layers))
     code, out, _ = run(capsys, *argv)
     assert f"({layers} cache layers)" in out and ranges in out
@@ -654,7 +676,7 @@ def test_plan_tp_size_splits_kv_heads(capsys):
     )
     assert code == 0
     # 8 kv heads over 4 ranks: 2 per rank; 32 layers * (k, v) * 2 heads * 128 dims * 2 bytes
-    assert json.loads(out)["kv_bytes_per_token"] == 32 * 2 * 2 * 128 * 2
+    assert read_exact(json.loads(out)["bytes_per_token"]["history"]) == 32 * 2 * 2 * 128 * 2
     code, _, err = run(capsys, "plan", "--model", "llama-3-8b", "--tp-size", "3")
     assert code == 2 and "tp_size" in err and len(err.strip().splitlines()) == 1
 
@@ -679,7 +701,10 @@ def test_plan_puts_groups_whose_pages_differ_in_one_arena(capsys):
         assert g["num_blocks"] == arena["num_slabs"] * k + extra
         assert g["device_stride"] * k == arena["slab_bytes"]
         assert g["bytes_per_block"] <= g["device_stride"] <= g["bytes_per_block"] * 1.03
-        assert g["total_bytes"] == 0  # the arena's bytes are counted once
+        assert g["max_sequences"] is None  # the arena holds sequences for all its groups
+    # the arena's bytes are counted once, in one pool
+    assert [p["sharing"] for p in report["pools"]] == ["arena"]
+    assert report["pools"][0]["total_bytes"] == report["total_bytes"]
     code, out, _ = run(capsys, *args)
     assert code == 0
     assert "draw on one arena of" in out and "device padding per block" in out

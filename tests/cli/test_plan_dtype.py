@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvforge.cli.main import main
+from kvforge.cli.plan_report import read_exact
 
 
 def run(capsys, *argv):
@@ -37,7 +38,7 @@ def test_plan_gemma2_dtype(capsys, argv, stored, bytes_per_token):
     report = json.loads(out)
     assert {r["dtype"] for r in report["roles"]} == {stored}
     assert (
-        report["kv_bytes_per_token"]
+        read_exact(report["bytes_per_token"]["history"])
         == bytes_per_token
         == 172_032 * (2 if stored == "float32" else 1)
     )
@@ -56,7 +57,9 @@ def test_plan_config_file_in_float32(capsys, tmp_path):
         code, out, err = run(capsys, "plan", "--config", cfg, *argv, "--num-blocks", "2", "--json")
         assert code == 0, err
         # 2 layers * (key, value) * 4 heads * 64
-        assert json.loads(out)["kv_bytes_per_token"] == 2 * 2 * 4 * 64 * itemsize
+        assert (
+            read_exact(json.loads(out)["bytes_per_token"]["history"]) == 2 * 2 * 4 * 64 * itemsize
+        )
 
 
 def test_dtype_auto_with_a_backend_is_its_default(capsys):

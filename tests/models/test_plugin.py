@@ -20,6 +20,7 @@ import torch
 
 from kvforge.attn_backends import GQABackend, MLABackend
 from kvforge.cli.main import main
+from kvforge.cli.plan_report import read_exact
 from kvforge.core.layout import CacheLayout
 from kvforge.models import (
     ModelOptions,
@@ -437,7 +438,7 @@ def test_plan_with_plugin_option_in_process(example, capsys):
     assert (code, err) == (0, "")
     report = json.loads(out)
     assert report["num_layers"] == 40
-    assert report["kv_bytes_per_token"] == STARCODER_BYTES_PER_TOKEN
+    assert read_exact(report["bytes_per_token"]["history"]) == STARCODER_BYTES_PER_TOKEN
     [role] = report["roles"]
     assert (role["role"], role["entry_shape"], role["storage_name"]) == (
         "kv",
@@ -464,7 +465,7 @@ def test_backend_choice_of_the_plugin(example, capsys):
     )
     assert code == 0
     # 4 layers * (k, v) * 2 heads * 64 * bf16
-    assert json.loads(out)["kv_bytes_per_token"] == 4 * 2 * 2 * 64 * 2
+    assert read_exact(json.loads(out)["bytes_per_token"]["history"]) == 4 * 2 * 2 * 64 * 2
 
 
 @pytest.mark.parametrize(
@@ -713,7 +714,7 @@ def test_plan_with_plugin_option_in_a_subprocess():
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["kv_bytes_per_token"] == STARCODER_BYTES_PER_TOKEN
+    assert read_exact(report["bytes_per_token"]["history"]) == STARCODER_BYTES_PER_TOKEN
     assert report["max_model_len"] == 8192  # n_positions, since --max-model-len was not given
 
 
@@ -754,7 +755,10 @@ def test_entry_point_discovery_in_a_subprocess(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["kv_bytes_per_token"] == STARCODER_BYTES_PER_TOKEN
+    assert (
+        read_exact(json.loads(proc.stdout)["bytes_per_token"]["history"])
+        == STARCODER_BYTES_PER_TOKEN
+    )
 
 
 def test_a_broken_entry_point_is_named(tmp_path, monkeypatch, capsys):
