@@ -425,3 +425,24 @@ def test_a_password_is_never_logged_nor_shown(caplog):
         assert all(secret not in text for text in shown)
     finally:
         eng.shutdown()
+
+
+def test_remove_deletes_values_and_counts_them(redis):
+    from kvforge.store import open_store
+    from kvforge.store.config import StoreConfig
+
+    store = open_store(StoreConfig(**remote(redis)), b"fingerprint")
+    try:
+        assert store.wait_ready(5.0)
+        page = bytearray(b"x" * 64)
+        store.register_buffer(page)
+        assert store.batch_put([b"k1", b"k2"], [memoryview(page)[:32], memoryview(page)[32:]])
+        assert store.remove([b"k1", b"k3"]) == 1
+        assert store.exists_prefix([b"k1"]) == 0 and store.exists_prefix([b"k2"]) == 1
+        assert store.stats().removed == 1
+        with pytest.raises(ArgumentError, match=r"^remove: keys\[0\] must be non-empty bytes"):
+            store.remove([b""])
+        redis.stop()
+        assert store.remove([b"k2"]) == 0  # a store that is down removes nothing, raises nothing
+    finally:
+        store.close()
