@@ -21,6 +21,8 @@ _EXPORTS: dict[str, str] = {
     "MHABackend": "kvforge.attn_backends.gqa",
     "LINEAR_STATE_GROUP": "kvforge.attn_backends.linear_attention",
     "LinearAttentionBackend": "kvforge.attn_backends.linear_attention",
+    "MAMBA_STATE_GROUP": "kvforge.attn_backends.mamba",
+    "Mamba2Backend": "kvforge.attn_backends.mamba",
     "MLABackend": "kvforge.attn_backends.mla",
     "SwapContext": "kvforge.attn_backends.base",
 }

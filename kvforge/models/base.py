@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
@@ -22,6 +22,7 @@ __all__ = [
     "MAX_LAYERS",
     "LayerCount",
     "LayerFields",
+    "MambaDType",
     "ModelBackends",
     "ModelBuilder",
     "ModelOptions",
@@ -37,6 +38,8 @@ under 200; the cap turns a corrupt count such as ``10**9`` into an immediate err
 minutes of building a mapping that cannot fit in memory."""
 
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
+MambaDType = Literal["auto", "float32", "float16", "bfloat16"]
+"""A Mamba state dtype option, as vLLM's ``MambaDType`` (``vllm/config/cache.py``)."""
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 LayerCount = Annotated[StrictInt, Field(gt=0, le=MAX_LAYERS)]
 
@@ -103,6 +106,10 @@ class ModelOptions(BaseModel):
         kv_cache_dtype: cache storage (family-specific names); ``None``: the family's default.
         tp_size: tensor-parallel ranks.
         num_speculative_tokens: draft tokens per step; MTP layers get caches only when > 0.
+        mamba_cache_dtype: the Mamba2 conv state's dtype, as vLLM's ``--mamba-cache-dtype``
+            (``None`` / ``"auto"``: the model dtype).
+        mamba_ssm_cache_dtype: the Mamba2 SSM state's dtype, as vLLM's
+            ``--mamba-ssm-cache-dtype`` (``None`` / ``"auto"``: the family's engine default).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -112,6 +119,8 @@ class ModelOptions(BaseModel):
     kv_cache_dtype: StrictStr | None = None
     tp_size: PositiveInt = 1
     num_speculative_tokens: NonNegativeInt = 0
+    mamba_cache_dtype: MambaDType | None = None
+    mamba_ssm_cache_dtype: MambaDType | None = None
 
     def is_set(self, name: str) -> bool:
         """Whether option ``name`` differs from its default."""

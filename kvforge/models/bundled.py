@@ -31,6 +31,7 @@ from kvforge.models.families import (
     build_qwen,
     build_qwen3_next,
 )
+from kvforge.models.mamba_hybrids import build_falcon_h1, build_granite_hybrid, build_nemotron_h
 
 __all__ = ["BUNDLED_BACKENDS", "BUNDLED_MODEL_TYPES"]
 
@@ -100,5 +101,8 @@ BUNDLED_MODEL_TYPES: tuple[tuple[str, ModelBuilder, str], ...] = (
     ("llama4_text", build_llama4, "Llama4ForCausalLM"),
     ("glm4_moe", build_gqa, "Glm4MoeForCausalLM"),
     ("qwen3_next", build_qwen3_next, "Qwen3NextForCausalLM"),
+    ("falcon_h1", build_falcon_h1, "FalconH1ForCausalLM"),
+    ("nemotron_h", build_nemotron_h, "NemotronHForCausalLM"),
+    ("granitemoehybrid", build_granite_hybrid, "GraniteMoeHybridForCausalLM"),
 )
 """``(model_type, builder, architecture)`` of every bundled Hugging Face model type."""

@@ -27,6 +27,8 @@ registered. The bundled families register there like any plugin:
 ``index_head_dim``)
 ``deepseek_v4`` (:func:`build_deepseek_v4`)              :class:`DeepseekV4Backend`, one per
                                                          compress ratio in ``compress_ratios``
+``falcon_h1``, ``nemotron_h``, ``granitemoehybrid``       :class:`GQABackend` and
+(:mod:`~kvforge.models.mamba_hybrids`)                   :class:`Mamba2Backend`
 =======================================================  =====================================
 
 The ``build_*`` functions are public so a plugin can register one of them for another
@@ -72,6 +74,16 @@ Rules a reader can check against the code:
   compression, as some configs write it, e.g. vllm-ascend's ``[1, 1, 4, 128]``) loads as 0.
 - **Block sizes.** ``block_size`` defaults to 16 for GQA and 64 for MLA / DSA. DeepSeek-V4
   block sizes are fixed by its groups, so passing ``block_size`` for V4 is an error.
+- **Mamba2 hybrids** (:mod:`~kvforge.models.mamba_hybrids`). A Mamba2 mixer keeps a conv and
+  an SSM state per request (group ``mamba_state``, ``1 + num_speculative_tokens`` slots).
+  Falcon-H1's layer ``i`` runs attention (cache layer ``i``) and a mixer (cache layer
+  ``num_hidden_layers + i``, vLLM's numbering) in parallel; Nemotron-H's layer ``i`` is the
+  ``i``-th entry of ``hybrid_override_pattern`` (``M`` mixer, ``*`` attention, MLP / MoE
+  entries no cache layer); Granite-4.0-H's ``layer_types`` says ``mamba`` or ``attention``.
+  ``mamba_cache_dtype`` / ``mamba_ssm_cache_dtype`` are vLLM's options: ``"auto"`` is the
+  model dtype for the conv state and, for the SSM state, the conv dtype (Nemotron-H: the
+  config's ``mamba_ssm_cache_dtype``, else float32). Either option is an error for a model
+  without Mamba2 layers. Draft layers are not planned for these families yet.
 
 Every problem is a ``ValueError`` (or ``FileNotFoundError`` / ``TypeError``) whose message
 names the field, its value and the model type. A builder that returns something other than
@@ -87,6 +99,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.attn_backends.mamba import Mamba2Backend
 from kvforge.models.base import MAX_LAYERS, ModelBackends, ModelOptions, short_repr
 from kvforge.models.reading import (
     AUTO_DTYPE,
@@ -196,6 +209,8 @@ def from_hf_config(
     kv_cache_dtype: str | None = None,
     tp_size: int = 1,
     num_speculative_tokens: int = 0,
+    mamba_cache_dtype: str | None = None,
+    mamba_ssm_cache_dtype: str | None = None,
 ) -> ModelBackends:
     """The ``layer id -> backend`` mapping of a model, from its Hugging Face config.
 
@@ -215,6 +230,7 @@ def from_hf_config(
         num_speculative_tokens: draft tokens per step; the MTP layers
             (``num_nextn_predict_layers``) get caches only when it is > 0, and then the model
             must have some.
+        mamba_cache_dtype, mamba_ssm_cache_dtype: Mamba2 state dtypes, as vLLM's options.
 
     Returns:
         A :class:`~kvforge.models.base.ModelBackends`: ``{layer_id: backend}``
@@ -239,10 +255,24 @@ def from_hf_config(
         kv_cache_dtype=kv_cache_dtype,
         tp_size=tp_size,
         num_speculative_tokens=num_speculative_tokens,
+        mamba_cache_dtype=mamba_cache_dtype,
+        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
     )
     entry = _registration(config)
     _check_layer_counts(config)
     return _build(entry, config, opts)
+
+
+def _check_mamba_options(result: object, model_type: str, opts: ModelOptions) -> None:
+    """A Mamba state dtype option for a model without Mamba2 layers is an error, not a no-op."""
+    if isinstance(result, Mapping) and any(isinstance(b, Mamba2Backend) for b in result.values()):
+        return
+    opts.refuse(
+        model_type,
+        "mamba_cache_dtype",
+        "mamba_ssm_cache_dtype",
+        why="the model has no Mamba2 layer",
+    )
 
 
 def _config_mapping(config: ConfigSource) -> Mapping[str, Any]:
@@ -264,6 +294,7 @@ def _build(
     builder's own when it gives one)."""
     max_len = max_position_embeddings(config, entry.model_type)
     result = entry.builder(config, entry.model_type, opts)
+    _check_mamba_options(result, entry.model_type, opts)
     if isinstance(result, ModelBackends) and result.max_position_embeddings is not None:
         max_len = result.max_position_embeddings
     return ModelBackends(

@@ -21,13 +21,16 @@ from kvforge.models import (
     ModelBackends,
     build_deepseek_v4,
     build_dsa,
+    build_falcon_h1,
     build_gemma2,
     build_gemma3,
     build_gpt_oss,
     build_gqa,
+    build_granite_hybrid,
     build_llama4,
     build_mistral,
     build_mla,
+    build_nemotron_h,
     build_qwen,
     build_qwen3_next,
     bundled_models,
@@ -45,13 +48,16 @@ BUNDLED = [
     "deepseek-v3.2",
     "deepseek-v4-flash",
     "deepseek-v4-tiny",
+    "falcon-h1-7b",
     "gemma-2-9b",
     "gemma-3-12b",
     "glm-4.5-air",
     "gpt-oss-20b",
+    "granite-4.0-h-small",
     "llama-3-8b",
     "llama-4-scout-17b-16e",
     "mistral-7b-v0.1",
+    "nemotron-nano-9b-v2",
     "qwen2.5-7b",
     "qwen3-8b",
     "qwen3-next-80b-a3b",
@@ -110,7 +116,11 @@ def test_every_bundled_config_loads(name):
     assert ("text_config" in cfg) == (name in ("gemma-3-12b", "llama-4-scout-17b-16e"))
     backends = from_hf_config(name)
     n, mtp = text["num_hidden_layers"], text.get("num_nextn_predict_layers", 0)
-    assert list(backends) == list(range(n))  # MTP layers only with speculative decoding
+    # Nemotron-H's MLP / MoE layers keep no cache; Falcon-H1's mixers are layers n .. 2n - 1
+    skipped = {i for i, c in enumerate(cfg.get("hybrid_override_pattern", "")) if c in "-E"}
+    n = 2 * n if cfg["model_type"] == "falcon_h1" else n
+    # MTP layers only with speculative decoding
+    assert list(backends) == [i for i in range(n) if i not in skipped]
     CacheLayout(backends)  # the declarations merge without conflict
     if mtp:
         speculative = from_hf_config(name, num_speculative_tokens=1)
@@ -529,6 +539,9 @@ def test_bundled_families_are_registered_through_the_registry():
         "qwen3": (build_qwen, ("Qwen3ForCausalLM",)),
         "qwen3_moe": (build_qwen, ("Qwen3MoeForCausalLM",)),
         "qwen3_next": (build_qwen3_next, ("Qwen3NextForCausalLM",)),
+        "falcon_h1": (build_falcon_h1, ("FalconH1ForCausalLM",)),
+        "nemotron_h": (build_nemotron_h, ("NemotronHForCausalLM",)),
+        "granitemoehybrid": (build_granite_hybrid, ("GraniteMoeHybridForCausalLM",)),
     }
     assert list(types) == sorted(types)
 
