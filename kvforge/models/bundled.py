@@ -32,6 +32,17 @@ from kvforge.models.families import (
     build_qwen3_next,
 )
 from kvforge.models.mamba_hybrids import build_falcon_h1, build_granite_hybrid, build_nemotron_h
+from kvforge.models.published_gqa import (
+    build_minimax_m2,
+    build_mistral3,
+    build_olmo2,
+    build_phi3,
+    build_qwen2_5_vl,
+    build_qwen3_vl,
+    build_qwen3_vl_moe,
+    build_step3p5,
+)
+from kvforge.models.published_hybrid import build_qwen3_5, build_qwen3_5_moe
 
 __all__ = ["BUNDLED_BACKENDS", "BUNDLED_MODEL_TYPES"]
 
@@ -104,5 +115,17 @@ BUNDLED_MODEL_TYPES: tuple[tuple[str, ModelBuilder, str], ...] = (
     ("falcon_h1", build_falcon_h1, "FalconH1ForCausalLM"),
     ("nemotron_h", build_nemotron_h, "NemotronHForCausalLM"),
     ("granitemoehybrid", build_granite_hybrid, "GraniteMoeHybridForCausalLM"),
+    ("phi3", build_phi3, "Phi3ForCausalLM"),
+    ("olmo2", build_olmo2, "Olmo2ForCausalLM"),
+    ("minimax_m2", build_minimax_m2, "MiniMaxM2ForCausalLM"),
+    ("mistral3", build_mistral3, "Mistral3ForConditionalGeneration"),
+    ("qwen2_5_vl", build_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
+    ("qwen3_vl", build_qwen3_vl, "Qwen3VLForConditionalGeneration"),
+    ("qwen3_vl_moe", build_qwen3_vl_moe, "Qwen3VLMoeForConditionalGeneration"),
+    ("qwen3_5", build_qwen3_5, "Qwen3_5ForConditionalGeneration"),
+    ("qwen3_5_text", build_qwen3_5, "Qwen3_5ForCausalLM"),
+    ("qwen3_5_moe", build_qwen3_5_moe, "Qwen3_5MoeForConditionalGeneration"),
+    ("qwen3_5_moe_text", build_qwen3_5_moe, "Qwen3_5MoeForCausalLM"),
+    ("step3p5", build_step3p5, "Step3p5ForCausalLM"),
 )
 """``(model_type, builder, architecture)`` of every bundled Hugging Face model type."""

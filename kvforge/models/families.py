@@ -29,6 +29,7 @@ from kvforge.models.base import (
     parse_fields,
     short_repr,
 )
+from kvforge.models.engine_defaults import GEMMA3_TEXT, with_defaults
 from kvforge.models.reading import (
     FP8_NAMES,
     float_cache_dtype,
@@ -51,6 +52,7 @@ __all__ = [
     "build_mistral",
     "build_qwen",
     "build_qwen3_next",
+    "gated_deltanet_layers",
 ]
 
 
@@ -318,14 +320,21 @@ def build_gemma3(
 ) -> ModelBackends:
     """Gemma-3 (``gemma3`` with ``text_config``, or ``gemma3_text``): ``layer_types`` when
     present, else layer ``i`` slides unless ``(i + 1) % sliding_window_pattern == 0``
-    (pattern 6: five local layers, then one global)."""
-    text = text_config(config, model_type)
+    (pattern 6: five local layers, then one global).
+
+    Fields the config leaves out take ``Gemma3TextConfig``'s defaults
+    (:data:`~kvforge.models.engine_defaults.GEMMA3_TEXT`: ``head_dim`` 256, 8 heads, 4 kv
+    heads, pattern 6, window 4096), which vLLM's ``Gemma3Attention`` reads: the published
+    Gemma-3-4B and -12B configs state no ``head_dim``, and it is not ``hidden_size //
+    num_attention_heads`` (240 for 12B).
+    """
+    text = dict(text_config(config, model_type))
+    if text.get("sliding_window_pattern") is None and "_sliding_window_pattern" in text:
+        # transformers >= 4.53 saves the same number under a private name
+        text["sliding_window_pattern"] = text["_sliding_window_pattern"]
+    text = with_defaults(text, GEMMA3_TEXT)
     try:
-        source = dict(text)
-        if source.get("sliding_window_pattern") is None:
-            # transformers >= 4.53 saves the same number under a private name
-            source["sliding_window_pattern"] = text.get("_sliding_window_pattern")
-        every = parse_fields(Gemma3Pattern, source, model_type).sliding_window_pattern
+        every = parse_fields(Gemma3Pattern, text, model_type).sliding_window_pattern
 
         def rule(f: GQAFields, mt: str) -> frozenset[int]:
             if every is None:
@@ -457,6 +466,14 @@ def build_qwen3_next(
     ``num_speculative_tokens`` and ``num_nextn_predict_layers``) are full attention, and the
     draft tokens widen every conv state.
     """
+    return gated_deltanet_layers(config, model_type, options, recurrent_dtype="float32")
+
+
+def gated_deltanet_layers(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions, *, recurrent_dtype: str
+) -> dict[int, AttentionBackend]:
+    """The layers of a Gated DeltaNet hybrid of Qwen3-Next's shape (see
+    :func:`build_qwen3_next`), its recurrent state stored in ``recurrent_dtype``."""
     f = parse_fields(Qwen3NextFields, config, model_type)
     shape = _gqa_shape(f, config, model_type, options)
     full_layers = _qwen3_next_full(f, model_type)
@@ -480,7 +497,7 @@ def build_qwen3_next(
         f.linear_conv_kernel_dim,
         tp_size=tp,
         conv_dtype=model_dtype(config, options.dtype, model_type),
-        recurrent_dtype="float32",
+        recurrent_dtype=recurrent_dtype,
         num_speculative_tokens=options.num_speculative_tokens if len(mtp) else 0,
     )
     backends: dict[int, AttentionBackend] = {
