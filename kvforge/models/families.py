@@ -334,6 +334,13 @@ def build_gemma3(
         text["sliding_window_pattern"] = text["_sliding_window_pattern"]
     text = with_defaults(text, GEMMA3_TEXT)
     try:
+        if text.get("use_bidirectional_attention") is True:
+            raise ValueError(
+                "config field use_bidirectional_attention = True is not supported for "
+                f"model_type {model_type!r}: a bidirectional Gemma-3 (an embedding model) runs "
+                "encoder-only attention in vLLM (Gemma3TextModelConfig: is_causal = not "
+                "use_bidirectional_attention), which keeps no KV cache"
+            )
         every = parse_fields(Gemma3Pattern, text, model_type).sliding_window_pattern
 
         def rule(f: GQAFields, mt: str) -> frozenset[int]:

@@ -448,6 +448,22 @@ STEP = {
             "config field text_config.head_dim = 'x' is invalid for model_type 'gemma3'",
         ),
         (
+            {
+                "model_type": "gemma3",
+                "text_config": {"num_hidden_layers": 2, "use_bidirectional_attention": True},
+            },
+            {},
+            "config field text_config.use_bidirectional_attention = True is not supported for "
+            "model_type 'gemma3': a bidirectional Gemma-3 (an embedding model) runs "
+            "encoder-only attention in vLLM",
+        ),
+        (
+            {"model_type": "mistral3", "text_config": [1]},
+            {},
+            "config field text_config = [1] is invalid for model_type 'mistral3': it must be a "
+            "JSON object",
+        ),
+        (
             {**PHI3_MINI_4K, "num_key_value_heads": 7},
             {},
             "num_attention_heads=32 is not divisible by num_key_value_heads=7 (model_type 'phi3')",
