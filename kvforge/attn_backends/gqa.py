@@ -24,6 +24,10 @@ A sliding-window layer (Mistral / Gemma style) is the same backend with ``slidin
 set: its group is a ``sliding_window`` group named ``swa`` instead of the full group ``kv``.
 A chunked local-attention layer (Llama-4) sets ``attention_chunk_size``: a ``chunked`` group
 named ``chunked`` whose window restarts at every multiple of the chunk size.
+
+Key and value heads may differ in width (MiMo-V2-Flash: 192-dim keys, 128-dim values):
+``head_dim_v`` sets the value's, and the ``value`` role's entry is ``(num_kv_heads,
+head_dim_v)``, as vLLM's ``AttentionSpec.head_size_v`` (``vllm/v1/kv_cache_interface.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class GQABackend(DeclaredBackend):
         block_layout: ``"token_major"`` (default) or ``"head_major"`` (see the module).
         scale_dtype: ``"float32"`` (default) or ``"bfloat16"``: dtype of the block-wise fp8
             scales; only with ``kv_cache_quant="block_wise_fp8"``.
+        head_dim_v: dimension of one value head; ``None`` (default): ``head_dim``.
 
     Raises:
         ArgumentError: (a ``TypeError`` and a ``ValueError``) an argument of the wrong type,
@@ -68,8 +73,9 @@ class GQABackend(DeclaredBackend):
             the dtype one kvforge stores, the group a non-empty str (``None`` picks the
             default). Everything is checked before anything is built.
 
-    Per-token bytes per layer: ``2 * num_kv_heads * head_dim * itemsize``, plus
-    ``2 * num_kv_heads * scale_itemsize`` for block-wise scales (4 for float32, 2 for bf16).
+    Per-token bytes per layer: ``num_kv_heads * (head_dim + head_dim_v) * itemsize`` (``2 *
+    num_kv_heads * head_dim * itemsize`` when the widths agree), plus ``2 * num_kv_heads *
+    scale_itemsize`` for block-wise scales (4 for float32, 2 for bf16).
     """
 
     def __init__(
@@ -84,10 +90,12 @@ class GQABackend(DeclaredBackend):
         attention_chunk_size: int | None = None,
         block_layout: BlockLayout = "token_major",
         scale_dtype: ScaleDtype | None = None,
+        head_dim_v: int | None = None,
     ) -> None:
         owner = type(self).__name__
         num_kv_heads = width(owner, "num_kv_heads", num_kv_heads, unit="heads")
         head_dim = width(owner, "head_dim", head_dim)
+        head_dim_v = head_dim if head_dim_v is None else width(owner, "head_dim_v", head_dim_v)
         block_size = width(owner, "block_size", block_size, unit="tokens")
         dtype = dtype_name(owner, "dtype", dtype)
         if kv_cache_quant is not None:
@@ -116,6 +124,7 @@ class GQABackend(DeclaredBackend):
         )
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
         self.block_size = block_size
         self.dtype = dtype
         self.kv_cache_quant = kv_cache_quant
@@ -131,11 +140,11 @@ class GQABackend(DeclaredBackend):
             CacheRole(
                 name=n,
                 group=group,
-                entry_shape=(self.num_kv_heads, self.head_dim),
+                entry_shape=(self.num_kv_heads, dim),
                 dtype=store,
                 block_layout=self.block_layout,
             )
-            for n in ("key", "value")
+            for n, dim in (("key", self.head_dim), ("value", self.head_dim_v))
         ]
         if self.scale_dtype is not None:
             # head-major needs a second entry dimension: (kv_heads, 1) gives [kv_heads, B, 1]
@@ -155,6 +164,8 @@ class GQABackend(DeclaredBackend):
 
     def __repr__(self) -> str:
         extra = f", kv_cache_quant={self.kv_cache_quant!r}" if self.kv_cache_quant else ""
+        if self.head_dim_v != self.head_dim:
+            extra += f", head_dim_v={self.head_dim_v}"
         if self.scale_dtype not in (None, "float32"):
             extra += f", scale_dtype={self.scale_dtype!r}"
         if self.block_layout != "token_major":

@@ -31,18 +31,7 @@ from kvforge.models.families import (
     build_qwen,
     build_qwen3_next,
 )
-from kvforge.models.mamba_hybrids import build_falcon_h1, build_granite_hybrid, build_nemotron_h
-from kvforge.models.published_gqa import (
-    build_minimax_m2,
-    build_mistral3,
-    build_olmo2,
-    build_phi3,
-    build_qwen2_5_vl,
-    build_qwen3_vl,
-    build_qwen3_vl_moe,
-    build_step3p5,
-)
-from kvforge.models.published_hybrid import build_qwen3_5, build_qwen3_5_moe
+from kvforge.models.per_layer import build_gemma3n, build_gemma4, build_mimo_v2, build_nemotron_nas
 
 __all__ = ["BUNDLED_BACKENDS", "BUNDLED_MODEL_TYPES"]
 
@@ -112,20 +101,12 @@ BUNDLED_MODEL_TYPES: tuple[tuple[str, ModelBuilder, str], ...] = (
     ("llama4_text", build_llama4, "Llama4ForCausalLM"),
     ("glm4_moe", build_gqa, "Glm4MoeForCausalLM"),
     ("qwen3_next", build_qwen3_next, "Qwen3NextForCausalLM"),
-    ("falcon_h1", build_falcon_h1, "FalconH1ForCausalLM"),
-    ("nemotron_h", build_nemotron_h, "NemotronHForCausalLM"),
-    ("granitemoehybrid", build_granite_hybrid, "GraniteMoeHybridForCausalLM"),
-    ("phi3", build_phi3, "Phi3ForCausalLM"),
-    ("olmo2", build_olmo2, "Olmo2ForCausalLM"),
-    ("minimax_m2", build_minimax_m2, "MiniMaxM2ForCausalLM"),
-    ("mistral3", build_mistral3, "Mistral3ForConditionalGeneration"),
-    ("qwen2_5_vl", build_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
-    ("qwen3_vl", build_qwen3_vl, "Qwen3VLForConditionalGeneration"),
-    ("qwen3_vl_moe", build_qwen3_vl_moe, "Qwen3VLMoeForConditionalGeneration"),
-    ("qwen3_5", build_qwen3_5, "Qwen3_5ForConditionalGeneration"),
-    ("qwen3_5_text", build_qwen3_5, "Qwen3_5ForCausalLM"),
-    ("qwen3_5_moe", build_qwen3_5_moe, "Qwen3_5MoeForConditionalGeneration"),
-    ("qwen3_5_moe_text", build_qwen3_5_moe, "Qwen3_5MoeForCausalLM"),
-    ("step3p5", build_step3p5, "Step3p5ForCausalLM"),
+    ("nemotron-nas", build_nemotron_nas, "DeciLMForCausalLM"),
+    ("mimo_v2_flash", build_mimo_v2, "MiMoV2FlashForCausalLM"),
+    ("mimo_v2", build_mimo_v2, "MiMoV2ForCausalLM"),
+    ("gemma3n", build_gemma3n, "Gemma3nForConditionalGeneration"),
+    ("gemma3n_text", build_gemma3n, "Gemma3nForCausalLM"),
+    ("gemma4", build_gemma4, "Gemma4ForConditionalGeneration"),
+    ("gemma4_text", build_gemma4, "Gemma4ForCausalLM"),
 )
 """``(model_type, builder, architecture)`` of every bundled Hugging Face model type."""

@@ -27,14 +27,6 @@ registered. The bundled families register there like any plugin:
 ``index_head_dim``)
 ``deepseek_v4`` (:func:`build_deepseek_v4`)              :class:`DeepseekV4Backend`, one per
                                                          compress ratio in ``compress_ratios``
-``falcon_h1``, ``nemotron_h``, ``granitemoehybrid``       :class:`GQABackend` and
-(:mod:`~kvforge.models.mamba_hybrids`)                   :class:`Mamba2Backend`
-``phi3``, ``olmo2``, ``minimax_m2``, ``mistral3``,       :class:`GQABackend`: readers in
-``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``,          :mod:`~kvforge.models.published_gqa`
-``step3p5`` (``build_phi3``, ...)                        (engines' defaults filled in)
-``qwen3_5``, ``qwen3_5_moe`` (and their ``_text``        :class:`GQABackend` and
-types; ``build_qwen3_5``, ``build_qwen3_5_moe``)         :class:`LinearAttentionBackend`, as
-                                                         Qwen3-Next
 =======================================================  =====================================
 
 The ``build_*`` functions are public so a plugin can register one of them for another
@@ -64,14 +56,6 @@ Rules a reader can check against the code:
   ``>= max_window_layers`` (Hugging Face's rule); Llama never slides. A sliding layer gets a
   :class:`GQABackend` with ``sliding_window=W`` (group ``swa``), a full layer the plain one
   (group ``kv``).
-- **Engine defaults.** A field a published config leaves out takes its Hugging Face
-  configuration class's default, as the engines load it (Gemma-3's ``head_dim`` 256, not
-  ``hidden_size // num_attention_heads``): :mod:`~kvforge.models.engine_defaults` copies them
-  for Gemma-3 and the families of :mod:`~kvforge.models.published_gqa` and
-  :mod:`~kvforge.models.published_hybrid`, whose docstrings give each family's window rule
-  as vLLM's model code applies it (Phi-3, OLMo-2, MiniMax-M2, Mistral-Small-3.x, Qwen3-VL:
-  every layer slides when ``sliding_window`` is set and there is no ``layer_types``; Step-3.5:
-  ``layer_types`` only, its MTP layers keeping their own type).
 - **Dtypes.** ``dtype="auto"`` (the default; ``None`` means the same) serves the model as the
   engines do (vLLM's ``_resolve_auto_dtype`` in ``vllm/config/model.py``, "Downcast for
   float32 models"): a ``float16`` or ``bfloat16`` ``torch_dtype`` (or ``dtype``) is kept, a
@@ -86,18 +70,14 @@ Rules a reader can check against the code:
   ``"fp8"`` (default) or ``"bf16"``, and ``dtype`` does not apply (it is an error to set it).
 - **DeepSeek-V4 ratios.** ``compress_ratios`` entries are 0, 4 or 128; an entry 1 (no
   compression, as some configs write it, e.g. vllm-ascend's ``[1, 1, 4, 128]``) loads as 0.
+- **Per-layer shapes** (:mod:`~kvforge.models.per_layer`): ``nemotron-nas`` gives each
+  layer its own kv heads and leaves out layers whose attention is ``no_op``; MiMo-V2
+  (``mimo_v2_flash``, ``mimo_v2``) has window and full layers with their own kv heads and
+  values narrower than keys (``GQABackend(head_dim_v=...)``); Gemma-4 full layers take
+  ``global_head_dim``; the last ``num_kv_shared_layers`` layers of Gemma-3n and Gemma-4
+  read an earlier layer's cache and own none (``kv_sharing``), so layer ids may have gaps.
 - **Block sizes.** ``block_size`` defaults to 16 for GQA and 64 for MLA / DSA. DeepSeek-V4
   block sizes are fixed by its groups, so passing ``block_size`` for V4 is an error.
-- **Mamba2 hybrids** (:mod:`~kvforge.models.mamba_hybrids`). A Mamba2 mixer keeps a conv and
-  an SSM state per request (group ``mamba_state``, ``1 + num_speculative_tokens`` slots).
-  Falcon-H1's layer ``i`` runs attention (cache layer ``i``) and a mixer (cache layer
-  ``num_hidden_layers + i``, vLLM's numbering) in parallel; Nemotron-H's layer ``i`` is the
-  ``i``-th entry of ``hybrid_override_pattern`` (``M`` mixer, ``*`` attention, MLP / MoE
-  entries no cache layer); Granite-4.0-H's ``layer_types`` says ``mamba`` or ``attention``.
-  ``mamba_cache_dtype`` / ``mamba_ssm_cache_dtype`` are vLLM's options: ``"auto"`` is the
-  model dtype for the conv state and, for the SSM state, the conv dtype (Nemotron-H: the
-  config's ``mamba_ssm_cache_dtype``, else float32). Either option is an error for a model
-  without Mamba2 layers. Draft layers are not planned for these families yet.
 
 Every problem is a ``ValueError`` (or ``FileNotFoundError`` / ``TypeError``) whose message
 names the field, its value and the model type. A builder that returns something other than
@@ -113,7 +93,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvforge.attn_backends.base import AttentionBackend
-from kvforge.attn_backends.mamba import Mamba2Backend
 from kvforge.models.base import MAX_LAYERS, ModelBackends, ModelOptions, short_repr
 from kvforge.models.reading import (
     AUTO_DTYPE,
@@ -220,8 +199,6 @@ def from_hf_config(
     kv_cache_dtype: str | None = None,
     tp_size: int = 1,
     num_speculative_tokens: int = 0,
-    mamba_cache_dtype: str | None = None,
-    mamba_ssm_cache_dtype: str | None = None,
 ) -> ModelBackends:
     """The ``layer id -> backend`` mapping of a model, from its Hugging Face config.
 
@@ -241,7 +218,6 @@ def from_hf_config(
         num_speculative_tokens: draft tokens per step; the MTP layers
             (``num_nextn_predict_layers``) get caches only when it is > 0, and then the model
             must have some.
-        mamba_cache_dtype, mamba_ssm_cache_dtype: Mamba2 state dtypes, as vLLM's options.
 
     Returns:
         A :class:`~kvforge.models.base.ModelBackends`: ``{layer_id: backend}``
@@ -266,24 +242,10 @@ def from_hf_config(
         kv_cache_dtype=kv_cache_dtype,
         tp_size=tp_size,
         num_speculative_tokens=num_speculative_tokens,
-        mamba_cache_dtype=mamba_cache_dtype,
-        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
     )
     entry = _registration(config)
     _check_layer_counts(config)
     return _build(entry, config, opts)
-
-
-def _check_mamba_options(result: object, model_type: str, opts: ModelOptions) -> None:
-    """A Mamba state dtype option for a model without Mamba2 layers is an error, not a no-op."""
-    if isinstance(result, Mapping) and any(isinstance(b, Mamba2Backend) for b in result.values()):
-        return
-    opts.refuse(
-        model_type,
-        "mamba_cache_dtype",
-        "mamba_ssm_cache_dtype",
-        why="the model has no Mamba2 layer",
-    )
 
 
 def _config_mapping(config: ConfigSource) -> Mapping[str, Any]:
@@ -305,7 +267,6 @@ def _build(
     builder's own when it gives one)."""
     max_len = max_position_embeddings(config, entry.model_type)
     result = entry.builder(config, entry.model_type, opts)
-    _check_mamba_options(result, entry.model_type, opts)
     if isinstance(result, ModelBackends) and result.max_position_embeddings is not None:
         max_len = result.max_position_embeddings
     return ModelBackends(

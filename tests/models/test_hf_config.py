@@ -21,34 +21,28 @@ from kvforge.models import (
     ModelBackends,
     build_deepseek_v4,
     build_dsa,
-    build_falcon_h1,
     build_gemma2,
     build_gemma3,
     build_gpt_oss,
     build_gqa,
-    build_granite_hybrid,
     build_llama4,
-    build_minimax_m2,
     build_mistral,
-    build_mistral3,
     build_mla,
-    build_nemotron_h,
-    build_olmo2,
-    build_phi3,
     build_qwen,
-    build_qwen2_5_vl,
-    build_qwen3_5,
-    build_qwen3_5_moe,
     build_qwen3_next,
-    build_qwen3_vl,
-    build_qwen3_vl_moe,
-    build_step3p5,
     bundled_models,
     from_hf_config,
     load_model_config,
     registered_model_types,
 )
 from kvforge.models import registry as registry_module
+from kvforge.models.per_layer import (
+    build_gemma3n,
+    build_gemma4,
+    build_mimo_v2,
+    build_nemotron_nas,
+    kv_sharing,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,43 +52,21 @@ BUNDLED = [
     "deepseek-v3.2",
     "deepseek-v4-flash",
     "deepseek-v4-tiny",
-    "falcon-h1-7b",
     "gemma-2-9b",
     "gemma-3-12b",
-    "gemma-3-4b",
+    "gemma-3n-e4b",
+    "gemma-4-31b",
     "glm-4.5-air",
     "gpt-oss-20b",
-    "granite-4.0-h-small",
     "llama-3-8b",
+    "llama-3.3-nemotron-super-49b",
     "llama-4-scout-17b-16e",
-    "minimax-m2",
+    "mimo-v2-flash",
     "mistral-7b-v0.1",
-    "nemotron-nano-9b-v2",
-    "mistral-small-3.1-24b",
-    "olmo-2-1124-7b",
-    "phi-4",
     "qwen2.5-7b",
-    "qwen2.5-vl-7b",
     "qwen3-8b",
     "qwen3-next-80b-a3b",
-    "qwen3-vl-30b-a3b",
-    "qwen3-vl-8b",
-    "qwen3.5-27b",
-    "qwen3.5-35b-a3b",
-    "step-3.5-flash",
 ]
-
-# multimodal wrappers, whose language model is their ``text_config``
-WRAPPED = (
-    "gemma-3-12b",
-    "llama-4-scout-17b-16e",
-    "gemma-3-4b",
-    "mistral-small-3.1-24b",
-    "qwen3-vl-8b",
-    "qwen3-vl-30b-a3b",
-    "qwen3.5-27b",
-    "qwen3.5-35b-a3b",
-)
 
 # DeepSeek-V4-Flash: layers 0, 1 uncompressed, then ratio 4 and 128 alternating (starting with
 # 4) for the other 41 layers, then one MTP layer of ratio 0: 2 + 41 + 1 = 44 entries.
@@ -146,12 +118,14 @@ def test_every_bundled_config_loads(name):
     # published; the layer count lives there
     text = cfg.get("text_config", cfg)
     assert "num_hidden_layers" in text
-    assert ("text_config" in cfg) == (name in WRAPPED)
+    assert ("text_config" in cfg) == (
+        name in ("gemma-3-12b", "gemma-3n-e4b", "gemma-4-31b", "llama-4-scout-17b-16e")
+    )
     backends = from_hf_config(name)
     n, mtp = text["num_hidden_layers"], text.get("num_nextn_predict_layers", 0)
-    # Nemotron-H's MLP / MoE layers keep no cache; Falcon-H1's mixers are layers n .. 2n - 1
-    skipped = {i for i, c in enumerate(cfg.get("hybrid_override_pattern", "")) if c in "-E"}
-    n = 2 * n if cfg["model_type"] == "falcon_h1" else n
+    # layers without attention (NAS no_op) and KV-shared layers keep no cache
+    blocks = cfg.get("block_configs", [])
+    skipped = set(kv_sharing(cfg)) | {i for i, b in enumerate(blocks) if b["attention"]["no_op"]}
     # MTP layers only with speculative decoding
     assert list(backends) == [i for i in range(n) if i not in skipped]
     CacheLayout(backends)  # the declarations merge without conflict
@@ -572,21 +546,13 @@ def test_bundled_families_are_registered_through_the_registry():
         "qwen3": (build_qwen, ("Qwen3ForCausalLM",)),
         "qwen3_moe": (build_qwen, ("Qwen3MoeForCausalLM",)),
         "qwen3_next": (build_qwen3_next, ("Qwen3NextForCausalLM",)),
-        "phi3": (build_phi3, ("Phi3ForCausalLM",)),
-        "olmo2": (build_olmo2, ("Olmo2ForCausalLM",)),
-        "minimax_m2": (build_minimax_m2, ("MiniMaxM2ForCausalLM",)),
-        "mistral3": (build_mistral3, ("Mistral3ForConditionalGeneration",)),
-        "qwen2_5_vl": (build_qwen2_5_vl, ("Qwen2_5_VLForConditionalGeneration",)),
-        "qwen3_vl": (build_qwen3_vl, ("Qwen3VLForConditionalGeneration",)),
-        "qwen3_vl_moe": (build_qwen3_vl_moe, ("Qwen3VLMoeForConditionalGeneration",)),
-        "qwen3_5": (build_qwen3_5, ("Qwen3_5ForConditionalGeneration",)),
-        "qwen3_5_text": (build_qwen3_5, ("Qwen3_5ForCausalLM",)),
-        "qwen3_5_moe": (build_qwen3_5_moe, ("Qwen3_5MoeForConditionalGeneration",)),
-        "qwen3_5_moe_text": (build_qwen3_5_moe, ("Qwen3_5MoeForCausalLM",)),
-        "step3p5": (build_step3p5, ("Step3p5ForCausalLM",)),
-        "falcon_h1": (build_falcon_h1, ("FalconH1ForCausalLM",)),
-        "nemotron_h": (build_nemotron_h, ("NemotronHForCausalLM",)),
-        "granitemoehybrid": (build_granite_hybrid, ("GraniteMoeHybridForCausalLM",)),
+        "nemotron-nas": (build_nemotron_nas, ("DeciLMForCausalLM",)),
+        "mimo_v2_flash": (build_mimo_v2, ("MiMoV2FlashForCausalLM",)),
+        "mimo_v2": (build_mimo_v2, ("MiMoV2ForCausalLM",)),
+        "gemma3n": (build_gemma3n, ("Gemma3nForConditionalGeneration",)),
+        "gemma3n_text": (build_gemma3n, ("Gemma3nForCausalLM",)),
+        "gemma4": (build_gemma4, ("Gemma4ForConditionalGeneration",)),
+        "gemma4_text": (build_gemma4, ("Gemma4ForCausalLM",)),
     }
     assert list(types) == sorted(types)
 

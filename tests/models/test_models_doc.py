@@ -43,7 +43,7 @@ def _table(text: str) -> list[list[str]]:
 def _rows() -> dict[str, list[list[str]]]:
     by_type: dict[str, list[list[str]]] = {}
     for cells in _table(DOC.read_text(encoding="utf-8")):
-        match = re.fullmatch(r"`([a-z0-9_]+)`", cells[0])
+        match = re.fullmatch(r"`([a-z0-9_-]+)`", cells[0])
         assert match, f"the first cell names one model_type in backticks, got {cells[0]!r}"
         by_type.setdefault(match.group(1), []).append(cells)
     return by_type

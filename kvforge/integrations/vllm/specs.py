@@ -24,9 +24,6 @@ names are vLLM's own: GQA / MHA ``self_attn.attn`` (key, value and scales in one
 ``self_attn.attn``; DSA that and ``self_attn.indexer.k_cache``; DeepSeek-V4 ``attn.swa_cache``,
 ``attn`` (compressed_kv), ``attn.compressor.state_cache``, ``attn.indexer.k_cache``,
 ``attn.indexer.compressor.state_cache``; linear attention ``linear_attn`` (a ``MambaSpec``);
-Mamba2 ``mixer`` (a ``MambaSpec``, as Nemotron-H and Granite-4.0-H name it; Falcon-H1's vLLM
-names are ``model.{N + i}.mixer`` and ``model.layers.{i}.attn``, and Nemotron-H's attention is
-``mixer.attn``: the specs agree layer by layer, the names by that map);
 any other backend ``{group}.kv`` (key + value), else ``{group}.{role}``. A mapping from
 :func:`from_vllm_specs` keeps vLLM's names (its ``layer_names``).
 
@@ -73,7 +70,6 @@ from kvforge.attn_backends.deepseek_v4 import DeepseekV4Backend
 from kvforge.attn_backends.dsa import DSABackend
 from kvforge.attn_backends.gqa import GQABackend
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
-from kvforge.attn_backends.mamba import Mamba2Backend
 from kvforge.attn_backends.mla import MLABackend
 from kvforge.core.layout import CacheLayout
 from kvforge.integrations.vllm.spec_backend import SUPPORTED_SPECS, VllmSpecBackend
@@ -99,7 +95,6 @@ __all__ = [
 
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
-_MAMBA_CACHE_MODES = ("none", "align")  # vLLM's MambaCacheMode (vllm/config/cache.py)
 _SCALE_BYTES = 4  # vLLM's per-token-head scales are float32, inline after each head's data
 _DSV4_MODULES = {
     "swa_kv": "attn.swa_cache",
@@ -136,9 +131,8 @@ def _layout(backends: Mapping[int, AttentionBackend] | CacheLayout) -> CacheLayo
 def _modules(backend: AttentionBackend) -> list[tuple[str, list[CacheRole]]]:
     """(vLLM module, its roles) of one layer of ``backend``, in vLLM's order."""
     roles = backend.cache_roles()
-    if isinstance(backend, GQABackend | LinearAttentionBackend | VllmSpecBackend | Mamba2Backend):
+    if isinstance(backend, GQABackend | LinearAttentionBackend | VllmSpecBackend):
         module = "linear_attn" if isinstance(backend, LinearAttentionBackend) else "self_attn.attn"
-        module = "mixer" if isinstance(backend, Mamba2Backend) else module
         return [(module, roles)]
     if isinstance(backend, MLABackend | DSABackend):
         names = {"key": "self_attn.attn", "indexer": "self_attn.indexer.k_cache"}
@@ -293,7 +287,6 @@ def _state_spec(
     group: CacheGroup,
     roles: Sequence[CacheRole],
     block_size: int | None,
-    mamba_cache_mode: str = "none",
 ) -> KVCacheSpec:
     if block_size is None:
         raise ArgumentError(
@@ -307,7 +300,6 @@ def _state_spec(
         "block_size": block_size,
         "num_speculative_blocks": group.slots_per_request - 1,
         "page_size_padded": _padding(roles, group),
-        "mamba_cache_mode": mamba_cache_mode,
     }
     if isinstance(backend, LinearAttentionBackend):
         kwargs["mamba_type"] = MambaAttentionBackendEnum.GDN_ATTN
@@ -319,14 +311,8 @@ def _units(
     block_size: int | None,
     mamba_block_size: int | None,
     prefix: str,
-    mamba_cache_mode: str = "none",
 ) -> list[_Unit]:
     layout = _layout(backends)
-    if mamba_cache_mode not in _MAMBA_CACHE_MODES:
-        raise ArgumentError(
-            f"mamba_cache_mode must be one of {list(_MAMBA_CACHE_MODES)} (vLLM's "
-            f"cache_config.mamba_cache_mode), got {mamba_cache_mode!r}"
-        )
     if block_size is not None:
         block_size = check_int("block_size", block_size, minimum=1)
     if mamba_block_size is not None:
@@ -353,7 +339,7 @@ def _units(
             if isinstance(backend, VllmSpecBackend):
                 spec = backend.spec
             elif vllm_kind(group).per_request:
-                spec = _state_spec(backend, group, roles, mamba_block_size, mamba_cache_mode)
+                spec = _state_spec(backend, group, roles, mamba_block_size)
             elif {"key", "value"} <= {r.name for r in roles}:
                 spec = _kv_spec(backend, group, roles)
             elif len(roles) == 1:
@@ -374,7 +360,6 @@ def to_vllm_specs(
     *,
     mamba_block_size: int | None = None,
     prefix: str = "model.layers.",
-    mamba_cache_mode: str = "none",
 ) -> dict[str, KVCacheSpec]:
     """vLLM's per-layer specs of a kvforge model (``{layer id: backend}`` or a layout).
 
@@ -384,13 +369,9 @@ def to_vllm_specs(
             of every group vLLM sizes by it (full, sliding-window and chunked groups; of
             DeepSeek-V4 only ``compressed``, whose SWA and state pages are fixed): the specs
             are those of the declaration with that block size. ``None``: the declared sizes.
-        mamba_block_size: the token block of a linear-attention or Mamba2 ``MambaSpec``
+        mamba_block_size: the token block of a linear-attention ``MambaSpec``
             (``cache_config.mamba_block_size``); default the layout's ``max_model_len``.
         prefix: what each layer name starts with (see the module for the names).
-        mamba_cache_mode: vLLM's ``cache_config.mamba_cache_mode`` (``"none"``, or
-            ``"align"`` with prefix caching), carried by every ``MambaSpec``. Page padding
-            and the block sizes vLLM picks for a hybrid model:
-            :func:`~kvforge.integrations.vllm.hybrid_sizes.vllm_hybrid_sizes`.
 
     Returns:
         ``{vLLM layer name: spec}``, layer-major; each spec's ``page_size_bytes`` equals the
@@ -401,8 +382,7 @@ def to_vllm_specs(
         ArgumentError: a declaration vLLM cannot express, naming group, role and why; a
             ``block_size`` a role's compress ratio does not divide; bad backends.
     """
-    units = _units(backends, block_size, mamba_block_size, prefix, mamba_cache_mode)
-    return {u.name: u.spec for u in units}
+    return {u.name: u.spec for u in _units(backends, block_size, mamba_block_size, prefix)}
 
 
 def layer_page_bytes(
@@ -411,7 +391,6 @@ def layer_page_bytes(
     *,
     mamba_block_size: int | None = None,
     prefix: str = "model.layers.",
-    mamba_cache_mode: str = "none",
 ) -> dict[str, tuple[int, int]]:
     """kvforge's side of :func:`to_vllm_specs`: per vLLM layer name, ``(device bytes,
     meaningful bytes)`` of one block of the roles behind it (vLLM's ``page_size_bytes`` and
@@ -421,7 +400,7 @@ def layer_page_bytes(
             sum(r.device_block_bytes(u.group) for r in u.roles),
             sum(r.block_bytes(u.group) for r in u.roles),
         )
-        for u in _units(backends, block_size, mamba_block_size, prefix, mamba_cache_mode)
+        for u in _units(backends, block_size, mamba_block_size, prefix)
     }
 
 
@@ -434,8 +413,7 @@ def _native(spec: KVCacheSpec, group: str) -> AttentionBackend | None:
         return None
     assert isinstance(spec, AttentionSpec)
     if (
-        spec.head_size != spec.head_size_v
-        or spec.page_size_padded is not None
+        spec.page_size_padded is not None
         or spec.num_head_slots is not None
         or spec.tokens_per_state != 1
         or spec.block_stride_alignment is not None
@@ -455,7 +433,7 @@ def _native(spec: KVCacheSpec, group: str) -> AttentionBackend | None:
     elif (
         mode is KVQuantMode.FP8_PER_TOKEN_HEAD
         and itemsize == 1
-        and spec.state_content_bytes == 2 * spec.head_size + 2 * _SCALE_BYTES
+        and spec.state_content_bytes == spec.head_size + spec.head_size_v + 2 * _SCALE_BYTES
     ):
         kwargs["kv_cache_quant"] = "block_wise_fp8"
     else:
@@ -464,6 +442,8 @@ def _native(spec: KVCacheSpec, group: str) -> AttentionBackend | None:
         kwargs["sliding_window"] = spec.sliding_window
     elif isinstance(spec, ChunkedLocalAttentionSpec):
         kwargs["attention_chunk_size"] = spec.attention_chunk_size
+    if spec.head_size_v != spec.head_size:  # key and value widths differ (MiMo-V2-Flash)
+        kwargs["head_dim_v"] = spec.head_size_v
     backend = GQABackend(spec.num_kv_heads, spec.head_size, spec.block_size, group=group, **kwargs)
     if to_vllm_specs({0: backend})["model.layers.0.self_attn.attn"] != spec:
         return None  # a field GQABackend does not carry: keep the spec itself
