@@ -491,3 +491,82 @@ def test_bad_configs_are_refused_by_name(config, options, message):
         from_hf_config(config, **options)
     assert str(info.value).startswith(message)
     assert repr(config) == before  # the caller's config is not changed
+
+
+# ------------------------------------------------ against the configuration classes themselves
+
+
+def _engine_layers(config: dict[str, Any]) -> list[Any]:
+    """Per main layer, what vLLM builds from ``config`` loaded by its Hugging Face class:
+    ``(kv_heads, head_dim, window)`` of an attention layer, ``"linear"`` for Gated DeltaNet.
+
+    The class fills the defaults; the window follows vLLM: a ``"sliding_attention"`` layer
+    gets ``sliding_window``, any other layer the model-level window, which
+    ``EngineArgs.create_engine_config`` sets only when ``layer_types`` is absent or all
+    sliding (``vllm/engine/arg_utils.py``); 0 is no window (``vllm/config/model.py``).
+    """
+    transformers = pytest.importorskip("transformers")
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+    text = transformers.AutoConfig.for_model(config["model_type"], **fields).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    window = getattr(text, "sliding_window", None) or None
+    types = getattr(text, "layer_types", None)
+    everywhere = types is None or all(t == "sliding_attention" for t in types)
+    model_level = window if everywhere and config["model_type"] != "step3p5" else None
+    layers: list[Any] = []
+    for i in range(text.num_hidden_layers):
+        kind = types[i] if types else "full_attention"
+        if kind == "linear_attention":
+            layers.append("linear")
+        else:
+            w = window if kind == "sliding_attention" else model_level
+            layers.append((text.num_key_value_heads, head_dim, w))
+    return layers
+
+
+def _kvforge_layers(config: dict[str, Any]) -> list[Any]:
+    backends = from_hf_config(config)
+    return [
+        "linear"
+        if hasattr(b, "recurrent_dtype")
+        else (b.num_kv_heads, b.head_dim, b.sliding_window)
+        for _, b in sorted(backends.items())
+    ]
+
+
+ENGINE_CASES = {
+    **{
+        name: name
+        for name in (
+            "gemma-3-4b",
+            "gemma-3-12b",
+            "phi-4",
+            "olmo-2-1124-7b",
+            "minimax-m2",
+            "mistral-small-3.1-24b",
+            "qwen2.5-vl-7b",
+            "qwen3-vl-8b",
+            "qwen3-vl-30b-a3b",
+            "qwen3.5-27b",
+            "qwen3.5-35b-a3b",
+            "step-3.5-flash",
+        )
+    },
+    "gemma-3-27b": GEMMA3_27B,
+    "phi-3-mini-4k": PHI3_MINI_4K,
+    "phi-4-mini": PHI4_MINI,
+    "olmo-2-32b": OLMO2_32B,
+    "qwen3-vl-235b-a22b": QWEN3_VL_235B,
+    "gemma3_text-bare": {"model_type": "gemma3_text", "num_hidden_layers": 7},
+    "mistral3-no-window-field": {"model_type": "mistral3", "text_config": {"num_hidden_layers": 2}},
+    "qwen3_5_text": {"model_type": "qwen3_5_text", "num_hidden_layers": 8},
+    "qwen3_5_moe_text": {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 4},
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+def test_layers_equal_what_the_configuration_class_gives_vllm(case):
+    config = ENGINE_CASES[case]
+    if isinstance(config, str):
+        config = load_model_config(config)
+    assert _kvforge_layers(config) == _engine_layers(config)
