@@ -31,6 +31,7 @@ __all__ = [
     "add_plugin_option",
     "build_backends",
     "build_parser",
+    "check_list_models",
     "flag",
     "list_models",
     "plugin_parser",
@@ -302,17 +303,22 @@ def _backend_from_options(kind: str, args: argparse.Namespace) -> AttentionBacke
     return entry.builder(**given)
 
 
-def list_models(args: argparse.Namespace) -> int:
-    """``--list-models``: print the bundled configs and the supported model types
-    (:mod:`kvforge.cli.plan_models`)."""
-    from kvforge.cli.plan_models import print_models
-
+def check_list_models(args: argparse.Namespace) -> None:
+    """``--list-models`` takes no model options: refuse the ones given, by flag."""
     others = _given(args, ("model", "config", "backend", *MODEL_OPTIONS))
     if others:
         raise UsageError(
             f"--list-models lists the bundled configs and takes no model options, got "
             f"{', '.join(flag(d) for d in others)}"
         )
+
+
+def list_models(args: argparse.Namespace) -> int:
+    """``--list-models``: print the bundled configs and the supported model types
+    (:mod:`kvforge.cli.plan_models`)."""
+    from kvforge.cli.plan_models import print_models
+
+    check_list_models(args)
     print_models()
     return 0
 
@@ -375,7 +381,7 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
     size.add_argument(
         "--device-memory",
         type=_size,
-        default=parse_size("8GiB"),
+        default=None,
         help="device memory budget, e.g. 60GiB (default 8GiB)",
     )
     plan.add_argument(

@@ -16,10 +16,15 @@ import argparse
 import json
 from typing import Any
 
-from kvforge.cli.args import MODEL_OPTIONS, build_backends, flag, list_models
+from kvforge.cli.args import MODEL_OPTIONS, build_backends, check_list_models, flag, list_models
 from kvforge.cli.formatting import UsageError, check_output_path, write_text
 
-__all__ = ["cmd_plan", "plan_report"]
+__all__ = ["DEFAULT_DEVICE_MEMORY", "cmd_plan", "plan_report"]
+
+DEFAULT_DEVICE_MEMORY = 8 * 1024**3
+"""``--device-memory`` when not given (and not ``--num-blocks``): 8 GiB."""
+#: plan options that size a plan, which --list-models does not take
+_SIZING = ("num_blocks", "device_memory", "host_memory", "max_model_len", "max_num_seqs")
 
 
 def _vllm_backends(args: argparse.Namespace) -> tuple[str, Any]:
@@ -93,11 +98,12 @@ def _sizes(args: argparse.Namespace, layout: Any) -> tuple[dict[str, int], int, 
             f"--max-num-seqs {args.max_num_seqs} needs a sequence length: give --max-model-len "
             "(the model gives no max_position_embeddings to default it to)"
         )
-    plan = plan_memory(layout, args.device_memory, args.max_num_seqs, args.max_model_len)
+    budget = args.device_memory if args.device_memory is not None else DEFAULT_DEVICE_MEMORY
+    plan = plan_memory(layout, budget, args.max_num_seqs, args.max_model_len)
     # what CacheController(share_pools=True), the default, allocates: groups whose pages
     # differ draw on one slab arena
     pooled = plan if args.own_pools else plan_with_arena(plan, layout)
-    return plan.num_blocks, args.device_memory, pooled
+    return plan.num_blocks, budget, pooled
 
 
 def _block_ids(layout: Any, planned: dict[str, int], pooled: Any, share: bool) -> dict[str, int]:
@@ -206,9 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """``kvforge plan``: tables on stdout; ``--json`` prints JSON instead, ``--json PATH``
     writes it there as well."""
     if args.list_models:
-        if getattr(args, "vllm_specs", None) is not None:
-            raise UsageError("--list-models lists the bundled configs; drop --vllm-specs")
-        return list_models(args)
+        return _list_models(args)
     to_file = args.json not in (None, "-")
     if to_file:
         check_output_path(args.json, "--json")
@@ -222,4 +226,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from kvforge.cli.plan_print import print_plan
 
         print_plan(report)
+    return 0
+
+
+def _list_models(args: argparse.Namespace) -> int:
+    """``--list-models``: the tables, or with ``--json`` the same rows as JSON
+    (``{"bundled": [...], "model_types": [...]}``); sizing options are refused by flag."""
+    if getattr(args, "vllm_specs", None) is not None:
+        raise UsageError("--list-models lists the bundled configs; drop --vllm-specs")
+    sizing = [d for d in _SIZING if getattr(args, d) is not None]
+    sizing += [d for d in ("own_pools",) if args.own_pools] + (["rank"] if args.rank else [])
+    if sizing:
+        raise UsageError(
+            f"--list-models lists the bundled configs and takes no sizing options, got "
+            f"{', '.join(flag(d) for d in sizing)}"
+        )
+    if args.json is None:
+        return list_models(args)
+    from kvforge.cli.plan_models import bundled_rows, model_type_rows
+
+    check_list_models(args)
+    if args.json != "-":
+        check_output_path(args.json, "--json")
+    bundled = bundled_rows()
+    text = json.dumps({"bundled": bundled, "model_types": model_type_rows(bundled)}, indent=2)
+    if args.json == "-":
+        print(text)
+        return 0
+    write_text(args.json, text + "\n")
+    from kvforge.cli.plan_models import print_models
+
+    print_models()
     return 0

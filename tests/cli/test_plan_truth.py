@@ -109,6 +109,7 @@ def test_max_model_len_alone_plans_with_the_engine_default_of_sequences(capsys):
     report = plan_json(capsys, "--model", "llama-3-8b", "--max-model-len", "4096")
     assert report["max_model_len"] == 4_096 and report["max_num_seqs"] == 256
     assert report["defaulted"] == ["max_num_seqs"]
+    assert report["device_memory"] == 8 * 1024**3  # --device-memory's default
     # 4,096 * 131,072 B = 512 MiB a sequence; 8 GiB holds 15 (16 would need the null block too)
     assert report["max_concurrency"] == 15
     assert report["warnings"][0].startswith(
@@ -151,6 +152,20 @@ def test_neither_length_nor_sequences_plans_the_models_defaults(capsys):
             "too small",
         ),
         (["--list-models", "--model", "llama-3-8b"], "takes no model options, got --model"),
+        (
+            ["--list-models", "--json", "--layers", "2"],
+            "--list-models lists the bundled configs and takes no model options, got --layers",
+        ),
+        (
+            ["--list-models", "--max-model-len", "4096", "--own-pools"],
+            "--list-models lists the bundled configs and takes no sizing options, got "
+            "--max-model-len, --own-pools",
+        ),
+        (
+            ["--list-models", "--device-memory", "8GiB", "--rank", "1"],
+            "takes no sizing options, got --device-memory, --rank",
+        ),
+        (["--list-models", "--num-blocks", "4"], "takes no sizing options, got --num-blocks"),
     ],
 )
 def test_plan_bad_input(capsys, argv, message):
@@ -387,11 +402,17 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(actions[0].choices)
 
 
-@pytest.mark.parametrize("command", ["plan", "demo", "bench"])
+@pytest.mark.parametrize("command", [None, "plan", "demo", "bench"])
 def test_every_flag_of_every_subcommand_has_help_text(command):
-    sub = _subparsers(build_parser())[command]
-    bare = [a.option_strings[0] for a in sub._actions if a.option_strings and not a.help]
-    assert bare == []
+    parser = build_parser()
+    sub = parser if command is None else _subparsers(parser)[command]
+    flags = [a for a in sub._actions if a.option_strings]
+    assert len(flags) >= 2  # -h and at least one more
+    assert [a.option_strings[0] for a in flags if not a.help] == []
+
+
+def test_every_subcommand_is_checked_for_help_text():
+    assert sorted(_subparsers(build_parser())) == ["bench", "demo", "plan"]
 
 
 def test_plan_help_prints_every_flag_with_its_text(capsys):
@@ -414,3 +435,33 @@ def test_list_models_lists_bundled_configs_and_supported_model_types(capsys):
     assert ["gemma-3-12b", "gemma3 (gemma3_text)", "48", "sliding_window, full"] in rows
     assert ["llama", "LlamaForCausalLM", "llama-3-8b", "kvforge"] in rows
     assert "examples/plugin/" in flat(out)
+
+
+def test_list_models_as_json(capsys, tmp_path):
+    listed = plan_json(capsys, "--list-models")
+    names = [b["name"] for b in listed["bundled"]]
+    assert names == bundled_models()
+    gemma = listed["bundled"][names.index("gemma-3-12b")]
+    assert gemma == {
+        "name": "gemma-3-12b",
+        "model_type": "gemma3",
+        "text_model_type": "gemma3_text",
+        "num_layers": 48,
+        "kinds": ["sliding_window", "full"],
+    }
+    types = {t["model_type"]: t for t in listed["model_types"]}
+    assert set(types) == set(registered_model_types())
+    builder = registered_model_types()["llama"].builder
+    assert types["llama"] == {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "builder": f"{builder.__module__}.{builder.__qualname__}",
+        "bundled": True,
+        "configs": ["llama-3-8b"],
+    }
+    path = tmp_path / "models.json"
+    code, out, _ = run(capsys, "plan", "--list-models", "--json", path)
+    assert code == 0 and json.loads(path.read_text()) == listed
+    assert "bundled configs (kvforge plan --model NAME)" in out
+    code, _, err = run(capsys, "plan", "--list-models", "--json", tmp_path / "no" / "x.json")
+    assert code == 2 and "cannot write --json" in err and "does not exist" in err
