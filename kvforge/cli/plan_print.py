@@ -138,9 +138,12 @@ def _print_bytes_per_token(out: Any, report: dict[str, Any]) -> None:
             f"{row['bytes']:,} B per request, whatever its length",
         )
     out.print(table)
+    layers = f"full-history layers: {per_token['history_layers']} of {per_token['num_layers']}"
+    if not per_token["history_layers"]:
+        layers += "; no layer keeps the whole history"
     out.print(
         f"KV bytes per token of history: {format_exact(read_exact(per_token['history']))} "
-        f"(full-history layers: {per_token['history_layers']} of {per_token['num_layers']})"
+        f"({layers})"
     )
 
 
@@ -197,8 +200,9 @@ def print_plan(report: dict[str, Any]) -> None:
         _print_arena(out, report["arena"])
     host = report["host"]
     if host is not None:
+        pages = ", ".join(f"{g} {n:,}" for g, n in host["pages"].items())
         out.print(
-            f"host pages: {host['pages']} ({format_bytes(host['total_bytes'])} of "
+            f"host pages: {pages} ({format_bytes(host['total_bytes'])} of "
             f"{format_bytes(host['memory'])})"
         )
     for warning in report["warnings"]:

@@ -465,3 +465,24 @@ def test_list_models_as_json(capsys, tmp_path):
     assert "bundled configs (kvforge plan --model NAME)" in out
     code, _, err = run(capsys, "plan", "--list-models", "--json", tmp_path / "no" / "x.json")
     assert code == 2 and "cannot write --json" in err and "does not exist" in err
+
+
+def test_a_model_without_history_and_its_host_pages_read_as_such(capsys):
+    """Mistral-7B-v0.1: every layer slides (window 4,096), so no layer keeps the history;
+    host pages print per group. 32 layers * (k, v) * 8 heads * 128 dims * 2 B * 16 tokens =
+    2,097,152 B a page; 16 GiB holds 8,192 of them."""
+    argv = ["--model", "mistral-7b-v0.1", "--device-memory", "20GiB", "--max-model-len", "32768"]
+    argv += ["--max-num-seqs", "64", "--host-memory", "16GiB"]
+    report = plan_json(capsys, *argv)
+    assert report["bytes_per_token"]["history"] == exact_json(0)
+    assert report["bytes_per_token"]["history_layers"] == 0
+    pages = report["host"]["pages"]["swa"]
+    assert report["host"]["page_bytes"] == {"swa": 32 * 2 * 8 * 128 * 2 * 16} == {"swa": 2_097_152}
+    assert pages <= 16 * 1024**3 // 2_097_152 == 8_192
+    code, out, _ = run(capsys, "plan", *argv)
+    assert code == 0
+    assert (
+        "KV bytes per token of history: 0 (full-history layers: 0 of 32; no layer keeps the "
+        "whole history)" in flat(out)
+    )
+    assert f"host pages: swa {pages:,} (" in flat(out)
