@@ -94,7 +94,7 @@ class FalconH1Fields(_AttentionFields):
 
     num_hidden_layers: Annotated[StrictInt, Field(gt=0, le=2048)]
     num_key_value_heads: PositiveInt | None = 8
-    mamba_d_ssm: PositiveInt | None = 1024
+    mamba_d_ssm: PositiveInt = 1024
     mamba_n_heads: PositiveInt = 128
     mamba_d_head: _Auto = "auto"
     mamba_n_groups: PositiveInt = 1
@@ -250,7 +250,9 @@ def build_falcon_h1(
     Mamba2 mixer cache layer ``num_hidden_layers + i`` (group ``mamba_state``)."""
     _no_mtp(options, model_type)
     f = parse_fields(FalconH1Fields, config, model_type)
-    inner = f.mamba_d_ssm if f.mamba_d_ssm is not None else f.mamba_expand * f.hidden_size
+    # FalconH1Config: an absent mamba_d_ssm is 1024, a null one means expand * hidden
+    explicit_null = "mamba_d_ssm" in config and config["mamba_d_ssm"] is None
+    inner = f.mamba_expand * f.hidden_size if explicit_null else f.mamba_d_ssm
     attention = _attention(
         config,
         model_type,
