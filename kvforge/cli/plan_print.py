@@ -139,6 +139,7 @@ def _print_bytes_per_token(out: Any, report: dict[str, Any]) -> None:
         )
     out.print(table)
     layers = f"full-history layers: {per_token['history_layers']} of {per_token['num_layers']}"
+    layers += " cache layers"
     if not per_token["history_layers"]:
         layers += "; no layer keeps the whole history"
     out.print(

@@ -326,7 +326,7 @@ def test_plan_json_path_writes_the_report_and_prints_tables(capsys, tmp_path):
     )
     assert code == 0
     # 2 layers * 576 * bf16
-    assert "KV bytes per token of history: 2,304 (full-history layers: 2 of 2)" in out
+    assert "KV bytes per token of history: 2,304 (full-history layers: 2 of 2 cache layers)" in out
     assert read_exact(json.loads(path.read_text())["bytes_per_token"]["history"]) == 2 * 576 * 2
     code, out, _ = run(
         capsys, "plan", "--backend", "mla", "--layers", "2", "--num-blocks", "3", "--json", "-"
@@ -457,7 +457,9 @@ def test_plan_table_from_flags(capsys):
     code, out, _ = run(capsys, "plan", "--backend", "gqa", "--layers", "32", "--num-blocks", "100")
     assert code == 0
     assert "key_caches_{layer}_rank0.device0" in out
-    assert "KV bytes per token of history: 131,072 (full-history layers: 32 of 32)" in out
+    assert (
+        "KV bytes per token of history: 131,072 (full-history layers: 32 of 32 cache layers)" in out
+    )
     assert "0-31" in out
 
 

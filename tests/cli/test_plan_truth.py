@@ -207,7 +207,9 @@ def test_bytes_per_token_name_their_group_kind_and_layers(capsys):
     assert rows["kv"]["counts"] == "every token of the sequence, for as long as it runs"
     code, out, _ = run(capsys, "plan", "--model", "gpt-oss-20b", "--num-blocks", "4")
     assert code == 0
-    assert "KV bytes per token of history: 24,576 (full-history layers: 12 of 24)" in out
+    assert (
+        "KV bytes per token of history: 24,576 (full-history layers: 12 of 24 cache layers)" in out
+    )
 
 
 def test_per_request_state_is_per_request_not_per_token(capsys):
@@ -482,7 +484,7 @@ def test_a_model_without_history_and_its_host_pages_read_as_such(capsys):
     code, out, _ = run(capsys, "plan", *argv)
     assert code == 0
     assert (
-        "KV bytes per token of history: 0 (full-history layers: 0 of 32; no layer keeps the "
+        "KV bytes per token of history: 0 (full-history layers: 0 of 32 cache layers; no layer keeps the "
         "whole history)" in flat(out)
     )
     assert f"host pages: swa {pages:,} (" in flat(out)
