@@ -8,9 +8,11 @@ writes its builders with :class:`ModelOptions`, :func:`parse_fields` and
 for other model types of the same shape. Names are loaded on first use.
 
 Modules, bottom to top (imports only go down): ``base`` (the builder contract), ``reading``
-(config files, dtype rules), ``families`` / ``deepseek`` (builders), ``bundled`` (what kvforge
-registers), ``registry`` (the tables, seeded on import), ``plugins``, ``hf_config``
-(:func:`from_hf_config`).
+(config files, dtype rules), ``engine_defaults`` (the configuration classes' defaults),
+``families`` / ``deepseek`` / ``published_gqa`` / ``published_hybrid`` / ``mamba_hybrids``
+(builders),
+``bundled`` (what kvforge registers), ``registry`` (the tables, seeded on import),
+``plugins``, ``hf_config`` (:func:`from_hf_config`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ _EXPORTS: dict[str, str] = {
     "build_mistral": "kvforge.models.families",
     "build_qwen": "kvforge.models.families",
     "build_qwen3_next": "kvforge.models.families",
+    "build_minimax_m2": "kvforge.models.published_gqa",
+    "build_mistral3": "kvforge.models.published_gqa",
+    "build_olmo2": "kvforge.models.published_gqa",
+    "build_phi3": "kvforge.models.published_gqa",
+    "build_qwen2_5_vl": "kvforge.models.published_gqa",
+    "build_qwen3_vl": "kvforge.models.published_gqa",
+    "build_qwen3_vl_moe": "kvforge.models.published_gqa",
+    "build_step3p5": "kvforge.models.published_gqa",
+    "build_qwen3_5": "kvforge.models.published_hybrid",
+    "build_qwen3_5_moe": "kvforge.models.published_hybrid",
     "build_gemma3n": "kvforge.models.per_layer",
     "build_gemma4": "kvforge.models.per_layer",
     "build_mimo_v2": "kvforge.models.per_layer",

@@ -31,6 +31,17 @@ from kvforge.models.families import (
     build_qwen,
     build_qwen3_next,
 )
+from kvforge.models.published_gqa import (
+    build_minimax_m2,
+    build_mistral3,
+    build_olmo2,
+    build_phi3,
+    build_qwen2_5_vl,
+    build_qwen3_vl,
+    build_qwen3_vl_moe,
+    build_step3p5,
+)
+from kvforge.models.published_hybrid import build_qwen3_5, build_qwen3_5_moe
 from kvforge.models.per_layer import build_gemma3n, build_gemma4, build_mimo_v2, build_nemotron_nas
 
 __all__ = ["BUNDLED_BACKENDS", "BUNDLED_MODEL_TYPES"]
@@ -101,6 +112,18 @@ BUNDLED_MODEL_TYPES: tuple[tuple[str, ModelBuilder, str], ...] = (
     ("llama4_text", build_llama4, "Llama4ForCausalLM"),
     ("glm4_moe", build_gqa, "Glm4MoeForCausalLM"),
     ("qwen3_next", build_qwen3_next, "Qwen3NextForCausalLM"),
+    ("phi3", build_phi3, "Phi3ForCausalLM"),
+    ("olmo2", build_olmo2, "Olmo2ForCausalLM"),
+    ("minimax_m2", build_minimax_m2, "MiniMaxM2ForCausalLM"),
+    ("mistral3", build_mistral3, "Mistral3ForConditionalGeneration"),
+    ("qwen2_5_vl", build_qwen2_5_vl, "Qwen2_5_VLForConditionalGeneration"),
+    ("qwen3_vl", build_qwen3_vl, "Qwen3VLForConditionalGeneration"),
+    ("qwen3_vl_moe", build_qwen3_vl_moe, "Qwen3VLMoeForConditionalGeneration"),
+    ("qwen3_5", build_qwen3_5, "Qwen3_5ForConditionalGeneration"),
+    ("qwen3_5_text", build_qwen3_5, "Qwen3_5ForCausalLM"),
+    ("qwen3_5_moe", build_qwen3_5_moe, "Qwen3_5MoeForConditionalGeneration"),
+    ("qwen3_5_moe_text", build_qwen3_5_moe, "Qwen3_5MoeForCausalLM"),
+    ("step3p5", build_step3p5, "Step3p5ForCausalLM"),
     ("nemotron-nas", build_nemotron_nas, "DeciLMForCausalLM"),
     ("mimo_v2_flash", build_mimo_v2, "MiMoV2FlashForCausalLM"),
     ("mimo_v2", build_mimo_v2, "MiMoV2ForCausalLM"),

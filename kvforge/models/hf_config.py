@@ -27,6 +27,12 @@ registered. The bundled families register there like any plugin:
 ``index_head_dim``)
 ``deepseek_v4`` (:func:`build_deepseek_v4`)              :class:`DeepseekV4Backend`, one per
                                                          compress ratio in ``compress_ratios``
+``phi3``, ``olmo2``, ``minimax_m2``, ``mistral3``,       :class:`GQABackend`: readers in
+``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``,          :mod:`~kvforge.models.published_gqa`
+``step3p5`` (``build_phi3``, ...)                        (engines' defaults filled in)
+``qwen3_5``, ``qwen3_5_moe`` (and their ``_text``        :class:`GQABackend` and
+types; ``build_qwen3_5``, ``build_qwen3_5_moe``)         :class:`LinearAttentionBackend`, as
+                                                         Qwen3-Next
 =======================================================  =====================================
 
 The ``build_*`` functions are public so a plugin can register one of them for another
@@ -56,6 +62,14 @@ Rules a reader can check against the code:
   ``>= max_window_layers`` (Hugging Face's rule); Llama never slides. A sliding layer gets a
   :class:`GQABackend` with ``sliding_window=W`` (group ``swa``), a full layer the plain one
   (group ``kv``).
+- **Engine defaults.** A field a published config leaves out takes its Hugging Face
+  configuration class's default, as the engines load it (Gemma-3's ``head_dim`` 256, not
+  ``hidden_size // num_attention_heads``): :mod:`~kvforge.models.engine_defaults` copies them
+  for Gemma-3 and the families of :mod:`~kvforge.models.published_gqa` and
+  :mod:`~kvforge.models.published_hybrid`, whose docstrings give each family's window rule
+  as vLLM's model code applies it (Phi-3, OLMo-2, MiniMax-M2, Mistral-Small-3.x, Qwen3-VL:
+  every layer slides when ``sliding_window`` is set and there is no ``layer_types``; Step-3.5:
+  ``layer_types`` only, its MTP layers keeping their own type).
 - **Dtypes.** ``dtype="auto"`` (the default; ``None`` means the same) serves the model as the
   engines do (vLLM's ``_resolve_auto_dtype`` in ``vllm/config/model.py``, "Downcast for
   float32 models"): a ``float16`` or ``bfloat16`` ``torch_dtype`` (or ``dtype``) is kept, a

@@ -26,10 +26,20 @@ from kvforge.models import (
     build_gpt_oss,
     build_gqa,
     build_llama4,
+    build_minimax_m2,
     build_mistral,
+    build_mistral3,
     build_mla,
+    build_olmo2,
+    build_phi3,
     build_qwen,
+    build_qwen2_5_vl,
+    build_qwen3_5,
+    build_qwen3_5_moe,
     build_qwen3_next,
+    build_qwen3_vl,
+    build_qwen3_vl_moe,
+    build_step3p5,
     bundled_models,
     from_hf_config,
     load_model_config,
@@ -54,6 +64,7 @@ BUNDLED = [
     "deepseek-v4-tiny",
     "gemma-2-9b",
     "gemma-3-12b",
+    "gemma-3-4b",
     "gemma-3n-e4b",
     "gemma-4-31b",
     "glm-4.5-air",
@@ -62,11 +73,35 @@ BUNDLED = [
     "llama-3.3-nemotron-super-49b",
     "llama-4-scout-17b-16e",
     "mimo-v2-flash",
+    "minimax-m2",
     "mistral-7b-v0.1",
+    "mistral-small-3.1-24b",
+    "olmo-2-1124-7b",
+    "phi-4",
     "qwen2.5-7b",
+    "qwen2.5-vl-7b",
     "qwen3-8b",
     "qwen3-next-80b-a3b",
+    "qwen3-vl-30b-a3b",
+    "qwen3-vl-8b",
+    "qwen3.5-27b",
+    "qwen3.5-35b-a3b",
+    "step-3.5-flash",
 ]
+
+# multimodal wrappers, whose language model is their ``text_config``
+WRAPPED = (
+    "gemma-3-12b",
+    "gemma-3n-e4b",
+    "gemma-4-31b",
+    "llama-4-scout-17b-16e",
+    "gemma-3-4b",
+    "mistral-small-3.1-24b",
+    "qwen3-vl-8b",
+    "qwen3-vl-30b-a3b",
+    "qwen3.5-27b",
+    "qwen3.5-35b-a3b",
+)
 
 # DeepSeek-V4-Flash: layers 0, 1 uncompressed, then ratio 4 and 128 alternating (starting with
 # 4) for the other 41 layers, then one MTP layer of ratio 0: 2 + 41 + 1 = 44 entries.
@@ -118,9 +153,7 @@ def test_every_bundled_config_loads(name):
     # published; the layer count lives there
     text = cfg.get("text_config", cfg)
     assert "num_hidden_layers" in text
-    assert ("text_config" in cfg) == (
-        name in ("gemma-3-12b", "gemma-3n-e4b", "gemma-4-31b", "llama-4-scout-17b-16e")
-    )
+    assert ("text_config" in cfg) == (name in WRAPPED)
     backends = from_hf_config(name)
     n, mtp = text["num_hidden_layers"], text.get("num_nextn_predict_layers", 0)
     # layers without attention (NAS no_op) and KV-shared layers keep no cache
@@ -546,6 +579,18 @@ def test_bundled_families_are_registered_through_the_registry():
         "qwen3": (build_qwen, ("Qwen3ForCausalLM",)),
         "qwen3_moe": (build_qwen, ("Qwen3MoeForCausalLM",)),
         "qwen3_next": (build_qwen3_next, ("Qwen3NextForCausalLM",)),
+        "phi3": (build_phi3, ("Phi3ForCausalLM",)),
+        "olmo2": (build_olmo2, ("Olmo2ForCausalLM",)),
+        "minimax_m2": (build_minimax_m2, ("MiniMaxM2ForCausalLM",)),
+        "mistral3": (build_mistral3, ("Mistral3ForConditionalGeneration",)),
+        "qwen2_5_vl": (build_qwen2_5_vl, ("Qwen2_5_VLForConditionalGeneration",)),
+        "qwen3_vl": (build_qwen3_vl, ("Qwen3VLForConditionalGeneration",)),
+        "qwen3_vl_moe": (build_qwen3_vl_moe, ("Qwen3VLMoeForConditionalGeneration",)),
+        "qwen3_5": (build_qwen3_5, ("Qwen3_5ForConditionalGeneration",)),
+        "qwen3_5_text": (build_qwen3_5, ("Qwen3_5ForCausalLM",)),
+        "qwen3_5_moe": (build_qwen3_5_moe, ("Qwen3_5MoeForConditionalGeneration",)),
+        "qwen3_5_moe_text": (build_qwen3_5_moe, ("Qwen3_5MoeForCausalLM",)),
+        "step3p5": (build_step3p5, ("Step3p5ForCausalLM",)),
         "nemotron-nas": (build_nemotron_nas, ("DeciLMForCausalLM",)),
         "mimo_v2_flash": (build_mimo_v2, ("MiMoV2FlashForCausalLM",)),
         "mimo_v2": (build_mimo_v2, ("MiMoV2ForCausalLM",)),

@@ -27,10 +27,12 @@ file                        source
                             dims, ratios [0, 0, 4, 128, 4, 128] and one MTP layer of ratio 0
 ``gemma-2-9b``              ``google/gemma-2-9b`` (42 layers, even layers slide over 4096
                             tokens; ``torch_dtype`` float32 as published)
-``gemma-3-12b``             ``google/gemma-3-12b-it`` (``text_config``: 48 layers, window 1024,
-                            every 6th layer global; ``head_dim``, ``sliding_window_pattern``
-                            and ``max_position_embeddings`` written out from the
-                            ``Gemma3TextConfig`` defaults)
+``gemma-3-12b``             ``google/gemma-3-12b-it`` (``text_config``: 48 layers, window 1024;
+                            as published, no ``head_dim`` and no pattern: the
+                            ``Gemma3TextConfig`` defaults, 256 and every 6th layer global)
+``gemma-3-4b``              ``google/gemma-3-4b-it`` (``text_config`` states only 34 layers,
+                            ``hidden_size`` and window 1024: heads, kv heads and ``head_dim``
+                            are the class defaults 8, 4 and 256)
 ``glm-4.5-air``             ``zai-org/GLM-4.5-Air`` (GQA, 46 layers + 1 MTP layer,
                             ``head_dim`` 128)
 ``gpt-oss-20b``             ``openai/gpt-oss-20b`` (24 layers, ``layer_types`` alternating
@@ -39,6 +41,25 @@ file                        source
                             chunked attention of 8192 tokens except every 4th layer)
 ``qwen3-next-80b-a3b``      ``Qwen/Qwen3-Next-80B-A3B-Instruct`` (48 layers: every 4th full
                             attention, the others Gated DeltaNet linear attention)
+``phi-4``                   ``microsoft/phi-4`` (``phi3``: 40 layers, 10 kv heads of 128,
+                            ``sliding_window`` null)
+``olmo-2-1124-7b``          ``allenai/OLMo-2-1124-7B`` (32 layers, 32 kv heads of 128,
+                            ``torch_dtype`` float32 as published)
+``minimax-m2``              ``MiniMaxAI/MiniMax-M2`` (62 layers, 8 kv heads of 128; its 3 MTP
+                            modules are no cache layers in vLLM)
+``mistral-small-3.1-24b``   ``mistralai/Mistral-Small-3.1-24B-Instruct-2503`` (``mistral3``,
+                            ``text_config``: 40 layers, ``sliding_window`` null)
+``qwen2.5-vl-7b``           ``Qwen/Qwen2.5-VL-7B-Instruct`` (top-level fields: 28 layers,
+                            ``use_sliding_window`` false)
+``qwen3-vl-8b``             ``Qwen/Qwen3-VL-8B-Instruct`` (``text_config``: 36 layers)
+``qwen3-vl-30b-a3b``        ``Qwen/Qwen3-VL-30B-A3B-Instruct`` (``text_config``: 48 layers)
+``qwen3.5-27b``             ``Qwen/Qwen3.5-27B`` (``text_config``: 64 layers, every 4th full
+                            attention, ``mamba_ssm_dtype`` float32, 1 MTP layer)
+``qwen3.5-35b-a3b``         ``Qwen/Qwen3.5-35B-A3B`` (``text_config``: 40 layers, every 4th
+                            full attention, 1 MTP layer)
+``step-3.5-flash``          ``stepfun-ai/Step-3.5-Flash`` (45 layers + 3 MTP layers padding
+                            ``layer_types``: full every 4th from layer 0, the others a
+                            512-token window; 8 ``num_attention_groups``)
 ==========================  ===================================================================
 
 Configs whose layers differ in shape (:mod:`kvforge.models.per_layer`):
