@@ -63,6 +63,9 @@ class Case:
             engine runs that language model alone, as the CPU build cannot import vision code.
         drop: fields removed (only ones no cache depends on, e.g. a weight quantization the
             CPU build has no kernels for).
+        known: spec fields where kvforge's plan is known to differ from vLLM's today (each
+            named, with why, in ``docs/models.md``, "Checked against vLLM"): the test asserts
+            the differences are exactly these, so a fix (or a new difference) shows.
     """
 
     name: str
@@ -71,6 +74,7 @@ class Case:
     sizes: dict[str, Any] = field(default_factory=dict)
     text_config: bool = False
     drop: tuple[str, ...] = ()
+    known: frozenset[str] = frozenset()
 
 
 SIZES: dict[str, int] = {
@@ -94,6 +98,35 @@ CASES: tuple[Case, ...] = (
     Case("gemma2", "gemma-2-9b", layers=4, sizes={"hidden_size": 256}),
     # gemma3_text: 5 window layers then 1 global (sliding_window_pattern 6): 8 layers, 2 global
     Case("gemma3_text", "gemma-3-1b-it", layers=8, sizes={"hidden_size": 256}),
+    # gpt_oss: layer_types alternate sliding (128 tokens) and full
+    Case(
+        "gpt_oss",
+        "gpt-oss-20b",
+        layers=4,
+        sizes={"hidden_size": 256},
+        drop=("quantization_config",),  # MXFP4 expert weights: no CPU kernel, no cache field
+    ),
+    # qwen3_next: 3 Gated DeltaNet layers then 1 full-attention layer (full_attention_interval 4)
+    # Known differences of its state layers: vLLM keeps the recurrent state in the model dtype
+    # ("auto" mamba_ssm_cache_dtype: gated_delta_net_state_dtype), kvforge in float32 and
+    # refuses mamba_ssm_cache_dtype for a model without Mamba2 layers; vLLM pads the state page
+    # to the attention page (mamba_page_size_padded) and marks it "align" (prefix caching),
+    # and kvforge's linear-attention layers take neither (hybrid_sizes refuses their padding)
+    Case(
+        "qwen3_next",
+        "qwen3-next-80b-a3b-instruct",
+        layers=8,
+        sizes={"hidden_size": 256},
+        known=frozenset(
+            {
+                "dtypes",
+                "mamba_cache_mode",
+                "page_size_padded",
+                "page_size_bytes",
+                "real_page_size_bytes",
+            }
+        ),
+    ),
 )
 
 
@@ -192,12 +225,13 @@ def _record(oracle: dict[str, dict[str, Any]], case: Case) -> dict[str, Any]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_layer_specs_equal_vllms(oracle: dict[str, dict[str, Any]], case: Case) -> None:
     """Layer by layer, by vLLM's own layer names: the same spec type and fields, the same
-    page bytes (padded and meaningful)."""
+    page bytes (padded and meaningful); where a case lists known differences, exactly those."""
     record = _record(oracle, case)
     ours, theirs = kvforge_specs(case, record), record["layers"]
     assert list(ours) == list(theirs)
     diffs = {name: differences(ours[name], theirs[name]) for name in theirs}
-    assert {name: d for name, d in diffs.items() if d} == {}
+    fields = set().union(*diffs.values())
+    assert fields == case.known, {name: d for name, d in diffs.items() if d}
 
 
 def layer_of(name: str) -> int:
@@ -231,5 +265,5 @@ def test_vllms_groups_hold_kvforges(oracle: dict[str, dict[str, Any]], case: Cas
         assert len(owners) == 1, f"vLLM group {group['layers']} mixes kvforge groups {owners}"
         covered.setdefault(owners.pop(), set()).update(layers)
         for name in group["layers"]:
-            assert differences(ours[name], group["spec"]) == {}, name
+            assert set(differences(ours[name], group["spec"])) <= case.known, name
     assert covered == groups

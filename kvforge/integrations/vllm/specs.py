@@ -24,7 +24,9 @@ names are vLLM's own: GQA / MHA ``self_attn.attn`` (key, value and scales in one
 ``self_attn.attn``; DSA that and ``self_attn.indexer.k_cache``; DeepSeek-V4 ``attn.swa_cache``,
 ``attn`` (compressed_kv), ``attn.compressor.state_cache``, ``attn.indexer.k_cache``,
 ``attn.indexer.compressor.state_cache``; linear attention ``linear_attn`` (a ``MambaSpec``);
-any other backend ``{group}.kv`` (key + value), else ``{group}.{role}``. A mapping from
+any other backend ``{group}.kv`` (key + value), else ``{group}.{role}``. gpt-oss names its
+attention ``attn.attn``, not ``self_attn.attn`` (:data:`_KV_MODULES`, read from the
+``model_type`` that :func:`~kvforge.models.from_hf_config` records). A mapping from
 :func:`from_vllm_specs` keeps vLLM's names (its ``layer_names``).
 
 Worked example: one Llama-3-8B layer, 16-token blocks of 8 kv heads of 128 in bf16. vLLM's
@@ -96,6 +98,10 @@ __all__ = [
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _SCALE_BYTES = 4  # vLLM's per-token-head scales are float32, inline after each head's data
+# model_type -> vLLM's module of a key / value cache, where it is not ``self_attn.attn``: gpt-oss's
+# decoder layer holds ``attn`` (OAIAttention), whose Attention is ``attn`` again
+# (vllm/model_executor/models/gpt_oss.py: TransformerBlock.__init__, OAIAttention.__init__)
+_KV_MODULES = {"gpt_oss": "attn.attn"}
 _DSV4_MODULES = {
     "swa_kv": "attn.swa_cache",
     "compressed_kv": "attn",
@@ -282,6 +288,16 @@ def _ds_mla(head_size: int, role: CacheRole) -> dict[str, Any]:
     }
 
 
+def _vllm_shape(backend: AttentionBackend, role: CacheRole) -> tuple[int, ...]:
+    """A state role's shape as vLLM declares it. vLLM stores a Gated DeltaNet conv state state
+    length first, channels innermost (its default "SD" layout: ``gated_delta_net_state_shape``
+    and ``get_conv_state_layout`` in ``vllm/model_executor/layers/mamba/mamba_utils.py``);
+    kvforge's ``conv_state`` role is ``[conv_dim, state_len]``: the same bytes, transposed."""
+    if isinstance(backend, LinearAttentionBackend) and role.name == "conv_state":
+        return tuple(reversed(role.entry_shape))
+    return role.entry_shape
+
+
 def _state_spec(
     backend: AttentionBackend,
     group: CacheGroup,
@@ -295,7 +311,7 @@ def _state_spec(
             "a max_model_len"
         )
     kwargs: dict[str, Any] = {
-        "shapes": tuple(r.entry_shape for r in roles),
+        "shapes": tuple(_vllm_shape(backend, r) for r in roles),
         "dtypes": tuple(r.torch_dtype for r in roles),
         "block_size": block_size,
         "num_speculative_blocks": group.slots_per_request - 1,
@@ -322,11 +338,14 @@ def _units(
     if not isinstance(prefix, str):
         raise ArgumentError(f"prefix must be a str, got {prefix!r}")
     names = getattr(backends, "layer_names", None)
+    kv_module = _KV_MODULES.get(str(getattr(backends, "model_type", None)), "self_attn.attn")
     units: list[_Unit] = []
     for layer in layout.layers:
         backend = layout.backends[layer]
         groups = backend.groups_by_name()
         modules = _modules(backend)
+        if kv_module != "self_attn.attn":
+            modules = [(kv_module if m == "self_attn.attn" else m, r) for m, r in modules]
         for module, roles in modules:
             group = groups[roles[0].group]
             if block_size is not None and _follows_engine_block(backend, group):
