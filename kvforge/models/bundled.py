@@ -31,6 +31,8 @@ from kvforge.models.families import (
     build_qwen,
     build_qwen3_next,
 )
+from kvforge.models.mla_families import build_glm4_moe_lite, build_glm_moe_dsa, build_kimi_k25
+from kvforge.models.per_layer import build_gemma3n, build_gemma4, build_mimo_v2, build_nemotron_nas
 from kvforge.models.published_gqa import (
     build_minimax_m2,
     build_mistral3,
@@ -42,7 +44,6 @@ from kvforge.models.published_gqa import (
     build_step3p5,
 )
 from kvforge.models.published_hybrid import build_qwen3_5, build_qwen3_5_moe
-from kvforge.models.per_layer import build_gemma3n, build_gemma4, build_mimo_v2, build_nemotron_nas
 
 __all__ = ["BUNDLED_BACKENDS", "BUNDLED_MODEL_TYPES"]
 
@@ -131,5 +132,8 @@ BUNDLED_MODEL_TYPES: tuple[tuple[str, ModelBuilder, str], ...] = (
     ("gemma3n_text", build_gemma3n, "Gemma3nForCausalLM"),
     ("gemma4", build_gemma4, "Gemma4ForConditionalGeneration"),
     ("gemma4_text", build_gemma4, "Gemma4ForCausalLM"),
+    ("glm4_moe_lite", build_glm4_moe_lite, "Glm4MoeLiteForCausalLM"),
+    ("glm_moe_dsa", build_glm_moe_dsa, "GlmMoeDsaForCausalLM"),
+    ("kimi_k25", build_kimi_k25, "KimiK25ForConditionalGeneration"),
 )
 """``(model_type, builder, architecture)`` of every bundled Hugging Face model type."""

@@ -12,13 +12,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import StrictInt
+from pydantic import BaseModel, ConfigDict, StrictInt, field_validator
 
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.attn_backends.deepseek_v4 import COMPRESS_RATIOS, DeepseekV4Backend
 from kvforge.attn_backends.dsa import DSABackend
 from kvforge.attn_backends.mla import MLABackend
-from kvforge.models.base import LayerFields, ModelOptions, PositiveInt, parse_fields
+from kvforge.models.base import (
+    LayerFields,
+    ModelOptions,
+    PositiveInt,
+    parse_fields,
+    short_repr,
+)
 from kvforge.models.reading import (
     FP8_NAMES,
     LATENT_DTYPE,
@@ -27,7 +33,16 @@ from kvforge.models.reading import (
     model_dtype,
 )
 
-__all__ = ["DSAFields", "MLAFields", "V4Fields", "build_deepseek_v4", "build_dsa", "build_mla"]
+__all__ = [
+    "DSAFields",
+    "IndexShareFields",
+    "MLAFields",
+    "V4Fields",
+    "build_deepseek_v4",
+    "build_dsa",
+    "build_mla",
+    "index_sharing_layers",
+]
 
 
 class MLAFields(LayerFields):
@@ -41,6 +56,25 @@ class DSAFields(MLAFields):
     """Cache fields of a DeepSeek V3.2 (DSA) model: MLA plus the indexer key width."""
 
     index_head_dim: PositiveInt
+
+
+class IndexShareFields(BaseModel):
+    """The fields that let a DSA layer reuse another layer's top-k (and so build no indexer)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    index_topk_freq: PositiveInt = 1
+    index_topk_pattern: Any = None
+    index_skip_topk_offset: StrictInt = 2
+
+    @field_validator("index_topk_pattern")
+    @classmethod
+    def _pattern(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(c, str) for c in value):
+            return value
+        raise ValueError("it must be a string or a list of strings ('F' runs, 'S' shares)")
 
 
 class V4Fields(LayerFields):
@@ -86,8 +120,14 @@ def build_mla(
 def build_dsa(
     config: Mapping[str, Any], model_type: str, options: ModelOptions
 ) -> dict[int, AttentionBackend]:
-    """DeepSeek V3.2 (DSA): MLA's latent plus an indexer key per token."""
+    """DeepSeek V3.2 (DSA): MLA's latent plus an indexer key per token, on every layer.
+
+    A config whose main layers share another layer's top-k (:func:`index_sharing_layers`)
+    is refused: those layers have no indexer cache in vLLM, which :class:`DSABackend` does
+    not declare.
+    """
     f = parse_fields(DSAFields, config, model_type)
+    _refuse_index_sharing(config, f.num_hidden_layers, model_type)
     options.refuse(model_type, "dtype", why=LATENT_DTYPE)
     kv_cache_dtype = latent_cache_dtype(options.kv_cache_dtype, model_type)
     mtp = options.mtp_layer_ids(f.num_hidden_layers, f.num_nextn_predict_layers, model_type)
@@ -99,6 +139,43 @@ def build_dsa(
         kv_cache_dtype=kv_cache_dtype,
     )
     return dict.fromkeys([*range(f.num_hidden_layers), *mtp], backend)
+
+
+def _refuse_index_sharing(config: Mapping[str, Any], num_layers: int, model_type: str) -> None:
+    sharing = index_sharing_layers(config, num_layers, model_type)
+    if not sharing:
+        return
+    field = (
+        "index_topk_pattern" if config.get("index_topk_pattern") is not None else "index_topk_freq"
+    )
+    shown = ", ".join(map(str, sharing[:8])) + (", ..." if len(sharing) > 8 else "")
+    raise ValueError(
+        f"config field {field} = {short_repr(config.get(field))} is not supported for "
+        f"model_type {model_type!r}: layers {shown} ({len(sharing)} of {num_layers}) reuse "
+        "another layer's top-k and have no indexer cache in vLLM, which kvforge's DSA backend "
+        "does not declare (every DSA layer plans an indexer key)"
+    )
+
+
+def index_sharing_layers(
+    config: Mapping[str, Any], num_hidden_layers: int, model_type: str
+) -> list[int]:
+    """The main layers of a DSA model that build no indexer: they reuse the top-k of an
+    earlier layer ("IndexCache").
+
+    vLLM's rule (``DeepseekV2MLAAttention.__init__`` in
+    ``vllm/model_executor/models/deepseek_v2.py``): with ``index_topk_pattern`` (a string or a
+    list), layer ``i`` shares when ``pattern[i] == "S"`` (layers past its end do not); else
+    layer ``i`` shares when ``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq != 0``
+    (defaults 2 and 1: no layer shares). MTP layers never share. ``transformers``'
+    ``indexer_types`` is not read (vLLM 0.33 does not read it either).
+    """
+    f = parse_fields(IndexShareFields, config, model_type)
+    pattern = f.index_topk_pattern
+    if pattern is not None:
+        return [i for i in range(min(num_hidden_layers, len(pattern))) if pattern[i] == "S"]
+    freq, offset = f.index_topk_freq, f.index_skip_topk_offset
+    return [i for i in range(num_hidden_layers) if max(i - offset + 1, 0) % freq != 0]
 
 
 # ---------------------------------------------------------------------------------- V4

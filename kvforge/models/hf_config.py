@@ -27,6 +27,11 @@ registered. The bundled families register there like any plugin:
 ``index_head_dim``)
 ``deepseek_v4`` (:func:`build_deepseek_v4`)              :class:`DeepseekV4Backend`, one per
                                                          compress ratio in ``compress_ratios``
+``glm4_moe_lite`` (``build_glm4_moe_lite``),             :class:`MLABackend` (GLM-5:
+``glm_moe_dsa`` (``build_glm_moe_dsa``),                 :class:`DSABackend`); readers in
+``kimi_k25`` (``build_kimi_k25``: its                    :mod:`~kvforge.models.mla_families`
+``text_config``); Kimi-K2 (``kimi_k2``) plans by         (engines' defaults filled in)
+its architecture, as ``deepseek_v3``
 ``phi3``, ``olmo2``, ``minimax_m2``, ``mistral3``,       :class:`GQABackend`: readers in
 ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``,          :mod:`~kvforge.models.published_gqa`
 ``step3p5`` (``build_phi3``, ...)                        (engines' defaults filled in)
@@ -48,6 +53,10 @@ Rules a reader can check against the code:
   (full-attention) backend. A DeepSeek-V4 MTP layer ``k`` takes its ratio from
   ``compress_ratios[num_hidden_layers + k]`` when the list is that long, else ratio 0.
   Entries past the last cache layer are ignored (a published V4-Flash variant pads the list).
+- **DSA indexers.** Every DSA layer (``deepseek_v32``, ``glm_moe_dsa``) plans an indexer key;
+  a config whose main layers share another layer's top-k (``index_topk_freq`` > 1 or an
+  ``index_topk_pattern`` with ``"S"``: no indexer on those layers in vLLM) is refused, naming
+  the layers (:func:`~kvforge.models.deepseek.index_sharing_layers`).
   A model has at most :data:`~kvforge.models.base.MAX_LAYERS` (4096) cache layers.
 - **GQA head counts.** ``num_key_value_heads`` defaults to ``num_attention_heads`` (MHA);
   ``head_dim`` defaults to ``hidden_size // num_attention_heads``. With tensor parallelism the

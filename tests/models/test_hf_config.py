@@ -23,8 +23,11 @@ from kvforge.models import (
     build_dsa,
     build_gemma2,
     build_gemma3,
+    build_glm4_moe_lite,
+    build_glm_moe_dsa,
     build_gpt_oss,
     build_gqa,
+    build_kimi_k25,
     build_llama4,
     build_minimax_m2,
     build_mistral,
@@ -68,7 +71,10 @@ BUNDLED = [
     "gemma-3n-e4b",
     "gemma-4-31b",
     "glm-4.5-air",
+    "glm-4.7-flash",
+    "glm-5",
     "gpt-oss-20b",
+    "kimi-k2.5",
     "llama-3-8b",
     "llama-3.3-nemotron-super-49b",
     "llama-4-scout-17b-16e",
@@ -101,6 +107,7 @@ WRAPPED = (
     "qwen3-vl-30b-a3b",
     "qwen3.5-27b",
     "qwen3.5-35b-a3b",
+    "kimi-k2.5",
 )
 
 # DeepSeek-V4-Flash: layers 0, 1 uncompressed, then ratio 4 and 128 alternating (starting with
@@ -598,6 +605,9 @@ def test_bundled_families_are_registered_through_the_registry():
         "gemma3n_text": (build_gemma3n, ("Gemma3nForCausalLM",)),
         "gemma4": (build_gemma4, ("Gemma4ForConditionalGeneration",)),
         "gemma4_text": (build_gemma4, ("Gemma4ForCausalLM",)),
+        "glm4_moe_lite": (build_glm4_moe_lite, ("Glm4MoeLiteForCausalLM",)),
+        "glm_moe_dsa": (build_glm_moe_dsa, ("GlmMoeDsaForCausalLM",)),
+        "kimi_k25": (build_kimi_k25, ("KimiK25ForConditionalGeneration",)),
     }
     assert list(types) == sorted(types)
 

@@ -60,6 +60,12 @@ file                        source
 ``step-3.5-flash``          ``stepfun-ai/Step-3.5-Flash`` (45 layers + 3 MTP layers padding
                             ``layer_types``: full every 4th from layer 0, the others a
                             512-token window; 8 ``num_attention_groups``)
+``glm-4.7-flash``           ``zai-org/GLM-4.7-Flash`` (``glm4_moe_lite``: MLA, 47 layers + 1
+                            MTP layer, ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64)
+``glm-5``                   ``zai-org/GLM-5`` (``glm_moe_dsa``: DSA, 78 layers + 1 MTP layer,
+                            indexer ``index_head_dim`` 128, no shared-index schedule)
+``kimi-k2.5``               ``moonshotai/Kimi-K2.5`` (``kimi_k25``, ``text_config`` of type
+                            ``kimi_k2``: DeepSeek-V3's MLA, 61 layers, no MTP layer)
 ==========================  ===================================================================
 
 Configs whose layers differ in shape (:mod:`kvforge.models.per_layer`):
