@@ -41,6 +41,7 @@ from typing import Any
 from kvforge.attn_backends.base import AttentionBackend
 from kvforge.models.base import ModelBackends, ModelOptions
 from kvforge.models.deepseek import build_dsa, build_mla
+from kvforge.models.engine_defaults import with_defaults
 from kvforge.models.reading import max_position_embeddings, nested_errors, text_config
 
 __all__ = [
@@ -93,14 +94,11 @@ when absent (no class declares it; vLLM reads it with ``getattr(..., 0)``)."""
 
 
 def with_engine_defaults(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
-    """``config`` with every field of :data:`ENGINE_DEFAULTS` it leaves out filled in (a field
-    present with ``null`` stays ``null``: the builders refuse it, as the configuration class
-    does). A model type without defaults gets a plain copy."""
-    filled = dict(config)
-    for field, default in ENGINE_DEFAULTS.get(model_type, {}).items():
-        if field not in filled:
-            filled[field] = default
-    return filled
+    """``config`` with the fields of :data:`ENGINE_DEFAULTS` ``[model_type]`` it leaves out
+    filled in (:func:`~kvforge.models.engine_defaults.with_defaults`: a field present with
+    ``null`` stays ``null``, and the builders refuse it as the configuration class does). A
+    model type without defaults gets a plain copy."""
+    return with_defaults(config, ENGINE_DEFAULTS.get(model_type, {}))
 
 
 def _with_max_len(

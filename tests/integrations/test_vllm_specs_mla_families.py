@@ -53,7 +53,7 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
 from kvforge.core.layout import CacheLayout
-from kvforge.integrations.vllm.specs import layer_page_bytes, to_vllm_specs
+from kvforge.integrations.vllm.specs import from_vllm_specs, layer_page_bytes, to_vllm_specs
 from kvforge.models import from_hf_config, load_model_config
 
 BLOCK = 64
@@ -230,3 +230,19 @@ def test_one_group_as_vllm_groups_them(model_configs, model: str) -> None:
     layout = CacheLayout(from_hf_config(model))
     assert [(g.name, g.block_size) for g in layout.groups] == [("kv", BLOCK)]
     assert sorted(to_vllm_specs(layout, prefix=prefix)) == sorted(group.layer_names)
+
+
+@pytest.mark.parametrize("model", sorted(FAMILIES))
+def test_both_ways(model_configs, model: str) -> None:
+    """vLLM's own specs read back into kvforge (``from_vllm_specs``) plan the same bytes per
+    layer, and kvforge's specs survive the round trip through kvforge unchanged."""
+    prefix, dtypes = FAMILIES[model]
+    theirs = vllm_declared_specs(_vllm_config(model_configs(model), dtypes[None]), prefix)
+    back = from_vllm_specs(theirs)
+    layout = CacheLayout(back)
+    for layer, name in enumerate(back.layer_names):
+        buffers = [b for b in layout.buffers if b.layer == layer]
+        assert sum(b.device_block_bytes for b in buffers) == theirs[name].page_size_bytes, name
+        assert sum(b.block_bytes for b in buffers) == theirs[name].real_page_size_bytes, name
+    ours = to_vllm_specs(from_hf_config(model), prefix=prefix)
+    assert to_vllm_specs(from_vllm_specs(ours)) == ours
