@@ -31,6 +31,7 @@ from kvforge.models.families import (
     build_qwen,
     build_qwen3_next,
 )
+from kvforge.models.mamba_hybrids import build_falcon_h1, build_granite_hybrid, build_nemotron_h
 from kvforge.models.mla_families import build_glm4_moe_lite, build_glm_moe_dsa, build_kimi_k25
 from kvforge.models.per_layer import build_gemma3n, build_gemma4, build_mimo_v2, build_nemotron_nas
 from kvforge.models.published_gqa import (
@@ -135,5 +136,8 @@ BUNDLED_MODEL_TYPES: tuple[tuple[str, ModelBuilder, str], ...] = (
     ("glm4_moe_lite", build_glm4_moe_lite, "Glm4MoeLiteForCausalLM"),
     ("glm_moe_dsa", build_glm_moe_dsa, "GlmMoeDsaForCausalLM"),
     ("kimi_k25", build_kimi_k25, "KimiK25ForConditionalGeneration"),
+    ("falcon_h1", build_falcon_h1, "FalconH1ForCausalLM"),
+    ("nemotron_h", build_nemotron_h, "NemotronHForCausalLM"),
+    ("granitemoehybrid", build_granite_hybrid, "GraniteMoeHybridForCausalLM"),
 )
 """``(model_type, builder, architecture)`` of every bundled Hugging Face model type."""

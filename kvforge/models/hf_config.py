@@ -32,6 +32,8 @@ registered. The bundled families register there like any plugin:
 ``kimi_k25`` (``build_kimi_k25``: its                    :mod:`~kvforge.models.mla_families`
 ``text_config``); Kimi-K2 (``kimi_k2``) plans by         (engines' defaults filled in)
 its architecture, as ``deepseek_v3``
+``falcon_h1``, ``nemotron_h``, ``granitemoehybrid``       :class:`GQABackend` and
+(:mod:`~kvforge.models.mamba_hybrids`)                   :class:`Mamba2Backend`
 ``phi3``, ``olmo2``, ``minimax_m2``, ``mistral3``,       :class:`GQABackend`: readers in
 ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe``,          :mod:`~kvforge.models.published_gqa`
 ``step3p5`` (``build_phi3``, ...)                        (engines' defaults filled in)
@@ -101,6 +103,16 @@ Rules a reader can check against the code:
   read an earlier layer's cache and own none (``kv_sharing``), so layer ids may have gaps.
 - **Block sizes.** ``block_size`` defaults to 16 for GQA and 64 for MLA / DSA. DeepSeek-V4
   block sizes are fixed by its groups, so passing ``block_size`` for V4 is an error.
+- **Mamba2 hybrids** (:mod:`~kvforge.models.mamba_hybrids`). A Mamba2 mixer keeps a conv and
+  an SSM state per request (group ``mamba_state``, ``1 + num_speculative_tokens`` slots).
+  Falcon-H1's layer ``i`` runs attention (cache layer ``i``) and a mixer (cache layer
+  ``num_hidden_layers + i``, vLLM's numbering) in parallel; Nemotron-H's layer ``i`` is the
+  ``i``-th entry of ``hybrid_override_pattern`` (``M`` mixer, ``*`` attention, MLP / MoE
+  entries no cache layer); Granite-4.0-H's ``layer_types`` says ``mamba`` or ``attention``.
+  ``mamba_cache_dtype`` / ``mamba_ssm_cache_dtype`` are vLLM's options: ``"auto"`` is the
+  model dtype for the conv state and, for the SSM state, the conv dtype (Nemotron-H: the
+  config's ``mamba_ssm_cache_dtype``, else float32). Either option is an error for a model
+  without Mamba2 layers. Draft layers are not planned for these families yet.
 
 Every problem is a ``ValueError`` (or ``FileNotFoundError`` / ``TypeError``) whose message
 names the field, its value and the model type. A builder that returns something other than
@@ -116,6 +128,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.attn_backends.mamba import Mamba2Backend
 from kvforge.models.base import MAX_LAYERS, ModelBackends, ModelOptions, short_repr
 from kvforge.models.reading import (
     AUTO_DTYPE,
@@ -222,6 +235,8 @@ def from_hf_config(
     kv_cache_dtype: str | None = None,
     tp_size: int = 1,
     num_speculative_tokens: int = 0,
+    mamba_cache_dtype: str | None = None,
+    mamba_ssm_cache_dtype: str | None = None,
 ) -> ModelBackends:
     """The ``layer id -> backend`` mapping of a model, from its Hugging Face config.
 
@@ -241,6 +256,7 @@ def from_hf_config(
         num_speculative_tokens: draft tokens per step; the MTP layers
             (``num_nextn_predict_layers``) get caches only when it is > 0, and then the model
             must have some.
+        mamba_cache_dtype, mamba_ssm_cache_dtype: Mamba2 state dtypes, as vLLM's options.
 
     Returns:
         A :class:`~kvforge.models.base.ModelBackends`: ``{layer_id: backend}``
@@ -265,10 +281,24 @@ def from_hf_config(
         kv_cache_dtype=kv_cache_dtype,
         tp_size=tp_size,
         num_speculative_tokens=num_speculative_tokens,
+        mamba_cache_dtype=mamba_cache_dtype,
+        mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
     )
     entry = _registration(config)
     _check_layer_counts(config)
     return _build(entry, config, opts)
+
+
+def _check_mamba_options(result: object, model_type: str, opts: ModelOptions) -> None:
+    """A Mamba state dtype option for a model without Mamba2 layers is an error, not a no-op."""
+    if isinstance(result, Mapping) and any(isinstance(b, Mamba2Backend) for b in result.values()):
+        return
+    opts.refuse(
+        model_type,
+        "mamba_cache_dtype",
+        "mamba_ssm_cache_dtype",
+        why="the model has no Mamba2 layer",
+    )
 
 
 def _config_mapping(config: ConfigSource) -> Mapping[str, Any]:
@@ -290,6 +320,7 @@ def _build(
     builder's own when it gives one)."""
     max_len = max_position_embeddings(config, entry.model_type)
     result = entry.builder(config, entry.model_type, opts)
+    _check_mamba_options(result, entry.model_type, opts)
     if isinstance(result, ModelBackends) and result.max_position_embeddings is not None:
         max_len = result.max_position_embeddings
     return ModelBackends(

@@ -21,18 +21,21 @@ from kvforge.models import (
     ModelBackends,
     build_deepseek_v4,
     build_dsa,
+    build_falcon_h1,
     build_gemma2,
     build_gemma3,
     build_glm4_moe_lite,
     build_glm_moe_dsa,
     build_gpt_oss,
     build_gqa,
+    build_granite_hybrid,
     build_kimi_k25,
     build_llama4,
     build_minimax_m2,
     build_mistral,
     build_mistral3,
     build_mla,
+    build_nemotron_h,
     build_olmo2,
     build_phi3,
     build_qwen,
@@ -65,6 +68,7 @@ BUNDLED = [
     "deepseek-v3.2",
     "deepseek-v4-flash",
     "deepseek-v4-tiny",
+    "falcon-h1-7b",
     "gemma-2-9b",
     "gemma-3-12b",
     "gemma-3-4b",
@@ -74,6 +78,7 @@ BUNDLED = [
     "glm-4.7-flash",
     "glm-5",
     "gpt-oss-20b",
+    "granite-4.0-h-small",
     "kimi-k2.5",
     "llama-3-8b",
     "llama-3.3-nemotron-super-49b",
@@ -82,6 +87,7 @@ BUNDLED = [
     "minimax-m2",
     "mistral-7b-v0.1",
     "mistral-small-3.1-24b",
+    "nemotron-nano-9b-v2",
     "olmo-2-1124-7b",
     "phi-4",
     "qwen2.5-7b",
@@ -163,9 +169,12 @@ def test_every_bundled_config_loads(name):
     assert ("text_config" in cfg) == (name in WRAPPED)
     backends = from_hf_config(name)
     n, mtp = text["num_hidden_layers"], text.get("num_nextn_predict_layers", 0)
-    # layers without attention (NAS no_op) and KV-shared layers keep no cache
+    # Nemotron-H's MLP / MoE layers keep no cache; Falcon-H1's mixers are layers n .. 2n - 1
+    skipped = {i for i, c in enumerate(cfg.get("hybrid_override_pattern", "")) if c in "-E"}
+    # NAS layers whose attention is no_op and KV-shared layers keep no cache either
     blocks = cfg.get("block_configs", [])
-    skipped = set(kv_sharing(cfg)) | {i for i, b in enumerate(blocks) if b["attention"]["no_op"]}
+    skipped |= set(kv_sharing(cfg)) | {i for i, b in enumerate(blocks) if b["attention"]["no_op"]}
+    n = 2 * n if cfg["model_type"] == "falcon_h1" else n
     # MTP layers only with speculative decoding
     assert list(backends) == [i for i in range(n) if i not in skipped]
     CacheLayout(backends)  # the declarations merge without conflict
@@ -608,6 +617,9 @@ def test_bundled_families_are_registered_through_the_registry():
         "glm4_moe_lite": (build_glm4_moe_lite, ("Glm4MoeLiteForCausalLM",)),
         "glm_moe_dsa": (build_glm_moe_dsa, ("GlmMoeDsaForCausalLM",)),
         "kimi_k25": (build_kimi_k25, ("KimiK25ForConditionalGeneration",)),
+        "falcon_h1": (build_falcon_h1, ("FalconH1ForCausalLM",)),
+        "nemotron_h": (build_nemotron_h, ("NemotronHForCausalLM",)),
+        "granitemoehybrid": (build_granite_hybrid, ("GraniteMoeHybridForCausalLM",)),
     }
     assert list(types) == sorted(types)
 

@@ -24,6 +24,9 @@ names are vLLM's own: GQA / MHA ``self_attn.attn`` (key, value and scales in one
 ``self_attn.attn``; DSA that and ``self_attn.indexer.k_cache``; DeepSeek-V4 ``attn.swa_cache``,
 ``attn`` (compressed_kv), ``attn.compressor.state_cache``, ``attn.indexer.k_cache``,
 ``attn.indexer.compressor.state_cache``; linear attention ``linear_attn`` (a ``MambaSpec``);
+Mamba2 ``mixer`` (a ``MambaSpec``, as Nemotron-H and Granite-4.0-H name it; Falcon-H1's vLLM
+names are ``model.{N + i}.mixer`` and ``model.layers.{i}.attn``, and Nemotron-H's attention is
+``mixer.attn``: the specs agree layer by layer, the names by that map);
 any other backend ``{group}.kv`` (key + value), else ``{group}.{role}``. gpt-oss names its
 attention ``attn.attn``, not ``self_attn.attn`` (:data:`_KV_MODULES`, read from the
 ``model_type`` that :func:`~kvforge.models.from_hf_config` records). A mapping from
@@ -72,6 +75,7 @@ from kvforge.attn_backends.deepseek_v4 import DeepseekV4Backend
 from kvforge.attn_backends.dsa import DSABackend
 from kvforge.attn_backends.gqa import GQABackend
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
+from kvforge.attn_backends.mamba import Mamba2Backend
 from kvforge.attn_backends.mla import MLABackend
 from kvforge.core.layout import CacheLayout
 from kvforge.integrations.vllm.spec_backend import SUPPORTED_SPECS, VllmSpecBackend
@@ -97,6 +101,7 @@ __all__ = [
 
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
+_MAMBA_CACHE_MODES = ("none", "align")  # vLLM's MambaCacheMode (vllm/config/cache.py)
 _SCALE_BYTES = 4  # vLLM's per-token-head scales are float32, inline after each head's data
 # model_type -> vLLM's module of a key / value cache, where it is not ``self_attn.attn``: gpt-oss's
 # decoder layer holds ``attn`` (OAIAttention), whose Attention is ``attn`` again
@@ -137,8 +142,9 @@ def _layout(backends: Mapping[int, AttentionBackend] | CacheLayout) -> CacheLayo
 def _modules(backend: AttentionBackend) -> list[tuple[str, list[CacheRole]]]:
     """(vLLM module, its roles) of one layer of ``backend``, in vLLM's order."""
     roles = backend.cache_roles()
-    if isinstance(backend, GQABackend | LinearAttentionBackend | VllmSpecBackend):
+    if isinstance(backend, GQABackend | LinearAttentionBackend | VllmSpecBackend | Mamba2Backend):
         module = "linear_attn" if isinstance(backend, LinearAttentionBackend) else "self_attn.attn"
+        module = "mixer" if isinstance(backend, Mamba2Backend) else module
         return [(module, roles)]
     if isinstance(backend, MLABackend | DSABackend):
         names = {"key": "self_attn.attn", "indexer": "self_attn.indexer.k_cache"}
@@ -303,6 +309,7 @@ def _state_spec(
     group: CacheGroup,
     roles: Sequence[CacheRole],
     block_size: int | None,
+    mamba_cache_mode: str = "none",
 ) -> KVCacheSpec:
     if block_size is None:
         raise ArgumentError(
@@ -316,6 +323,7 @@ def _state_spec(
         "block_size": block_size,
         "num_speculative_blocks": group.slots_per_request - 1,
         "page_size_padded": _padding(roles, group),
+        "mamba_cache_mode": mamba_cache_mode,
     }
     if isinstance(backend, LinearAttentionBackend):
         kwargs["mamba_type"] = MambaAttentionBackendEnum.GDN_ATTN
@@ -327,8 +335,14 @@ def _units(
     block_size: int | None,
     mamba_block_size: int | None,
     prefix: str,
+    mamba_cache_mode: str = "none",
 ) -> list[_Unit]:
     layout = _layout(backends)
+    if mamba_cache_mode not in _MAMBA_CACHE_MODES:
+        raise ArgumentError(
+            f"mamba_cache_mode must be one of {list(_MAMBA_CACHE_MODES)} (vLLM's "
+            f"cache_config.mamba_cache_mode), got {mamba_cache_mode!r}"
+        )
     if block_size is not None:
         block_size = check_int("block_size", block_size, minimum=1)
     if mamba_block_size is not None:
@@ -358,7 +372,7 @@ def _units(
             if isinstance(backend, VllmSpecBackend):
                 spec = backend.spec
             elif vllm_kind(group).per_request:
-                spec = _state_spec(backend, group, roles, mamba_block_size)
+                spec = _state_spec(backend, group, roles, mamba_block_size, mamba_cache_mode)
             elif {"key", "value"} <= {r.name for r in roles}:
                 spec = _kv_spec(backend, group, roles)
             elif len(roles) == 1:
@@ -379,6 +393,7 @@ def to_vllm_specs(
     *,
     mamba_block_size: int | None = None,
     prefix: str = "model.layers.",
+    mamba_cache_mode: str = "none",
 ) -> dict[str, KVCacheSpec]:
     """vLLM's per-layer specs of a kvforge model (``{layer id: backend}`` or a layout).
 
@@ -388,9 +403,13 @@ def to_vllm_specs(
             of every group vLLM sizes by it (full, sliding-window and chunked groups; of
             DeepSeek-V4 only ``compressed``, whose SWA and state pages are fixed): the specs
             are those of the declaration with that block size. ``None``: the declared sizes.
-        mamba_block_size: the token block of a linear-attention ``MambaSpec``
+        mamba_block_size: the token block of a linear-attention or Mamba2 ``MambaSpec``
             (``cache_config.mamba_block_size``); default the layout's ``max_model_len``.
         prefix: what each layer name starts with (see the module for the names).
+        mamba_cache_mode: vLLM's ``cache_config.mamba_cache_mode`` (``"none"``, or
+            ``"align"`` with prefix caching), carried by every ``MambaSpec``. Page padding
+            and the block sizes vLLM picks for a hybrid model:
+            :func:`~kvforge.integrations.vllm.hybrid_sizes.vllm_hybrid_sizes`.
 
     Returns:
         ``{vLLM layer name: spec}``, layer-major; each spec's ``page_size_bytes`` equals the
@@ -401,7 +420,8 @@ def to_vllm_specs(
         ArgumentError: a declaration vLLM cannot express, naming group, role and why; a
             ``block_size`` a role's compress ratio does not divide; bad backends.
     """
-    return {u.name: u.spec for u in _units(backends, block_size, mamba_block_size, prefix)}
+    units = _units(backends, block_size, mamba_block_size, prefix, mamba_cache_mode)
+    return {u.name: u.spec for u in units}
 
 
 def layer_page_bytes(
@@ -410,6 +430,7 @@ def layer_page_bytes(
     *,
     mamba_block_size: int | None = None,
     prefix: str = "model.layers.",
+    mamba_cache_mode: str = "none",
 ) -> dict[str, tuple[int, int]]:
     """kvforge's side of :func:`to_vllm_specs`: per vLLM layer name, ``(device bytes,
     meaningful bytes)`` of one block of the roles behind it (vLLM's ``page_size_bytes`` and
@@ -419,7 +440,7 @@ def layer_page_bytes(
             sum(r.device_block_bytes(u.group) for r in u.roles),
             sum(r.block_bytes(u.group) for r in u.roles),
         )
-        for u in _units(backends, block_size, mamba_block_size, prefix)
+        for u in _units(backends, block_size, mamba_block_size, prefix, mamba_cache_mode)
     }
 
 

@@ -41,6 +41,12 @@ file                        source
                             chunked attention of 8192 tokens except every 4th layer)
 ``qwen3-next-80b-a3b``      ``Qwen/Qwen3-Next-80B-A3B-Instruct`` (48 layers: every 4th full
                             attention, the others Gated DeltaNet linear attention)
+``falcon-h1-7b``            ``tiiuae/Falcon-H1-7B-Instruct`` (44 layers, each attention (2 kv
+                            heads of 128) beside a Mamba2 mixer: 24 heads of 128, state 256)
+``nemotron-nano-9b-v2``     ``nvidia/NVIDIA-Nemotron-Nano-9B-v2`` (``hybrid_override_pattern``
+                            of 56: 27 Mamba2 mixers, 4 attention layers of 8 kv heads)
+``granite-4.0-h-small``     ``ibm-granite/granite-4.0-h-small`` (40 layers: attention at 5,
+                            15, 25, 35, the others Mamba2 mixers of 128 heads of 64)
 ``phi-4``                   ``microsoft/phi-4`` (``phi3``: 40 layers, 10 kv heads of 128,
                             ``sliding_window`` null)
 ``olmo-2-1124-7b``          ``allenai/OLMo-2-1124-7B`` (32 layers, 32 kv heads of 128,
