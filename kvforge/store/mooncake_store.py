@@ -261,7 +261,9 @@ class MooncakeStore(StoreBase):
         return [code == 1 for code in codes]
 
     def _remove(self, names: list[str]) -> int:
-        codes = list(self._call(lambda: [self._client.remove(n) for n in names]))
+        # force: a reader's get leases the value for ``default_kv_lease_ttl``, and a value
+        # found bad is removed right after that read (else remove answers -706, leased)
+        codes = list(self._call(lambda: [self._client.remove(n, True) for n in names]))
         self._trip_on(codes, "remove")
         return sum(code == OK for code in codes)
 
