@@ -52,8 +52,18 @@ BACKEND_OPTIONS = (
     "compress_ratio",
 )
 # What from_hf_config takes; every other model option describes a model without a config.
-CONFIG_OPTIONS = ("block_size", "dtype", "kv_cache_dtype", "tp_size", "num_speculative_tokens")
-MODEL_OPTIONS = (*BACKEND_OPTIONS, "layers", "tp_size", "num_speculative_tokens")
+CONFIG_OPTIONS = (
+    "block_size",
+    "dtype",
+    "kv_cache_dtype",
+    "tp_size",
+    "num_speculative_tokens",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+)
+MODEL_OPTIONS = (*BACKEND_OPTIONS, "layers", *CONFIG_OPTIONS[3:])
+MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+"""vLLM's ``MambaDType`` choices (``vllm/config/cache.py``)."""
 DEFAULT_LAYERS = 32
 
 CACHE_DTYPES = tuple(name for name in DTYPE_ITEMSIZE if torch_dtype(name).is_floating_point)
@@ -178,6 +188,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="draft tokens per step; MTP layers get caches only when N > 0 (config models)",
     )
     src.add_argument(
+        "--mamba-cache-dtype",
+        choices=MAMBA_DTYPES,
+        default=None,
+        help="Mamba2 conv state dtype, as vLLM's option (default auto: the model dtype)",
+    )
+    src.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=MAMBA_DTYPES,
+        default=None,
+        help="Mamba2 SSM state dtype, as vLLM's option (default auto: the conv state's dtype; "
+        "Nemotron-H: its config's or float32)",
+    )
+    src.add_argument(
         "--list-models",
         action="store_true",
         help="list the bundled configs and the supported model types, and exit",
@@ -276,6 +299,8 @@ def build_backends(args: argparse.Namespace) -> tuple[str, dict[int, AttentionBa
             kv_cache_dtype=args.kv_cache_dtype,
             tp_size=args.tp_size if args.tp_size is not None else 1,
             num_speculative_tokens=args.num_speculative_tokens or 0,
+            mamba_cache_dtype=args.mamba_cache_dtype,
+            mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         )
         return str(source), backends
     kind = args.backend or "gqa"

@@ -275,3 +275,51 @@ def test_bad_options_name_the_option_and_value(name, options, message):
     with pytest.raises(ValueError) as info:
         from_hf_config(name, **options)
     assert message in str(info.value)
+
+
+# ------------------------------------------------------------------ kvforge plan
+
+
+def _plan(capsys, *args: str) -> tuple[int, str, str]:
+    from kvforge.cli.main import main
+
+    rc = main(["plan", *args, "--device-memory", "80GiB", "--max-num-seqs", "8"])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "ssm_line"),
+    [
+        # the plan's role table shows the state dtype it used: Nemotron-H's float32 default
+        ("nemotron-nano-9b-v2", (), ("(128, 80, 128)", "float32", "5,242,880")),
+        # --mamba-ssm-cache-dtype matches an engine started with it: 128 * 80 * 128 * 2 B
+        ("nemotron-nano-9b-v2", ("--mamba-ssm-cache-dtype", "bfloat16"),
+         ("(128, 80, 128)", "bfloat16", "2,621,440")),
+        # Falcon-H1: 24 * 128 * 256 * 4 B with float32
+        ("falcon-h1-7b", ("--mamba-ssm-cache-dtype", "float32"),
+         ("(24, 128, 256)", "float32", "3,145,728")),
+        # a float32 conv state takes the "auto" SSM state along (vLLM's _mamba_state_dtype)
+        ("granite-4.0-h-small", ("--mamba-cache-dtype", "float32"),
+         ("(128, 64, 128)", "float32", "4,194,304")),
+    ],
+)  # fmt: skip
+def test_kvforge_plan_shows_and_takes_the_state_dtypes(capsys, model, args, ssm_line):
+    rc, out, _ = _plan(capsys, "--model", model, *args)
+    assert rc == 0
+    [line] = [row for row in out.splitlines() if "ssm_state " in row and "mamba_state" in row]
+    assert all(cell in line for cell in ssm_line), line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--model", "llama-3-8b", "--mamba-cache-dtype", "float32"),
+         "mamba_cache_dtype='float32' does not apply to model_type 'llama'"),
+        (("--backend", "gqa", "--mamba-ssm-cache-dtype", "float32"),
+         "--mamba-ssm-cache-dtype does not apply to --backend gqa"),
+    ],
+)  # fmt: skip
+def test_kvforge_plan_refuses_state_dtypes_that_do_not_apply(capsys, args, message):
+    rc, _, err = _plan(capsys, *args)
+    assert rc == 2 and message in err
