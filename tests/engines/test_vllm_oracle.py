@@ -160,6 +160,28 @@ CASES: tuple[Case, ...] = (
         sizes={"hidden_size": 256, "num_kv_shared_layers": 5},
         lm_arch="Gemma3nForCausalLM",
     ),
+    # minimax_m2 (MiniMax-M2): 48 heads, 8 kv heads of 128 on every layer (attn_type_list
+    # says full attention for each; its MTP modules are not planned without speculation)
+    Case(
+        "minimax_m2",
+        "minimax-m2",
+        layers=2,
+        sizes={"hidden_size": 256, "attn_type_list": [1, 1]},
+        max_model_len=4096,
+    ),
+    # deepseek_v2 (DeepSeek-V2-Lite): MLA, one 512 + 64 latent per token, 16-token blocks on the
+    # CPU. Known: the CPU build's MLA backend takes 16-token kernel blocks only, so vLLM's
+    # customize_attention_spec (vllm/v1/worker/utils.py) adds block_stride_alignment
+    # MultipleOf(16); with 16-token blocks that aligns nothing (get_block_stride_alignment is
+    # 1: the page bytes, compared, are equal) and kvforge's plan carries no kernel choice
+    Case(
+        "deepseek_v2",
+        "deepseek-v2-lite",
+        layers=2,
+        sizes={"hidden_size": 256, "n_routed_experts": 4},
+        max_model_len=4096,
+        known=frozenset({"block_stride_alignment"}),
+    ),
     # Known differences of its state layers: vLLM keeps the recurrent state in the model dtype
     # ("auto" mamba_ssm_cache_dtype: gated_delta_net_state_dtype), kvforge in float32 and
     # refuses mamba_ssm_cache_dtype for a model without Mamba2 layers; vLLM pads the state page
