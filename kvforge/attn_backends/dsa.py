@@ -10,12 +10,16 @@ Roles, in order: ``key`` then ``indexer``. Layouts per token:
   as vLLM, SGLang and FastDeploy keep them. 1,152 + 132 = 1,284 bytes per token per layer.
 
 Invariant: the ``indexer`` role is ``uint8 (index_head_dim + 4,)`` in every mode.
+
+A layer that reuses another layer's top-k (GLM-5.2's shared-index layers, ``indexer=False``)
+builds no indexer in vLLM and keeps the ``key`` role only, in the same layout.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from kvforge._checks import ArgumentError
 from kvforge.attn_backends._args import choice, group_name, width
 from kvforge.attn_backends.base import DeclaredBackend
 from kvforge.specs import CacheGroup, CacheRole
@@ -48,12 +52,15 @@ class DSABackend(DeclaredBackend):
         group: the group name (default ``"kv"``; ``None`` means the default).
         block_alignment: bytes every role's device block stride is a multiple of (default 1:
             no padding; 576 for engines that pad FlashMLA pages).
+        indexer: whether the layer keeps indexer keys (default ``True``); ``False`` for a
+            layer that reuses another layer's top-k and declares the ``key`` role only.
 
     Raises:
         ArgumentError: (a ``TypeError`` and a ``ValueError``) an argument of the wrong type
             or out of range, named with its value: every width and count must be a positive
             int (not a bool or a float), ``kv_cache_dtype`` ``"fp8"`` or ``"bf16"``, the group
-            a non-empty str. Everything is checked before anything is built.
+            a non-empty str, ``indexer`` a bool. Everything is checked before anything is
+            built.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class DSABackend(DeclaredBackend):
         kv_cache_dtype: Literal["fp8", "bf16"] = "fp8",
         group: str | None = "kv",
         block_alignment: int = 1,
+        indexer: bool = True,
     ) -> None:
         owner = type(self).__name__
         kv_lora_rank = width(owner, "kv_lora_rank", kv_lora_rank)
@@ -80,6 +88,9 @@ class DSABackend(DeclaredBackend):
         )
         group = group_name(owner, group, default="kv")
         block_alignment = width(owner, "block_alignment", block_alignment, unit="bytes")
+        if not isinstance(indexer, bool):
+            raise ArgumentError(f"{owner}: indexer must be a bool, got {indexer!r}")
+        self.indexer = indexer
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         self.index_head_dim = index_head_dim
@@ -92,32 +103,28 @@ class DSABackend(DeclaredBackend):
             key_shape = (fp8_latent_entry_bytes(kv_lora_rank, qk_rope_head_dim),)
         else:
             key_shape, key_dtype = (kv_lora_rank + qk_rope_head_dim,), "bfloat16"
-        # 128 fp8 values + one float32 scale, packed as bytes, in both modes
-        index_shape = (index_head_dim + 4,)
-        self.declare(
-            [kv],
-            [
-                CacheRole(
-                    name="key",
-                    group=group,
-                    entry_shape=key_shape,
-                    dtype=key_dtype,
-                    block_alignment=block_alignment,
-                ),
-                CacheRole(
-                    name="indexer",
-                    group=group,
-                    entry_shape=index_shape,
-                    dtype="uint8",
-                    block_alignment=block_alignment,
-                ),
-            ],
+        key = CacheRole(
+            name="key",
+            group=group,
+            entry_shape=key_shape,
+            dtype=key_dtype,
+            block_alignment=block_alignment,
         )
+        # 128 fp8 values + one float32 scale, packed as bytes, in both modes
+        index = CacheRole(
+            name="indexer",
+            group=group,
+            entry_shape=(index_head_dim + 4,),
+            dtype="uint8",
+            block_alignment=block_alignment,
+        )
+        self.declare([kv], [key, index] if indexer else [key])
 
     def __repr__(self) -> str:
         return (
             f"DSABackend(kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim="
             f"{self.qk_rope_head_dim}, index_head_dim={self.index_head_dim}, block_size="
             f"{self.block_size}, kv_cache_dtype={self.kv_cache_dtype!r}"
-            + (f", block_alignment={self.block_alignment})" if self.block_alignment != 1 else ")")
+            + (f", block_alignment={self.block_alignment}" if self.block_alignment != 1 else "")
+            + (")" if self.indexer else ", indexer=False)")
         )

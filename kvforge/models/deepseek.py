@@ -23,7 +23,6 @@ from kvforge.models.base import (
     ModelOptions,
     PositiveInt,
     parse_fields,
-    short_repr,
 )
 from kvforge.models.reading import (
     FP8_NAMES,
@@ -120,41 +119,30 @@ def build_mla(
 def build_dsa(
     config: Mapping[str, Any], model_type: str, options: ModelOptions
 ) -> dict[int, AttentionBackend]:
-    """DeepSeek V3.2 (DSA): MLA's latent plus an indexer key per token, on every layer.
+    """DeepSeek V3.2 (DSA): MLA's latent plus an indexer key per token.
 
-    A config whose main layers share another layer's top-k (:func:`index_sharing_layers`)
-    is refused: those layers have no indexer cache in vLLM, which :class:`DSABackend` does
-    not declare.
+    A main layer that reuses another layer's top-k (:func:`index_sharing_layers`, GLM-5.2's
+    shared-index layers) builds no indexer in vLLM: it gets a :class:`DSABackend` with
+    ``indexer=False`` (the latent only, in the same layout and group). MTP layers keep their
+    indexer.
     """
     f = parse_fields(DSAFields, config, model_type)
-    _refuse_index_sharing(config, f.num_hidden_layers, model_type)
+    sharing = set(index_sharing_layers(config, f.num_hidden_layers, model_type))
     options.refuse(model_type, "dtype", why=LATENT_DTYPE)
     kv_cache_dtype = latent_cache_dtype(options.kv_cache_dtype, model_type)
     mtp = options.mtp_layer_ids(f.num_hidden_layers, f.num_nextn_predict_layers, model_type)
-    backend = DSABackend(
-        kv_lora_rank=f.kv_lora_rank,
-        qk_rope_head_dim=f.qk_rope_head_dim,
-        index_head_dim=f.index_head_dim,
-        block_size=options.block_size if options.block_size is not None else 64,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    return dict.fromkeys([*range(f.num_hidden_layers), *mtp], backend)
-
-
-def _refuse_index_sharing(config: Mapping[str, Any], num_layers: int, model_type: str) -> None:
-    sharing = index_sharing_layers(config, num_layers, model_type)
-    if not sharing:
-        return
-    field = (
-        "index_topk_pattern" if config.get("index_topk_pattern") is not None else "index_topk_freq"
-    )
-    shown = ", ".join(map(str, sharing[:8])) + (", ..." if len(sharing) > 8 else "")
-    raise ValueError(
-        f"config field {field} = {short_repr(config.get(field))} is not supported for "
-        f"model_type {model_type!r}: layers {shown} ({len(sharing)} of {num_layers}) reuse "
-        "another layer's top-k and have no indexer cache in vLLM, which kvforge's DSA backend "
-        "does not declare (every DSA layer plans an indexer key)"
-    )
+    shape = {
+        "kv_lora_rank": f.kv_lora_rank,
+        "qk_rope_head_dim": f.qk_rope_head_dim,
+        "index_head_dim": f.index_head_dim,
+        "block_size": options.block_size if options.block_size is not None else 64,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
+    full = DSABackend(**shape)
+    shared = DSABackend(**shape, indexer=False) if sharing else full
+    return {
+        layer: shared if layer in sharing else full for layer in [*range(f.num_hidden_layers), *mtp]
+    }
 
 
 def index_sharing_layers(

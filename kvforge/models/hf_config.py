@@ -55,11 +55,12 @@ Rules a reader can check against the code:
   (full-attention) backend. A DeepSeek-V4 MTP layer ``k`` takes its ratio from
   ``compress_ratios[num_hidden_layers + k]`` when the list is that long, else ratio 0.
   Entries past the last cache layer are ignored (a published V4-Flash variant pads the list).
-- **DSA indexers.** Every DSA layer (``deepseek_v32``, ``glm_moe_dsa``) plans an indexer key;
-  a config whose main layers share another layer's top-k (``index_topk_freq`` > 1 or an
-  ``index_topk_pattern`` with ``"S"``: no indexer on those layers in vLLM) is refused, naming
-  the layers (:func:`~kvforge.models.deepseek.index_sharing_layers`).
   A model has at most :data:`~kvforge.models.base.MAX_LAYERS` (4096) cache layers.
+- **DSA indexers.** A DSA layer (``deepseek_v32``, ``glm_moe_dsa``) plans an indexer key
+  beside its latent, except a main layer that reuses another layer's top-k
+  (``index_topk_freq`` > 1 or an ``index_topk_pattern`` with ``"S"``, as GLM-5.2 publishes;
+  :func:`~kvforge.models.deepseek.index_sharing_layers`): vLLM builds no indexer there, so
+  it gets ``DSABackend(indexer=False)``, the latent only, in the same group.
 - **GQA head counts.** ``num_key_value_heads`` defaults to ``num_attention_heads`` (MHA);
   ``head_dim`` defaults to ``hidden_size // num_attention_heads``. With tensor parallelism the
   cache holds ``max(1, num_key_value_heads // tp_size)`` kv heads per rank: ``tp_size`` must

@@ -17,7 +17,8 @@ builders add is the engines' reading of each family's ``config.json``:
 - **GLM-5** is DeepSeek-V3.2's DSA: vLLM serves ``GlmMoeDsaForCausalLM`` with
   ``DeepseekV2ForCausalLM`` (``model_executor/models/deepseek_v2.py``; CUDA:
   ``models/deepseek_v32``), every layer an MLA latent and an indexer key
-  (``DeepseekV32IndexerCache``), the MTP layer included.
+  (``DeepseekV32IndexerCache``), the MTP layer included, except the layers a shared-index
+  schedule (GLM-5.2) lets reuse another layer's top-k: the latent only.
 - **Kimi-K2.5** nests its language model under ``text_config``; vLLM's
   ``model_executor/models/kimi_k25.py`` builds it as ``DeepseekV2ForCausalLM`` under the prefix
   ``language_model`` (cache layers ``language_model.model.layers.{i}.self_attn.attn``), and

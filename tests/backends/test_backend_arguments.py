@@ -76,6 +76,8 @@ ROWS = [
     (DSABackend, dict(group=b"kv"), A, "got b'kv'"),
     (DSABackend, dict(block_alignment=0), A, "block_alignment must be a positive number of bytes"),
     (DSABackend, dict(block_alignment=576.0), A, "block_alignment must be an int, got 576.0"),
+    (DSABackend, dict(indexer=1), A, "DSABackend: indexer must be a bool, got 1"),
+    (DSABackend, dict(indexer="no"), A, "indexer must be a bool, got 'no'"),
     # ------------------------------------------------------------------ GQA
     (GQABackend, dict(GQA, num_kv_heads=0), A, "GQABackend: num_kv_heads must be a positive number of heads, got 0"),
     (GQABackend, dict(GQA, num_kv_heads=-8), A, "num_kv_heads must be a positive number of heads, got -8"),

@@ -78,6 +78,7 @@ LEGAL = {
     "mla": lambda: MLABackend(block_size=16),
     "dsa_fp8": lambda: DSABackend(block_size=64),
     "dsa_bf16": lambda: DSABackend(block_size=64, kv_cache_dtype="bf16"),
+    "dsa_no_indexer": lambda: DSABackend(block_size=64, indexer=False),
     "deepseek_v4_ratio_0": lambda: DeepseekV4Backend(0),
     "deepseek_v4_ratio_4": lambda: DeepseekV4Backend(4),
     "deepseek_v4_ratio_128": lambda: DeepseekV4Backend(128),

@@ -72,3 +72,21 @@ def test_dsa_tensors_and_names():
 def test_bad_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'fp8' or 'bf16', got 'int8'"):
         DSABackend(kv_cache_dtype="int8")
+
+
+def test_a_layer_without_indexer_keeps_the_latent_only():
+    # GLM-5.2's shared-index layers reuse another layer's top-k: no indexer keys, the same
+    # 656-byte fp8_ds_mla latent in the same group, so both kinds of layer share one pool
+    shared = DSABackend(indexer=False)
+    (key,) = shared.cache_roles()
+    assert (key.name, key.entry_bytes, key.dtype) == ("key", 656, "uint8")
+    assert repr(shared).endswith("kv_cache_dtype='fp8', indexer=False)")
+    ctl = CacheController({0: DSABackend(), 1: shared, 2: shared})
+    assert [g.name for g in ctl.layout.groups] == ["kv"]
+    assert ctl.kv_bytes_per_token() == (656 + 132) + 2 * 656 == 2_100
+    ctl.initialize_kv_cache(num_blocks=2)
+    assert ctl.get("key", 1).shape == (2, 64, 656)
+    with pytest.raises(KeyError):
+        ctl.get("indexer", 1)
+    with pytest.raises(TypeError, match="DSABackend: indexer must be a bool, got 1"):
+        DSABackend(indexer=1)

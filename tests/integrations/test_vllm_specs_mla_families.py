@@ -57,20 +57,30 @@ from kvforge.integrations.vllm.specs import from_vllm_specs, layer_page_bytes, t
 from kvforge.models import from_hf_config, load_model_config
 
 BLOCK = 64
-# bundled model -> (vLLM layer prefix, kvforge kv_cache_dtype -> vLLM cache_config.cache_dtype)
+# model -> (vLLM layer prefix, kvforge kv_cache_dtype -> vLLM cache_config.cache_dtype)
 FAMILIES = {
     "glm-4.7-flash": ("model.layers.", {None: "auto", "fp8": "fp8"}),
     "glm-5": ("model.layers.", {None: "fp8", "bf16": "auto"}),
+    "glm-5.2": ("model.layers.", {None: "fp8", "bf16": "auto"}),
     "kimi-k2.5": ("language_model.model.layers.", {None: "auto", "fp8": "fp8"}),
 }
 CASES = [(m, kv) for m, (_, dtypes) in FAMILIES.items() for kv in dtypes]
+
+
+def config_of(model: str) -> dict:
+    """A bundled config; ``glm-5.2``: GLM-5's with GLM-5.2's shared-index schedule (its
+    published ``index_topk_freq`` 4 and ``index_skip_topk_offset`` 3: layers 0-2 and every
+    fourth from 6 run the indexer, the other 57 of 78 reuse its top-k)."""
+    if model == "glm-5.2":
+        return {**load_model_config("glm-5"), "index_topk_freq": 4, "index_skip_topk_offset": 3}
+    return load_model_config(model)
 
 
 @functools.cache
 def _model_config(model: str, tmp: str) -> ModelConfig:
     directory = Path(tmp) / model
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(load_model_config(model)))
+    (directory / "config.json").write_text(json.dumps(config_of(model)))
     return ModelConfig(
         model=str(directory), skip_tokenizer_init=True, max_model_len=4096, dtype="auto"
     )
@@ -102,16 +112,17 @@ def vllm_declared_specs(cfg: VllmConfig, prefix: str, mtp: bool = False) -> dict
     specs = {}
     with set_current_vllm_config(cfg):
         for i in range(layers):
+            indexer = sparse and has_indexer(hf, i)
             attn = SimpleNamespace(
                 kv_cache_dtype=cache_dtype,
                 head_size=hf.kv_lora_rank + hf.qk_rope_head_dim,
                 sliding_window=None,
                 topk_buffer_width=hf.index_topk if sparse else None,
-                indexer=object() if sparse else None,
+                indexer=object() if indexer else None,
                 non_causal_multi_token_decode=False,
             )
             specs[f"{prefix}{i}.self_attn.attn"] = MLAAttention.get_kv_cache_spec(attn, cfg)
-            if sparse:
+            if indexer:
                 cache = DeepseekV32IndexerCache(
                     head_dim=hf.index_head_dim + hf.index_head_dim // 128 * 4,
                     dtype=torch.uint8,
@@ -122,13 +133,24 @@ def vllm_declared_specs(cfg: VllmConfig, prefix: str, mtp: bool = False) -> dict
     return specs
 
 
+def has_indexer(hf, layer: int) -> bool:
+    """Whether vLLM builds an indexer on ``layer`` of a DSA model: on every layer, except the
+    main layers the configuration class marks ``"shared"`` in ``indexer_types`` (GlmMoeDsaConfig
+    derives it from ``index_topk_freq`` / ``index_skip_topk_offset``, the same schedule
+    ``DeepseekV2MLAAttention.__init__`` computes; MTP layers always keep theirs)."""
+    types = getattr(hf, "indexer_types", None)
+    return not (types and layer < hf.num_hidden_layers and types[layer] == "shared")
+
+
 def _without_kernel_metadata(spec, index_topk: int | None):
     """A DSA latent spec with the two sparse-kernel fields kvforge does not declare reset,
-    after checking what vLLM sets them to."""
+    after checking what vLLM sets them to: every sparse layer reads the model's top-k buffer
+    (``topk_buffer_width``, ``index_topk`` wide), and a layer with an indexer leads its index
+    group (``is_index_group_leader``)."""
     if spec.cache_role is SparseCacheRole.INDEXER or index_topk is None:
         assert (spec.topk_buffer_width, spec.is_index_group_leader) == (None, False)
         return spec
-    assert (spec.topk_buffer_width, spec.is_index_group_leader) == (index_topk, True)
+    assert spec.topk_buffer_width == index_topk
     return dataclasses.replace(spec, topk_buffer_width=None, is_index_group_leader=False)
 
 
@@ -139,7 +161,7 @@ def test_to_vllm_specs_equal_the_specs_vllms_model_code_declares(
     prefix, dtypes = FAMILIES[model]
     cfg = _vllm_config(model_configs(model), dtypes[kv_cache_dtype])
     theirs = vllm_declared_specs(cfg, prefix)
-    backends = from_hf_config(model, kv_cache_dtype=kv_cache_dtype)
+    backends = from_hf_config(config_of(model), kv_cache_dtype=kv_cache_dtype)
     ours = to_vllm_specs(backends, prefix=prefix)
     assert list(ours) == list(theirs)  # the same layers, in vLLM's order
     topk = getattr(cfg.model_config.hf_text_config, "index_topk", None)
@@ -148,6 +170,9 @@ def test_to_vllm_specs_equal_the_specs_vllms_model_code_declares(
         assert isinstance(spec, MLAAttentionSpec), name
         assert ours[name] == _without_kernel_metadata(spec, topk), name
         assert pages[name] == (spec.page_size_bytes, spec.real_page_size_bytes), name
+        if name.endswith(".self_attn.attn"):  # leads an index group iff it has an indexer
+            indexer = name.replace(".self_attn.attn", ".self_attn.indexer.k_cache")
+            assert spec.is_index_group_leader == (indexer in theirs), name
 
 
 # vLLM's view of each family, by hand: the page of one 64-token block of one layer
@@ -178,7 +203,7 @@ def test_page_sizes_by_hand(model_configs, model, kv_cache_dtype, layers, pages)
     for name, spec in theirs.items():
         module = name.removeprefix(prefix).split(".", 1)[1]
         assert spec.page_size_bytes == spec.real_page_size_bytes == pages[module], name
-    layout = CacheLayout(from_hf_config(model, kv_cache_dtype=kv_cache_dtype))
+    layout = CacheLayout(from_hf_config(config_of(model), kv_cache_dtype=kv_cache_dtype))
     assert layout.bytes_per_block("kv") == layers * sum(pages.values())
 
 
@@ -189,7 +214,7 @@ def test_mtp_layers_with_speculative_decoding(model_configs, model: str) -> None
     prefix, dtypes = FAMILIES[model]
     cfg = _vllm_config(model_configs(model), dtypes[None])
     theirs = vllm_declared_specs(cfg, prefix, mtp=True)
-    ours = to_vllm_specs(from_hf_config(model, num_speculative_tokens=1), prefix=prefix)
+    ours = to_vllm_specs(from_hf_config(config_of(model), num_speculative_tokens=1), prefix=prefix)
     assert list(ours) == list(theirs)
     mtp = cfg.model_config.hf_text_config.num_hidden_layers
     assert f"{prefix}{mtp}.self_attn.attn" in ours
@@ -227,7 +252,7 @@ def test_one_group_as_vllm_groups_them(model_configs, model: str) -> None:
     (group,) = get_kv_cache_groups(cfg, theirs)
     assert sorted(group.layer_names) == sorted(theirs)
     assert group.kv_cache_spec.block_size == BLOCK
-    layout = CacheLayout(from_hf_config(model))
+    layout = CacheLayout(from_hf_config(config_of(model)))
     assert [(g.name, g.block_size) for g in layout.groups] == [("kv", BLOCK)]
     assert sorted(to_vllm_specs(layout, prefix=prefix)) == sorted(group.layer_names)
 
@@ -244,5 +269,20 @@ def test_both_ways(model_configs, model: str) -> None:
         buffers = [b for b in layout.buffers if b.layer == layer]
         assert sum(b.device_block_bytes for b in buffers) == theirs[name].page_size_bytes, name
         assert sum(b.block_bytes for b in buffers) == theirs[name].real_page_size_bytes, name
-    ours = to_vllm_specs(from_hf_config(model), prefix=prefix)
+    ours = to_vllm_specs(from_hf_config(config_of(model)), prefix=prefix)
     assert to_vllm_specs(from_vllm_specs(ours)) == ours
+
+
+def test_glm_5_2_shared_index_layers_by_hand(model_configs) -> None:
+    """GLM-5.2's schedule (``index_topk_freq`` 4 after ``index_skip_topk_offset`` 3): the
+    indexer runs on layers 0, 1, 2, 6, 10, ..., 74 (3 + 18 = 21 of 78); the other 57 keep the
+    656-byte fp8_ds_mla latent only. 21 * (656 + 132) + 57 * 656 = 53,940 B a token."""
+    theirs = vllm_declared_specs(_vllm_config(model_configs("glm-5.2"), "fp8"), "model.layers.")
+    indexed = sorted(int(n.split(".")[2]) for n in theirs if n.endswith("indexer.k_cache"))
+    assert indexed == [0, 1, 2, *range(6, 78, 4)]
+    assert sum(s.real_page_size_bytes for s in theirs.values()) == 64 * 53_940
+    backends = from_hf_config(config_of("glm-5.2"))
+    assert sorted(i for i, b in backends.items() if b.indexer) == indexed
+    assert CacheLayout(backends).kv_bytes_per_token() == 21 * (656 + 132) + 57 * 656 == 53_940
+    # an MTP layer always keeps its indexer
+    assert from_hf_config(config_of("glm-5.2"), num_speculative_tokens=1)[78].indexer

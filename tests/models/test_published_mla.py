@@ -80,6 +80,8 @@ KIMI_K2_5: dict[str, Any] = {
     "text_config": KIMI_K2_TEXT,
 }
 KIMI_K2: dict[str, Any] = dict(KIMI_K2_TEXT, max_position_embeddings=131072)
+# GLM-5.2 (zai-org/GLM-5.2) keeps GLM-5's shapes and adds the IndexCache schedule
+GLM_5_2: dict[str, Any] = dict(GLM_5, index_topk_freq=4, index_skip_topk_offset=3)
 
 FULL = GroupKind.FULL
 
@@ -117,6 +119,9 @@ CASES = [
     ("kimi-k2.5", KIMI_K2_5, {}, "kimi_k25", 61, 61 * 1152, 262144),
     # Kimi-K2 (model_type kimi_k2) plans through its architecture, DeepseekV3ForCausalLM
     ("kimi-k2", KIMI_K2, {}, "deepseek_v3", 61, 61 * 1152, 131072),
+    # GLM-5.2's shared-index schedule on GLM-5's shapes: 21 layers with the indexer (788 B),
+    # 57 reusing their top-k with the latent only (656 B), all in one group
+    ("glm-5.2", GLM_5_2, {}, "glm_moe_dsa", 78, 21 * 788 + 57 * 656, 202752),
 ]
 
 
@@ -129,7 +134,8 @@ def test_published_configs(name, config, options, model_type, layers, per_token,
     backends = from_hf_config(config, **options)
     assert backends.model_type == model_type
     assert list(backends) == list(range(layers))
-    assert len({id(b) for b in backends.values()}) == 1  # one kind of layer, one backend
+    # one backend per kind of layer (GLM-5.2: with and without the indexer)
+    assert len({id(b) for b in backends.values()}) == (2 if name == "glm-5.2" else 1)
     assert backends.max_position_embeddings == max_len
     layout = CacheLayout(backends)
     assert [(g.name, g.kind, g.block_size, g.window) for g in layout.groups] == [
@@ -283,18 +289,6 @@ BAD = [
         "config has null for 'kv_lora_rank' (needed for model_type 'glm4_moe_lite')",
     ),
     (
-        _glm5(index_topk_freq=4, index_skip_topk_offset=3),
-        {},
-        "config field index_topk_freq = 4 is not supported for model_type 'glm_moe_dsa': "
-        "layers 3, 4, 5, 7, 8, 9, 11, 12, ... (57 of 78) reuse another layer's top-k",
-    ),
-    (
-        _glm5(index_topk_pattern="FFS"),
-        {},
-        "config field index_topk_pattern = 'FFS' is not supported for model_type "
-        "'glm_moe_dsa': layers 2 (1 of 78)",
-    ),
-    (
         _glm5(index_topk_freq=0),
         {},
         "config field index_topk_freq = 0 is invalid for model_type 'glm_moe_dsa'",
@@ -325,3 +319,14 @@ def test_bad_configs_are_refused_by_name(config, options, message):
         from_hf_config(config, **options)
     assert str(excinfo.value).startswith(message), str(excinfo.value)
     assert repr(config) == before  # the caller's config is not changed
+
+
+def test_glm_5_2_indexer_layers_are_the_configuration_classs():
+    """transformers' GlmMoeDsaConfig derives ``indexer_types`` from the same schedule vLLM
+    applies: kvforge's indexer layers are its ``"full"`` ones."""
+    transformers = pytest.importorskip("transformers")
+    fields = {k: v for k, v in GLM_5_2.items() if k not in ("architectures", "model_type")}
+    types = transformers.GlmMoeDsaConfig(**fields).indexer_types
+    backends = from_hf_config(GLM_5_2)
+    assert [b.indexer for b in backends.values()] == [t == "full" for t in types]
+    assert types.count("full") == 21  # layers 0, 1, 2, then 6, 10, ..., 74
