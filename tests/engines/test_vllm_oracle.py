@@ -24,6 +24,7 @@ import copy
 import fcntl
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,7 +38,9 @@ pytest.importorskip("vllm", reason="the vLLM integration needs vLLM (pip install
 from _engines import engine_missing, engine_python
 from oracle_runner import spec_record
 
+from kvforge.attn_backends.mamba import Mamba2Backend
 from kvforge.core.layout import CacheLayout
+from kvforge.integrations.vllm.hybrid_sizes import HybridSizes
 from kvforge.integrations.vllm.specs import to_vllm_specs
 from kvforge.models import from_hf_config, load_model_config
 
@@ -69,6 +72,8 @@ class Case:
         known: spec fields where kvforge's plan is known to differ from vLLM's today (each
             named, with why, in ``docs/models.md``, "Checked against vLLM"): the test asserts
             the differences are exactly these, so a fix (or a new difference) shows.
+        renames: ``(pattern, replacement)`` regular expressions from kvforge's layer names to
+            vLLM's, where they differ (documented per case).
     """
 
     name: str
@@ -79,6 +84,7 @@ class Case:
     drop: tuple[str, ...] = ()
     max_model_len: int = 8192
     known: frozenset[str] = frozenset()
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 SIZES: dict[str, int] = {
@@ -92,6 +98,9 @@ SIZES: dict[str, int] = {
     "experts_per_token": 2,
 }
 """Size fields every case replaces where its config has them (weights only, no cache shape)."""
+
+MAMBA2_CHECKPOINT = frozenset({"num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment"})
+"""The fields vLLM's ``MambaMixer2.get_kv_cache_spec`` sets and kvforge's Mamba2 spec does not."""
 
 CASES: tuple[Case, ...] = (
     # head_dim is hidden_size // num_attention_heads (4096 // 32 = 128): hidden_size stays
@@ -182,11 +191,51 @@ CASES: tuple[Case, ...] = (
         max_model_len=4096,
         known=frozenset({"block_stride_alignment"}),
     ),
+    # Mamba2 hybrids: mixers' conv and SSM states per request, vLLM's page padding and
+    # "align" mode passed as resolved. Known, for every mixer: vLLM's MambaMixer2 declares one
+    # prefill checkpoint block per request (num_prefill_checkpoint_blocks=1,
+    # prefill_checkpoint_alignment=1: MambaMixer2.get_kv_cache_spec in
+    # vllm/model_executor/layers/mamba/mamba_mixer2.py, 0.32 and 0.33), which kvforge's
+    # Mamba2Backend spec leaves at MambaBase's defaults (0, None).
+    # falcon_h1: attention and a mixer on every layer; vLLM names them model.layers.{i}.attn
+    # and model.{N + i}.mixer (N layers)
+    Case(
+        "falcon_h1",
+        "bundled:falcon-h1-7b",
+        layers=2,
+        sizes={"hidden_size": 256},
+        max_model_len=4096,
+        known=MAMBA2_CHECKPOINT,
+        renames=(
+            (r"\.self_attn\.attn$", ".attn"),
+            (r"^model\.layers\.(\d+)\.mixer$", r"model.\1.mixer"),
+        ),
+    ),
+    # nemotron_h: hybrid_override_pattern (M mixer, * attention, - MLP), its first 15 entries;
+    # the SSM state float32 (the config's mamba_ssm_cache_dtype, else float32, as vLLM)
+    Case(
+        "nemotron_h",
+        "bundled:nemotron-nano-9b-v2",
+        layers=15,
+        sizes={"hidden_size": 256, "hybrid_override_pattern": "M-M-M-MM-M-M-M*"},
+        max_model_len=4096,
+        known=MAMBA2_CHECKPOINT,
+        renames=((r"\.self_attn\.attn$", ".mixer.attn"),),  # vLLM: NemotronHAttention
+    ),
+    # granitemoehybrid: layer_types, 5 mamba layers then 1 attention layer; hidden_size stays
+    # (its mixer's width is mamba_expand * hidden_size = mamba_n_heads * mamba_d_head)
+    Case(
+        "granitemoehybrid",
+        "bundled:granite-4.0-h-small",
+        layers=6,
+        max_model_len=4096,
+        known=MAMBA2_CHECKPOINT,
+    ),
     # Known differences of its state layers: vLLM keeps the recurrent state in the model dtype
     # ("auto" mamba_ssm_cache_dtype: gated_delta_net_state_dtype), kvforge in float32 and
     # refuses mamba_ssm_cache_dtype for a model without Mamba2 layers; vLLM pads the state page
-    # to the attention page (mamba_page_size_padded) and marks it "align" (prefix caching),
-    # and kvforge's linear-attention layers take neither (hybrid_sizes refuses their padding)
+    # to the attention page (mamba_page_size_padded), and kvforge's linear-attention layers
+    # take no padding (HybridSizes.pad refuses it)
     Case(
         "qwen3_next",
         "qwen3-next-80b-a3b-instruct",
@@ -195,7 +244,6 @@ CASES: tuple[Case, ...] = (
         known=frozenset(
             {
                 "dtypes",
-                "mamba_cache_mode",
                 "page_size_padded",
                 "page_size_bytes",
                 "real_page_size_bytes",
@@ -286,19 +334,36 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     return {record["name"]: record for record in out["cases"]}
 
 
-def resolved_options(case: Case, record: dict[str, Any]) -> dict[str, Any]:
-    """What vLLM resolved for ``case`` that kvforge's plan takes as given: the block sizes of
-    the specs (``--block-size``, raised for a hybrid model so an attention page holds a state
-    page) and the Mamba block size."""
-    resolved = record["resolved"]
-    return {"block_size": resolved["block_size"], "mamba_block_size": resolved["mamba_block_size"]}
-
-
 def kvforge_specs(case: Case, record: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """kvforge's plan of the shrunk config, as vLLM specs, as plain records."""
-    plan = from_hf_config(shrink(case))
-    specs = to_vllm_specs(plan, **resolved_options(case, record))
-    return {name: spec_record(spec) for name, spec in specs.items()}
+    """kvforge's plan of the shrunk config as vLLM specs (plain records, by vLLM's names), with
+    what vLLM resolved for it: the block size (``--block-size``, raised for a hybrid model so
+    an attention page holds a state page), the Mamba block size and cache mode and, for a
+    Mamba2 hybrid, the state page padded to the attention page (``HybridSizes.pad``)."""
+    plan: Any = from_hf_config(shrink(case))
+    resolved = record["resolved"]
+    options = {
+        "block_size": resolved["block_size"],
+        "mamba_block_size": resolved["mamba_block_size"],
+    }
+    if resolved["mamba_block_size"] is not None:
+        options["mamba_cache_mode"] = resolved["mamba_cache_mode"]
+    if any(isinstance(b, Mamba2Backend) for b in plan.values()):
+        sizes = HybridSizes(
+            block_size=resolved["block_size"],
+            mamba_block_size=resolved["mamba_block_size"],
+            mamba_page_size_padded=resolved["mamba_page_size_padded"],
+            mamba_cache_mode=resolved["mamba_cache_mode"],
+        )
+        plan, options = sizes.pad(plan), sizes.spec_options()
+    specs = to_vllm_specs(plan, **options)
+    return {vllm_name(case, name): spec_record(spec) for name, spec in specs.items()}
+
+
+def vllm_name(case: Case, name: str) -> str:
+    """vLLM's name of the layer kvforge names ``name`` (the case's renames applied)."""
+    for pattern, replacement in case.renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -318,15 +383,18 @@ def test_layer_specs_equal_vllms(oracle: dict[str, dict[str, Any]], case: Case) 
     page bytes (padded and meaningful); where a case lists known differences, exactly those."""
     record = _record(oracle, case)
     ours, theirs = kvforge_specs(case, record), record["layers"]
-    assert list(ours) == list(theirs)
+    assert set(ours) == set(theirs)  # the same layers, by vLLM's names (order aside)
     diffs = {name: differences(ours[name], theirs[name]) for name in theirs}
     fields = set().union(*diffs.values())
     assert fields == case.known, {name: d for name, d in diffs.items() if d}
 
 
 def layer_of(name: str) -> int:
-    """The layer id in a vLLM layer name (``model.layers.<id>.<module>``)."""
-    return int(name.split(".")[2])
+    """The layer id in a vLLM layer name (the first number: ``model.layers.<id>.<module>``,
+    ``model.<id>.mixer``)."""
+    found = re.search(r"\.(\d+)\.", name)
+    assert found is not None, name
+    return int(found.group(1))
 
 
 def kvforge_groups(case: Case) -> dict[str, set[int]]:
