@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -276,8 +276,8 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
                 status = self._jobs.get(job_id)
                 left = None if status is None else status.pending_count
                 gone = "never issued" if job_id >= self._job_counter else "already reported"
-            else:
-                left = self._reset_fence.get(job_id)
+            else:  # vLLM 0.32 keeps no fence: a job before a reset is not outstanding
+                left = getattr(self, "_reset_fence", {}).get(job_id)
                 gone = "issued before a cache reset and already reported"
             if left is None:
                 self._refuse(job_id, f"the job is not outstanding ({gone})")
@@ -293,10 +293,27 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
                 ok_failures.append(job_id)
         return accepted, ok_failures
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """vLLM 0.33 calls :meth:`_update_connector_output` from here under its lock; vLLM 0.32
+        has no such inner hook, so its reports are screened here (else a failed load's pages
+        would never be forgotten on 0.32, and a remote page that did not arrive would be
+        served)."""
+        if hasattr(OffloadingConnectorScheduler, "_update_connector_output"):
+            super().update_connector_output(connector_output)
+        else:  # vLLM 0.32
+            self._screened_output(connector_output, super().update_connector_output)
+
     def _update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._screened_output(connector_output, super()._update_connector_output)
+
+    def _screened_output(
+        self, connector_output: KVConnectorOutput, forward: Callable[[KVConnectorOutput], None]
+    ) -> None:
+        """Screen the worker report of ``connector_output``, tell the manager of failed jobs,
+        and ``forward`` what is left to vLLM's own handling."""
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
-            super()._update_connector_output(connector_output)
+            forward(connector_output)
             return
         if not isinstance(meta, OffloadingWorkerMetadata):
             raise ArgumentError(
@@ -309,7 +326,7 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
                 status = self._jobs[job_id]
                 manager.mark_failed(status.keys, self._req_status[status.req_id].req_context)
         clean = OffloadingWorkerMetadata(accepted, meta.transfer_stats)
-        super()._update_connector_output(replace(connector_output, kv_connector_worker_meta=clean))
+        forward(replace(connector_output, kv_connector_worker_meta=clean))
 
 
 class KVForgeConnectorWorker(OffloadingConnectorWorker):
