@@ -71,7 +71,8 @@ class Case:
             CPU build has no kernels for).
         known: spec fields where kvforge's plan is known to differ from vLLM's today (each
             named, with why, in ``docs/models.md``, "Checked against vLLM"): the test asserts
-            the differences are exactly these, so a fix (or a new difference) shows.
+            no other field differs and that some known one still does, so a fix (or a new
+            difference) shows.
         renames: ``(pattern, replacement)`` regular expressions from kvforge's layer names to
             vLLM's, where they differ (documented per case).
     """
@@ -380,13 +381,17 @@ def _record(oracle: dict[str, dict[str, Any]], case: Case) -> dict[str, Any]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_layer_specs_equal_vllms(oracle: dict[str, dict[str, Any]], case: Case) -> None:
     """Layer by layer, by vLLM's own layer names: the same spec type and fields, the same
-    page bytes (padded and meaningful); where a case lists known differences, exactly those."""
+    page bytes (padded and meaningful); where a case lists known differences, only those."""
     record = _record(oracle, case)
     ours, theirs = kvforge_specs(case, record), record["layers"]
     assert set(ours) == set(theirs)  # the same layers, by vLLM's names (order aside)
     diffs = {name: differences(ours[name], theirs[name]) for name in theirs}
     fields = set().union(*diffs.values())
-    assert fields == case.known, {name: d for name, d in diffs.items() if d}
+    assert fields <= case.known, {name: d for name, d in diffs.items() if d}
+    # a known difference that went away is news: drop it from the case and the docs (some
+    # depend on the machine: vLLM's CPU platform keeps a GDN recurrent state in float32 where
+    # AVX512-BF16 accelerates it, which is kvforge's dtype)
+    assert fields or not case.known, f"{case.name}: no known difference is left"
 
 
 def layer_of(name: str) -> int:
