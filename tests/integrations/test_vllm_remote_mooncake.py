@@ -11,6 +11,7 @@ and closes every store (releasing the segment each worker lent).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,25 @@ def _names(worker, tokens: list[int]) -> list[str]:
     store = worker.store
     chain = PrefixHasher(unit=BLOCK).extend(np.asarray(tokens[: 4 * BLOCK]))
     return [server_key(store.config.namespace, store.fingerprint, store_key(0, k)) for k in chain]
+
+
+def test_an_engine_starts_in_bounded_time_with_no_master_and_serves():
+    """Mooncake's own setup retries an absent master for about 90 s holding the GIL; the
+    store asks it only once the master's port answers, and the engine waits at most
+    ``connect_timeout_s`` for its stores at start."""
+    if MOONCAKE_MISSING is not None:
+        pytest.skip(MOONCAKE_MISSING)
+    from kvforge.store.servers import free_port
+
+    master = MooncakeMaster(free_port(), free_port())  # never started
+    t0 = time.monotonic()
+    eng = engine(master, "mc-none")
+    try:
+        started = time.monotonic() - t0
+        out = run(eng, "A", prompt(seed=12))
+        manager, worker = parts(eng)
+        assert started < 30.0  # 5 s of connect_timeout_s per store, two stores, and vLLM
+        assert len(out) == 4 and manager.remote_loads == 0 and worker.fetched == 0
+        assert not worker.store.stats().available
+    finally:
+        eng.shutdown()
