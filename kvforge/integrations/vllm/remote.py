@@ -263,7 +263,9 @@ class RemoteOffloadingManager(KVForgeOffloadingManager):
         super().reset_cache()
 
     def shutdown(self) -> None:
+        """Stop the index's thread and close every rank's store."""
         self.index.close()
+        super().shutdown()
 
     def __repr__(self) -> str:
         return (
