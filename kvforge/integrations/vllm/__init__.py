@@ -1,5 +1,5 @@
-"""kvforge inside vLLM 0.33 (and vllm-ascend, which keeps vLLM's offloading connector and spec
-factory): an offloading backend whose host pages are kvforge's per-group compact pages.
+"""kvforge inside vLLM 0.32 and 0.33 (and vllm-ascend, which keeps vLLM's offloading connector
+and spec factory): an offloading backend whose host pages are kvforge's per-group compact pages.
 
 - :class:`KVForgeConnector` (:mod:`.connector`): the connector to name in
   ``--kv-transfer-config`` (``"kv_connector": "KVForgeConnector"``,
