@@ -279,6 +279,7 @@ def test_kv_producer_only_publishes_and_kv_consumer_only_loads(redis):
         assert run(other_producer, "Q", tokens) == out
         manager, _ = parts(other_producer)
         assert manager.index.stats.asked == 0 and manager.remote_loads == 0
+        assert manager.index.stores == []  # its scheduler opened no store client
         assert other_producer.num_external_computed_tokens["Q"] == 0
         # a consumer loads, and publishes nothing of its own
         names = server_names(producer)

@@ -424,7 +424,9 @@ class RemoteOffloadingSpec(KVForgeOffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            stores = [self._open(i, lend=False) for i in self.rank_identities]
+            # a producer never asks the store: its scheduler opens no client
+            loads = self.remote.loads
+            stores = [self._open(i, lend=False) for i in self.rank_identities] if loads else []
             self._manager = RemoteOffloadingManager(
                 self.plan,
                 RemoteIndex(stores, self.unit),

@@ -157,7 +157,10 @@ class RemoteIndex:
                 self.stats.missing += len(found) - sum(found.values())
 
     def _everywhere(self, skey: bytes) -> bool:
-        """Whether every rank's store holds ``skey`` (a store error is a miss)."""
+        """Whether every rank's store holds ``skey`` (a store error is a miss; no store,
+        none)."""
+        if not self.stores:
+            return False
         try:
             return all(store.exists_prefix([skey]) == 1 for store in self.stores)
         except Exception as exc:  # never expected: stores answer misses, not errors
