@@ -162,8 +162,11 @@ def _registration(config: Mapping[str, Any]) -> RegisteredModelType:
                     return entry
     raise ValueError(
         f"unsupported model_type {short_repr(model_type)} (architectures "
-        f"{short_repr(architectures)}); registered model_type values: {', '.join(types)} "
-        "(a plugin registers more: kvforge.models.register_model_type)"
+        f"{short_repr(architectures)}); registered model_type values: {', '.join(types)}. "
+        "To plan another, register a builder for it with "
+        "kvforge.models.register_model_type (a plugin module loaded with kvforge --plugin, "
+        "or an entry point of group kvforge.backends); worked example: examples/plugin/ in "
+        "the kvforge repository"
     )
 
 
