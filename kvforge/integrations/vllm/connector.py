@@ -140,6 +140,8 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
     def __init__(self, spec: Any, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         super().__init__(spec, vllm_config, kv_cache_config)
         self._num_blocks = int(kv_cache_config.num_blocks)
+        # vLLM 0.32 keeps no fence of jobs issued before a reset: none is outstanding there
+        vars(self).setdefault("_reset_fence", {})
         #: worker reports refused: a job never issued, already reported, or over-counted
         self.refused_reports = 0
 
@@ -276,8 +278,8 @@ class KVForgeConnectorScheduler(OffloadingConnectorScheduler):
                 status = self._jobs.get(job_id)
                 left = None if status is None else status.pending_count
                 gone = "never issued" if job_id >= self._job_counter else "already reported"
-            else:  # vLLM 0.32 keeps no fence: a job before a reset is not outstanding
-                left = getattr(self, "_reset_fence", {}).get(job_id)
+            else:
+                left = self._reset_fence.get(job_id)
                 gone = "issued before a cache reset and already reported"
             if left is None:
                 self._refuse(job_id, f"the job is not outstanding ({gone})")
