@@ -34,11 +34,13 @@ Steps (run in order on the one engine; each answers one entry of ``"steps"`` in 
   "logprobs": 3}``: one ``LLM.generate`` call, greedy. Answers ``{"outputs": [{"token_ids",
   "logprobs" (per generated token: ``[[token, logprob], ...]`` best first), "num_cached_tokens"
   (vLLM's: prefix-cache and connector hits)}], "kvforge": counter deltas of the call,
-  "preemptions": delta of vLLM's ``vllm:num_preemptions``}``.
+  "preemptions": delta of vLLM's ``vllm:num_preemptions``, "seconds": wall time of the
+  ``LLM.generate`` call alone, in this process (with ``max_tokens=1``: time to first token)}``.
 - ``{"op": "reset_prefix_cache"}``: ``LLM.reset_prefix_cache()`` (vLLM's device prefix cache
   only; kvforge's host pages stay). Answers ``{"reset": bool}``.
-- ``{"op": "scramble_host_pages", "seed": 1}``: overwrite every kvforge host page with random
-  bytes in every worker. Answers ``{"bytes": n}`` (summed over workers).
+- ``{"op": "scramble_host_pages", "seed": 1}``: in every worker, every kvforge host row takes
+  another row's bytes (a random cycle over the rows: other blocks' KV or zeros, never NaN).
+  Answers ``{"bytes": n}`` (summed over workers).
 - ``{"op": "fail_loads", "count": 1}``: the next ``count`` kvforge loads in every worker raise
   inside the gather/scatter (what a broken host link does); kvforge reports them failed.
 - ``{"op": "kvforge_stats"}``: kvforge's worker counters (summed over workers):
@@ -81,7 +83,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"sliding_window": 64}),
     "gemma2": (
         "Gemma2Config",
-        {"sliding_window": 64, "query_pre_attn_scalar": 64, "hidden_activation": "gelu"},
+        {
+            "sliding_window": 64,
+            "query_pre_attn_scalar": 64,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+            # Gemma-2 scales embeddings by sqrt(hidden_size): a wider init saturates the logits
+            "initializer_range": 0.02,
+        },
     ),
     "gpt-oss": (
         "GptOssConfig",
@@ -101,8 +110,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "full_attention_interval": 4,
             "linear_num_key_heads": 2,
             "linear_num_value_heads": 4,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
+            "linear_key_head_dim": 64,  # vLLM's CPU gated-delta-rule kernel refuses 32
+            "linear_value_head_dim": 64,
             "linear_conv_kernel_dim": 4,
             "num_experts": 4,
             "num_experts_per_tok": 2,
@@ -159,15 +168,20 @@ def _stats_in_worker(worker: Any) -> dict[str, int]:
 
 
 def _scramble_in_worker(worker: Any, seed: int) -> int:
+    """Every host row of every group takes another row's bytes (a random permutation with no
+    fixed row): the pages then hold other blocks' KV (or never-written zeros), valid numbers in
+    the cache dtype, so an engine reading them computes finite but different logprobs."""
     import torch
 
     kv = _kvforge_worker(worker)
     gen = torch.Generator().manual_seed(seed)
     total = 0
     for host in kv.host:
-        flat = host.view(-1)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
-        total += flat.numel()
+        rows = host.shape[0]
+        order = torch.randperm(rows, generator=gen)
+        order = torch.roll(order, 1)[torch.argsort(order)]  # a cycle: no row keeps its bytes
+        host.copy_(host[order].clone())
+        total += host.numel() * host.element_size()
     return total
 
 
@@ -230,7 +244,9 @@ def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
             prompt["cache_salt"] = p["cache_salt"]
         prompts.append(prompt)
     before, counters = _stats(llm), _counters(llm)
+    t0 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
     after, counters_after = _stats(llm), _counters(llm)
     outputs = []
     for result in results:
@@ -251,6 +267,7 @@ def _generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
         "outputs": outputs,
         "kvforge": {k: after[k] - before[k] for k in _COUNTERS},
         "preemptions": int(counters_after.get(name, 0) - counters.get(name, 0)),
+        "seconds": seconds,
     }
 
 
@@ -316,6 +333,10 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             "enable_prefix_caching": True,
             "disable_log_stats": False,
             "seed": 0,
+            # without a budget the CPU backend takes most of the machine's memory for KV
+            # (and touches it all at startup); VLLM_CPU_KVCACHE_SPACE would override this
+            "kv_cache_memory_bytes": 64 << 20,
+            "enforce_eager": True,  # no torch.compile: tiny models, engine starts in seconds
         }
         transfer = _transfer_config(request)
         if transfer is not None:
