@@ -191,14 +191,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--mamba-cache-dtype",
         choices=MAMBA_DTYPES,
         default=None,
-        help="Mamba2 conv state dtype, as vLLM's option (default auto: the model dtype)",
+        help="conv state dtype of Mamba2 and Gated DeltaNet (linear-attention) layers, as "
+        "vLLM's option (default auto: the model dtype)",
     )
     src.add_argument(
         "--mamba-ssm-cache-dtype",
         choices=MAMBA_DTYPES,
         default=None,
-        help="Mamba2 SSM state dtype, as vLLM's option (default auto: the conv state's dtype; "
-        "Nemotron-H: its config's or float32)",
+        help="SSM / recurrent state dtype of Mamba2 and Gated DeltaNet layers, as vLLM's "
+        "option (default auto: the conv state's dtype; Nemotron-H: its config's or float32; "
+        "Qwen3.5: its config's mamba_ssm_dtype)",
     )
     src.add_argument(
         "--list-models",

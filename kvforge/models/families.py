@@ -38,6 +38,7 @@ from kvforge.models.reading import (
     nested_errors,
     text_config,
 )
+from kvforge.specs import canonical_dtype
 
 __all__ = [
     "GQAFields",
@@ -53,6 +54,7 @@ __all__ = [
     "build_qwen",
     "build_qwen3_next",
     "gated_deltanet_layers",
+    "gated_deltanet_state_dtypes",
 ]
 
 
@@ -467,20 +469,50 @@ def build_qwen3_next(
     """Qwen3-Next: full-attention layers get a :class:`GQABackend` (group ``kv``), the others
     a :class:`LinearAttentionBackend` (group ``linear_state``, one slot per request).
 
-    ``kv_cache_dtype`` applies to the GQA layers; the conv state takes the model dtype and the
-    recurrent state is float32, as in SGLang. ``tp_size`` must divide
-    ``linear_num_key_heads`` and ``linear_num_value_heads``. MTP layers (only with
-    ``num_speculative_tokens`` and ``num_nextn_predict_layers``) are full attention, and the
-    draft tokens widen every conv state.
+    ``kv_cache_dtype`` applies to the GQA layers. The state dtypes are vLLM's
+    (:func:`gated_deltanet_state_dtypes`): the conv state in ``mamba_cache_dtype``, the
+    recurrent state in ``mamba_ssm_cache_dtype``, both ``"auto"`` by default: the model dtype
+    (SGLang keeps the recurrent state in float32: ``mamba_ssm_cache_dtype="float32"`` plans
+    that). ``tp_size`` must divide ``linear_num_key_heads`` and ``linear_num_value_heads``. MTP
+    layers (only with ``num_speculative_tokens`` and ``num_nextn_predict_layers``) are full
+    attention, and the draft tokens widen every conv state.
     """
-    return gated_deltanet_layers(config, model_type, options, recurrent_dtype="float32")
+    return gated_deltanet_layers(config, model_type, options)
+
+
+def gated_deltanet_state_dtypes(
+    config: Mapping[str, Any], model_type: str, options: ModelOptions, ssm_auto: str | None = None
+) -> tuple[str, str]:
+    """``(conv dtype, recurrent dtype)`` of a Gated DeltaNet layer, as vLLM resolves them
+    (``MambaStateDtypeCalculator.gated_delta_net_state_dtype`` in
+    ``vllm/model_executor/layers/mamba/mamba_utils.py``, which Qwen3-Next's and Qwen3.5's
+    ``get_mamba_state_dtype_from_config`` call with the cache config's options): the conv
+    state takes ``mamba_cache_dtype`` (``"auto"``: the model dtype); the recurrent state
+    ``mamba_ssm_cache_dtype``, whose ``"auto"`` is ``ssm_auto`` (what the family's config
+    says, e.g. Qwen3.5's ``mamba_ssm_dtype``), else the conv state's dtype.
+
+    vLLM's CPU platform switches an ``"auto"`` recurrent state to float32 on machines with
+    AVX512-BF16 (``CpuPlatform.check_and_update_config`` in ``vllm/platforms/cpu.py``: its
+    accelerated GDN kernel); ``mamba_ssm_cache_dtype="float32"`` plans that.
+    """
+    conv = options.mamba_cache_dtype
+    conv = model_dtype(config, options.dtype, model_type) if conv in (None, "auto") else conv
+    ssm = options.mamba_ssm_cache_dtype
+    if ssm in (None, "auto"):
+        ssm = conv if ssm_auto is None else ssm_auto
+    return canonical_dtype(conv), canonical_dtype(ssm)
 
 
 def gated_deltanet_layers(
-    config: Mapping[str, Any], model_type: str, options: ModelOptions, *, recurrent_dtype: str
+    config: Mapping[str, Any],
+    model_type: str,
+    options: ModelOptions,
+    *,
+    recurrent_auto: str | None = None,
 ) -> dict[int, AttentionBackend]:
     """The layers of a Gated DeltaNet hybrid of Qwen3-Next's shape (see
-    :func:`build_qwen3_next`), its recurrent state stored in ``recurrent_dtype``."""
+    :func:`build_qwen3_next`); ``recurrent_auto`` is the recurrent dtype an ``"auto"``
+    ``mamba_ssm_cache_dtype`` means for the family (``None``: the conv state's dtype)."""
     f = parse_fields(Qwen3NextFields, config, model_type)
     shape = _gqa_shape(f, config, model_type, options)
     full_layers = _qwen3_next_full(f, model_type)
@@ -495,6 +527,9 @@ def gated_deltanet_layers(
                 f"{name}={heads} is not divisible by tp_size={tp} (model_type {model_type!r}): "
                 "tensor parallelism splits the linear-attention heads"
             )
+    conv_dtype, recurrent_dtype = gated_deltanet_state_dtypes(
+        config, model_type, options, recurrent_auto
+    )
     full = shape.backend()
     linear = LinearAttentionBackend(
         f.linear_num_key_heads,
@@ -503,7 +538,7 @@ def gated_deltanet_layers(
         f.linear_value_head_dim,
         f.linear_conv_kernel_dim,
         tp_size=tp,
-        conv_dtype=model_dtype(config, options.dtype, model_type),
+        conv_dtype=conv_dtype,
         recurrent_dtype=recurrent_dtype,
         num_speculative_tokens=options.num_speculative_tokens if len(mtp) else 0,
     )

@@ -112,8 +112,15 @@ Rules a reader can check against the code:
   entries no cache layer); Granite-4.0-H's ``layer_types`` says ``mamba`` or ``attention``.
   ``mamba_cache_dtype`` / ``mamba_ssm_cache_dtype`` are vLLM's options: ``"auto"`` is the
   model dtype for the conv state and, for the SSM state, the conv dtype (Nemotron-H: the
-  config's ``mamba_ssm_cache_dtype``, else float32). Either option is an error for a model
-  without Mamba2 layers. Draft layers are not planned for these families yet.
+  config's ``mamba_ssm_cache_dtype``, else float32). Draft layers are not planned for these
+  families yet.
+- **Gated DeltaNet state dtypes** (Qwen3-Next, Qwen3.5): the same two options, as vLLM's
+  ``gated_delta_net_state_dtype``: the conv state takes ``mamba_cache_dtype`` (``"auto"``:
+  the model dtype), the recurrent state ``mamba_ssm_cache_dtype`` (``"auto"``: Qwen3.5's
+  config ``mamba_ssm_dtype`` when it states one, else the conv state's dtype). So by default
+  Qwen3-Next keeps its recurrent state in the model dtype, as vLLM does; SGLang's float32 is
+  ``mamba_ssm_cache_dtype="float32"`` (:func:`~kvforge.models.families.build_qwen3_next`).
+  Either option is an error for a model without Mamba2 or linear-attention layers.
 
 Every problem is a ``ValueError`` (or ``FileNotFoundError`` / ``TypeError``) whose message
 names the field, its value and the model type. A builder that returns something other than
@@ -129,6 +136,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvforge.attn_backends.base import AttentionBackend
+from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.attn_backends.mamba import Mamba2Backend
 from kvforge.models.base import MAX_LAYERS, ModelBackends, ModelOptions, short_repr
 from kvforge.models.reading import (
@@ -260,7 +268,7 @@ def from_hf_config(
         num_speculative_tokens: draft tokens per step; the MTP layers
             (``num_nextn_predict_layers``) get caches only when it is > 0, and then the model
             must have some.
-        mamba_cache_dtype, mamba_ssm_cache_dtype: Mamba2 state dtypes, as vLLM's options.
+        mamba_cache_dtype, mamba_ssm_cache_dtype: Mamba2 / Gated DeltaNet state dtypes.
 
     Returns:
         A :class:`~kvforge.models.base.ModelBackends`: ``{layer_id: backend}``
@@ -294,14 +302,16 @@ def from_hf_config(
 
 
 def _check_mamba_options(result: object, model_type: str, opts: ModelOptions) -> None:
-    """A Mamba state dtype option for a model without Mamba2 layers is an error, not a no-op."""
-    if isinstance(result, Mapping) and any(isinstance(b, Mamba2Backend) for b in result.values()):
+    """A Mamba state dtype option for a model without state layers (Mamba2 or linear
+    attention) is an error, not a no-op."""
+    state = (Mamba2Backend, LinearAttentionBackend)
+    if isinstance(result, Mapping) and any(isinstance(b, state) for b in result.values()):
         return
     opts.refuse(
         model_type,
         "mamba_cache_dtype",
         "mamba_ssm_cache_dtype",
-        why="the model has no Mamba2 layer",
+        why="the model has no Mamba2 or linear-attention layer",
     )
 
 

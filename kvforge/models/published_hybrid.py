@@ -15,11 +15,13 @@ Where Qwen3.5 differs from Qwen3-Next:
 
 - **MTP layers** are counted by ``mtp_num_hidden_layers`` (vLLM's ``SpeculativeConfig``
   reads it for ``qwen3_5*``, ``vllm/config/speculative.py``); they are full attention.
-- **Recurrent state dtype**: vLLM takes the text config's ``mamba_ssm_dtype``
+- **Recurrent state dtype**: an ``"auto"`` ``mamba_ssm_cache_dtype`` (the default) takes
+  the text config's ``mamba_ssm_dtype``
   (``Qwen3_5ForConditionalGenerationConfig.verify_and_update_config`` in
   ``vllm/model_executor/models/config.py``; the published configs say ``"float32"``), and
-  without one its ``"auto"``: the conv state's dtype, the model dtype
-  (``MambaStateDtypeCalculator._mamba_state_dtype``). The conv state is the model dtype.
+  without one the conv state's dtype (``MambaStateDtypeCalculator._mamba_state_dtype``); an
+  explicit ``mamba_ssm_cache_dtype`` wins over the config, as in vLLM. The conv state takes
+  ``mamba_cache_dtype`` (``"auto"``: the model dtype).
 """
 
 from __future__ import annotations
@@ -32,17 +34,18 @@ from kvforge.models.base import ModelBackends, ModelOptions, short_repr
 from kvforge.models.engine_defaults import QWEN3_5_MOE_TEXT, QWEN3_5_TEXT
 from kvforge.models.families import gated_deltanet_layers
 from kvforge.models.published_gqa import read_language_model
-from kvforge.models.reading import MODEL_DTYPES, model_dtype
+from kvforge.models.reading import MODEL_DTYPES
 from kvforge.specs import canonical_dtype
 
 __all__ = ["build_qwen3_5", "build_qwen3_5_moe"]
 
 
-def _recurrent_dtype(text: Mapping[str, Any], model_type: str, options: ModelOptions) -> str:
-    """``mamba_ssm_dtype`` when the config states one, else the model dtype (vLLM's rule)."""
+def _recurrent_auto(text: Mapping[str, Any], model_type: str) -> str | None:
+    """The config's ``mamba_ssm_dtype`` (what vLLM's ``"auto"`` recurrent dtype becomes for
+    Qwen3.5), or ``None`` when it states none (then the conv state's dtype, vLLM's rule)."""
     value = text.get("mamba_ssm_dtype")
     if value is None:
-        return model_dtype(text, options.dtype, model_type)
+        return None
     try:
         name = canonical_dtype(value) if isinstance(value, str) else ""
     except ValueError:
@@ -61,8 +64,8 @@ def _qwen3_5_layers(
     fields = dict(text)
     if fields.get("num_nextn_predict_layers") is None:
         fields["num_nextn_predict_layers"] = fields.get("mtp_num_hidden_layers") or 0
-    recurrent = _recurrent_dtype(fields, model_type, options)
-    return gated_deltanet_layers(fields, model_type, options, recurrent_dtype=recurrent)
+    recurrent = _recurrent_auto(fields, model_type)
+    return gated_deltanet_layers(fields, model_type, options, recurrent_auto=recurrent)
 
 
 def build_qwen3_5(

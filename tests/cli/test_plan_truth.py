@@ -214,12 +214,13 @@ def test_bytes_per_token_name_their_group_kind_and_layers(capsys):
 
 def test_per_request_state_is_per_request_not_per_token(capsys):
     """Qwen3-Next-80B-A3B: 36 Gated DeltaNet layers, each a conv state of 8,192 x 3 bf16 and
-    a recurrent state of 32 x 128 x 128 float32 per request (docs/models.md)."""
+    a recurrent state of 32 x 128 x 128 bf16 (vLLM's "auto": the model dtype) per request
+    (docs/models.md)."""
     report = plan_json(capsys, "--model", "qwen3-next-80b-a3b", "--num-blocks", "4")
-    per_layer = 8192 * 3 * 2 + 32 * 128 * 128 * 4
-    assert per_layer == 2_146_304
+    per_layer = 8192 * 3 * 2 + 32 * 128 * 128 * 2
+    assert per_layer == 1_097_728
     state = report["bytes_per_request"]
-    assert state["total"] == 36 * per_layer == 77_266_944
+    assert state["total"] == 36 * per_layer == 39_518_208
     assert [(g["group"], g["kind"], g["num_layers"]) for g in state["groups"]] == [
         ("linear_state", "per_request", 36)
     ]
@@ -228,7 +229,7 @@ def test_per_request_state_is_per_request_not_per_token(capsys):
     assert read_exact(report["bytes_per_token"]["history"]) == 12 * 2 * 2 * 256 * 2
     code, out, _ = run(capsys, "plan", "--model", "qwen3-next-80b-a3b", "--num-blocks", "4")
     assert code == 0
-    assert "77,266,944 B per request, whatever its length" in flat(out)
+    assert "39,518,208 B per request, whatever its length" in flat(out)
 
 
 def test_deepseek_v4_flash_counts_the_arena_once(capsys):

@@ -21,9 +21,9 @@ calls ``Qwen3_5ForCausalLM.get_mamba_state_shape_from_config`` /
   dtype, the model dtype) for Qwen3-Next.
 
 The test feeds them the bundled configs' fields and compares with the ``MambaSpec`` that
-``to_vllm_specs`` gives each linear-attention layer of kvforge's plan. Qwen3-Next's recurrent
-state is the one known difference (kvforge keeps float32; vLLM the model dtype), as in the
-engine test (``test_vllm_oracle.py``).
+``to_vllm_specs`` gives each linear-attention layer of kvforge's plan: equal, with vLLM's
+default options and with ``mamba_cache_dtype`` / ``mamba_ssm_cache_dtype`` set on both sides
+(an explicit ``mamba_ssm_cache_dtype`` wins over Qwen3.5's config, as in vLLM).
 """
 
 from __future__ import annotations
@@ -48,11 +48,31 @@ from kvforge.models import from_hf_config, load_model_config
 MAMBA_BLOCK = 4096  # vLLM's mamba_block_size without prefix caching: max_model_len
 BLOCK = 16
 
-# (bundled config, vLLM's mamba_ssm_cache_dtype after its config hook, known differences)
-CASES: dict[str, tuple[str, str, frozenset[str]]] = {
-    "qwen3.5-27b": ("qwen3_5", "float32", frozenset()),  # the config's mamba_ssm_dtype
-    "qwen3.5-35b-a3b": ("qwen3_5_moe", "float32", frozenset()),
-    "qwen3-next-80b-a3b": ("qwen3_next", "auto", frozenset({"dtypes"})),
+# case -> (bundled config, model_type, kvforge's options = vLLM's mamba_cache_dtype and
+# mamba_ssm_cache_dtype as passed, vLLM's mamba_ssm_cache_dtype after its config hook)
+CASES: dict[str, tuple[str, str, dict[str, str], str]] = {
+    "qwen3.5-27b": ("qwen3.5-27b", "qwen3_5", {}, "float32"),  # the config's mamba_ssm_dtype
+    "qwen3.5-35b-a3b": ("qwen3.5-35b-a3b", "qwen3_5_moe", {}, "float32"),
+    # an explicit option wins over the config's mamba_ssm_dtype (vLLM warns and uses it)
+    "qwen3.5-27b-bf16": (
+        "qwen3.5-27b",
+        "qwen3_5",
+        {"mamba_ssm_cache_dtype": "bfloat16"},
+        "bfloat16",
+    ),
+    "qwen3-next-80b-a3b": ("qwen3-next-80b-a3b", "qwen3_next", {}, "auto"),  # the model dtype
+    "qwen3-next-80b-a3b-fp32": (
+        "qwen3-next-80b-a3b",
+        "qwen3_next",
+        {"mamba_ssm_cache_dtype": "float32"},
+        "float32",
+    ),
+    "qwen3-next-80b-a3b-conv-fp32": (
+        "qwen3-next-80b-a3b",
+        "qwen3_next",
+        {"mamba_cache_dtype": "float32"},
+        "auto",  # the conv state's dtype
+    ),
 }
 
 
@@ -63,7 +83,8 @@ def _text(config: dict[str, Any]) -> dict[str, Any]:
 def vllms_state(name: str) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
     """The state shapes and dtypes vLLM's Gated DeltaNet layer declares for a bundled config
     (tensor parallelism 1, no speculative tokens, the model served in bfloat16)."""
-    text = _text(dict(load_model_config(name)))
+    config, _, options, ssm = CASES[name]
+    text = _text(dict(load_model_config(config)))
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
         1,
         text["linear_num_key_heads"],
@@ -73,15 +94,15 @@ def vllms_state(name: str) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dty
         text["linear_conv_kernel_dim"],
         0,
     )
-    ssm = CASES[name][1]
-    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, "auto", ssm)
+    conv = options.get("mamba_cache_dtype", "auto")
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(torch.bfloat16, conv, ssm)
     return tuple(tuple(s) for s in shapes), tuple(dtypes)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_linear_attention_state_is_vllms(name: str) -> None:
-    model_type, _, known = CASES[name]
-    plan = from_hf_config(name)
+    config, model_type, options, _ = CASES[name]
+    plan = from_hf_config(config, **options)
     assert plan.model_type == model_type
     specs = to_vllm_specs(plan, BLOCK, mamba_block_size=MAMBA_BLOCK)
     states = {n: s for n, s in specs.items() if isinstance(s, MambaSpec)}
@@ -94,19 +115,16 @@ def test_linear_attention_state_is_vllms(name: str) -> None:
         mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
     )
     for layer, spec in states.items():
-        fields = ("shapes", "dtypes", "block_size", "mamba_type")
-        differ = {f for f in fields if getattr(spec, f) != getattr(theirs, f)}
-        assert differ == known, (layer, spec, theirs)
-        if not known:
-            assert spec == theirs, layer
+        assert spec == theirs, (layer, spec, theirs)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_full_attention_layers_are_vllms(name: str) -> None:
     """The full-attention layers: ``Attention.get_kv_cache_spec`` of a plain layer is a
     ``FullAttentionSpec`` of the config's kv heads and head dim in the model dtype."""
-    text = _text(dict(load_model_config(name)))
-    specs = to_vllm_specs(from_hf_config(name), BLOCK, mamba_block_size=MAMBA_BLOCK)
+    config, _, options, _ = CASES[name]
+    text = _text(dict(load_model_config(config)))
+    specs = to_vllm_specs(from_hf_config(config, **options), BLOCK, mamba_block_size=MAMBA_BLOCK)
     attention = {n: s for n, s in specs.items() if not isinstance(s, MambaSpec)}
     theirs = FullAttentionSpec(
         block_size=BLOCK,

@@ -147,9 +147,11 @@ def test_qwen3_next_conv_state_follows_the_model_dtype():
     cfg = with_dtype("qwen3-next-80b-a3b", "float32")
     linear = from_hf_config(cfg)[0]
     assert linear.role("conv_state").dtype == "bfloat16"
-    assert linear.role("recurrent_state").dtype == "float32"  # fixed, as in SGLang and vLLM
+    # vLLM's "auto" mamba_ssm_cache_dtype: the conv state's dtype
+    assert linear.role("recurrent_state").dtype == "bfloat16"
     linear = from_hf_config(cfg, dtype="float32")[0]
     assert linear.role("conv_state").dtype == "float32"
+    assert linear.role("recurrent_state").dtype == "float32"
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3.2", "deepseek-v4-flash"])

@@ -262,9 +262,11 @@ BAD_OPTIONS = [
     ("granite-4.0-h-small", dict(mamba_cache_dtype="int8"), "mamba_cache_dtype='int8' is invalid"),
     ("llama-3-8b", dict(mamba_ssm_cache_dtype="float32"),
      "mamba_ssm_cache_dtype='float32' does not apply to model_type 'llama': the model has no "
-     "Mamba2 layer"),
-    ("qwen3-next-80b-a3b", dict(mamba_cache_dtype="float32"),
-     "mamba_cache_dtype='float32' does not apply to model_type 'qwen3_next'"),
+     "Mamba2 or linear-attention layer"),
+    ("gpt-oss-20b", dict(mamba_cache_dtype="float32"),
+     "mamba_cache_dtype='float32' does not apply to model_type 'gpt_oss'"),
+    ("qwen3-next-80b-a3b", dict(mamba_ssm_cache_dtype="fp8"),
+     "mamba_ssm_cache_dtype='fp8' is invalid"),
     ("nemotron-nano-9b-v2", dict(num_speculative_tokens=1),
      "num_speculative_tokens=1 does not apply to model_type 'nemotron_h'"),
 ]  # fmt: skip
@@ -309,6 +311,28 @@ def test_kvforge_plan_shows_and_takes_the_state_dtypes(capsys, model, args, ssm_
     assert rc == 0
     [line] = [row for row in out.splitlines() if "ssm_state " in row and "mamba_state" in row]
     assert all(cell in line for cell in ssm_line), line
+
+
+@pytest.mark.parametrize(
+    ("model", "args", "recurrent_line"),
+    [
+        # Qwen3-Next: vLLM's "auto", the model dtype: 32 * 128 * 128 * 2 B
+        ("qwen3-next-80b-a3b", (), ("(32, 128, 128)", "bfloat16", "1,048,576")),
+        # SGLang's float32 (and vLLM's CPU build on AVX512-BF16): 32 * 128 * 128 * 4 B
+        ("qwen3-next-80b-a3b", ("--mamba-ssm-cache-dtype", "float32"),
+         ("(32, 128, 128)", "float32", "2,097,152")),
+        # Qwen3.5-27B: its config's mamba_ssm_dtype float32, 48 * 128 * 128 * 4 B ...
+        ("qwen3.5-27b", (), ("(48, 128, 128)", "float32", "3,145,728")),
+        # ... unless the option says otherwise, as in vLLM: 48 * 128 * 128 * 2 B
+        ("qwen3.5-27b", ("--mamba-ssm-cache-dtype", "bfloat16"),
+         ("(48, 128, 128)", "bfloat16", "1,572,864")),
+    ],
+)  # fmt: skip
+def test_kvforge_plan_shows_and_takes_the_linear_state_dtypes(capsys, model, args, recurrent_line):
+    rc, out, _ = _plan(capsys, "--model", model, *args)
+    assert rc == 0
+    [line] = [row for row in out.splitlines() if "recurrent_state " in row]
+    assert all(cell in line for cell in recurrent_line), line
 
 
 @pytest.mark.parametrize(

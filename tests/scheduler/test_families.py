@@ -153,13 +153,44 @@ def test_qwen3_next_state_bytes_per_request():
     assert linear.role("conv_state").entry_shape == (8192, 3)
     assert linear.role("conv_state").dtype == "bfloat16"
     assert linear.conv_state_bytes == 8192 * 3 * 2 == 49_152
-    # recurrent [32, 128, 128] float32 = 2,097,152 B
+    # recurrent [32, 128, 128] in the model dtype, as vLLM's "auto" (bf16) = 1,048,576 B
     assert linear.role("recurrent_state").entry_shape == (32, 128, 128)
-    assert linear.role("recurrent_state").dtype == "float32"
-    assert linear.recurrent_state_bytes == 32 * 128 * 128 * 4 == 2_097_152
-    assert linear.state_bytes_per_request() == 2_146_304
-    # 36 linear layers: 77,266,944 B per request, whatever its length
-    assert CacheLayout(backends).bytes_per_request() == 36 * 2_146_304 == 77_266_944
+    assert linear.role("recurrent_state").dtype == "bfloat16"
+    assert linear.recurrent_state_bytes == 32 * 128 * 128 * 2 == 1_048_576
+    assert linear.state_bytes_per_request() == 49_152 + 1_048_576 == 1_097_728
+    # 36 linear layers: 39,518,208 B per request, whatever its length
+    assert CacheLayout(backends).bytes_per_request() == 36 * 1_097_728 == 39_518_208
+
+
+@pytest.mark.parametrize(
+    ("options", "conv_dtype", "recurrent_dtype", "per_layer"),
+    [
+        # vLLM's defaults ("auto", "auto"): both states in the model dtype (bf16)
+        ({}, "bfloat16", "bfloat16", 8192 * 3 * 2 + 32 * 128 * 128 * 2),  # 1,097,728
+        # SGLang's default / vLLM's CPU build with AVX512-BF16: a float32 recurrent state
+        (
+            {"mamba_ssm_cache_dtype": "float32"},
+            "bfloat16",
+            "float32",
+            8192 * 3 * 2 + 32 * 128 * 128 * 4,  # 49,152 + 2,097,152 = 2,146,304
+        ),
+        # the conv dtype set, recurrent "auto": the conv state's dtype (vLLM's rule)
+        ({"mamba_cache_dtype": "float32"}, "float32", "float32", 8192 * 3 * 4 + 32 * 128 * 128 * 4),
+        (
+            {"mamba_cache_dtype": "float16", "mamba_ssm_cache_dtype": "auto"},
+            "float16",
+            "float16",
+            8192 * 3 * 2 + 32 * 128 * 128 * 2,
+        ),
+        # an explicit model dtype moves both "auto" states with it
+        ({"dtype": "float16"}, "float16", "float16", 8192 * 3 * 2 + 32 * 128 * 128 * 2),
+    ],
+)
+def test_qwen3_next_state_dtypes_follow_vllm(options, conv_dtype, recurrent_dtype, per_layer):
+    linear = from_hf_config("qwen3-next-80b-a3b", **options)[0]
+    assert isinstance(linear, LinearAttentionBackend)
+    assert (linear.conv_dtype, linear.recurrent_dtype) == (conv_dtype, recurrent_dtype)
+    assert linear.state_bytes_per_request() == per_layer
 
 
 @pytest.mark.parametrize(
@@ -182,7 +213,7 @@ def test_qwen3_next_kv_cache_dtype_leaves_states_alone():
     backends = from_hf_config("qwen3-next-80b-a3b", kv_cache_dtype="fp8", dtype="float16")
     assert backends[3].role("key").dtype == "float8_e4m3fn"
     assert backends[0].role("conv_state").dtype == "float16"  # the model dtype
-    assert backends[0].role("recurrent_state").dtype == "float32"
+    assert backends[0].role("recurrent_state").dtype == "float16"  # "auto": the conv dtype
 
 
 # ------------------------------------------------------------------ the linear backend
@@ -202,12 +233,13 @@ SMALL_NEXT = {
     "torch_dtype": "bfloat16",
 }
 # conv_dim = 2 * 2 * 8 + 4 * 16 = 96: conv [96, 3] bf16 = 576 B; recurrent [4, 8, 16] f32 =
-# 2,048 B; 2,624 B per layer, layers 0, 1, 2 linear: 7,872 B per request
+# 2,048 B (mamba_ssm_cache_dtype="float32", as SGLang keeps it); 2,624 B per layer, layers 0,
+# 1, 2 linear: 7,872 B per request
 SMALL_STATE_BYTES = 3 * (96 * 3 * 2 + 4 * 8 * 16 * 4)
 
 
 def small_controller(linear_slots: int = 4) -> CacheController:
-    ctl = CacheController(from_hf_config(SMALL_NEXT))
+    ctl = CacheController(from_hf_config(SMALL_NEXT, mamba_ssm_cache_dtype="float32"))
     ctl.initialize_kv_cache(
         num_blocks={"linear_state": linear_slots, "kv": 40}, max_num_seqs=4, max_model_len=512
     )
