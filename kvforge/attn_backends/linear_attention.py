@@ -6,15 +6,24 @@ A linear-attention layer keeps two tensors per request, whatever the sequence le
   model dtype: the last ``conv_kernel_size - 1`` inputs of the short causal convolution over the
   fused q / k / v projection, ``conv_dim = 2 * num_key_heads * key_head_dim + num_value_heads *
   value_head_dim`` (q and k share ``key_head_dim``);
-- ``recurrent_state`` ``[num_value_heads // tp_size, key_head_dim, value_head_dim]`` in float32:
-  the delta-rule memory, one ``key_head_dim x value_head_dim`` matrix per value head.
+- ``recurrent_state`` ``[num_value_heads // tp_size, key_head_dim, value_head_dim]`` in the
+  recurrent dtype: the delta-rule memory, one ``key_head_dim x value_head_dim`` matrix per value
+  head.
 
 This is the sizing of vLLM's ``MambaStateShapeCalculator.gated_delta_net_state_shape`` and
 SGLang's hybrid linear-attention pool: tensor parallelism splits the heads, so each rank holds
 ``num_key_heads // tp_size`` q / k heads and ``num_value_heads // tp_size`` v heads (``tp_size``
 must divide both), and draft tokens of speculative decoding widen the conv window. The
-recurrent state is float32 as SGLang keeps it by default (vLLM's ``mamba_ssm_cache_dtype``
-``"float32"``): the state accumulates over the whole sequence, so bf16 rounding compounds.
+backend's own default recurrent dtype is float32, as SGLang keeps it (vLLM's
+``--mamba-ssm-cache-dtype float32``); the model readers pass the dtype vLLM resolves instead
+(``MambaStateDtypeCalculator.gated_delta_net_state_dtype`` in
+``vllm/model_executor/layers/mamba/mamba_utils.py``: ``"auto"`` is the conv state's dtype, the
+model dtype; see :func:`~kvforge.models.families.build_qwen3_next`).
+
+``page_size_padded`` reproduces vLLM's hybrid layout, where the state page is padded to the
+attention page (``Platform._align_hybrid_block_size`` in ``vllm/platforms/interface.py``), as
+:class:`~kvforge.attn_backends.mamba.Mamba2Backend` does: the ``recurrent_state`` device block
+then ends the page; host pages keep the meaningful bytes only.
 
 Both roles live in one ``per_request`` group (``linear_state``, block size 1,
 ``slots_per_request=1``): a request takes its slot when it first schedules and keeps it until it
@@ -32,9 +41,10 @@ could not be reused at all, however many of its full-attention blocks a tier hol
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from kvforge._checks import ArgumentError
-from kvforge.attn_backends._args import dtype_name, width
+from kvforge.attn_backends._args import dtype_name, optional_width, width
 from kvforge.attn_backends.base import DeclaredBackend
 from kvforge.specs import CacheGroup, CacheRole, GroupKind, SwapPurpose, TokenRange
 
@@ -59,13 +69,15 @@ class LinearAttentionBackend(DeclaredBackend):
         conv_dtype: ``conv_state`` dtype (the model dtype).
         recurrent_dtype: ``recurrent_state`` dtype (default float32).
         num_speculative_tokens: draft tokens per step; each widens the conv window by one.
+        page_size_padded: bytes of one device page of both states (vLLM's
+            ``mamba_page_size_padded``); default the meaningful bytes.
 
     Raises:
         ArgumentError: (a ``TypeError`` and a ``ValueError``) a size that is not a positive
             int (bools and floats included), ``conv_kernel_size < 2``, a negative
-            ``num_speculative_tokens``, a ``tp_size`` that does not divide a head count, or an
-            unknown dtype; the message names the argument and its value. Everything is
-            checked before anything is built.
+            ``num_speculative_tokens``, a ``tp_size`` that does not divide a head count, a
+            ``page_size_padded`` below the meaningful bytes, or an unknown dtype; the message
+            names the argument and its value. Everything is checked before anything is built.
     """
 
     snapshot_policy = "aligned"
@@ -82,6 +94,7 @@ class LinearAttentionBackend(DeclaredBackend):
         conv_dtype: str = "bfloat16",
         recurrent_dtype: str = "float32",
         num_speculative_tokens: int = 0,
+        page_size_padded: int | None = None,
     ) -> None:
         owner = type(self).__name__
         num_key_heads = width(owner, "num_key_heads", num_key_heads, unit="heads")
@@ -101,6 +114,7 @@ class LinearAttentionBackend(DeclaredBackend):
                 )
         conv_dtype = dtype_name(owner, "conv_dtype", conv_dtype)
         recurrent_dtype = dtype_name(owner, "recurrent_dtype", recurrent_dtype)
+        padded = optional_width(owner, "page_size_padded", page_size_padded)
         self.num_key_heads = num_key_heads
         self.num_value_heads = num_value_heads
         self.key_head_dim = key_head_dim
@@ -110,7 +124,12 @@ class LinearAttentionBackend(DeclaredBackend):
         self.num_speculative_tokens = num_speculative_tokens
         self.conv_dtype = conv_dtype
         self.recurrent_dtype = recurrent_dtype
+        self.declare(*self._declaration(owner, padded))
 
+    def _declaration(
+        self, owner: str, page_size_padded: int | None
+    ) -> tuple[list[CacheGroup], list[CacheRole]]:
+        tp, spec = self.tp_size, self.num_speculative_tokens
         group = CacheGroup(
             name=LINEAR_STATE_GROUP,
             block_size=1,
@@ -120,16 +139,26 @@ class LinearAttentionBackend(DeclaredBackend):
         conv = CacheRole(
             name="conv_state",
             group=group.name,
-            entry_shape=(self.conv_dim // tp_size, conv_kernel_size - 1 + num_speculative_tokens),
+            entry_shape=(self.conv_dim // tp, self.conv_kernel_size - 1 + spec),
             dtype=self.conv_dtype,
         )
         recurrent = CacheRole(
             name="recurrent_state",
             group=group.name,
-            entry_shape=(num_value_heads // tp_size, key_head_dim, value_head_dim),
+            entry_shape=(self.num_value_heads // tp, self.key_head_dim, self.value_head_dim),
             dtype=self.recurrent_dtype,
         )
-        self.declare([group], [conv, recurrent])
+        real = conv.entry_bytes + recurrent.entry_bytes
+        self.page_size_padded = page_size_padded
+        if page_size_padded is not None and page_size_padded != real:
+            if page_size_padded < real:
+                raise ArgumentError(
+                    f"{owner}: page_size_padded={page_size_padded} is below the {real} bytes "
+                    "of one request's conv and recurrent state"
+                )
+            alignment = page_size_padded - conv.entry_bytes
+            recurrent = recurrent.model_copy(update={"block_alignment": alignment})
+        return [group], [conv, recurrent]
 
     # ------------------------------------------------------------------ sizes
 
@@ -151,10 +180,26 @@ class LinearAttentionBackend(DeclaredBackend):
         return self.role("recurrent_state").entry_bytes
 
     def state_bytes_per_request(self) -> int:
-        """Bytes one request holds in this layer on one rank, whatever its length: every slot
-        of every role."""
+        """Meaningful bytes one request holds in this layer on one rank, whatever its length:
+        every slot of every role (no device padding)."""
         slots = self.groups_by_name()[LINEAR_STATE_GROUP].slots_per_request
         return slots * sum(math.prod(r.entry_shape) * r.itemsize for r in self.cache_roles())
+
+    def options(self) -> dict[str, Any]:
+        """The constructor's arguments, to build a variant
+        (``LinearAttentionBackend(**options)``)."""
+        return {
+            "num_key_heads": self.num_key_heads,
+            "num_value_heads": self.num_value_heads,
+            "key_head_dim": self.key_head_dim,
+            "value_head_dim": self.value_head_dim,
+            "conv_kernel_size": self.conv_kernel_size,
+            "tp_size": self.tp_size,
+            "conv_dtype": self.conv_dtype,
+            "recurrent_dtype": self.recurrent_dtype,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "page_size_padded": self.page_size_padded,
+        }
 
     # ------------------------------------------------------------------ swap
 
@@ -176,6 +221,8 @@ class LinearAttentionBackend(DeclaredBackend):
         extra = f", tp_size={self.tp_size}" if self.tp_size != 1 else ""
         if self.num_speculative_tokens:
             extra += f", num_speculative_tokens={self.num_speculative_tokens}"
+        if self.page_size_padded is not None:
+            extra += f", page_size_padded={self.page_size_padded}"
         return (
             f"LinearAttentionBackend(num_key_heads={self.num_key_heads}, "
             f"num_value_heads={self.num_value_heads}, key_head_dim={self.key_head_dim}, "

@@ -175,6 +175,10 @@ ROWS = [
     (LinearAttentionBackend, dict(LINEAR, recurrent_dtype=4), A, "recurrent_dtype must be a torch.dtype or a string, got 4"),
     (LinearAttentionBackend, dict(LINEAR, num_speculative_tokens=-1), A, "num_speculative_tokens must be >= 0, got -1"),
     (LinearAttentionBackend, dict(LINEAR, num_speculative_tokens=1.0), A, "num_speculative_tokens must be an int, got 1.0"),
+    # conv [96, 3] bf16 = 576 B + recurrent [4, 8, 16] f32 = 2,048 B: a 2,624-byte state
+    (LinearAttentionBackend, dict(LINEAR, page_size_padded=2_623), A, "LinearAttentionBackend: page_size_padded=2623 is below the 2624 bytes of one request's conv and recurrent state"),
+    (LinearAttentionBackend, dict(LINEAR, page_size_padded=0), A, "page_size_padded must be a positive int, got 0"),
+    (LinearAttentionBackend, dict(LINEAR, page_size_padded="4096"), A, "page_size_padded must be an int, got '4096'"),
 ]  # fmt: skip
 
 BACKENDS = (

@@ -38,6 +38,7 @@ pytest.importorskip("vllm", reason="the vLLM integration needs vLLM (pip install
 from _engines import engine_missing, engine_python
 from oracle_runner import spec_record
 
+from kvforge.attn_backends.linear_attention import LinearAttentionBackend
 from kvforge.attn_backends.mamba import Mamba2Backend
 from kvforge.core.layout import CacheLayout
 from kvforge.integrations.vllm.hybrid_sizes import HybridSizes
@@ -99,9 +100,6 @@ SIZES: dict[str, int] = {
     "experts_per_token": 2,
 }
 """Size fields every case replaces where its config has them (weights only, no cache shape)."""
-
-MAMBA2_CHECKPOINT = frozenset({"num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment"})
-"""The fields vLLM's ``MambaMixer2.get_kv_cache_spec`` sets and kvforge's Mamba2 spec does not."""
 
 CASES: tuple[Case, ...] = (
     # head_dim is hidden_size // num_attention_heads (4096 // 32 = 128): hidden_size stays
@@ -193,11 +191,8 @@ CASES: tuple[Case, ...] = (
         known=frozenset({"block_stride_alignment"}),
     ),
     # Mamba2 hybrids: mixers' conv and SSM states per request, vLLM's page padding and
-    # "align" mode passed as resolved. Known, for every mixer: vLLM's MambaMixer2 declares one
-    # prefill checkpoint block per request (num_prefill_checkpoint_blocks=1,
-    # prefill_checkpoint_alignment=1: MambaMixer2.get_kv_cache_spec in
-    # vllm/model_executor/layers/mamba/mamba_mixer2.py, 0.32 and 0.33), which kvforge's
-    # Mamba2Backend spec leaves at MambaBase's defaults (0, None).
+    # "align" mode passed as resolved; each mixer's spec carries vLLM's one prefill checkpoint
+    # block (MambaMixer2.get_kv_cache_spec in vllm/model_executor/layers/mamba/mamba_mixer2.py)
     # falcon_h1: attention and a mixer on every layer; vLLM names them model.layers.{i}.attn
     # and model.{N + i}.mixer (N layers)
     Case(
@@ -206,7 +201,6 @@ CASES: tuple[Case, ...] = (
         layers=2,
         sizes={"hidden_size": 256},
         max_model_len=4096,
-        known=MAMBA2_CHECKPOINT,
         renames=(
             (r"\.self_attn\.attn$", ".attn"),
             (r"^model\.layers\.(\d+)\.mixer$", r"model.\1.mixer"),
@@ -220,7 +214,6 @@ CASES: tuple[Case, ...] = (
         layers=15,
         sizes={"hidden_size": 256, "hybrid_override_pattern": "M-M-M-MM-M-M-M*"},
         max_model_len=4096,
-        known=MAMBA2_CHECKPOINT,
         renames=((r"\.self_attn\.attn$", ".mixer.attn"),),  # vLLM: NemotronHAttention
     ),
     # granitemoehybrid: layer_types, 5 mamba layers then 1 attention layer; hidden_size stays
@@ -230,27 +223,11 @@ CASES: tuple[Case, ...] = (
         "bundled:granite-4.0-h-small",
         layers=6,
         max_model_len=4096,
-        known=MAMBA2_CHECKPOINT,
     ),
-    # Known differences of its state layers: vLLM keeps the recurrent state in the model dtype
-    # ("auto" mamba_ssm_cache_dtype: gated_delta_net_state_dtype), kvforge in float32 and
-    # refuses mamba_ssm_cache_dtype for a model without Mamba2 layers; vLLM pads the state page
-    # to the attention page (mamba_page_size_padded), and kvforge's linear-attention layers
-    # take no padding (HybridSizes.pad refuses it)
-    Case(
-        "qwen3_next",
-        "qwen3-next-80b-a3b-instruct",
-        layers=8,
-        sizes={"hidden_size": 256},
-        known=frozenset(
-            {
-                "dtypes",
-                "page_size_padded",
-                "page_size_bytes",
-                "real_page_size_bytes",
-            }
-        ),
-    ),
+    # its state layers: the state dtypes vLLM resolved (gated_delta_net_state_dtype: "auto"
+    # is the model dtype; its CPU platform switches to float32 where AVX512-BF16 accelerates
+    # the kernel) and the state page padded to the attention page (mamba_page_size_padded)
+    Case("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=8, sizes={"hidden_size": 256}),
 )
 
 
@@ -339,16 +316,24 @@ def kvforge_specs(case: Case, record: dict[str, Any]) -> dict[str, dict[str, Any
     """kvforge's plan of the shrunk config as vLLM specs (plain records, by vLLM's names), with
     what vLLM resolved for it: the block size (``--block-size``, raised for a hybrid model so
     an attention page holds a state page), the Mamba block size and cache mode and, for a
-    Mamba2 hybrid, the state page padded to the attention page (``HybridSizes.pad``)."""
+    hybrid with state layers (Mamba2, linear attention), the state dtypes and the state page
+    padded to the attention page (``HybridSizes.pad``)."""
     plan: Any = from_hf_config(shrink(case))
     resolved = record["resolved"]
+    state = (Mamba2Backend, LinearAttentionBackend)
+    if any(isinstance(b, state) for b in plan.values()):  # the state dtypes vLLM resolved
+        plan = from_hf_config(
+            shrink(case),
+            mamba_cache_dtype=resolved["mamba_cache_dtype"],
+            mamba_ssm_cache_dtype=resolved["mamba_ssm_cache_dtype"],
+        )
     options = {
         "block_size": resolved["block_size"],
         "mamba_block_size": resolved["mamba_block_size"],
     }
     if resolved["mamba_block_size"] is not None:
         options["mamba_cache_mode"] = resolved["mamba_cache_mode"]
-    if any(isinstance(b, Mamba2Backend) for b in plan.values()):
+    if any(isinstance(b, state) for b in plan.values()):
         sizes = HybridSizes(
             block_size=resolved["block_size"],
             mamba_block_size=resolved["mamba_block_size"],
@@ -388,9 +373,7 @@ def test_layer_specs_equal_vllms(oracle: dict[str, dict[str, Any]], case: Case) 
     diffs = {name: differences(ours[name], theirs[name]) for name in theirs}
     fields = set().union(*diffs.values())
     assert fields <= case.known, {name: d for name, d in diffs.items() if d}
-    # a known difference that went away is news: drop it from the case and the docs (some
-    # depend on the machine: vLLM's CPU platform keeps a GDN recurrent state in float32 where
-    # AVX512-BF16 accelerates it, which is kvforge's dtype)
+    # a known difference that went away is news: drop it from the case and the docs
     assert fields or not case.known, f"{case.name}: no known difference is left"
 
 

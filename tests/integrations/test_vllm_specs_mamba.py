@@ -8,9 +8,10 @@ For each bundled hybrid, vLLM's side is built with vLLM's functions on the publi
   (``mamba_cache_mode`` and ``mamba_block_size``) in ``vllm/model_executor/models/config.py``,
   then ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``) with the
   FlashAttention backend: the attention block and the padded Mamba page;
-- each mixer's spec: ``MambaBase.get_kv_cache_spec`` (``layers/mamba/abstract.py``) of a layer
-  whose state shapes and dtypes are the model class's ``get_mamba_state_shape_from_config`` /
-  ``get_mamba_state_dtype_from_config`` and whose ``mamba_type`` is ``MambaMixer2``'s;
+- each mixer's spec: ``MambaMixer2.get_kv_cache_spec`` (``layers/mamba/mamba_mixer2.py``:
+  ``MambaBase.get_kv_cache_spec`` of ``layers/mamba/abstract.py`` plus one prefill checkpoint
+  block) of a mixer whose state shapes and dtypes are the model class's
+  ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``;
 - each attention layer's spec: ``Attention.get_kv_cache_spec`` (``layers/attention/
   attention.py``) with the heads per rank and head size of the model's attention module
   (``falcon_h1.py``, ``nemotron_h.py``, ``granitemoehybrid.py``).
@@ -33,7 +34,6 @@ pytest.importorskip("vllm", reason="the vLLM integration needs vLLM (pip install
 import torch
 import transformers
 from vllm.model_executor.layers.attention.attention import Attention
-from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.model_executor.models.config import (
@@ -51,7 +51,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from kvforge._checks import ArgumentError
 from kvforge.attn_backends import GQABackend, LinearAttentionBackend, Mamba2Backend
 from kvforge.core.layout import CacheLayout
-from kvforge.integrations.vllm.hybrid_sizes import vllm_hybrid_sizes
+from kvforge.integrations.vllm.hybrid_sizes import HybridSizes, vllm_hybrid_sizes
 from kvforge.integrations.vllm.specs import from_vllm_specs, layer_page_bytes, to_vllm_specs
 from kvforge.models import from_hf_config, load_model_config
 
@@ -125,12 +125,12 @@ def _vllm_specs(config: dict, **options) -> tuple[dict, object]:
     cls = MODEL_CLASSES[config["model_type"]]
     shapes = cls.get_mamba_state_shape_from_config(cfg)
     dtypes = cls.get_mamba_state_dtype_from_config(cfg)
-    mixer = NS(
-        get_state_shape=lambda: shapes,
-        get_state_dtype=lambda: dtypes,
-        mamba_type=MambaMixer2.mamba_type.fget(None),
-        is_kv_cache_tp_replicated=False,
-    )
+    # a MambaMixer2 whose state methods give the model class's shapes and dtypes: its own
+    # get_kv_cache_spec runs (no weights are built)
+    mixer = MambaMixer2.__new__(MambaMixer2)
+    torch.nn.Module.__init__(mixer)
+    mixer.get_state_shape = lambda: shapes
+    mixer.get_state_dtype = lambda: dtypes
     kv, head = _attention_shape(cfg.model_config.hf_config, config["model_type"], tp=options["tp"])
     attention = NS(
         attn_type=AttentionType.DECODER,
@@ -143,7 +143,7 @@ def _vllm_specs(config: dict, **options) -> tuple[dict, object]:
     )
     return (
         {
-            "mixer": MambaBase.get_kv_cache_spec(mixer, cfg),
+            "mixer": mixer.get_kv_cache_spec(cfg),
             "attn": Attention.get_kv_cache_spec(attention, cfg),
         },
         cfg.cache_config,
@@ -270,11 +270,67 @@ def test_hybrid_sizes_need_attention_and_state_layers():
         vllm_hybrid_sizes({0: GQABackend(8, 128)}, max_model_len=4096)
     with pytest.raises(ArgumentError, match="no full-attention GQA layer"):
         vllm_hybrid_sizes({0: Mamba2Backend(8, 16, 32, 4)}, max_model_len=4096)
-    # a 137,216-byte state beside 96-byte attention tokens: a padded page
-    linear = {0: LinearAttentionBackend(4, 8, 64, 64, 4), 1: GQABackend(1, 24)}
-    sizes = vllm_hybrid_sizes(linear, max_model_len=4096)
-    with pytest.raises(ArgumentError, match="declares no page padding"):
-        sizes.pad(linear)
+
+
+def test_linear_attention_pages_are_padded_as_vllm_pads_them():
+    """A Gated DeltaNet state beside attention layers: vLLM pads the state page to the
+    attention page (``Platform._align_hybrid_block_size``), and so does ``HybridSizes.pad``."""
+    # conv_dim = 2 * 4 * 64 + 8 * 64 = 1,024: conv [1024, 3] bf16 = 6,144 B; recurrent
+    # [8, 64, 64] bf16 = 65,536 B: a 71,680-byte state
+    linear = LinearAttentionBackend(4, 8, 64, 64, 4, recurrent_dtype="bfloat16")
+    assert linear.state_bytes_per_request() == 1024 * 3 * 2 + 8 * 64 * 64 * 2 == 71_680
+    # attention token 2 * 1 * 24 * 2 = 96 B: block 16 * cdiv(71,680, 16 * 96) = 752
+    backends = {0: linear, 1: linear, 2: GQABackend(1, 24)}
+    sizes = vllm_hybrid_sizes(backends, max_model_len=4096)
+    assert (sizes.block_size, sizes.mamba_page_size_padded) == (752, 72_192) == (752, 752 * 96)
+    padded = sizes.pad(backends)
+    assert padded[0] is padded[1] and padded[2] is backends[2]  # layers keep sharing
+    assert padded[0].page_size_padded == 72_192 and "page_size_padded=72192" in repr(padded[0])
+    specs = to_vllm_specs(padded, **sizes.spec_options())
+    state = specs["model.layers.0.linear_attn"]
+    assert isinstance(state, MambaSpec)
+    assert (state.page_size_bytes, state.real_page_size_bytes) == (72_192, 71_680)
+    assert state.page_size_bytes == specs["model.layers.2.self_attn.attn"].page_size_bytes
+    # vLLM's GDN spec: no prefill checkpoint without FlashInfer (qwen_gdn_linear_attn.py)
+    assert state.num_prefill_checkpoint_blocks == 0
+    pages = layer_page_bytes(padded, **sizes.spec_options())
+    assert pages["model.layers.0.linear_attn"] == (72_192, 71_680)
+    # kvforge's host pages stay unpadded: the device block pads the recurrent state only
+    layout = CacheLayout(padded)
+    [conv] = [b for b in layout.buffers if b.layer == 0 and b.role.name == "conv_state"]
+    [rec] = [b for b in layout.buffers if b.layer == 0 and b.role.name == "recurrent_state"]
+    assert (conv.device_block_bytes, rec.device_block_bytes) == (6_144, 72_192 - 6_144)
+    assert (conv.block_bytes, rec.block_bytes) == (6_144, 65_536)
+
+
+@pytest.mark.parametrize(
+    ("padded", "message"),
+    [
+        (71_679, "page_size_padded=71679 is below the 71680 bytes of one request's conv and "
+         "recurrent state"),
+        (-1, "page_size_padded must be a positive int, got -1"),
+    ],
+)  # fmt: skip
+def test_linear_attention_padding_refusals(padded, message):
+    with pytest.raises(ArgumentError) as info:
+        LinearAttentionBackend(4, 8, 64, 64, 4, recurrent_dtype="bfloat16", page_size_padded=padded)
+    assert message in str(info.value)
+    sizes = HybridSizes(
+        block_size=16, mamba_block_size=16, mamba_page_size_padded=100, mamba_cache_mode="align"
+    )
+    with pytest.raises(
+        ArgumentError, match="layer 0: LinearAttentionBackend: page_size_padded=100"
+    ):
+        sizes.pad({0: LinearAttentionBackend(4, 8, 64, 64, 4)})
+
+
+def test_mamba2_specs_carry_vllms_prefill_checkpoint():
+    """vLLM's MambaMixer2 declares one prefill checkpoint block at any token position (0.32
+    and 0.33); to_vllm_specs carries it where vLLM's MambaSpec has the fields."""
+    spec = to_vllm_specs({0: Mamba2Backend(8, 16, 32, 4)}, mamba_block_size=64)[
+        "model.layers.0.mixer"
+    ]
+    assert (spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment) == (1, 1)
 
 
 def test_to_vllm_specs_refuses_an_unknown_mamba_cache_mode():

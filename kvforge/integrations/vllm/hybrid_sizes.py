@@ -69,21 +69,31 @@ class HybridSizes:
         }
 
     def pad(self, backends: Mapping[int, AttentionBackend]) -> dict[int, AttentionBackend]:
-        """``backends`` with every Mamba2 layer's page padded to ``mamba_page_size_padded``
-        (layers that shared a backend share its padded copy)."""
+        """``backends`` with every state layer's page (Mamba2 and linear attention, vLLM's
+        ``MambaSpec`` layers) padded to ``mamba_page_size_padded``; layers that shared a
+        backend share its padded copy, other layers are kept as they are.
+
+        Raises:
+            ArgumentError: a state layer whose meaningful page exceeds
+                ``mamba_page_size_padded`` (naming the layer and both sizes).
+        """
         padded: dict[int, AttentionBackend] = {}
-        copies: dict[int, Mamba2Backend] = {}
+        copies: dict[int, AttentionBackend] = {}
+        target = self.mamba_page_size_padded
         for layer, backend in backends.items():
-            if isinstance(backend, Mamba2Backend) and self.mamba_page_size_padded is not None:
+            if isinstance(backend, Mamba2Backend | LinearAttentionBackend) and target is not None:
                 if id(backend) not in copies:
-                    options = backend.options() | {"page_size_padded": self.mamba_page_size_padded}
-                    copies[id(backend)] = Mamba2Backend(**options)
+                    options = backend.options() | {"page_size_padded": target}
+                    cls = (
+                        Mamba2Backend
+                        if isinstance(backend, Mamba2Backend)
+                        else LinearAttentionBackend
+                    )
+                    try:
+                        copies[id(backend)] = cls(**options)
+                    except ValueError as exc:
+                        raise ArgumentError(f"layer {layer}: {exc}") from None
                 backend = copies[id(backend)]
-            elif isinstance(backend, LinearAttentionBackend) and self.mamba_page_size_padded:
-                raise ArgumentError(
-                    f"layer {layer}: {backend!r} declares no page padding; only Mamba2 layers "
-                    "can take vLLM's mamba_page_size_padded"
-                )
             padded[layer] = backend
         return padded
 

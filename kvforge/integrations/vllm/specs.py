@@ -50,6 +50,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -101,6 +102,11 @@ __all__ = [
 
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
+_MAMBA_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(MambaSpec))
+# MambaSpec fields of vLLM versions whose Mamba layers export prefill checkpoints
+_MAMBA_CHECKPOINT_FIELDS = frozenset(
+    {"num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment"}
+)
 _MAMBA_CACHE_MODES = ("none", "align")  # vLLM's MambaCacheMode (vllm/config/cache.py)
 _SCALE_BYTES = 4  # vLLM's per-token-head scales are float32, inline after each head's data
 # model_type -> vLLM's module of a key / value cache, where it is not ``self_attn.attn``: gpt-oss's
@@ -327,6 +333,11 @@ def _state_spec(
     }
     if isinstance(backend, LinearAttentionBackend):
         kwargs["mamba_type"] = MambaAttentionBackendEnum.GDN_ATTN
+    elif isinstance(backend, Mamba2Backend) and _MAMBA_CHECKPOINT_FIELDS <= _MAMBA_SPEC_FIELDS:
+        # vLLM's MambaMixer2.get_kv_cache_spec (vllm/model_executor/layers/mamba/
+        # mamba_mixer2.py, 0.32 and 0.33) exports the block-boundary state from inside a
+        # prefill: one checkpoint block per request, at any token position
+        kwargs |= {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
     return MambaSpec(**kwargs)
 
 
