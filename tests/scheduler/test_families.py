@@ -390,8 +390,22 @@ BAD_CONFIGS = [
                 "sliding_window": 4,
             },
         },
-        "config.text_config is missing 'sliding_window_pattern' (needed for model_type "
-        "'gemma3' without layer_types)",
+        # a field the config leaves out takes Gemma3TextConfig's default: 4 kv heads, which
+        # 2 query heads cannot share
+        "num_attention_heads=2 is not divisible by num_key_value_heads=4 (model_type 'gemma3')",
+    ),
+    (
+        {
+            "model_type": "gemma3",
+            "text_config": {
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "head_dim": 8,
+                "sliding_window": 4,
+                "sliding_window_pattern": 0,
+            },
+        },
+        "config field text_config.sliding_window_pattern = 0 is invalid for model_type 'gemma3'",
     ),
     (
         {"model_type": "gemma3", "text_config": [1]},
