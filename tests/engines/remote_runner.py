@@ -10,6 +10,10 @@ what two engines sharing a store need.
   ``puts_ok``, ``misses`` (by reason).
 - ``{"op": "flush", "timeout": 30}``: wait for every worker's queued puts to land.
 - ``{"op": "kill", "pid": N}``: ``SIGKILL`` process ``N`` (the store's server), mid-run.
+- ``{"op": "mooncake_corrupt", "tokens": [...], "blocks": 1}``: on Mooncake Store, replace the
+  values of the first ``blocks`` published blocks (of ``block`` tokens, 32) of ``tokens`` (the worker's names: kvforge's
+  chain, no salt) by the same bytes with one payload bit flipped (``remove`` + ``put``:
+  Mooncake never overwrites); how many it replaced.
 
 Usage: ``python remote_runner.py REQUEST.json OUT.json`` (imports nothing of kvforge before
 the engine is up, as ``engine_runner.py``).
@@ -65,6 +69,28 @@ def _remote_stats(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     return total
 
 
+def _corrupt_in_worker(worker: Any, tokens: list[int], blocks: int, unit: int) -> int:
+    import numpy as np
+
+    from kvforge.core.prefix_keys import PrefixHasher
+    from kvforge.integrations.vllm.remote_keys import store_key
+    from kvforge.store.base import server_key
+
+    kv = engine_runner._kvforge_worker(worker)
+    store = kv.store
+    chain = PrefixHasher(unit=unit).extend(np.asarray(tokens[: blocks * unit]))
+    client, done = store.raw_client, 0
+    for key in chain:
+        name = server_key(store.config.namespace, store.fingerprint, store_key(0, key))
+        value = bytes(client.get(name))
+        if not value:
+            continue
+        bad = value[:-7] + bytes([value[-7] ^ 1]) + value[-6:]
+        if client.remove(name, True) == 0 and client.put(name, bad) == 0:
+            done += 1
+    return done
+
+
 def _kill(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     os.kill(int(step["pid"]), signal.SIGKILL)
     return {"killed": int(step["pid"])}
@@ -79,6 +105,18 @@ engine_runner.STEPS.update(
             )
         },
         "kill": _kill,
+        "mooncake_corrupt": lambda llm, step: {
+            "replaced": sum(
+                llm.collective_rpc(
+                    _corrupt_in_worker,
+                    args=(
+                        list(step["tokens"]),
+                        int(step.get("blocks", 1)),
+                        int(step.get("block", 32)),
+                    ),
+                )
+            )
+        },
     }
 )
 
