@@ -36,6 +36,7 @@ __all__ = [
     "STATS",
     "EngineError",
     "engine_command",
+    "engine_lock",
     "engine_missing",
     "engine_python",
     "generate",
@@ -97,7 +98,9 @@ def engine_command(request_path: str, out_path: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _machine_lock() -> Iterator[None]:
+def engine_lock() -> Iterator[None]:
+    """Hold the machine-wide engine lock (the file ``KVFORGE_ENGINE_LOCK`` names), or nothing
+    where it is unset: every engine process of every test run on a machine starts under it."""
     path = os.environ.get("KVFORGE_ENGINE_LOCK")
     if not path:
         yield
@@ -122,7 +125,7 @@ def run_engine(request: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
         with open(req, "w") as f:
             json.dump(request, f)
         cmd = engine_command(req, out)
-        with _machine_lock():
+        with engine_lock():
             try:
                 done = subprocess.run(
                     cmd, capture_output=True, text=True, timeout=timeout, check=False

@@ -19,14 +19,10 @@ process's vLLM (0.33): both are compared as plain records (``oracle_runner.spec_
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import fcntl
 import json
-import os
 import re
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +31,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM integration needs vLLM (pip install 'kvforge[vllm]')")
 
-from _engines import engine_missing, engine_python
+from _engines import engine_lock, engine_missing, engine_python
 from oracle_runner import spec_record
 
 from kvforge.attn_backends.linear_attention import LinearAttentionBackend
@@ -266,22 +262,6 @@ def engine_config(case: Case) -> dict[str, Any]:
         if key in config and key not in text:
             text[key] = config[key]
     return text
-
-
-@contextlib.contextmanager
-def engine_lock() -> Iterator[None]:
-    """Hold the machine-wide engine lock (the file ``KVFORGE_ENGINE_LOCK`` names, as
-    ``_engines.run_engine`` does), or nothing where it is unset."""
-    path = os.environ.get("KVFORGE_ENGINE_LOCK")
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="module")

@@ -29,9 +29,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM integration needs vLLM (pip install 'kvforge[vllm]')")
 
-from _engines import engine_missing, engine_python
+from _engines import engine_lock, engine_missing, engine_python
 from oracle_runner import spec_record
-from test_vllm_oracle import RUNNER, engine_lock
+from test_vllm_oracle import RUNNER
 
 from kvforge.core.layout import CacheLayout
 from kvforge.integrations.vllm.specs import to_vllm_specs

@@ -16,13 +16,9 @@ specs are checked against vLLM's declared ones in
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import fcntl
 import json
-import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +26,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM integration needs vLLM (pip install 'kvforge[vllm]')")
 
-from _engines import engine_missing, engine_python
+from _engines import engine_lock, engine_missing, engine_python
 from oracle_runner import spec_record
 
 from kvforge.integrations.vllm.specs import to_vllm_specs
@@ -68,20 +64,6 @@ def shrunk(name: str) -> dict[str, Any]:
     return text
 
 
-@contextlib.contextmanager
-def _engine_lock() -> Iterator[None]:
-    path = os.environ.get("KVFORGE_ENGINE_LOCK")
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     missing = engine_missing()
@@ -94,7 +76,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
         {"name": name, "config": shrunk(name), "engine": {"max_model_len": 256}} for name in CASES
     ]
     (tmp / "cases.json").write_text(json.dumps({"cases": cases}))
-    with _engine_lock():
+    with engine_lock():
         done = subprocess.run(
             [python, str(RUNNER), str(tmp / "cases.json"), str(tmp / "out.json")],
             capture_output=True,
