@@ -224,6 +224,33 @@ CASES: tuple[Case, ...] = (
     # is the model dtype; its CPU platform switches to float32 where AVX512-BF16 accelerates
     # the kernel) and the state page padded to the attention page (mamba_page_size_padded)
     Case("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=8, sizes={"hidden_size": 256}),
+    # Qwen3-VL wrappers (their vLLM model files import vision code, which needs torchvision): the
+    # language model runs as the text model it is; the fields that class reads and the wrapper's
+    # text config class lacks (tied embeddings, expert routing) are set: none is a cache field
+    Case(
+        "qwen3_vl",
+        "bundled:qwen3-vl-8b",
+        layers=2,
+        sizes={"hidden_size": 256, "tie_word_embeddings": False, "intermediate_size": 128},
+        lm_arch="Qwen3ForCausalLM",
+        max_model_len=4096,
+    ),
+    Case(
+        "qwen3_vl_moe",
+        "bundled:qwen3-vl-30b-a3b",
+        layers=2,
+        sizes={
+            "hidden_size": 256,
+            "tie_word_embeddings": False,
+            "intermediate_size": 128,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+        },
+        lm_arch="Qwen3MoeForCausalLM",
+        max_model_len=4096,
+    ),
 )
 
 
