@@ -17,6 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -30,3 +31,13 @@ _HERE = Path(__file__).resolve().parent
 for _path in (_HERE, _HERE.parent / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
+
+
+@pytest.fixture(scope="session")
+def mooncake_session_net():
+    """The one private network namespace every in-process Mooncake client of the session
+    lives in (``tests/_mooncake_net.py`` says why there must be one)."""
+    from _mooncake_net import shared_private_net
+
+    with shared_private_net() as net:
+        yield net

@@ -27,6 +27,7 @@ __all__ = [
     "MooncakeSegmentHost",
     "RedisServer",
     "free_port",
+    "joined_net",
     "private_net",
     "wait_for_port",
 ]
@@ -75,6 +76,30 @@ def private_net() -> Iterator[str]:
             return
         try:
             yield ""
+        finally:
+            _setns(libc, original)
+    finally:
+        os.close(original)
+
+
+@contextlib.contextmanager
+def joined_net(namespace: int) -> Iterator[None]:
+    """Run the calling thread in the network namespace that the open file ``namespace`` names
+    (a ``/proc/<pid>/ns/net`` opened inside it), and return it to its own namespace on exit.
+
+    With :func:`private_net` this lets several phases of one process share one private
+    network: keep ``os.open("/proc/thread-self/ns/net", os.O_RDONLY)`` from inside it (the open
+    file keeps the namespace alive) and join it again later. Mooncake's client needs that: it
+    keeps process-wide listeners in the namespace of its first client, and a client set up
+    from another namespace cannot reach them.
+    """
+    libc = _libc()
+    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        if libc.setns(namespace, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns into the shared network namespace failed")
+        try:
+            yield
         finally:
             _setns(libc, original)
     finally:

@@ -1,7 +1,8 @@
 """kvforge's remote tier behind vLLM's connector on Mooncake Store: harness engines
 (tests/integrations/vllm_harness.py, vLLM 0.33's real ``Scheduler``) sharing one real
-``mooncake_master`` on loopback in a private network namespace (one for the module: Mooncake's
-client keeps process-wide listeners in the namespace of its first client).
+``mooncake_master`` on loopback in the session's one private network namespace for Mooncake
+(``tests/_mooncake_net.py``: its client keeps process-wide listeners in the namespace of its
+first client, so every module's clients must live in the same one).
 
 Mooncake keeps the first writer's value (its ``put`` never overwrites): a bad value found by a
 reader must be removed, or the chunk would miss for good. Shutdown unregisters the host pages
@@ -24,23 +25,25 @@ pytest.importorskip(
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
+from _mooncake_net import free_pair
 from _optional import mooncake_missing
 from test_vllm_remote import BLOCK, BLOCKS, MAX_LEN, parts, prompt, run
 from vllm_harness import build_offload_engine
 
-from kvforge.store.servers import MooncakeMaster, private_net
+from kvforge.store.servers import MooncakeMaster
 
 MOONCAKE_MISSING = mooncake_missing()
 
 
 @pytest.fixture(scope="module")
-def master(tmp_path_factory) -> Iterator[MooncakeMaster]:
+def master(mooncake_session_net, tmp_path_factory) -> Iterator[MooncakeMaster]:
     if MOONCAKE_MISSING is not None:
         pytest.skip(MOONCAKE_MISSING)
-    with private_net() as why:
+    with mooncake_session_net.entered() as why:
         if why:
             pytest.skip(f"Mooncake's listeners need a private network namespace: {why}")
-        server = MooncakeMaster(50051, 50052, tmp_path_factory.mktemp("mc") / "master.log")
+        port = free_pair()
+        server = MooncakeMaster(port, port + 1, tmp_path_factory.mktemp("mc") / "master.log")
         server.start()
         try:
             yield server

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import pytest
 # Mooncake logs every call through glog; keep its warnings and errors only
 os.environ.setdefault("GLOG_minloglevel", "1")
 
+from _mooncake_net import SharedNet, free_pair
 from _optional import mooncake_missing, redis_missing
 
 from kvforge.store.servers import MooncakeMaster, RedisServer, free_port, private_net
@@ -70,33 +70,11 @@ def redis_server(net: Net, tmp_path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def mooncake_net() -> Iterator[Net]:
-    """One namespace for a whole module: Mooncake's client keeps process-wide state (its
-    transfer engine's listeners) in the namespace of the first client, and a client set up in
-    a later namespace cannot reach it (setup retries for 90 s, then fails)."""
-    with _private_net() as net:
-        yield net
-
-
-_ports = iter(range(50051, 60000, 2))
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_pair() -> int:
-    """The next master port whose metrics port (``port + 1``) is free too: the clients of
-    earlier tests keep listeners on ports of their own choosing in the same namespace."""
-    for port in _ports:
-        if _bindable(port) and _bindable(port + 1):
-            return port
-    raise RuntimeError("no free pair of ports left in 50051..60000")
+def mooncake_net(mooncake_session_net: SharedNet) -> Iterator[Net]:
+    """The session's one Mooncake namespace, joined for the module (``tests/_mooncake_net.py``:
+    Mooncake's client keeps process-wide listeners in the namespace of its first client)."""
+    with mooncake_session_net.entered() as why:
+        yield Net(private=not why, why=why)
 
 
 @pytest.fixture
@@ -107,7 +85,7 @@ def mooncake_master(mooncake_net: Net, tmp_path) -> Iterator[MooncakeMaster]:
         pytest.skip(MOONCAKE_MISSING)
     if not mooncake_net.private:
         pytest.skip(f"Mooncake's listeners need a private network namespace: {mooncake_net.why}")
-    port = _free_pair()
+    port = free_pair()
     master = MooncakeMaster(port, port + 1, tmp_path / "master.log")
     master.start()
     try:

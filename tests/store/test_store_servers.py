@@ -1,6 +1,6 @@
 """``kvforge.store.servers.private_net``: the calling thread runs in a network namespace of its
 own with ``lo`` up, comes back to its own on exit, and where that cannot be done says why and
-changes nothing."""
+changes nothing; ``joined_net`` enters such a namespace again later, from an open file of it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from kvforge.store import servers
-from kvforge.store.servers import free_port, private_net, wait_for_port
+from kvforge.store.servers import free_port, joined_net, private_net, wait_for_port
 
 
 def _netns() -> int:
@@ -129,6 +129,46 @@ def test_private_net_goes_back_when_ip_cannot_run(monkeypatch):
     with pytest.raises(OSError, match="ip vanished"), private_net():
         pass
     assert [c[0] for c in libc.calls] == ["unshare", "setns"]
+
+
+def test_joined_net_enters_a_kept_namespace_again_and_sees_its_listeners():
+    """A listener opened in a private namespace is reachable from a later visit to it (the
+    open file keeps the namespace alive), and never from the original namespace."""
+    before, fds = _netns(), _fds()
+    with private_net() as why:
+        if why:
+            pytest.skip(f"no private network namespace here: {why}")
+        inside = _netns()
+        kept = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+    try:
+        assert _netns() == before
+        with joined_net(kept):
+            assert _netns() == inside
+            assert wait_for_port("127.0.0.1", port, 2.0)
+        assert _netns() == before
+        with pytest.raises(RuntimeError, match="body"), joined_net(kept):
+            raise RuntimeError("body")
+        assert _netns() == before
+    finally:
+        listener.close()
+        os.close(kept)
+    assert _fds() == fds
+
+
+def test_joined_net_refuses_a_file_that_is_no_namespace(tmp_path):
+    before, fds = _netns(), _fds()
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        failed = "setns into the shared network namespace failed"
+        with pytest.raises(OSError, match=failed), joined_net(fd):
+            pass
+    finally:
+        os.close(fd)
+    assert _netns() == before and _fds() == fds
 
 
 def test_free_port_is_free():
