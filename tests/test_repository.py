@@ -5,6 +5,10 @@
   ``/root/...``, ``/Users/...`` or a session's ``/tmp/...`` works on one machine only. Write
   paths relative to the checkout (``PYTHONPATH=.``), ``~/...`` for a user's own place, or a
   ``$(mktemp -d)``.
+- **A test module that needs vLLM skips without it**: a module-level import of ``vllm``,
+  ``kvforge.integrations.vllm`` (its package imports vLLM) or the vLLM harness comes after a
+  module-level ``pytest.importorskip("vllm")``, so the README's test command collects on a
+  machine with only the ``test`` extra.
 - **The default test run is the fast one, and CI runs everything**: ``soak`` is a registered
   marker, ``python -m pytest`` deselects it (``addopts``), and ``.ci/run`` runs the soaks too
   under coverage.
@@ -14,6 +18,7 @@ Each check has a self-test on a tiny input, so it cannot pass vacuously.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -94,6 +99,74 @@ def _pytest_options() -> dict:
     if tomllib is None:  # pragma: no cover - Python 3.10
         pytest.skip("tomllib needs Python 3.11")
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+
+
+#: Module-level imports that need vLLM installed: vLLM itself, kvforge's integration (its
+#: package imports the connector, which imports vLLM) and the harness around vLLM's Scheduler.
+NEEDS_VLLM = ("vllm", "kvforge.integrations.vllm", "vllm_harness")
+
+
+def _needs_vllm(node: ast.stmt) -> bool:
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+    else:
+        return False
+    return any(n == root or n.startswith(root + ".") for n in names for root in NEEDS_VLLM)
+
+
+def _skips_without_vllm(node: ast.stmt) -> bool:
+    call = node.value if isinstance(node, (ast.Expr, ast.Assign)) else None
+    return (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "importorskip"
+        and bool(call.args)
+        and isinstance(call.args[0], ast.Constant)
+        and call.args[0].value == "vllm"
+    )
+
+
+def unguarded_vllm_imports(source: str) -> list[int]:
+    """Line numbers of the module-level imports that need vLLM and come before any
+    module-level ``pytest.importorskip("vllm")``: a machine without vLLM fails to collect
+    the module instead of skipping it."""
+    lines = []
+    for node in ast.parse(source).body:
+        if _skips_without_vllm(node):
+            break
+        if _needs_vllm(node):
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("source", "lines"),
+    [
+        ("from kvforge.integrations.vllm.config import parse_options\n", [1]),
+        ("import vllm\nimport pytest\n", [1]),
+        ("from vllm_harness import build\n", [1]),
+        ('import pytest\npytest.importorskip("vllm")\nfrom vllm.config import X\n', []),
+        ('import pytest\nvllm = pytest.importorskip("vllm", reason="r")\nimport vllm.v1\n', []),
+        ('import pytest\npytest.importorskip("redis")\nfrom vllm import Y\n', [3]),
+        ("from kvforge.integrations import vllm_like\nfrom vllm_baseline import v\n", []),
+    ],
+)
+def test_the_vllm_import_checker(source: str, lines: list[int]):
+    assert unguarded_vllm_imports(source) == lines
+
+
+def test_every_test_module_that_needs_vllm_skips_without_it():
+    offenders = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (lines := unguarded_vllm_imports(path.read_text()))
+    }
+    assert offenders == {}, (
+        "these modules import vLLM (or kvforge.integrations.vllm) before "
+        f'pytest.importorskip("vllm"): {offenders}'
+    )
 
 
 def test_the_soak_marker_is_registered_and_deselected_by_default():

@@ -12,6 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+# kvforge.integrations.vllm's package imports the connector, which imports vLLM
+pytest.importorskip("vllm", reason="the vLLM integration needs vLLM (pip install 'kvforge[vllm]')")
+
 from kvforge._checks import ArgumentError
 from kvforge.core.model_identity import ModelIdentity, config_digest
 from kvforge.core.prefix_keys import ExtraKeys, PrefixHasher
