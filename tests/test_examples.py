@@ -31,6 +31,7 @@ def test_custom_backend_example():
     assert result["bytes_moved"] == 7 * (2 * 3 * 16 * 4 * 64 * 2 + 2 * 16 * 4 * 4)
 
 
+@pytest.mark.slow
 def test_engine_wiring_example():
     counters = load("engine_wiring").main()  # DeepSeek-V4 (tiny), as the command runs it
     assert counters["preemptions"] >= 1 and counters["resumes"] >= 1
@@ -62,6 +63,7 @@ SUMMARY = re.compile(r"preemptions (\d+), resumes (\d+), verified (\d+) entries,
         for m in bundled_models()
     ],
 )
+@pytest.mark.slow
 def test_engine_wiring_runs_for_every_bundled_model(model: str):
     # as a user runs it, in a process of its own: sizes from a budget, preempts, resumes, and
     # every entry of every request reads back

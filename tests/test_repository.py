@@ -9,9 +9,9 @@
   ``kvforge.integrations.vllm`` (its package imports vLLM) or the vLLM harness comes after a
   module-level ``pytest.importorskip("vllm")``, so the README's test command collects on a
   machine with only the ``test`` extra.
-- **The default test run is the fast one, and CI runs everything**: ``soak`` is a registered
-  marker, ``python -m pytest`` deselects it (``addopts``), and ``.ci/run`` runs the soaks too
-  under coverage.
+- **The default test run is the fast one, and CI runs everything**: ``soak`` and ``slow`` are
+  registered markers, ``python -m pytest`` deselects them (``addopts``), and ``.ci/run`` runs
+  them too under coverage.
 
 Each check has a self-test on a tiny input, so it cannot pass vacuously.
 """
@@ -169,10 +169,11 @@ def test_every_test_module_that_needs_vllm_skips_without_it():
     )
 
 
-def test_the_soak_marker_is_registered_and_deselected_by_default():
+@pytest.mark.parametrize("marker", ["soak", "slow"])
+def test_the_long_markers_are_registered_and_deselected_by_default(marker: str):
     options = _pytest_options()
-    assert any(m.split(":")[0].strip() == "soak" for m in options["markers"])
-    assert '-m "not soak"' in options["addopts"]
+    assert any(m.split(":")[0].strip() == marker for m in options["markers"])
+    assert '-m "not soak and not slow"' in options["addopts"]
     assert "--strict-markers" in options["addopts"]
 
 

@@ -14,6 +14,7 @@ from _two_sides import MODELS, scheduler_main, worker_main
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_scheduler_and_worker_in_two_processes(model):
     ctx = mp.get_context("spawn")
     sched_end, worker_end = ctx.Pipe()

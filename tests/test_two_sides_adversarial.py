@@ -13,9 +13,11 @@ still holds its own bytes. The protocol then goes on: a swap round trip is byte-
 
 import multiprocessing as mp
 
+import pytest
 from _adversarial import scheduler_main, worker_main
 
 
+@pytest.mark.slow
 def test_a_worker_in_its_own_process_refuses_what_it_must_not_trust():
     ctx = mp.get_context("spawn")
     sched_end, worker_end = ctx.Pipe()

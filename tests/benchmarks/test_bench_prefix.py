@@ -79,6 +79,7 @@ def test_conversations_are_multi_turn_and_seeded() -> None:
     assert all((a.tokens == b.tokens).all() for a, b in zip(again, convs, strict=True))
 
 
+@pytest.mark.slow
 def test_record_structure(records: list[PrefixRecord], tmp_path) -> None:
     assert [(r.model, r.fraction) for r in records] == [
         (m, f) for m in ("llama-3-8b", "gpt-oss-20b", "deepseek-v4-flash") for f in ("1", "1/4")
@@ -114,6 +115,7 @@ def test_oracles_order_and_no_eviction_equality(records: list[PrefixRecord]) -> 
     assert deepseek[0].hit_tokens % 256 == 0
 
 
+@pytest.mark.slow
 def test_deterministic_for_a_seed(records: list[PrefixRecord]) -> None:
     again = run_prefix_bench(
         TINY, ("deepseek-v4-flash",), {"deepseek-v4-flash": FRACTIONS}, cost_repeats=0

@@ -11,6 +11,7 @@ import tier_reuse
 from prefix_sim import PrefixWorkload
 
 
+@pytest.mark.slow
 def test_a_host_tier_serves_at_least_the_device_alone_and_at_most_the_oracle():
     wl = PrefixWorkload(num_conversations=12, concurrency=6, max_num_seqs=4)
     [r] = tier_reuse.run(wl, ["llama-3-8b"], Fraction(1, 8), Fraction(1, 2))
@@ -22,6 +23,7 @@ def test_a_host_tier_serves_at_least_the_device_alone_and_at_most_the_oracle():
     assert r.host_bytes > 0 and r.device_bytes > 0
 
 
+@pytest.mark.slow
 def test_cli_writes_json(tmp_path):
     path = tmp_path / "t.json"
     argv = ["--quick", "--models", "llama-3-8b", "--fraction", "1/8", "--json", str(path)]

@@ -320,6 +320,7 @@ def test_a_tier_asked_for_that_cannot_run_is_one_line_exit_2(
     ("tier", "patch", "address"),
     [("redis", "no-binary", None), ("mooncake", "no-client", None), ("redis", "client", "closed")],
 )
+@pytest.mark.slow
 def test_demo_and_bench_refuse_a_tier_with_the_same_words(
     capsys, monkeypatch, tier, patch, address
 ):

@@ -39,6 +39,7 @@ def last_line(text):
     return lines[-1]
 
 
+@pytest.mark.slow
 def test_small_run_preempts_swaps_in_and_verifies_everything(small_result):
     r = small_result
     assert r.requests_finished == r.requests_total == 8
@@ -57,6 +58,7 @@ def test_small_run_preempts_swaps_in_and_verifies_everything(small_result):
     assert r.device == "cpu"
 
 
+@pytest.mark.slow
 def test_same_seed_same_counts_other_seed_other_counts(small_result):
     again = run_demo(DemoConfig(**SMALL), progress=False)
     assert again.counts() == small_result.counts()
@@ -72,6 +74,7 @@ def test_corrupted_entry_is_reported():
     assert r.summary_line().endswith(f"{r.entries_mismatched} mismatched")
 
 
+@pytest.mark.slow
 def test_stopped_run_verifies_running_and_swapped_requests():
     r = run_demo(DemoConfig(**SMALL, max_steps=53), progress=True)
     assert r.steps == 53 and r.requests_finished < r.requests_total
@@ -86,6 +89,7 @@ def test_host_memory_too_small_for_one_request_is_a_clear_error():
         run_demo(DemoConfig(**SMALL, host_memory=1024 * 1024), progress=False)
 
 
+@pytest.mark.slow
 def test_full_host_pool_falls_back_to_recompute():
     config = DemoConfig(
         requests=3, prompt_len=(100, 100), output_len=(12, 12), arrival_gap=(0, 0), device="cpu"
@@ -312,6 +316,7 @@ def test_prefix_phase_reuses_and_verifies_every_byte(small_result):
     assert small_result.entries_verified >= p.entries_verified
 
 
+@pytest.mark.slow
 def test_prefix_phase_is_repeatable_and_can_be_skipped():
     from kvforge.cli.demo_prefix import run_prefix_demo
 
@@ -345,6 +350,7 @@ def test_cli_prefix_conversations(capsys):
 
 
 @pytest.mark.parametrize("model", ["deepseek-v4-tiny", "gpt-oss-20b"])
+@pytest.mark.slow
 def test_cli_tier_host_serves_hits_from_host_pages_byte_for_byte(capsys, tmp_path, model):
     import json
 

@@ -58,6 +58,7 @@ def check_remote(prefix: dict, tier: str) -> None:
 
 
 @pytest.mark.skipif(not HAVE_REDIS, reason=str(REDIS_MISSING))
+@pytest.mark.slow
 def test_tier_redis_started_by_the_command_serves_hits_from_the_store(capsys, tmp_path, started):
     path = tmp_path / "demo.json"
     assert main([*ARGV, "--tier", "redis", "--json", str(path)]) == 0
@@ -72,6 +73,7 @@ def test_tier_redis_started_by_the_command_serves_hits_from_the_store(capsys, tm
 
 
 @pytest.mark.skipif(not HAVE_REDIS, reason=str(REDIS_MISSING))
+@pytest.mark.slow
 def test_tier_redis_at_a_given_address_leaves_that_server_running(capsys, tmp_path, started):
     path = tmp_path / "demo.json"
     with servers.RedisServer(servers.free_port()) as server:

@@ -87,6 +87,7 @@ def test_the_wheel_holds_every_bundled_config_and_no_research_harness(installed)
     assert "kvforge = kvforge.cli.main:main" in entry_points.decode()
 
 
+@pytest.mark.slow
 def test_the_installed_command_runs_from_outside_the_checkout(installed):
     _, site = installed
     where = subprocess.run(

@@ -659,6 +659,7 @@ def test_random_prompt_trees_under_each_retention(
 
 @pytest.mark.parametrize("retention", PREFIX_RETENTIONS)
 @pytest.mark.parametrize("name", WINDOWED)
+@pytest.mark.slow
 def test_a_fixed_run_under_each_retention(name: str, retention: str) -> None:
     # (random trees cut anywhere rarely end where checkpoints keep tails: hits are not asserted)
     rng = random.Random(7)
@@ -669,6 +670,7 @@ def test_a_fixed_run_under_each_retention(name: str, retention: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.slow
 def test_a_fixed_run_reuses_and_evicts(name: str) -> None:
     """A long fixed run does the work the properties are about: hits, evictions, swaps."""
     rng = random.Random(7)
@@ -740,6 +742,7 @@ def test_truncating_into_a_shared_block_leaves_the_other_request_intact() -> Non
     assert verify_request_skip(ctl, "b", token_seeds(b), []) == 0
 
 
+@pytest.mark.slow
 def test_random_runs_heavy_on_truncation() -> None:
     # rollbacks into complete, shared blocks (copy on write) between steps and reuses
     rng = random.Random(3)

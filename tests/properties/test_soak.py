@@ -164,6 +164,7 @@ def test_model_refuses_a_pool_with_two_block_counts() -> None:
         soak.Model(groups, {"gqa_swa": 9, "gqa_full": 12}, soak.SHARED_POOLS)
 
 
+@pytest.mark.slow
 def test_prefix_rows_run_only_with_prefix_caching() -> None:
     report = soak.run_soak(60, 0)
     assert all(report.ops[name] == 0 for name in soak.PREFIX_ONLY)

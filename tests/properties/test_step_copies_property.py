@@ -218,6 +218,7 @@ def attack(ctl: CacheController, rec: Recorder, kind: str, pick: int) -> bool:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(data=st.data())
+@pytest.mark.slow
 def test_copies_are_applied_once_in_order_and_only_as_owned(policy: str, data: Any) -> None:
     ctl = controller(policy)
     rec = Recorder(ctl)

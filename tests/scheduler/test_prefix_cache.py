@@ -151,6 +151,7 @@ def test_sliding_window_needs_only_its_tail():
     assert verify_request(ctl, "b", seeds).mismatched == 0
 
 
+@pytest.mark.slow
 def test_deepseek_v4_worked_example():
     # the example of BlockManager.lookup's docstring: 1,000 tokens, the first 768 cached
     backends = {0: DeepseekV4Backend(0), 1: DeepseekV4Backend(4), 2: DeepseekV4Backend(128)}

@@ -69,6 +69,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("make", "length", "chunk", "others", "longest"), CASES)
+@pytest.mark.slow
 def test_an_evicted_prefix_comes_back_from_the_host_byte_for_byte(
     make, length, chunk, others, longest
 ):

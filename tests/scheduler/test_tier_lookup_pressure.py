@@ -201,6 +201,7 @@ def test_a_shorter_boundary_is_offered_only_when_every_group_holds_it(
     ctl.free()
 
 
+@pytest.mark.slow
 def test_deepseek_v4_arena_skips_a_boundary_whose_window_page_left(monkeypatch):
     """DeepSeek-V4 in its slab arena: the longest boundary (1280) is refused room (the
     device's answer injected: the arena is elastic, so pressing it to an exact edge is not
@@ -297,5 +298,6 @@ def run_ops(name: str, ops: list[tuple[str, int, int, int]]) -> None:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(ops=st.lists(OP, min_size=6, max_size=18))
+@pytest.mark.slow
 def test_lookups_under_random_pressure_never_raise_and_serve_written_bytes(name, ops):
     run_ops(name, ops)

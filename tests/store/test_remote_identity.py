@@ -235,6 +235,7 @@ def other_process(role: str, model: str, port: int, revision: str) -> dict:
 
 
 @redis_only
+@pytest.mark.slow
 def test_two_models_in_two_processes_share_one_redis_without_crossing(redis_server):
     """One path at two revisions, equal layouts, the default namespace: 0 hits across
     models; the same identity in another process is served the whole prompt."""

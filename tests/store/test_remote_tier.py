@@ -42,6 +42,7 @@ def other_process(role: str, model: str, port: int) -> dict:
 @pytest.mark.parametrize(
     ("model", "longest"), [("gqa", 192), ("v4-mtp", 1280)], ids=["gqa-window", "deepseek-v4-mtp"]
 )
+@pytest.mark.slow
 def test_two_processes_share_a_prefix_byte_for_byte(redis_server, model, longest):
     wrote = engine.main("write", model, redis_server.port)  # this process writes
     # every value queued and written, none dropped: else the reader's hit ends early

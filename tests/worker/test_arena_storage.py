@@ -72,6 +72,7 @@ def test_the_arena_is_one_allocation_of_views_with_padded_strides() -> None:
     assert arena.block_stride[0] * arena.blocks_per_slab[0] == arena.slab_bytes
 
 
+@pytest.mark.slow
 def test_bytes_survive_slabs_moving_between_groups() -> None:
     ctl = controller()
     ctl.initialize_host_cache(num_pages=64)

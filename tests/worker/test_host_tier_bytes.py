@@ -337,6 +337,7 @@ def test_a_worker_without_host_tier_pages_refuses_offloads():
         ctl.storage.apply(dataclasses.replace(alloc, offloads=(copy("kv", [1], [1]),)))
 
 
+@pytest.mark.slow
 def test_the_arena_demotes_what_slab_moves_and_takes_evict():
     from kvforge import CacheController
     from kvforge.models import from_hf_config

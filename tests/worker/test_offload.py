@@ -51,6 +51,7 @@ def scribble(ctl):
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.slow
 def test_round_trip_every_variant(model):
     v4 = model.startswith("deepseek")
     ctl = CacheController(MODELS[model]())
