@@ -86,7 +86,7 @@ from kvforge.scheduler.host_tier import (
     declared_snapshot_policy,
 )
 from kvforge.scheduler.prefix import Retention
-from kvforge.specs import SwapPurpose
+from kvforge.specs import CacheGroup, SwapPurpose
 from kvforge.worker import host_memory
 from kvforge.worker.storage import CacheStorage, StepInputs, SwapExecution
 from kvforge.worker.tier_pages import HostTierPages
@@ -668,16 +668,20 @@ class CacheController:
                 position that is not an int in ``[0, num_tokens)``.
         """
         manager = self._ready_manager()
-        row = manager.row_of(request_id)
+        row, n = manager.residence(request_id)
         spec = self.layout.group(group)
-        ratio = check_int("compress_ratio", compress_ratio, 1)
-        if spec.block_size % ratio:
-            raise ValueError(
-                f"compress_ratio={ratio} does not divide block_size={spec.block_size} of group "
-                f"{group!r}"
-            )
+        ratio = 1 if type(compress_ratio) is int and compress_ratio == 1 else compress_ratio
+        if ratio != 1 or type(ratio) is not int:
+            ratio = check_int("compress_ratio", compress_ratio, 1)
+            if spec.block_size % ratio:
+                raise ValueError(
+                    f"compress_ratio={ratio} does not divide block_size={spec.block_size} of "
+                    f"group {group!r}"
+                )
+        few = _few_positions(positions)
+        if few is not None:  # a decode step's token or a few: Python ints throughout
+            return self._few_slots(request_id, row, n, spec, few, ratio)
         pos = _positions(positions)
-        n = manager.num_tokens_of(request_id)  # resident: row_of refused any other
         if pos.size:
             low, high = (int(pos[0]),) * 2 if pos.size == 1 else (int(pos.min()), int(pos.max()))
             if low < 0 or high >= n:
@@ -695,6 +699,27 @@ class CacheController:
         if first:
             slots[pos < first] = -1
         return torch.from_numpy(slots)
+
+    def _few_slots(
+        self, request_id: str, row: int, n: int, spec: CacheGroup, few: list[int], ratio: int
+    ) -> torch.Tensor:
+        """:meth:`slot_mapping` of a few positions given as Python ints: the same checks,
+        slots and window, without an array per step (``tests/test_controller_slots.py``
+        compares the two)."""
+        if few:
+            low, high = min(few), max(few)
+            if low < 0 or high >= n:
+                raise ValueError(
+                    f"position {low if low < 0 else high} is outside request {request_id!r}, "
+                    f"which holds tokens 0..{n - 1}"
+                )
+        self._sync_tables()
+        slots = self.storage.few_slots(row, spec.name, few, ratio)
+        first = live_start(spec, n)  # as slot_mapping: the window, or the latest step's
+        if first and few and min(few) < first:
+            first = min(first, self.storage.first_written(row, request_id, n))
+            slots = [-1 if p < first else slot for p, slot in zip(few, slots, strict=True)]
+        return torch.from_numpy(np.array(slots, dtype=np.int64))
 
     @locked
     def num_free_blocks(self, group: str) -> int:
@@ -1057,9 +1082,37 @@ def _roll_back(manager: BlockManager, plan: SwapPlan, exc: BaseException) -> Non
         )
 
 
+_FEW_POSITIONS = 8  # a decode step's positions (speculative tokens included)
+
+
+def _few_positions(positions: object) -> list[int] | None:
+    """A few positions as Python ints, from a 1-d CPU ``int64`` tensor or a list or tuple of
+    ints; ``None`` for anything else (:func:`_positions` decides and refuses)."""
+    if type(positions) is torch.Tensor:
+        if (
+            positions.dtype is torch.int64
+            and positions.is_cpu
+            and positions.dim() == 1
+            and positions.numel() <= _FEW_POSITIONS
+        ):
+            return positions.tolist()
+        return None
+    if (
+        type(positions) in (list, tuple)
+        and len(positions) <= _FEW_POSITIONS
+        and all(type(p) is int for p in positions)
+    ):
+        return list(positions)
+    return None
+
+
 def _positions(positions: object) -> np.ndarray:
     """Token positions as ``int64``; floats and bools are refused, never truncated."""
-    if isinstance(positions, torch.Tensor):
+    if type(positions) is torch.Tensor:
+        if positions.dtype is torch.int64 and positions.is_cpu and positions.dim() == 1:
+            return positions.detach().numpy()  # an engine's positions: read, never copied
+        positions = positions.detach().cpu().numpy()
+    elif isinstance(positions, torch.Tensor):
         positions = positions.detach().cpu().numpy()
     if isinstance(positions, range):
         return np.arange(positions.start, positions.stop, positions.step, dtype=np.int64)

@@ -214,7 +214,10 @@ class SlidingWindowRule(KindRule):
         self.name = name  # type: ignore[misc]
 
     def window_start(self, group: GroupShape, first_read: _N) -> _N:
-        return np.maximum(0, first_read + 1 - int(group.window or 0))
+        start = first_read + 1 - int(group.window or 0)
+        if type(start) is int:  # one token (the per-request path): no numpy call
+            return start if start > 0 else 0
+        return np.maximum(0, start)
 
     def max_live_blocks(self, group: GroupShape, max_model_len: int) -> int:
         # W tokens that start mid-block straddle (W + B - 2) // B + 1 blocks

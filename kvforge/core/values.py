@@ -73,9 +73,17 @@ class TableDelta:
 
     def apply(self, table: np.ndarray) -> None:
         """Apply this delta to a numpy mirror ``int32 [max_num_seqs, max_blocks]``."""
-        if len(self.clear_rows):
-            table[self.clear_rows] = 0
-        if len(self.rows):
+        clear, n = self.clear_rows, len(self.rows)
+        if len(clear) == 1:
+            table[int(clear[0])] = 0  # one finished request: basic indexing
+        elif len(clear):
+            table[clear] = 0
+        if 0 < n <= 8:  # a step of one request: scalar stores beat a scatter
+            for row, col, block in zip(
+                self.rows.tolist(), self.cols.tolist(), self.block_ids.tolist(), strict=True
+            ):
+                table[row, col] = block
+        elif n:
             table[self.rows, self.cols] = self.block_ids
 
 

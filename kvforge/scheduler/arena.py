@@ -230,6 +230,9 @@ class ArenaBlockPool(BlockPool):
     def release(self, block_ids: Sequence[int] | np.ndarray) -> None:
         self.release_held(self._check_ids(np.asarray(block_ids), "release"))
 
+    def release_listed(self, block_ids: list[int]) -> None:
+        self.release_held(np.array(block_ids, dtype=np.int32))  # with the slabs' counts
+
     def release_held(self, ids: np.ndarray) -> None:
         self._release(ids)
         if not len(ids):

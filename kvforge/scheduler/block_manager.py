@@ -95,7 +95,7 @@ from kvforge.scheduler import step_stages, truncation
 from kvforge.scheduler.arena import SlabArena, check_arena
 from kvforge.scheduler.args import batch_ids
 from kvforge.scheduler.block_pool import BlockPool
-from kvforge.scheduler.growth import prompt_fits
+from kvforge.scheduler.growth import grow_one, prompt_fits
 from kvforge.scheduler.host_tier import (
     HostTier,
     check_attachable,
@@ -118,6 +118,7 @@ from kvforge.specs import SwapPurpose
 __all__ = ["MAX_OPEN_STEPS", "BlockManager", "PrefixStats", "SwapStats"]
 
 MAX_OPEN_STEPS = 16
+_LISTS = (list, tuple)
 """Steps scheduled and not yet ended that a scheduler keeps (engines have one or two)."""
 
 
@@ -321,6 +322,15 @@ class BlockManager:
         return int(self._t.num_tokens[self.row_of(request_id)])
 
     @locked
+    def residence(self, request_id: str) -> tuple[int, int]:
+        """``(row, tokens)`` of a request that holds device blocks (raises as
+        :meth:`row_of`): one call where a per-request read needs both."""
+        row = self._t.row_of.get(check_request_id(request_id))
+        if row is None:
+            raise self._book.not_resident(request_id)
+        return row, int(self._t.num_tokens[row])
+
+    @locked
     def num_tokens_of(self, request_id: str) -> int:
         """Tokens ``request_id`` holds on the device, 0 for a request that holds no row
         (unknown, finished or swapped out): where its next step starts."""
@@ -393,14 +403,28 @@ class BlockManager:
                 ids, a swapped-out or swapping request, counts of the wrong kind or length);
                 nothing changes then.
         """
+        prefix = self._prefix
+        if (  # one running request, nothing to register: the same step in Python ints
+            new_token_ids is None
+            and prefix_matches is None
+            and not prefix.enabled
+            and not prefix.tracks_requests
+            and type(request_ids) in _LISTS
+            and len(request_ids) == 1
+        ):
+            one = step_stages.one_running(
+                self._t, self._book, request_ids[0], num_new_tokens, self.max_model_len
+            )
+            step = self._schedule_one(*one) if one is not None else None
+            if step is not None:
+                return step
         b = step_stages.check_batch(
             self._t, self._book, request_ids, num_new_tokens, new_token_ids, prefix_matches
         )
         if len(self._open_steps) >= MAX_OPEN_STEPS:
             self._drop_unended_steps()
-        work = self._prefix.work = StepWork()
+        work = prefix.work = StepWork()
         step_stages.admit(b, self._t, self.max_num_seqs)
-        prefix = self._prefix
         if prefix_matches is not None or prefix.enabled:
             step_stages.adopt(b, prefix, prefix_matches)
         cut = self.snapshot_interval if prefix.enabled and prefix.snapshot_groups else None
@@ -410,6 +434,38 @@ class BlockManager:
             step_stages.give_back_refused(b, self._t, prefix)
         copies_before, copies_after = step_stages.commit(b, self._t, prefix, new_token_ids)
         return self._open_step(b, work, copies_before, copies_after)
+
+    def _schedule_one(
+        self, request_id: str, row: int, before: int, after: int
+    ) -> StepAllocation | None:
+        """:meth:`schedule` of one running request that :func:`step_stages.one_running`
+        admitted, when its growth fits (:func:`~.growth.grow_one`); ``None``, having changed
+        nothing, where the general stages must decide (a refusal, an arena)."""
+        t = self._t
+        if not grow_one(t, row, False, before, after):
+            return None
+        if len(self._open_steps) >= MAX_OPEN_STEPS:
+            self._drop_unended_steps()
+        work = self._prefix.work = StepWork()
+        copies_before, t.copies = t.copies, []
+        t.num_tokens[row] = after
+        deltas = t.take_pending()
+        self._issued += 1
+        ids = work.request_ids = (request_id,)
+        self._open_steps[self._issued] = work
+        return StepAllocation(
+            request_ids=ids,
+            rows=np.array([row], dtype=np.int32),
+            num_computed=np.array([before], dtype=np.int64),
+            num_new=np.array([after - before], dtype=np.int64),
+            refused=(),
+            table_deltas=deltas,
+            copies_before=tuple(copies_before),
+            step_id=self._issued,
+            moves=self.arena.take_moves() if self.arena is not None else (),
+            offloads=self._host_tier.take_offloads() if self._host_tier is not None else (),
+            onloads=host_lookup.take_onloads(self._host_tier),
+        )
 
     def _open_step(
         self,

@@ -43,6 +43,7 @@ __all__ = ["NULL_BLOCK", "BlockPool"]
 NULL_BLOCK = 0
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # no Python-level wrappers per call
 _INTS = (int, np.integer)
+_FEW = 8  # up to this many ids, Python loops over scalars beat numpy's per-call overhead
 
 
 class BlockPool:
@@ -170,7 +171,12 @@ class BlockPool:
         top = self._num_free
         ids = self._stack[top - count : top][::-1].copy()
         self._num_free = top - count
-        self._ref[ids] = 1
+        if count <= _FEW:  # a decode step's one or two blocks: scalar stores beat a scatter
+            ref = self._ref
+            for b in ids.tolist():
+                ref[b] = 1
+        else:
+            self._ref[ids] = 1
         return ids
 
     def share(self, block_ids: Sequence[int] | np.ndarray) -> None:
@@ -212,10 +218,33 @@ class BlockPool:
         they are what keeps one block from being handed out twice."""
         self._release(block_ids)
 
+    def release_listed(self, block_ids: list[int]) -> None:
+        """:meth:`release_held` of ids given as a Python list (one request's cells, read
+        with ``tolist``): the same checks and order, without an array for a few ids."""
+        if block_ids and not self._release_few(block_ids):
+            self._release(np.array(block_ids, dtype=np.int32))
+
+    def _release_few(self, block_ids: list[int]) -> bool:
+        """Release a few distinct, held ids of an unshared pool that retains nothing, in
+        scalar stores; ``False``, having changed nothing, for anything else (more ids, a
+        repeat, an over-release: :meth:`_release` decides and words it)."""
+        n = len(block_ids)
+        if n > _FEW or self._shared or self._ever_retained:
+            return False
+        ref = self._ref
+        if len(set(block_ids)) != n or min([ref[b] for b in block_ids]) < 1:
+            return False
+        for b in block_ids:  # unshared: each held block has one reference, now none
+            ref[b] = 0
+        top = self._num_free
+        self._stack[top : top + n] = block_ids[::-1]
+        self._num_free = top + n
+        return True
+
     def _release(self, block_ids: np.ndarray) -> None:
         """:meth:`release` of ids :meth:`_check_ids` passed (the counts are checked here)."""
         n = len(block_ids)
-        if not n:
+        if not n or (n <= _FEW and self._release_few(block_ids.tolist())):
             return
         if self._shared:  # a shared block may be dropped twice in one call
             uniq, counts = np.unique(block_ids, return_counts=True)
@@ -228,13 +257,13 @@ class BlockPool:
                 _, first = np.unique(zero, return_index=True)
                 zero = zero[np.sort(first)]
         else:  # every used block has one holder: the ids are distinct
-            held = self._ref[block_ids]
             # a repeated id: the later of two writes to one cell wins, so some position does
             # not read back its own index (O(n), no sort)
             if n <= 40:  # short: Python sets and min beat the array passes
                 repeated = len(set(block_ids.tolist())) != n
-                over = repeated or min(held.tolist()) < 1
+                over = repeated or min(self._ref[block_ids].tolist()) < 1
             else:
+                held = self._ref[block_ids]
                 order = self._order[:n] if n <= len(self._order) else np.arange(n, dtype=np.int32)
                 self._scratch[block_ids] = order
                 repeated = bool((self._scratch[block_ids] != order).any())

@@ -299,25 +299,28 @@ def _fits_one(t: RequestTables, row: int, plans: list[tuple[int, int, int, int]]
 def _apply_one(t: RequestTables, row: int, plans: list[tuple[int, int, int, int]]) -> None:
     """:func:`apply_growth` of one request: every group releases behind its window, then
     every group takes its new blocks; one delta per group that changed."""
-    parts: list[list[tuple[int, int, np.ndarray]]] = []
+    # per group: the columns written and their new ids, as Python lists (a decode step
+    # changes a cell or two per group: numpy's per-call overhead would dominate)
+    parts: list[tuple[list[int], list[int]]] = []
     for g, (_, lo, hi, _) in zip(t.groups, plans, strict=True):
-        cells: list[tuple[int, int, np.ndarray]] = []
-        parts.append(cells)
+        cols: list[int] = []
+        ids: list[int] = []
+        parts.append((cols, ids))
         if g.windowed and hi > lo:
-            old = g.table[row, lo:hi]
-            g.pool.release_held(old[old != NULL_BLOCK])  # the table's own cells
-            g.table[row, lo:hi] = NULL_BLOCK
+            old = g.table[row, lo:hi]  # a view: emptied in place below
+            g.pool.release_listed([b for b in old.tolist() if b != NULL_BLOCK])  # own cells
+            old[:] = NULL_BLOCK
             g.held_from[row] = hi
-            cells.append((lo, hi, np.zeros(hi - lo, dtype=np.int32)))
-    for g, (need, _, _, first_new), cells in zip(t.groups, plans, parts, strict=True):
+            cols += range(lo, hi)
+            ids += [NULL_BLOCK] * (hi - lo)
+    for g, (need, _, _, first_new), (cols, ids) in zip(t.groups, plans, parts, strict=True):
         if need:
-            ids = g.pool.take(need)
-            g.table[row, first_new : first_new + need] = ids
-            cells.append((first_new, first_new + need, ids))
-        if cells:
-            cols = np.concatenate([np.arange(a, b, dtype=np.int32) for a, b, _ in cells])
-            rows = np.full(len(cols), row, dtype=np.int32)
-            t.record(g, rows, cols, np.concatenate([v for _, _, v in cells]))
+            taken = g.pool.take(need)
+            g.table[row, first_new : first_new + need] = taken
+            cols += range(first_new, first_new + need)
+            ids += taken.tolist()
+        if cols:
+            t.record_row(g, row, cols, ids)
 
 
 def prompt_fits(t: RequestTables, num_tokens: int, chunk: int, match: object = None) -> bool:

@@ -57,6 +57,7 @@ __all__ = [
     "commit",
     "give_back_refused",
     "grow",
+    "one_running",
 ]
 
 
@@ -130,6 +131,36 @@ def check_batch(
         _refuse_malformed(ids, fresh, swapped, busy, prefix_matches)
     n_fresh = int(np.count_nonzero(fresh))
     return StepBatch(ids, new, rows, fresh, n_fresh, np.ones(len(ids), dtype=bool), [], {})
+
+
+def one_running(
+    tables: RequestTables,
+    book: SwapBook,
+    request_id: object,
+    num_new_tokens: object,
+    max_model_len: int,
+) -> tuple[str, int, int, int] | None:
+    """Stages 1, 2 and 4 of a batch of one running request, in Python ints:
+    ``(request_id, row, before, after)`` when the request holds a row, has no swap in flight,
+    grows by a plain int count (``[n]``, ``n >= 0``) and stays within ``max_model_len``.
+
+    ``None`` where the general stages must decide (a new request, a refusal, a malformed
+    call, which they refuse with its message). Reads only; changes nothing."""
+    if type(request_id) is not str or type(num_new_tokens) not in (list, tuple):
+        return None
+    if len(num_new_tokens) != 1:
+        return None
+    new = num_new_tokens[0]
+    if type(new) is not int or new < 0:
+        return None
+    row = tables.row_of.get(request_id)
+    if row is None or (book.busy and request_id in book.busy):
+        return None
+    before = int(tables.num_tokens[row])
+    after = before + new
+    if after > max_model_len:
+        return None
+    return request_id, row, before, after
 
 
 def _refuse_malformed(

@@ -127,9 +127,18 @@ class _Undo:
 
     def guard(self, pool: BlockPool, block_ids: np.ndarray) -> None:
         """Let the references that ``pool`` drops on ``block_ids`` from now on be undone."""
-        ids = np.sort(block_ids)  # unique, without np.unique's overhead (a free is hot)
-        if len(ids):
+        if len(block_ids) <= 40:  # one request's blocks: a Python set beats a sort and a mask
+            self.guard_listed(pool, block_ids.tolist())
+        else:  # unique, without np.unique's overhead (a free is hot)
+            ids = np.sort(block_ids)
             ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
+            before = pool.ref_counts[ids]  # a fancy index: a copy
+            self.add(lambda: _take_back(pool, ids, before))
+
+    def guard_listed(self, pool: BlockPool, block_ids: list[int]) -> None:
+        """:meth:`guard` of ids given as a Python list."""
+        if block_ids:
+            ids = np.array(sorted(set(block_ids)), dtype=np.int32)
             before = pool.ref_counts[ids]  # a fancy index: a copy
             self.add(lambda: _take_back(pool, ids, before))
 
@@ -613,6 +622,9 @@ class SwapBook:
         t = self._t
         if widths is None:
             widths = [g.table.shape[1] for g in t.groups]
+        if len(rows) == 1:
+            self._save_row(undo, int(rows[0]), widths)
+            return
         saved = [
             (g, w, g.table[rows, :w].copy(), g.held_from[rows].copy())
             for g, w in zip(t.groups, widths, strict=True)
@@ -632,6 +644,28 @@ class SwapBook:
 
         undo.add(restore)
 
+    def _save_row(self, undo: _Undo, row: int, widths: Sequence[int]) -> None:
+        """:meth:`_save_rows` of one row, by basic indexing (the same saved state)."""
+        t = self._t
+        saved = [
+            (g, w, g.table[row, :w].copy(), int(g.held_from[row]))
+            for g, w in zip(t.groups, widths, strict=True)
+        ]
+        tokens, committed = int(t.num_tokens[row]), t.committed[:, row].copy()
+        free_rows, pending = list(t.free_rows), t.pending
+        num_pending = len(pending)
+
+        def restore() -> None:
+            for g, w, table, held_from in saved:
+                g.table[row, :w] = table
+                g.held_from[row] = held_from
+            t.num_tokens[row] = tokens
+            t.committed[:, row] = committed
+            t.free_rows[:] = free_rows
+            del pending[num_pending:]
+
+        undo.add(restore)
+
     def _release_rows(self, undo: _Undo, rows: np.ndarray) -> None:
         """``tables.release_rows(rows)``, undoable: the rows and every reference their
         blocks drop."""
@@ -640,10 +674,20 @@ class SwapBook:
         longest = int(t.num_tokens[rows].max()) if len(rows) else 0
         widths = [g.slots if g.per_request else -(-longest // g.block_size) for g in t.groups]
         self._save_rows(undo, rows, widths)
-        for pool, members in t.pools:
-            cells = [t.groups[gi].table[rows, : widths[gi]].ravel() for gi in members]
-            held = cells[0] if len(cells) == 1 else np.concatenate(cells)
-            undo.guard(pool, held[held != NULL_BLOCK])
+        if len(rows) == 1:  # one request: its cells from where each group holds blocks
+            row = int(rows[0])
+            for pool, members in t.pools:
+                listed: list[int] = []
+                for gi in members:
+                    g = t.groups[gi]
+                    first = int(g.held_from[row]) if g.windowed else 0
+                    listed += [b for b in g.table[row, first : widths[gi]].tolist() if b]
+                undo.guard_listed(pool, listed)
+        else:
+            for pool, members in t.pools:
+                cells = [t.groups[gi].table[rows, : widths[gi]].ravel() for gi in members]
+                held = cells[0] if len(cells) == 1 else np.concatenate(cells)
+                undo.guard(pool, held[held != NULL_BLOCK])
         t.release_rows(rows)
 
     def _release_pages(self, undo: _Undo, moves: Sequence[RequestMove]) -> None:

@@ -138,6 +138,17 @@ class RequestTables:
             )
         )
 
+    def record_row(self, g: GroupTable, row: int, cols: list[int], ids: list[int]) -> None:
+        """:meth:`record` of cells of one ``row``, given as lists (the one-request growth)."""
+        self.pending.append(
+            TableDelta(
+                group=g.spec.name,
+                rows=np.full(len(cols), row, dtype=np.int32),
+                cols=np.array(cols, dtype=np.int32),
+                block_ids=np.array(ids, dtype=np.int32),
+            )
+        )
+
     def record_cleared(self, g: GroupTable, rows: np.ndarray) -> None:
         """Queue the emptying of whole ``rows`` of ``g``'s table (a request finished, swapped
         out or moved) for the workers: the :class:`TableDelta` of cleared rows."""
@@ -164,6 +175,9 @@ class RequestTables:
         ``cdiv(num_tokens, B)``), so freeing costs the blocks held, not the table's width.
         Cells outside what a row holds are null (a window's released blocks were cleared), so
         the non-null cells, row by row, are exactly its blocks in chain order."""
+        if len(rows) == 1:  # one request finishing: the same, by basic indexing
+            self._release_row(int(rows[0]))
+            return
         tokens = self.num_tokens[rows]
         longest = int(np.maximum.reduce(tokens)) if len(tokens) else 0
         for g in self.groups:
@@ -179,3 +193,22 @@ class RequestTables:
         self.num_tokens[rows] = 0
         self.committed[:, rows] = 0
         self.free_rows.extend(rows[::-1].tolist())
+
+    def _release_row(self, row: int) -> None:
+        """:meth:`release_rows` of one row: the same releases, cells, deltas and free row, by
+        basic indexing (a fancy index per group costs more than the release itself at one
+        row; ``tests/scheduler/test_release_row.py`` compares the two)."""
+        longest = int(self.num_tokens[row])
+        clear = np.array([row], dtype=np.int32)
+        clear.flags.writeable = False  # one frozen array shared by the groups' deltas
+        for g in self.groups:
+            first = int(g.held_from[row]) if g.windowed else 0
+            width = g.slots if g.per_request else -(-longest // g.block_size)
+            cells = g.table[row, first:width]  # a view: cleared in place below
+            g.pool.release_listed([b for b in cells.tolist() if b != NULL_BLOCK])
+            cells[:] = NULL_BLOCK
+            g.held_from[row] = 0
+            self.pending.append(TableDelta(group=g.spec.name, clear_rows=clear))
+        self.num_tokens[row] = 0
+        self.committed[:, row] = 0
+        self.free_rows.append(row)

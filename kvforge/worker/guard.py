@@ -137,7 +137,11 @@ def check_deltas(
     column and block id lies within its table and pool (block id ``0`` clears a cell).
 
     A delta costs a few attribute reads; the range checks run once per group and array over
-    the batch (one reduction each), however many deltas it holds."""
+    the batch (one reduction each), however many deltas it holds. A step's few small deltas
+    (a decode step of one request) are accepted in Python ints (:func:`_few_cells_fit`);
+    anything they do not accept takes the checks below, which name what is refused."""
+    if len(deltas) <= _FEW_DELTAS and _few_cells_fit(deltas, next_seq, tables, num_blocks):
+        return
     cells: dict[str, tuple[list[np.ndarray], ...]] = {}  # group -> clears, rows, cols, ids
     all_rows: list[np.ndarray] = []  # every clear and written row, of every group
     for i, delta in enumerate(deltas):
@@ -158,6 +162,50 @@ def check_deltas(
             acc = cells[group] = ([], [], [], [])
         _collect(delta, acc, all_rows)
     _check_cells(cells, all_rows, tables, num_blocks)
+
+
+_FEW_DELTAS = 8  # deltas of one request's step (a few groups)
+_FEW_CELLS = 8  # cells (or cleared rows) of one such delta
+
+
+def _few_cells_fit(
+    deltas: Sequence[TableDelta],
+    next_seq: int,
+    tables: Mapping[str, np.ndarray],
+    num_blocks: Mapping[str, int],
+) -> bool:
+    """Whether :func:`check_deltas` accepts ``deltas``, decided in Python ints for a few
+    deltas of a few ``int32`` cells each; ``False`` (never a refusal) for anything else,
+    which the full checks then decide and word. ``tests/worker/test_guard_few.py`` compares
+    the two."""
+    for i, delta in enumerate(deltas):
+        if type(delta) is not TableDelta or type(delta.seq) is not int:
+            return False
+        if delta.seq != next_seq + i:
+            return False
+        table = tables.get(delta.group)
+        if table is None:
+            return False
+        num_rows, width = table.shape
+        clear, rows, cols, ids = delta.clear_rows, delta.rows, delta.cols, delta.block_ids
+        for arr in (clear, rows, cols, ids):
+            if type(arr) is not np.ndarray or arr.dtype is not _I32 or arr.ndim != 1:
+                return False
+            if len(arr) > _FEW_CELLS:
+                return False
+        n = len(rows)
+        if len(cols) != n or len(ids) != n:
+            return False
+        if len(clear):
+            listed = clear.tolist()
+            if min(listed) < 0 or max(listed) >= num_rows:
+                return False
+        if n:
+            for arr, high in ((rows, num_rows), (cols, width), (ids, num_blocks[delta.group])):
+                listed = arr.tolist()
+                if min(listed) < 0 or max(listed) >= high:
+                    return False
+    return True
 
 
 def _collect(

@@ -580,6 +580,16 @@ class CacheStorage:
                 table, rows, positions, block_size, compress_ratio, check=not checked
             )
 
+    def few_slots(
+        self, row: int, group: str, positions: list[int], compress_ratio: int
+    ) -> list[int]:
+        """:meth:`slot_mapping` of a few ``positions`` given as Python ints, for arguments the
+        caller validated (``checked=True`` there): each by :func:`_one_slot`."""
+        with self._lock:
+            table = self.block_table(group)
+            block_size = self.layout.group(group).block_size
+            return [_one_slot(table, row, p, block_size, compress_ratio) for p in positions]
+
     def block_table(self, group: str) -> np.ndarray:
         """The mirrored table of ``group`` (numpy, host side)."""
         self._ready()
