@@ -566,10 +566,10 @@ class CacheController:
         """
         manager = self._ready_manager()
         check_request_id(request_id)
-        if manager.is_swapped(request_id):
+        current = manager.num_tokens_of(request_id)  # 0: new, finished or swapped out
+        if not current and manager.is_swapped(request_id):
             raise RequestStateError(f"request {request_id!r} is swapped out; swap_in it first")
         num_tokens = check_int("num_tokens", num_tokens, 1)
-        current = manager.num_tokens_of(request_id)  # (swapped out was refused above)
         if num_tokens < current:
             raise ValueError(
                 f"num_tokens={num_tokens} is less than the {current} tokens request "

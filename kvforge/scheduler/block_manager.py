@@ -95,7 +95,7 @@ from kvforge.scheduler import step_stages, truncation
 from kvforge.scheduler.arena import SlabArena, check_arena
 from kvforge.scheduler.args import batch_ids
 from kvforge.scheduler.block_pool import BlockPool
-from kvforge.scheduler.growth import grow_one, prompt_fits
+from kvforge.scheduler.growth import prompt_fits
 from kvforge.scheduler.host_tier import (
     HostTier,
     check_attachable,
@@ -342,7 +342,9 @@ class BlockManager:
         """``request_id``'s table in ``group``: ``cdiv(num_tokens, block_size)`` entries
         (``slots_per_request`` for a per-request group), null id 0 where it holds no block."""
         g = self._group(group)
-        row = self.row_of(request_id)
+        row = self._t.row_of.get(check_request_id(request_id))
+        if row is None:
+            raise self._book.not_resident(request_id)
         if g.per_request:
             return g.table[row, : g.slots].tolist()
         n = int(self._t.num_tokens[row])
@@ -404,19 +406,9 @@ class BlockManager:
                 nothing changes then.
         """
         prefix = self._prefix
-        if (  # one running request, nothing to register: the same step in Python ints
-            new_token_ids is None
-            and prefix_matches is None
-            and not prefix.enabled
-            and not prefix.tracks_requests
-            and type(request_ids) in _LISTS
-            and len(request_ids) == 1
-        ):
-            one = step_stages.one_running(
-                self._t, self._book, request_ids[0], num_new_tokens, self.max_model_len
-            )
-            step = self._schedule_one(*one) if one is not None else None
-            if step is not None:
+        if new_token_ids is None and prefix_matches is None and not prefix.enabled:
+            step = self._schedule_one(request_ids, num_new_tokens)
+            if step is not None:  # one running request: the same step in Python ints
                 return step
         b = step_stages.check_batch(
             self._t, self._book, request_ids, num_new_tokens, new_token_ids, prefix_matches
@@ -435,14 +427,24 @@ class BlockManager:
         copies_before, copies_after = step_stages.commit(b, self._t, prefix, new_token_ids)
         return self._open_step(b, work, copies_before, copies_after)
 
-    def _schedule_one(
-        self, request_id: str, row: int, before: int, after: int
-    ) -> StepAllocation | None:
-        """:meth:`schedule` of one running request that :func:`step_stages.one_running`
-        admitted, when its growth fits (:func:`~.growth.grow_one`); ``None``, having changed
-        nothing, where the general stages must decide (a refusal, an arena)."""
+    def _schedule_one(self, request_ids: object, num_new_tokens: object) -> StepAllocation | None:
+        """:meth:`schedule` of a batch of one running request that registers nothing (no
+        token ids, no matches, prefix caching off), when :func:`step_stages.one_running`
+        admits it and its growth fits (:func:`~.growth.grow_one`): the same step in Python
+        ints. ``None``, having changed nothing, where the general stages must decide (a new
+        request, a refusal, an arena, a malformed call)."""
+        if type(request_ids) not in _LISTS or len(request_ids) != 1:
+            return None
+        if self._prefix.tracks_requests:
+            return None
         t = self._t
-        if not grow_one(t, row, False, before, after):
+        one = step_stages.one_running(
+            t, self._book, request_ids[0], num_new_tokens, self.max_model_len
+        )
+        if one is None:
+            return None
+        request_id, row, before, after = one
+        if not step_stages.grow_one(t, row, False, before, after):
             return None
         if len(self._open_steps) >= MAX_OPEN_STEPS:
             self._drop_unended_steps()
@@ -823,6 +825,9 @@ class BlockManager:
         and truncations, copies on write, the tiers' page copies, arena moves) as one step of
         no request, numbered in the sequence of steps (``step_id``): a worker ``apply``-s it
         once, in order, as it applies a step. ``None`` when nothing is due (no id is used)."""
+        t = self._t
+        if not (t.pending or t.copies) and self.arena is None and self._host_tier is None:
+            return None  # the facade asks before most reads: nothing to hand out
         moves = self.arena.take_moves() if self.arena is not None else ()
         offloads = self._host_tier.take_offloads() if self._host_tier is not None else ()
         onloads = host_lookup.take_onloads(self._host_tier)

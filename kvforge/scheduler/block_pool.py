@@ -121,6 +121,11 @@ class BlockPool:
         view.flags.writeable = False
         return view
 
+    def counts_of(self, block_ids: np.ndarray) -> np.ndarray:
+        """Reference counts of ``block_ids`` (valid ids; a copy, ``int32``): what an undo
+        saves before a release, without the read-only view of :attr:`ref_counts`."""
+        return self._ref[block_ids]
+
     def add_eviction_listener(self, listener: Callable[[np.ndarray], None]) -> None:
         """Tell ``listener(victims)`` (``int32`` block ids) of every eviction from now on,
         before the keeper (``on_evict``) forgets the victims' keys and before they go back on

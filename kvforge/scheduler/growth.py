@@ -246,9 +246,15 @@ def grow_one(t: RequestTables, row: int, fresh: bool, before: int, after: int) -
     if t.arenas:
         return False
     plans = _plan_one(t, row, fresh, before, after)
-    if plans is None or not _fits_one(t, row, plans):
+    if plans is None:
         return False
-    _apply_one(t, row, plans)
+    # a step that takes no block always fits, and one that neither takes nor releases
+    # changes no cell (most decode steps: a block fills every block_size tokens)
+    takes = any(plan[0] for plan in plans)
+    if takes and not _fits_one(t, row, plans):
+        return False
+    if takes or any(plan[2] > plan[1] for plan in plans):
+        _apply_one(t, row, plans)
     return True
 
 

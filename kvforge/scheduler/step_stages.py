@@ -17,6 +17,12 @@ tables, the prefix cache, the swap book, the arena): none reads the manager itse
 7. :func:`commit`: accepted requests keep their rows and token counts; the prefix cache records
    the step's hits and completed blocks.
 
+The per-request path: a batch of one running request that registers nothing (no token ids,
+no prefix matches, prefix caching off), the call ``CacheController.allocate`` makes each step,
+is checked and bounded by :func:`one_running` and grown by :func:`~.growth.grow_one`, both in
+Python ints, and committed by ``BlockManager._schedule_one``; whatever either declines (a new
+request, a refusal, an arena, a malformed call) these stages decide, with their words.
+
 All or nothing per request: a request refused at any stage ends the step exactly as it started
 it (its row back on the free stack, its adopted blocks released, no table cell changed, no
 delta queued); the requests after it proceed. Refusals come back in request order.

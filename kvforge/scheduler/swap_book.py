@@ -132,14 +132,15 @@ class _Undo:
         else:  # unique, without np.unique's overhead (a free is hot)
             ids = np.sort(block_ids)
             ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
-            before = pool.ref_counts[ids]  # a fancy index: a copy
+            before = pool.counts_of(ids)  # a fancy index: a copy
             self.add(lambda: _take_back(pool, ids, before))
 
     def guard_listed(self, pool: BlockPool, block_ids: list[int]) -> None:
         """:meth:`guard` of ids given as a Python list."""
         if block_ids:
-            ids = np.array(sorted(set(block_ids)), dtype=np.int32)
-            before = pool.ref_counts[ids]  # a fancy index: a copy
+            unique = set(block_ids)
+            ids = np.array(block_ids if len(unique) == len(block_ids) else list(unique), np.int32)
+            before = pool.counts_of(ids)  # a fancy index: a copy
             self.add(lambda: _take_back(pool, ids, before))
 
     def release(self, pool: BlockPool, block_ids: np.ndarray) -> None:
@@ -244,6 +245,8 @@ class SwapBook:
         undoes every change and propagates."""
         row_of = self._t.row_of
         resident = [rid for rid in request_ids if rid in row_of]
+        if len(request_ids) == 1 and resident and self._finish_one(resident[0]):
+            return
         with _all_or_nothing() as undo:
             for rid in request_ids if self.swapped else ():
                 swapped = self.swapped.get(rid)
@@ -256,6 +259,21 @@ class SwapBook:
                 self._release_rows(undo, np.array([row_of[r] for r in resident], np.int64))
                 for rid in resident:
                     undo.pop(row_of, rid)
+
+    def _finish_one(self, request_id: str) -> bool:
+        """:meth:`finish` of one running request, the engine's common call: its row read once
+        (:meth:`_release_row`), all or nothing as the batch path. Returns ``True`` (a batch
+        of one always takes this path; ``tests/scheduler/test_grow_one.py`` compares it with
+        the batch path)."""
+        row_of = self._t.row_of
+        undo = _Undo()
+        try:
+            self._release_row(undo, row_of[request_id])
+            undo.pop(row_of, request_id)
+        except BaseException as exc:
+            undo.rollback(exc)
+            raise
+        return True
 
     def plans_in_flight(self) -> tuple[SwapPlan, ...]:
         """The plans handed out and not yet completed, oldest first: an engine interrupted
@@ -622,9 +640,6 @@ class SwapBook:
         t = self._t
         if widths is None:
             widths = [g.table.shape[1] for g in t.groups]
-        if len(rows) == 1:
-            self._save_row(undo, int(rows[0]), widths)
-            return
         saved = [
             (g, w, g.table[rows, :w].copy(), g.held_from[rows].copy())
             for g, w in zip(t.groups, widths, strict=True)
@@ -644,20 +659,24 @@ class SwapBook:
 
         undo.add(restore)
 
-    def _save_row(self, undo: _Undo, row: int, widths: Sequence[int]) -> None:
-        """:meth:`_save_rows` of one row, by basic indexing (the same saved state)."""
+    def _release_row(self, undo: _Undo, row: int) -> None:
+        """:meth:`_release_rows` of one row, undoable, reading its cells once
+        (``RequestTables.row_cells``): the saved state is the cells it can hold, its extents,
+        token count and commits, the free rows and the pending deltas, and the references
+        its blocks drop."""
         t = self._t
+        cells = t.row_cells(row)
         saved = [
-            (g, w, g.table[row, :w].copy(), int(g.held_from[row]))
-            for g, w in zip(t.groups, widths, strict=True)
+            (g, first, end, g.table[row, first:end].copy(), int(g.held_from[row]))
+            for g, (first, end, _) in zip(t.groups, cells, strict=True)
         ]
         tokens, committed = int(t.num_tokens[row]), t.committed[:, row].copy()
         free_rows, pending = list(t.free_rows), t.pending
         num_pending = len(pending)
 
         def restore() -> None:
-            for g, w, table, held_from in saved:
-                g.table[row, :w] = table
+            for g, first, end, table, held_from in saved:
+                g.table[row, first:end] = table
                 g.held_from[row] = held_from
             t.num_tokens[row] = tokens
             t.committed[:, row] = committed
@@ -665,6 +684,12 @@ class SwapBook:
             del pending[num_pending:]
 
         undo.add(restore)
+        for pool, members in t.pools:
+            if len(members) == 1:
+                undo.guard_listed(pool, cells[members[0]][2])
+            else:
+                undo.guard_listed(pool, [b for gi in members for b in cells[gi][2]])
+        t.release_row(row, cells)
 
     def _release_rows(self, undo: _Undo, rows: np.ndarray) -> None:
         """``tables.release_rows(rows)``, undoable: the rows and every reference their
@@ -674,20 +699,10 @@ class SwapBook:
         longest = int(t.num_tokens[rows].max()) if len(rows) else 0
         widths = [g.slots if g.per_request else -(-longest // g.block_size) for g in t.groups]
         self._save_rows(undo, rows, widths)
-        if len(rows) == 1:  # one request: its cells from where each group holds blocks
-            row = int(rows[0])
-            for pool, members in t.pools:
-                listed: list[int] = []
-                for gi in members:
-                    g = t.groups[gi]
-                    first = int(g.held_from[row]) if g.windowed else 0
-                    listed += [b for b in g.table[row, first : widths[gi]].tolist() if b]
-                undo.guard_listed(pool, listed)
-        else:
-            for pool, members in t.pools:
-                cells = [t.groups[gi].table[rows, : widths[gi]].ravel() for gi in members]
-                held = cells[0] if len(cells) == 1 else np.concatenate(cells)
-                undo.guard(pool, held[held != NULL_BLOCK])
+        for pool, members in t.pools:
+            cells = [t.groups[gi].table[rows, : widths[gi]].ravel() for gi in members]
+            held = cells[0] if len(cells) == 1 else np.concatenate(cells)
+            undo.guard(pool, held[held != NULL_BLOCK])
         t.release_rows(rows)
 
     def _release_pages(self, undo: _Undo, moves: Sequence[RequestMove]) -> None:

@@ -175,9 +175,6 @@ class RequestTables:
         ``cdiv(num_tokens, B)``), so freeing costs the blocks held, not the table's width.
         Cells outside what a row holds are null (a window's released blocks were cleared), so
         the non-null cells, row by row, are exactly its blocks in chain order."""
-        if len(rows) == 1:  # one request finishing: the same, by basic indexing
-            self._release_row(int(rows[0]))
-            return
         tokens = self.num_tokens[rows]
         longest = int(np.maximum.reduce(tokens)) if len(tokens) else 0
         for g in self.groups:
@@ -194,19 +191,31 @@ class RequestTables:
         self.committed[:, rows] = 0
         self.free_rows.extend(rows[::-1].tolist())
 
-    def _release_row(self, row: int) -> None:
-        """:meth:`release_rows` of one row: the same releases, cells, deltas and free row, by
-        basic indexing (a fancy index per group costs more than the release itself at one
-        row; ``tests/scheduler/test_release_row.py`` compares the two)."""
+    def row_cells(self, row: int) -> list[tuple[int, int, list[int]]]:
+        """Per group, the cells ``row`` can hold and the blocks in them: ``(first, end,
+        blocks)``, columns ``[first, end)`` (from ``held_from`` in a window group, to
+        ``cdiv(num_tokens, B)``; every cell outside is null) and their non-null ids in
+        chain order, as :meth:`release_rows` reads them for one row."""
         longest = int(self.num_tokens[row])
-        clear = np.array([row], dtype=np.int32)
-        clear.flags.writeable = False  # one frozen array shared by the groups' deltas
+        out = []
         for g in self.groups:
             first = int(g.held_from[row]) if g.windowed else 0
-            width = g.slots if g.per_request else -(-longest // g.block_size)
-            cells = g.table[row, first:width]  # a view: cleared in place below
-            g.pool.release_listed([b for b in cells.tolist() if b != NULL_BLOCK])
-            cells[:] = NULL_BLOCK
+            end = g.slots if g.per_request else -(-longest // g.block_size)
+            held = [b for b in g.table[row, first:end].tolist() if b] if end > first else []
+            out.append((first, end, held))
+        return out
+
+    def release_row(self, row: int, cells: list[tuple[int, int, list[int]]]) -> None:
+        """:meth:`release_rows` of one row whose :meth:`row_cells` are ``cells``: the same
+        releases, cleared cells, deltas and free row, by basic indexing (a fancy index per
+        group costs more than the release itself at one row; ``tests/scheduler/
+        test_grow_one.py`` compares the two)."""
+        clear = np.array([row], dtype=np.int32)
+        clear.flags.writeable = False  # one frozen array shared by the groups' deltas
+        for g, (first, end, held) in zip(self.groups, cells, strict=True):
+            g.pool.release_listed(held)  # the table's own cells (the deepest evicts first)
+            if end > first:
+                g.table[row, first:end] = NULL_BLOCK
             g.held_from[row] = 0
             self.pending.append(TableDelta(group=g.spec.name, clear_rows=clear))
         self.num_tokens[row] = 0

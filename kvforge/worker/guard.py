@@ -142,6 +142,16 @@ def check_deltas(
     anything they do not accept takes the checks below, which name what is refused."""
     if len(deltas) <= _FEW_DELTAS and _few_cells_fit(deltas, next_seq, tables, num_blocks):
         return
+    _check_every_delta(deltas, next_seq, tables, num_blocks)
+
+
+def _check_every_delta(
+    deltas: Sequence[TableDelta],
+    next_seq: int,
+    tables: Mapping[str, np.ndarray],
+    num_blocks: Mapping[str, int],
+) -> None:
+    """:func:`check_deltas` by array reductions, for any deltas: refuses the first bad one."""
     cells: dict[str, tuple[list[np.ndarray], ...]] = {}  # group -> clears, rows, cols, ids
     all_rows: list[np.ndarray] = []  # every clear and written row, of every group
     for i, delta in enumerate(deltas):
@@ -153,9 +163,9 @@ def check_deltas(
         seq, group = delta.seq, delta.group
         if seq != next_seq + i or type(seq) is not int:
             raise DeltaOrderError(next_seq + i, seq, group)
-        acc = cells.get(group)
+        acc = cells.get(group) if type(group) is str else None
         if acc is None:
-            if group not in tables:
+            if type(group) is not str or group not in tables:
                 raise WorkerRefusedError(
                     f"table delta for unknown group {group!r}; nothing was mirrored"
                 )
@@ -179,32 +189,31 @@ def _few_cells_fit(
     which the full checks then decide and word. ``tests/worker/test_guard_few.py`` compares
     the two."""
     for i, delta in enumerate(deltas):
-        if type(delta) is not TableDelta or type(delta.seq) is not int:
+        if type(delta) is not TableDelta or type(delta.group) is not str:
             return False
-        if delta.seq != next_seq + i:
+        seq, table = delta.seq, tables.get(delta.group)
+        if type(seq) is not int or seq != next_seq + i or table is None:
             return False
-        table = tables.get(delta.group)
-        if table is None:
-            return False
-        num_rows, width = table.shape
         clear, rows, cols, ids = delta.clear_rows, delta.rows, delta.cols, delta.block_ids
-        for arr in (clear, rows, cols, ids):
-            if type(arr) is not np.ndarray or arr.dtype is not _I32 or arr.ndim != 1:
-                return False
-            if len(arr) > _FEW_CELLS:
-                return False
-        n = len(rows)
-        if len(cols) != n or len(ids) != n:
+        if not (
+            type(clear) is type(rows) is type(cols) is type(ids) is np.ndarray
+            and clear.dtype is rows.dtype is cols.dtype is ids.dtype is _I32
+            and clear.ndim == rows.ndim == cols.ndim == ids.ndim == 1
+        ):
+            return False
+        n, num_rows = len(rows), table.shape[0]
+        if n > _FEW_CELLS or len(clear) > _FEW_CELLS or len(cols) != n or len(ids) != n:
             return False
         if len(clear):
             listed = clear.tolist()
             if min(listed) < 0 or max(listed) >= num_rows:
                 return False
         if n:
-            for arr, high in ((rows, num_rows), (cols, width), (ids, num_blocks[delta.group])):
-                listed = arr.tolist()
-                if min(listed) < 0 or max(listed) >= high:
-                    return False
+            r, c, b = rows.tolist(), cols.tolist(), ids.tolist()
+            if min(r) < 0 or max(r) >= num_rows or min(c) < 0 or max(c) >= table.shape[1]:
+                return False
+            if min(b) < 0 or max(b) >= num_blocks[delta.group]:
+                return False
     return True
 
 

@@ -175,3 +175,46 @@ def test_bad_share_changes_nothing(ids, message):
     with pytest.raises((ValueError, TypeError), match=message):
         pool.share(ids)
     assert (pool.num_free, pool.ref_count(1)) == (2, 1)
+
+
+def _pool_state(pool: BlockPool) -> tuple:
+    return pool.ref_counts.tolist(), pool._stack[: pool._num_free].tolist(), pool.num_free
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    takes=st.integers(1, 30),
+    picks=st.lists(st.integers(0, 40), min_size=0, max_size=12),
+    shared=st.booleans(),
+)
+def test_a_listed_release_is_the_array_release(takes, picks, shared):
+    """``release_listed`` (a few ids in scalar stores) frees, orders and refuses exactly as
+    ``release_held`` of the same ids: the same counts and free stack, the same error for a
+    repeat or a free block, and nothing changed then."""
+    pools = [BlockPool(41, "kv"), BlockPool(41, "kv")]
+    for pool in pools:
+        held = pool.take(takes)
+        if shared:
+            pool.share(held[:1])
+    ids = [int(held[p % takes]) if p < 35 else 40 for p in picks]  # 40: never taken
+    outcomes = []
+    for pool, release in zip(pools, ("listed", "held"), strict=True):
+        try:
+            if release == "listed":
+                pool.release_listed(list(ids))
+            else:
+                pool.release_held(np.array(ids, dtype=np.int32))
+            outcomes.append(None)
+        except ValueError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
+    assert _pool_state(pools[0]) == _pool_state(pools[1])
+
+
+@pytest.mark.parametrize("count", [1, 2, 8, 9, 20])
+def test_a_few_taken_blocks_are_the_many_path(count):
+    pool = BlockPool(30, "kv")
+    taken = pool.take(count)
+    assert taken.dtype == np.int32 and taken.tolist() == list(range(1, count + 1))
+    assert pool.ref_counts[1 : count + 1].tolist() == [1] * count
+    assert pool.num_free == 29 - count

@@ -1,11 +1,15 @@
-"""A batch of one request grows through :func:`kvforge.scheduler.growth.grow_one` (Python
-ints); it must be exactly the batch path (``plan_growth`` / ``fits_in_order`` /
-``apply_growth``, ``schedule_one_by_one`` for refusals) for a batch of one.
+"""A batch of one request takes the one-request path: a running request's step through
+:func:`kvforge.scheduler.step_stages.one_running` and
+:func:`kvforge.scheduler.growth.grow_one` (Python ints), a finish through
+``SwapBook._finish_one`` (its row read once); it must be exactly the batch path
+(``check_batch`` .. ``commit``, ``plan_growth`` / ``fits_in_order`` / ``apply_growth``,
+``schedule_one_by_one`` for refusals, ``_release_rows`` for a finish) for a batch of one.
 
 Two managers run the same random history of one-request steps and finishes, one with the fast
-path and one with it turned off (``step_stages.grow_one`` answering ``False``, so the batch
-path decides): after every call both hold the same tables, extents, token counts, rows and
-pools, and hand out the same steps (rows, counts, refusals, table deltas).
+paths and one with them turned off (``step_stages.grow_one`` and ``SwapBook._finish_one``
+answering ``False``, so the batch paths decide): after every call both hold the same tables,
+extents, token counts, rows, pools and free stacks, and hand out the same steps (rows,
+counts, refusals, table deltas) and the same effects of a finish.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from hypothesis import strategies as st
 from kvforge import DeepseekV4Backend, GQABackend
 from kvforge.core.layout import CacheLayout
 from kvforge.scheduler import BlockManager, growth, step_stages
+from kvforge.scheduler.swap_book import SwapBook
 
 
 def state(m: BlockManager) -> tuple:
@@ -30,6 +35,7 @@ def state(m: BlockManager) -> tuple:
         dict(t.row_of),
         list(t.free_rows),
         [(g.pool.num_free, g.pool.ref_counts.copy()) for g in t.groups],
+        [g.pool._stack[: g.pool._num_free].copy() for g in t.groups],  # the order of takes
         len(t.pending),
     )
 
@@ -52,11 +58,11 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
-def _manager(kv: int, swa: int, rows: int) -> BlockManager:
+def _manager(kv: int, swa: int, rows: int, share_pools: bool = True) -> BlockManager:
     """A full group ``kv`` and the DeepSeek-V4 window and state groups, small pools."""
     layout = CacheLayout({0: GQABackend(2, 8, 16), 1: DeepseekV4Backend(0)})
     counts = {g.name: (kv if g.name == "kv" else swa) for g in layout.groups}
-    return BlockManager(layout, counts, rows, 2048)
+    return BlockManager(layout, counts, rows, 2048, share_pools=share_pools)
 
 
 def _step_view(step) -> tuple:
@@ -80,7 +86,8 @@ def _off(*args: object) -> bool:
 
 
 OPS = st.lists(
-    st.tuples(st.integers(0, 4), st.integers(-1, 300)),  # (request, new tokens; -1: finish)
+    # (request, new tokens; -1: finish, one op in five)
+    st.tuples(st.integers(0, 4), st.one_of(st.integers(0, 300), st.just(-1))),
     min_size=1,
     max_size=40,
 )
@@ -92,22 +99,25 @@ OPS = st.lists(
     kv=st.integers(2, 60),
     swa=st.integers(2, 30),
     rows=st.integers(1, 4),
+    share_pools=st.booleans(),
 )
-def test_grow_one_is_the_batch_path_for_one_request(ops, kv, swa, rows):
-    fast, slow = _manager(kv, swa, rows), _manager(kv, swa, rows)
+def test_grow_one_is_the_batch_path_for_one_request(ops, kv, swa, rows, share_pools):
+    fast, slow = _manager(kv, swa, rows, share_pools), _manager(kv, swa, rows, share_pools)
     for request, n in ops:
         rid = f"r{request}"
         results = []
         for m, patched in ((fast, False), (slow, True)):
             with pytest.MonkeyPatch.context() as mp:
-                if patched:
+                if patched:  # the batch paths: growth, then the stages, then the free
                     mp.setattr(step_stages, "grow_one", _off)
+                    mp.setattr(SwapBook, "_finish_one", _off)
                 if n < 0:
                     if rid not in m.requests:
                         results.append(None)
                         continue
                     m.finish([rid])
-                    results.append(m.take_effects() is not None)
+                    effects = m.take_effects()
+                    results.append(None if effects is None else _step_view(effects))
                 else:
                     step = m.schedule([rid], [n])
                     m.end_step(step)

@@ -2,7 +2,7 @@
 (issue 32, class 11).
 
 For each operation (a batch swap out, a batch swap in, freeing a swapped and a running
-request together, allocating the host pages) a dry run lists its phases: every distinct
+request together, freeing one running request, allocating the host pages) a dry run lists its phases: every distinct
 kvforge function it calls, on either side (the scheduler side's books and pools, the worker's
 checks, ledgers and copies, the facade's glue). Then, once per phase, a fresh controller runs
 the operation with ``KeyboardInterrupt`` raised as that function is entered. After each
@@ -135,6 +135,11 @@ OPERATIONS = {
         ("a", "b"),
         lambda c: c.swap_in_many(["b", "a"]),
         lambda c: c.swapped_requests == [],
+    ),
+    "free_request": Operation(  # one running request: the per-request path
+        (),
+        lambda c: c.free_request("b"),
+        lambda c: c.requests == ["a", "c"],
     ),
     "free_requests": Operation(
         ("a",),
