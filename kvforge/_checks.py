@@ -44,6 +44,8 @@ def check_int(
     ``type_message`` / ``range_message`` word the refusal where a module keeps its own
     established wording; they are formatted with ``name``, ``value`` (its repr),
     ``type`` (its type's name) and ``minimum``."""
+    if type(value) is int and value >= minimum and maximum is None:
+        return value  # the common case, on every per-request call: no dict, no ABC check
     fields = {"name": name, "minimum": minimum}
     if isinstance(value, bool) or not isinstance(value, Integral):
         template = type_message or "{name} must be an int >= {minimum}, got {value}"

@@ -43,7 +43,7 @@ __all__ = ["NULL_BLOCK", "BlockPool"]
 NULL_BLOCK = 0
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # no Python-level wrappers per call
 _INTS = (int, np.integer)
-_FEW = 8  # up to this many ids, Python loops over scalars beat numpy's per-call overhead
+_FEW = 16  # up to this many ids, Python loops over scalars beat numpy's per-call overhead
 
 
 class BlockPool:

@@ -250,10 +250,13 @@ def grow_one(t: RequestTables, row: int, fresh: bool, before: int, after: int) -
         return False
     # a step that takes no block always fits, and one that neither takes nor releases
     # changes no cell (most decode steps: a block fills every block_size tokens)
-    takes = any(plan[0] for plan in plans)
+    takes = releases = False
+    for need, lo, hi, _ in plans:
+        takes = takes or need > 0
+        releases = releases or hi > lo
     if takes and not _fits_one(t, row, plans):
         return False
-    if takes or any(plan[2] > plan[1] for plan in plans):
+    if takes or releases:
         _apply_one(t, row, plans)
     return True
 
@@ -287,8 +290,8 @@ def _fits_one(t: RequestTables, row: int, plans: list[tuple[int, int, int, int]]
     """:func:`fits_in_order` of one request, every pool (no arena): its needs fit the free
     blocks, its window releases counted."""
     for pool, members in t.capacity:
-        need = sum(plans[gi][0] for gi in members)
-        if need <= pool.num_free:
+        need = plans[members[0]][0] if len(members) == 1 else sum([plans[gi][0] for gi in members])
+        if not need or need <= pool.num_free:
             continue
         credit = 0
         for gi in members:

@@ -27,6 +27,9 @@ from kvforge.specs import CacheGroup
 
 __all__ = ["GroupTable", "RequestTables", "expand"]
 
+_NO_CELLS = np.zeros(0, dtype=np.int32)  # the cells of a delta that only clears rows
+_NO_CELLS.flags.writeable = False
+
 
 @dataclass
 class GroupTable:
@@ -142,10 +145,11 @@ class RequestTables:
         """:meth:`record` of cells of one ``row``, given as lists (the one-request growth)."""
         self.pending.append(
             TableDelta(
-                group=g.spec.name,
-                rows=np.full(len(cols), row, dtype=np.int32),
-                cols=np.array(cols, dtype=np.int32),
-                block_ids=np.array(ids, dtype=np.int32),
+                g.spec.name,
+                _NO_CELLS,
+                np.array([row] * len(cols), dtype=np.int32),
+                np.array(cols, dtype=np.int32),
+                np.array(ids, dtype=np.int32),
             )
         )
 
@@ -217,7 +221,7 @@ class RequestTables:
             if end > first:
                 g.table[row, first:end] = NULL_BLOCK
             g.held_from[row] = 0
-            self.pending.append(TableDelta(group=g.spec.name, clear_rows=clear))
+            self.pending.append(TableDelta(g.spec.name, clear, _NO_CELLS, _NO_CELLS, _NO_CELLS))
         self.num_tokens[row] = 0
         self.committed[:, row] = 0
         self.free_rows.append(row)
