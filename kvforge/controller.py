@@ -670,8 +670,9 @@ class CacheController:
         manager = self._ready_manager()
         row, n = manager.residence(request_id)
         spec = self.layout.group(group)
-        ratio = 1 if type(compress_ratio) is int and compress_ratio == 1 else compress_ratio
-        if ratio != 1 or type(ratio) is not int:
+        if type(compress_ratio) is int and compress_ratio == 1:
+            ratio = 1  # every token's own slot: nothing to check
+        else:
             ratio = check_int("compress_ratio", compress_ratio, 1)
             if spec.block_size % ratio:
                 raise ValueError(
@@ -1083,6 +1084,7 @@ def _roll_back(manager: BlockManager, plan: SwapPlan, exc: BaseException) -> Non
 
 
 _FEW_POSITIONS = 8  # a decode step's positions (speculative tokens included)
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _few_positions(positions: object) -> list[int] | None:
@@ -1100,9 +1102,9 @@ def _few_positions(positions: object) -> list[int] | None:
     if (
         type(positions) in (list, tuple)
         and len(positions) <= _FEW_POSITIONS
-        and all(type(p) is int for p in positions)
+        and all(type(p) is int and _INT64_MIN <= p <= _INT64_MAX for p in positions)
     ):
-        return list(positions)
+        return list(positions)  # (beyond int64, _positions words it as it always did)
     return None
 
 

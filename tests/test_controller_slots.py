@@ -57,20 +57,27 @@ def test_a_few_positions_map_as_the_array_path(steps, data):
 
 
 @pytest.mark.parametrize(
-    ("positions", "error", "message"),
+    ("positions", "ratio", "error", "message"),
     [
-        ([5, 40], ValueError, "position 40 is outside request 'a', which holds tokens 0..39"),
-        ([-1], ValueError, "position -1 is outside request 'a', which holds tokens 0..39"),
-        ([1.0], ValueError, "positions must be ints, got 1.0"),
-        ([True], ValueError, "positions must be ints, got True"),
+        ([5, 40], 1, ValueError, "position 40 is outside request 'a', which holds tokens 0..39"),
+        ([-1], 1, ValueError, "position -1 is outside request 'a', which holds tokens 0..39"),
+        ([1.0], 1, ValueError, "positions must be ints, got 1.0"),
+        ([True], 1, ValueError, "positions must be ints, got True"),
+        # beyond int64: worded by the array path, as before the few-position path
+        ([2**63], 1, ValueError, "position -9223372036854775808 is outside request 'a'"),
+        ([-1, 2**63], 1, ValueError, "positions must be integers, got dtype float64"),
+        ([0], np.array([2, 2]), TypeError, r"compress_ratio must be an int >= 1, got array"),
+        ([0], torch.tensor([2, 2]), TypeError, r"compress_ratio must be an int >= 1, got tensor"),
+        ([0], True, TypeError, "compress_ratio must be an int >= 1, got True"),
+        ([0], 3, ValueError, "compress_ratio=3 does not divide block_size=64 of group 'swa'"),
     ],
 )
-def test_bad_few_positions_are_refused_and_change_nothing(positions, error, message):
+def test_bad_few_positions_are_refused_and_change_nothing(positions, ratio, error, message):
     ctl = _controller()
     ctl.allocate("a", 40)
     tables = {g: ctl.block_table("a", g) for g in ctl.groups}
     with pytest.raises(error, match=message):
-        ctl.slot_mapping("a", "swa", positions)
+        ctl.slot_mapping("a", "swa", positions, ratio)
     assert {g: ctl.block_table("a", g) for g in ctl.groups} == tables
     assert ctl.num_tokens("a") == 40
 

@@ -78,7 +78,8 @@ class TableDelta:
             table[int(clear[0])] = 0  # one finished request: basic indexing
         elif len(clear):
             table[clear] = 0
-        if 0 < n <= 8:  # a step of one request: scalar stores beat a scatter
+        if 0 < n <= 8 and type(self.rows) is type(self.cols) is type(self.block_ids) is np.ndarray:
+            # a step of one request: scalar stores beat a scatter
             for row, col, block in zip(
                 self.rows.tolist(), self.cols.tolist(), self.block_ids.tolist(), strict=True
             ):

@@ -431,8 +431,9 @@ class BlockManager:
         """:meth:`schedule` of a batch of one running request that registers nothing (no
         token ids, no matches, prefix caching off), when :func:`step_stages.one_running`
         admits it and its growth fits (:func:`~.growth.grow_one`): the same step in Python
-        ints. ``None``, having changed nothing, where the general stages must decide (a new
-        request, a refusal, an arena, a malformed call)."""
+        ints. ``None`` where the general stages must decide (a new request, a refusal, an
+        arena, a malformed call), having changed nothing but what they do first too (drop
+        the steps left open past ``MAX_OPEN_STEPS``)."""
         if type(request_ids) not in _LISTS or len(request_ids) != 1:
             return None
         if self._prefix.tracks_requests:
@@ -444,10 +445,10 @@ class BlockManager:
         if one is None:
             return None
         request_id, row, before, after = one
+        if len(self._open_steps) >= MAX_OPEN_STEPS:  # as schedule: before any growth
+            self._drop_unended_steps()
         if not step_stages.grow_one(t, row, False, before, after):
             return None
-        if len(self._open_steps) >= MAX_OPEN_STEPS:
-            self._drop_unended_steps()
         work = self._prefix.work = StepWork()
         copies_before, t.copies = t.copies, []
         t.num_tokens[row] = after
