@@ -632,25 +632,25 @@ class SwapBook:
                 )
 
     def _save_rows(
-        self, undo: _Undo, rows: np.ndarray, widths: Sequence[int] | None = None
+        self, undo: _Undo, rows: np.ndarray | int, spans: Sequence[slice] | None = None
     ) -> None:
-        """Let every change to table rows ``rows`` be undone: their cells (of each group's
-        first ``widths[i]`` columns: those a change may touch; all by default), extents,
-        token counts and commits, the free rows and the pending deltas."""
+        """Let every change to table rows ``rows`` (an array, or one row as an int) be undone:
+        their cells (of each group's columns ``spans[i]``: those a change may touch; all by
+        default), extents, token counts and commits, the free rows and the pending deltas."""
         t = self._t
-        if widths is None:
-            widths = [g.table.shape[1] for g in t.groups]
+        if spans is None:
+            spans = [slice(0, g.table.shape[1]) for g in t.groups]
         saved = [
-            (g, w, g.table[rows, :w].copy(), g.held_from[rows].copy())
-            for g, w in zip(t.groups, widths, strict=True)
+            (g, span, g.table[rows, span].copy(), g.held_from[rows].copy())
+            for g, span in zip(t.groups, spans, strict=True)
         ]
         tokens, committed = t.num_tokens[rows].copy(), t.committed[:, rows].copy()
         free_rows, pending = list(t.free_rows), t.pending
         num_pending = len(pending)
 
         def restore() -> None:
-            for g, w, table, held_from in saved:
-                g.table[rows, :w] = table
+            for g, span, table, held_from in saved:
+                g.table[rows, span] = table
                 g.held_from[rows] = held_from
             t.num_tokens[rows] = tokens
             t.committed[:, rows] = committed
@@ -666,24 +666,7 @@ class SwapBook:
         its blocks drop."""
         t = self._t
         cells = t.row_cells(row)
-        saved = [
-            (g, first, end, g.table[row, first:end].copy(), int(g.held_from[row]))
-            for g, (first, end, _) in zip(t.groups, cells, strict=True)
-        ]
-        tokens, committed = int(t.num_tokens[row]), t.committed[:, row].copy()
-        free_rows, pending = list(t.free_rows), t.pending
-        num_pending = len(pending)
-
-        def restore() -> None:
-            for g, first, end, table, held_from in saved:
-                g.table[row, first:end] = table
-                g.held_from[row] = held_from
-            t.num_tokens[row] = tokens
-            t.committed[:, row] = committed
-            t.free_rows[:] = free_rows
-            del pending[num_pending:]
-
-        undo.add(restore)
+        self._save_rows(undo, row, [slice(first, end) for first, end, _ in cells])
         for pool, members in t.pools:
             if len(members) == 1:
                 undo.guard_listed(pool, cells[members[0]][2])
@@ -698,7 +681,7 @@ class SwapBook:
         # the cells the rows can hold (as release_rows reads them): beyond, every cell is null
         longest = int(t.num_tokens[rows].max()) if len(rows) else 0
         widths = [g.slots if g.per_request else -(-longest // g.block_size) for g in t.groups]
-        self._save_rows(undo, rows, widths)
+        self._save_rows(undo, rows, [slice(0, w) for w in widths])
         for pool, members in t.pools:
             cells = [t.groups[gi].table[rows, : widths[gi]].ravel() for gi in members]
             held = cells[0] if len(cells) == 1 else np.concatenate(cells)
