@@ -494,7 +494,7 @@ class SlabArena:
             self._move(p, count, free_slabs, give, lru_limit=None)
         for p in self.pools:  # optional: slabs instead of evicting own newer blocks
             need = int(needs.get(p, 0))
-            short = need - p._num_free
+            short = need - (p.own_free - p.num_evictable)  # beyond its free stack
             if short <= 0:
                 continue
             own_oldest = p.oldest_release()
@@ -574,7 +574,7 @@ class SlabArena:
                 size[-1] = self.geometry.tail_blocks
             expect = np.where(owned, size - p.live - p.cached, 0)
             assert (counts == expect).all(), p
-            assert int(p.cached.sum()) == len(p._evictable), p
+            assert int(p.cached.sum()) == p.num_evictable, p
             assert NULL_BLOCK not in set(stack.tolist()), p
             if p.index == self.geometry.home:
                 assert not (stack < self.geometry.home_reserved).any(), p
