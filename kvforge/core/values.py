@@ -24,6 +24,7 @@ from kvforge.errors import RequestStateError
 from kvforge.specs import SwapPurpose
 
 __all__ = [
+    "NO_CELLS",
     "BlockCopy",
     "PageCopy",
     "PageRelease",
@@ -43,6 +44,10 @@ __all__ = [
 
 _EMPTY32 = np.zeros(0, dtype=np.int32)
 _EMPTY64 = np.zeros(0, dtype=np.int64)
+#: the cells of a :class:`TableDelta` that writes none (it only clears rows): one frozen empty
+#: ``int32`` array, shared, so a worker knows such a delta by identity at one comparison
+NO_CELLS = np.zeros(0, dtype=np.int32)
+NO_CELLS.flags.writeable = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +70,10 @@ class TableDelta:
     """
 
     group: str
-    clear_rows: np.ndarray = field(default_factory=lambda: _EMPTY32)
-    rows: np.ndarray = field(default_factory=lambda: _EMPTY32)
-    cols: np.ndarray = field(default_factory=lambda: _EMPTY32)
-    block_ids: np.ndarray = field(default_factory=lambda: _EMPTY32)
+    clear_rows: np.ndarray = field(default_factory=lambda: NO_CELLS)
+    rows: np.ndarray = field(default_factory=lambda: NO_CELLS)
+    cols: np.ndarray = field(default_factory=lambda: NO_CELLS)
+    block_ids: np.ndarray = field(default_factory=lambda: NO_CELLS)
     seq: int = -1
 
     def apply(self, table: np.ndarray) -> None:

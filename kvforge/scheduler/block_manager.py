@@ -118,8 +118,10 @@ from kvforge.specs import SwapPurpose
 __all__ = ["MAX_OPEN_STEPS", "BlockManager", "PrefixStats", "SwapStats"]
 
 MAX_OPEN_STEPS = 16
-_LISTS = (list, tuple)
 """Steps scheduled and not yet ended that a scheduler keeps (engines have one or two)."""
+_LISTS = (list, tuple)
+# the rows and counts of a step of no request (``take_effects``): empty, so one of each serves
+_NO_ROWS, _NO_COUNTS = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
 
 
 def _build_pools(
@@ -830,16 +832,17 @@ class BlockManager:
         if not (t.pending or t.copies) and self.arena is None and self._host_tier is None:
             return None  # the facade asks before most reads: nothing to hand out
         moves = self.arena.take_moves() if self.arena is not None else ()
-        offloads = self._host_tier.take_offloads() if self._host_tier is not None else ()
-        onloads = host_lookup.take_onloads(self._host_tier)
-        copies, deltas = self.take_copies(), self._t.take_pending()  # numbered deltas last
+        tier = self._host_tier
+        offloads = tier.take_offloads() if tier is not None else ()
+        onloads = host_lookup.take_onloads(tier) if tier is not None else ()
+        copies = self.take_copies() if t.copies else ()
+        deltas = t.take_pending()  # numbered deltas last
         if not (moves or offloads or onloads or deltas or copies):
             return None
         self._issued += 1
-        rows, counts = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
         return StepAllocation(
-            request_ids=(), rows=rows, num_computed=counts, num_new=counts, refused=(),
-            table_deltas=deltas, copies_before=copies, step_id=self._issued,
+            request_ids=(), rows=_NO_ROWS, num_computed=_NO_COUNTS, num_new=_NO_COUNTS,
+            refused=(), table_deltas=deltas, copies_before=copies, step_id=self._issued,
             offloads=offloads, onloads=onloads, moves=moves,
         )  # fmt: skip
 

@@ -44,6 +44,7 @@ NULL_BLOCK = 0
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # no Python-level wrappers per call
 _INTS = (int, np.integer)
 _FEW = 16  # up to this many ids, Python loops over scalars beat numpy's per-call overhead
+_FEW_HELD = 64  # one request's blocks of a pool: a freed row releases them in scalar stores
 
 
 class BlockPool:
@@ -233,18 +234,48 @@ class BlockPool:
         """Release a few distinct, held ids of an unshared pool that retains nothing, in
         scalar stores; ``False``, having changed nothing, for anything else (more ids, a
         repeat, an over-release: :meth:`_release` decides and words it)."""
-        n = len(block_ids)
-        if n > _FEW or self._shared or self._ever_retained:
+        if len(block_ids) > _FEW or not self._few_fit(block_ids):
             return False
+        self.release_few(block_ids)
+        return True
+
+    def can_release_few(self, block_ids: list[int]) -> bool:
+        """Whether :meth:`release_few` may drop ``block_ids`` (a non-empty Python list): at
+        most 64 distinct ids, each held, in a pool where no block was ever shared or retained
+        (so each held block has exactly one reference). Reads only; an arena pool, whose
+        slabs count their blocks, answers ``False``."""
+        return self._few_fit(block_ids)
+
+    def _few_fit(self, block_ids: list[int]) -> bool:
         ref = self._ref
-        if len(set(block_ids)) != n or min([ref[b] for b in block_ids]) < 1:
-            return False
+        return (
+            len(block_ids) <= _FEW_HELD
+            and not (self._shared or self._ever_retained)
+            and len(set(block_ids)) == len(block_ids)
+            and min([ref[b] for b in block_ids]) >= 1
+        )
+
+    def release_few(self, block_ids: list[int]) -> None:
+        """Drop the one reference of each of ``block_ids``, which :meth:`can_release_few`
+        accepted with nothing changed since: scalar stores, no check; the ids go on the free
+        stack in the order :meth:`release` puts them (the deepest is taken last)."""
+        ref = self._ref
         for b in block_ids:  # unshared: each held block has one reference, now none
             ref[b] = 0
         top = self._num_free
-        self._stack[top : top + n] = block_ids[::-1]
-        self._num_free = top + n
-        return True
+        self._stack[top : top + len(block_ids)] = block_ids[::-1]
+        self._num_free = top + len(block_ids)
+
+    def restore_few(self, block_ids: list[int], num_free: int) -> None:
+        """Take back a :meth:`release_few` of ``block_ids``, whole, cut short by an exception,
+        or never begun, when ``num_free`` blocks were free before it and nothing else ran on
+        this pool since: each id holds its one reference again and the free stack is as it
+        was (the ids :meth:`can_release_few` accepted held exactly one reference each)."""
+        if self._num_free == num_free + len(block_ids):
+            self._num_free = num_free
+        ref = self._ref
+        for b in block_ids:
+            ref[b] = 1
 
     def _release(self, block_ids: np.ndarray) -> None:
         """:meth:`release` of ids :meth:`_check_ids` passed (the counts are checked here)."""

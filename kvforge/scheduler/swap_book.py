@@ -262,13 +262,21 @@ class SwapBook:
 
     def _finish_one(self, request_id: str) -> bool:
         """:meth:`finish` of one running request, the engine's common call: its row read once
-        (:meth:`_release_row`), all or nothing as the batch path. Returns ``True`` (a batch
-        of one always takes this path; ``tests/scheduler/test_grow_one.py`` compares it with
-        the batch path)."""
-        row_of = self._t.row_of
+        (``RequestTables.row_cells``) and released at once when its pools allow
+        (``RequestTables.release_row_at_once``, all or nothing by itself), else under an
+        undo (:meth:`_release_row`), all or nothing as the batch path. Returns ``True`` (a
+        batch of one always takes this path; ``tests/scheduler/test_grow_one.py`` compares it
+        with the batch path)."""
+        t = self._t
+        row_of = t.row_of
+        row = row_of[request_id]
+        cells = t.row_cells(row)
+        if t.release_row_at_once(row, cells):
+            del row_of[request_id]
+            return True
         undo = _Undo()
         try:
-            self._release_row(undo, row_of[request_id])
+            self._release_row(undo, row, cells)
             undo.pop(row_of, request_id)
         except BaseException as exc:
             undo.rollback(exc)
@@ -659,19 +667,20 @@ class SwapBook:
 
         undo.add(restore)
 
-    def _release_row(self, undo: _Undo, row: int) -> None:
-        """:meth:`_release_rows` of one row, undoable, reading its cells once
+    def _release_row(
+        self, undo: _Undo, row: int, cells: list[tuple[int, int, list[int], list[int]]]
+    ) -> None:
+        """:meth:`_release_rows` of one row, undoable, whose cells were read once
         (``RequestTables.row_cells``): the saved state is the cells it can hold, its extents,
         token count and commits, the free rows and the pending deltas, and the references
         its blocks drop."""
         t = self._t
-        cells = t.row_cells(row)
-        self._save_rows(undo, row, [slice(first, end) for first, end, _ in cells])
+        self._save_rows(undo, row, [slice(first, end) for first, end, _, _ in cells])
         for pool, members in t.pools:
             if len(members) == 1:
-                undo.guard_listed(pool, cells[members[0]][2])
+                undo.guard_listed(pool, cells[members[0]][3])
             else:
-                undo.guard_listed(pool, [b for gi in members for b in cells[gi][2]])
+                undo.guard_listed(pool, [b for gi in members for b in cells[gi][3]])
         t.release_row(row, cells)
 
     def _release_rows(self, undo: _Undo, rows: np.ndarray) -> None:

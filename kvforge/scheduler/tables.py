@@ -19,16 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvforge.core.values import BlockCopy, TableDelta
+from kvforge.core.values import NO_CELLS, BlockCopy, TableDelta
 from kvforge.kinds import GroupFamily, KindRule
 from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.specs import CacheGroup
 
 __all__ = ["GroupTable", "RequestTables", "expand"]
-
-_NO_CELLS = np.zeros(0, dtype=np.int32)  # the cells of a delta that only clears rows
-_NO_CELLS.flags.writeable = False
 
 
 @dataclass
@@ -146,7 +143,7 @@ class RequestTables:
         self.pending.append(
             TableDelta(
                 g.spec.name,
-                _NO_CELLS,
+                NO_CELLS,
                 np.array([row] * len(cols), dtype=np.int32),
                 np.array(cols, dtype=np.int32),
                 np.array(ids, dtype=np.int32),
@@ -195,33 +192,78 @@ class RequestTables:
         self.committed[:, rows] = 0
         self.free_rows.extend(rows[::-1].tolist())
 
-    def row_cells(self, row: int) -> list[tuple[int, int, list[int]]]:
-        """Per group, the cells ``row`` can hold and the blocks in them: ``(first, end,
+    def row_cells(self, row: int) -> list[tuple[int, int, list[int], list[int]]]:
+        """Per group, the cells ``row`` can hold and the blocks in them: ``(first, end, cells,
         blocks)``, columns ``[first, end)`` (from ``held_from`` in a window group, to
-        ``cdiv(num_tokens, B)``; every cell outside is null) and their non-null ids in
-        chain order, as :meth:`release_rows` reads them for one row."""
+        ``cdiv(num_tokens, B)``; every cell outside is null), their ids as read, and the
+        non-null ids in chain order, as :meth:`release_rows` reads them for one row."""
         longest = int(self.num_tokens[row])
         out = []
         for g in self.groups:
             first = int(g.held_from[row]) if g.windowed else 0
             end = g.slots if g.per_request else -(-longest // g.block_size)
-            held = [b for b in g.table[row, first:end].tolist() if b] if end > first else []
-            out.append((first, end, held))
+            cells = g.table[row, first:end].tolist() if end > first else []
+            out.append((first, end, cells, [b for b in cells if b]))
         return out
 
-    def release_row(self, row: int, cells: list[tuple[int, int, list[int]]]) -> None:
+    def release_row(self, row: int, cells: list[tuple[int, int, list[int], list[int]]]) -> None:
         """:meth:`release_rows` of one row whose :meth:`row_cells` are ``cells``: the same
         releases, cleared cells, deltas and free row, by basic indexing (a fancy index per
         group costs more than the release itself at one row; ``tests/scheduler/
         test_grow_one.py`` compares the two)."""
+        for g, (_, _, _, held) in zip(self.groups, cells, strict=True):
+            g.pool.release_listed(held)  # the table's own cells (the deepest evicts first)
+        self._clear_row(row, cells)
+
+    def release_row_at_once(
+        self, row: int, cells: list[tuple[int, int, list[int], list[int]]]
+    ) -> bool:
+        """:meth:`release_row`, all or nothing by itself, when every pool can drop the row's
+        blocks in scalar stores (``BlockPool.can_release_few``: few, each held once, nothing
+        shared or retained): an exception part way, an interrupt included, puts every pool,
+        cell, count and pending delta back (``BlockPool.restore_few``) and propagates.
+        ``False``, having changed nothing, for any other row: the caller releases it under
+        its undo (``SwapBook``)."""
+        drops = []
+        for pool, members in self.pools:
+            ids = cells[members[0]][3] if len(members) == 1 else [
+                b for gi in members for b in cells[gi][3]
+            ]  # fmt: skip
+            if ids:
+                if not pool.can_release_few(ids):
+                    return False
+                drops.append((pool, ids, pool.num_free))
+        saved_from = [int(g.held_from[row]) for g in self.groups]
+        tokens, committed = int(self.num_tokens[row]), self.committed[:, row].copy()
+        num_free_rows, pending = len(self.free_rows), self.pending
+        num_pending = len(pending)
+        try:
+            for pool, ids, _ in drops:
+                pool.release_few(ids)  # the table's own cells (the deepest evicts first)
+            self._clear_row(row, cells)
+        except BaseException:
+            for pool, ids, num_free in reversed(drops):
+                pool.restore_few(ids, num_free)
+            for g, (first, end, row_cells, _), held_from in zip(
+                self.groups, cells, saved_from, strict=True
+            ):
+                if end > first:
+                    g.table[row, first:end] = row_cells
+                g.held_from[row] = held_from
+            self.num_tokens[row], self.committed[:, row] = tokens, committed
+            del self.free_rows[num_free_rows:], pending[num_pending:]
+            raise
+        return True
+
+    def _clear_row(self, row: int, cells: list[tuple[int, int, list[int], list[int]]]) -> None:
+        """Empty ``row`` (whose blocks were released), queue its cleared deltas, put it back."""
         clear = np.array([row], dtype=np.int32)
         clear.flags.writeable = False  # one frozen array shared by the groups' deltas
-        for g, (first, end, held) in zip(self.groups, cells, strict=True):
-            g.pool.release_listed(held)  # the table's own cells (the deepest evicts first)
+        for g, (first, end, _, _) in zip(self.groups, cells, strict=True):
             if end > first:
                 g.table[row, first:end] = NULL_BLOCK
             g.held_from[row] = 0
-            self.pending.append(TableDelta(g.spec.name, clear, _NO_CELLS, _NO_CELLS, _NO_CELLS))
+            self.pending.append(TableDelta(g.spec.name, clear, NO_CELLS, NO_CELLS, NO_CELLS))
         self.num_tokens[row] = 0
         self.committed[:, row] = 0
         self.free_rows.append(row)

@@ -42,6 +42,7 @@ import numpy as np
 from kvforge.core.arena import ArenaGeometry
 from kvforge.core.swap_receipt import plan_receipt
 from kvforge.core.values import (
+    NO_CELLS,
     BlockCopy,
     PageCopy,
     RequestMove,
@@ -189,30 +190,40 @@ def _few_cells_fit(
     which the full checks then decide and word. ``tests/worker/test_guard_few.py`` compares
     the two."""
     for i, delta in enumerate(deltas):
-        if type(delta) is not TableDelta or type(delta.group) is not str:
+        if type(delta) is not TableDelta:
             return False
-        seq, table = delta.seq, tables.get(delta.group)
-        if type(seq) is not int or seq != next_seq + i or table is None:
+        group, seq = delta.group, delta.seq
+        if type(group) is not str or type(seq) is not int or seq != next_seq + i:
+            return False
+        table = tables.get(group)
+        if table is None:
             return False
         clear, rows, cols, ids = delta.clear_rows, delta.rows, delta.cols, delta.block_ids
-        if not (
-            type(clear) is type(rows) is type(cols) is type(ids) is np.ndarray
-            and clear.dtype is rows.dtype is cols.dtype is ids.dtype is _I32
-            and clear.ndim == rows.ndim == cols.ndim == ids.ndim == 1
-        ):
+        if type(clear) is not np.ndarray or clear.dtype is not _I32 or clear.ndim != 1:
             return False
-        n, num_rows = len(rows), table.shape[0]
-        if n > _FEW_CELLS or len(clear) > _FEW_CELLS or len(cols) != n or len(ids) != n:
-            return False
+        num_rows = table.shape[0]
         if len(clear):
+            if len(clear) > _FEW_CELLS:
+                return False
             listed = clear.tolist()
             if min(listed) < 0 or max(listed) >= num_rows:
                 return False
+        if rows is NO_CELLS and cols is NO_CELLS and ids is NO_CELLS:
+            continue  # it only clears rows (the one frozen empty array): nothing more to see
+        if not (
+            type(rows) is type(cols) is type(ids) is np.ndarray
+            and rows.dtype is cols.dtype is ids.dtype is _I32
+            and rows.ndim == cols.ndim == ids.ndim == 1
+        ):
+            return False
+        n = len(rows)
+        if n > _FEW_CELLS or len(cols) != n or len(ids) != n:
+            return False
         if n:
             r, c, b = rows.tolist(), cols.tolist(), ids.tolist()
             if min(r) < 0 or max(r) >= num_rows or min(c) < 0 or max(c) >= table.shape[1]:
                 return False
-            if min(b) < 0 or max(b) >= num_blocks[delta.group]:
+            if min(b) < 0 or max(b) >= num_blocks[group]:
                 return False
     return True
 
@@ -744,7 +755,10 @@ class Verifier:
         """Deltas checked by :meth:`deltas` were mirrored: count them, forget emptied rows."""
         clears = [delta.clear_rows for delta in deltas if len(delta.clear_rows)]
         if clears:  # logged in order with the steps (a copy: the caller keeps its arrays)
-            self._log_rows(np.concatenate(clears), False)
+            first = clears[0]
+            # one row cleared in every group (a finish) shares one array: log it once
+            same = all(clear is first for clear in clears)
+            self._log_rows(first.copy() if same else np.concatenate(clears), False)
         self.next_seq += len(deltas)
 
     def stepped(self, rows: np.ndarray) -> None:

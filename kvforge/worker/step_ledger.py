@@ -234,7 +234,10 @@ class StepLedger:
 def _emptied(deltas: Sequence[TableDelta]) -> set[int]:
     """The rows ``deltas`` empty."""
     rows: set[int] = set()
+    seen = None
     for delta in deltas:
-        if len(delta.clear_rows):
-            rows.update(np.asarray(delta.clear_rows).tolist())
+        clear = delta.clear_rows
+        if len(clear) and clear is not seen:  # a finish shares one array among its groups
+            rows.update(np.asarray(clear).tolist())
+            seen = clear
     return rows

@@ -137,3 +137,74 @@ def test_grow_one_declines_what_the_batch_path_must_decide():
     step = m.schedule(["a"], [200])
     assert [(r.reason, r.group) for r in step.refused] == [("out_of_blocks", "kv")]
     assert step.request_ids == () and same(state(m), before)
+
+
+def _held_manager() -> tuple[BlockManager, tuple]:
+    """Per-group pools (four of them), three requests grown, one of them past its windows."""
+    m = _manager(kv=60, swa=60, rows=3, share_pools=False)
+    for rid, n in (("a", 40), ("b", 300), ("c", 17)):
+        m.end_step(m.schedule([rid], [n]))
+    m.take_effects()
+    return m, state(m)
+
+
+def test_a_row_released_at_once_rolls_back_under_an_interrupt_at_every_phase():
+    """``RequestTables.release_row_at_once`` changes several pools in turn, with no undo of
+    the book's: an interrupt as any kvforge function of ``finish`` is entered (the second
+    pool's release, the row's clearing) leaves the manager exactly as before, or the finish
+    done; the finish then runs whole."""
+    import sys
+
+    import kvforge
+
+    root = kvforge.__file__.rsplit("/", 1)[0]
+    m, _ = _held_manager()
+    m.finish(["b"])
+    done = state(m)
+    k, outcomes = 0, set()
+    while True:
+        k += 1
+        m, before = _held_manager()
+        entered = []
+
+        def calls(frame, event, arg, k=k, entered=entered):
+            if frame.f_code.co_filename.startswith(root) and "<" not in frame.f_code.co_name:
+                entered.append(frame.f_code.co_qualname)
+                if len(entered) == k:
+                    raise KeyboardInterrupt(frame.f_code.co_qualname)
+
+        sys.settrace(calls)
+        try:
+            m.finish(["b"])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        if len(entered) < k:
+            break  # every phase was swept
+        now = state(m)
+        if same(now, before):
+            outcomes.add("rolled back")
+            m.finish(["b"])
+        assert same(state(m), done), entered
+    assert "BlockPool.release_few" in entered and outcomes == {"rolled back"}, entered
+    assert k > 8
+
+
+def test_a_shared_block_keeps_a_finish_under_the_undo():
+    """A pool where a block has two holders cannot drop a row in scalar stores:
+    ``release_row_at_once`` answers ``False`` with nothing changed, and the finish takes the
+    undo path, releasing exactly the row's references."""
+    m, _ = _held_manager()
+    t = m._t
+    g = t.by_name["kv"]
+    row = t.row_of["a"]
+    block = int(g.table[row, 0])
+    g.pool.share([block])  # a second holder, as a prefix hit makes
+    before = state(m)
+    cells = t.row_cells(row)
+    assert not t.release_row_at_once(row, cells)
+    assert same(state(m), before)
+    m.finish(["a"])
+    assert "a" not in m.requests and g.pool.ref_count(block) == 1
+    g.pool.release([block])

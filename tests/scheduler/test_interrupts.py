@@ -156,7 +156,7 @@ def build(op: Operation) -> Callable[[], tuple]:
 def sweep(name: str, mirroring: bool = False) -> dict[str, int]:
     op = OPERATIONS[name]
     points = phases(build(op), op.run, mirroring)
-    assert len(points) > (3 if mirroring else 20), points  # both sides' phases
+    assert len(points) > (3 if mirroring else 15), points  # both sides' phases
     outcomes = {"completed": 0, "rolled back": 0}
     for k in points:
         ctl, written = build(op)()

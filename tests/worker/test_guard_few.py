@@ -2,7 +2,8 @@
 (``guard._few_cells_fit``); whatever it accepts, the full checks by array reductions
 (``guard._check_every_delta``) accept too, and whatever the full checks refuse, the Python
 ints decline (so the refusal keeps its words). Random deltas, in and out of range, of every
-integer dtype, in and out of sequence."""
+integer dtype, in and out of sequence, with cells of their own or the shared frozen empty
+cells of a delta that only clears rows (``NO_CELLS``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforge.core.values import TableDelta
+from kvforge.core.values import NO_CELLS, TableDelta
 from kvforge.errors import WorkerRefusedError
 from kvforge.worker import guard
 
@@ -40,7 +41,9 @@ def deltas(draw: st.DrawFn) -> tuple[list[TableDelta], int]:
         cols = _array(draw(st.lists(CELL, min_size=n, max_size=n)), dtype)
         m = draw(st.sampled_from([n, n, n, max(n - 1, 0)]))  # sometimes a short array
         ids = _array(draw(st.lists(CELL, min_size=m, max_size=m)), dtype)
-        clear = np.array(draw(st.lists(st.integers(-1, 4), max_size=2)), np.int32)
+        clear = _array(draw(st.lists(st.integers(-1, 4), max_size=2)), draw(DTYPE))
+        if n == 0 and draw(st.booleans()):  # the scheduler side's clear: one frozen array
+            rows = cols = ids = NO_CELLS
         seq = start + i + draw(st.sampled_from([0, 0, 0, 1]))
         out.append(TableDelta(group, clear, rows, cols, ids, seq))
     return out, start
@@ -64,6 +67,7 @@ def test_python_ints_accept_only_what_the_full_checks_accept(case):
     small = all(
         d.rows.dtype == np.int32 and len(d.rows) <= guard._FEW_CELLS
         and d.cols.dtype == np.int32 and d.block_ids.dtype == np.int32
+        and d.clear_rows.dtype == np.int32
         for d in batch
     )  # fmt: skip
     if small and full:
