@@ -233,8 +233,8 @@ class ArenaBlockPool(BlockPool):
     def release_listed(self, block_ids: list[int]) -> None:
         self.release_held(np.array(block_ids, dtype=np.int32))  # with the slabs' counts
 
-    def can_release_few(self, block_ids: list[int]) -> bool:
-        return False  # release_few would leave the slabs' counts behind
+    def held_counts(self, block_ids: list[int]) -> list[int] | None:
+        return None  # release_few would leave the slabs' counts behind
 
     def release_held(self, ids: np.ndarray) -> None:
         self._release(ids)

@@ -458,6 +458,7 @@ class BlockManager:
         self._issued += 1
         ids = work.request_ids = (request_id,)
         self._open_steps[self._issued] = work
+        tier = self._host_tier
         return StepAllocation(
             request_ids=ids,
             rows=np.array([row], dtype=np.int32),
@@ -468,8 +469,8 @@ class BlockManager:
             copies_before=tuple(copies_before),
             step_id=self._issued,
             moves=self.arena.take_moves() if self.arena is not None else (),
-            offloads=self._host_tier.take_offloads() if self._host_tier is not None else (),
-            onloads=host_lookup.take_onloads(self._host_tier),
+            offloads=tier.take_offloads() if tier is not None else (),
+            onloads=host_lookup.take_onloads(tier) if tier is not None else (),
         )
 
     def _open_step(

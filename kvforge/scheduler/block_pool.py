@@ -234,48 +234,70 @@ class BlockPool:
         """Release a few distinct, held ids of an unshared pool that retains nothing, in
         scalar stores; ``False``, having changed nothing, for anything else (more ids, a
         repeat, an over-release: :meth:`_release` decides and words it)."""
-        if len(block_ids) > _FEW or not self._few_fit(block_ids):
+        if len(block_ids) > _FEW or self._shared or self._ever_retained:
+            return False
+        if self._held_counts(block_ids) is None:
             return False
         self.release_few(block_ids)
         return True
 
-    def can_release_few(self, block_ids: list[int]) -> bool:
-        """Whether :meth:`release_few` may drop ``block_ids`` (a non-empty Python list): at
-        most 64 distinct ids, each held, in a pool where no block was ever shared or retained
-        (so each held block has exactly one reference). Reads only; an arena pool, whose
-        slabs count their blocks, answers ``False``."""
-        return self._few_fit(block_ids)
+    def held_counts(self, block_ids: list[int]) -> list[int] | None:
+        """The reference counts of ``block_ids`` (a non-empty Python list) when
+        :meth:`release_few` may drop them: at most 64 distinct ids, each held (a count of 1
+        or more); ``None`` otherwise. Reads only; an arena pool, whose slabs count their
+        blocks, answers ``None``. The counts are what :meth:`restore_few` puts back."""
+        return self._held_counts(block_ids)
 
-    def _few_fit(self, block_ids: list[int]) -> bool:
+    def _held_counts(self, block_ids: list[int]) -> list[int] | None:
+        if len(block_ids) > _FEW_HELD or len(set(block_ids)) != len(block_ids):
+            return None
         ref = self._ref
-        return (
-            len(block_ids) <= _FEW_HELD
-            and not (self._shared or self._ever_retained)
-            and len(set(block_ids)) == len(block_ids)
-            and min([ref[b] for b in block_ids]) >= 1
-        )
+        counts = [ref[b] for b in block_ids]
+        return counts if min(counts) >= 1 else None
 
     def release_few(self, block_ids: list[int]) -> None:
-        """Drop the one reference of each of ``block_ids``, which :meth:`can_release_few`
-        accepted with nothing changed since: scalar stores, no check; the ids go on the free
-        stack in the order :meth:`release` puts them (the deepest is taken last)."""
+        """:meth:`release` of ``block_ids``, which :meth:`held_counts` accepted (they or ids
+        among them) with none of them changed since, in scalar stores and no check: each
+        drops one reference; those at none
+        go on the free stack, or become evictable when retained, in the order
+        :meth:`release` gives them."""
         ref = self._ref
-        for b in block_ids:  # unshared: each held block has one reference, now none
-            ref[b] = 0
+        if not self._shared:  # each held block has one reference, now none
+            for b in block_ids:
+                ref[b] = 0
+            zero = block_ids
+        else:
+            zero = []
+            for b in block_ids:
+                left = ref[b] - 1
+                ref[b] = left
+                if not left:
+                    zero.append(b)
+        if self._ever_retained:
+            retained = self._retained
+            keyed = [b for b in zero if retained[b]]
+            if keyed:  # evicted deepest first: the chain's tail is its least recent
+                for b in reversed(keyed):
+                    self._evictable[b] = None
+                zero = [b for b in zero if not retained[b]]
         top = self._num_free
-        self._stack[top : top + len(block_ids)] = block_ids[::-1]
-        self._num_free = top + len(block_ids)
+        self._stack[top : top + len(zero)] = zero[::-1]
+        self._num_free = top + len(zero)
 
-    def restore_few(self, block_ids: list[int], num_free: int) -> None:
-        """Take back a :meth:`release_few` of ``block_ids``, whole, cut short by an exception,
-        or never begun, when ``num_free`` blocks were free before it and nothing else ran on
-        this pool since: each id holds its one reference again and the free stack is as it
-        was (the ids :meth:`can_release_few` accepted held exactly one reference each)."""
-        if self._num_free == num_free + len(block_ids):
-            self._num_free = num_free
-        ref = self._ref
-        for b in block_ids:
-            ref[b] = 1
+    def restore_few(self, block_ids: list[int], counts: list[int], num_free: int) -> None:
+        """Take back :meth:`release_few` of ``block_ids`` (in one call or in parts), whole,
+        cut short by an exception, or never begun, when their counts were ``counts``
+        (:meth:`held_counts`) and ``num_free`` blocks were free before it and nothing else
+        ran on this pool since: the
+        counts, the evictable set and the free stack are as they were. (A held block is never
+        evictable, so every one of ``block_ids`` found evictable was made so by the
+        release.)"""
+        ref, evictable = self._ref, self._evictable
+        for b, count in zip(block_ids, counts, strict=True):
+            if b in evictable:
+                del evictable[b]
+            ref[b] = count
+        self._num_free = num_free - len(evictable)
 
     def _release(self, block_ids: np.ndarray) -> None:
         """:meth:`release` of ids :meth:`_check_ids` passed (the counts are checked here)."""

@@ -219,31 +219,35 @@ class RequestTables:
         self, row: int, cells: list[tuple[int, int, list[int], list[int]]]
     ) -> bool:
         """:meth:`release_row`, all or nothing by itself, when every pool can drop the row's
-        blocks in scalar stores (``BlockPool.can_release_few``: few, each held once, nothing
-        shared or retained): an exception part way, an interrupt included, puts every pool,
-        cell, count and pending delta back (``BlockPool.restore_few``) and propagates.
-        ``False``, having changed nothing, for any other row: the caller releases it under
-        its undo (``SwapBook``)."""
-        drops = []
+        blocks in scalar stores (``BlockPool.held_counts``: a few, each held once): an
+        exception part way, an interrupt included, puts every pool, cell, count and pending
+        delta back (``BlockPool.restore_few``) and propagates. ``False``, having changed
+        nothing, for any other row (an arena, many blocks): the caller releases it under its
+        undo (``SwapBook``)."""
+        saved = []  # per pool: its ids in the row, their counts, its free blocks
         for pool, members in self.pools:
             ids = cells[members[0]][3] if len(members) == 1 else [
                 b for gi in members for b in cells[gi][3]
             ]  # fmt: skip
             if ids:
-                if not pool.can_release_few(ids):
+                counts = pool.held_counts(ids)
+                if counts is None:
                     return False
-                drops.append((pool, ids, pool.num_free))
+                saved.append((pool, ids, counts, pool.num_free))
         saved_from = [int(g.held_from[row]) for g in self.groups]
         tokens, committed = int(self.num_tokens[row]), self.committed[:, row].copy()
         num_free_rows, pending = len(self.free_rows), self.pending
         num_pending = len(pending)
         try:
-            for pool, ids, _ in drops:
-                pool.release_few(ids)  # the table's own cells (the deepest evicts first)
+            # group by group, as release_row: a shared pool's evictable blocks keep the
+            # order of the groups (the table's own cells; the deepest evicts first)
+            for g, (_, _, _, held) in zip(self.groups, cells, strict=True):
+                if held:
+                    g.pool.release_few(held)
             self._clear_row(row, cells)
         except BaseException:
-            for pool, ids, num_free in reversed(drops):
-                pool.restore_few(ids, num_free)
+            for pool, ids, counts, num_free in saved:
+                pool.restore_few(ids, counts, num_free)
             for g, (first, end, row_cells, _), held_from in zip(
                 self.groups, cells, saved_from, strict=True
             ):

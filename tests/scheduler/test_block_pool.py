@@ -218,3 +218,58 @@ def test_a_few_taken_blocks_are_the_many_path(count):
     assert taken.dtype == np.int32 and taken.tolist() == list(range(1, count + 1))
     assert pool.ref_counts[1 : count + 1].tolist() == [1] * count
     assert pool.num_free == 29 - count
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    takes=st.integers(1, 30),
+    picks=st.sets(st.integers(0, 29), min_size=1, max_size=20),
+    shared=st.sets(st.integers(0, 29), max_size=6),
+    retained=st.sets(st.integers(0, 29), max_size=8),
+)
+def test_release_few_is_release_and_restore_few_takes_it_back(takes, picks, shared, retained):
+    """``release_few`` of ids ``held_counts`` accepts leaves a pool exactly as ``release_held``
+    of the same ids: counts, free stack and the evictable blocks in their order, with blocks
+    shared and retained; ``restore_few`` then puts back the pool as it was before, and
+    before a release it changes nothing."""
+    pools = [BlockPool(41, "kv"), BlockPool(41, "kv")]
+    for pool in pools:
+        held = pool.take(takes)
+        pool.share([int(held[i]) for i in sorted(shared) if i < takes])
+        for i in sorted(retained):
+            if i < takes:
+                pool.retain(int(held[i]))
+    ids = [int(held[i]) for i in sorted(picks, key=lambda i: (i * 7) % 30) if i < takes]
+    if not ids:
+        return
+    few, array = pools
+
+    def full_state(pool: BlockPool) -> tuple:
+        return (*_pool_state(pool), list(pool._evictable))
+
+    before = full_state(few)
+    counts = few.held_counts(ids)
+    assert counts is not None and [int(c) for c in counts] == [
+        1 + (held.tolist().index(b) in shared) for b in ids
+    ]
+    num_free = few.num_free
+    few.restore_few(ids, counts, num_free)  # never begun: nothing changes
+    assert full_state(few) == before
+    few.release_few(ids)
+    array.release_held(np.array(ids, dtype=np.int32))
+    assert full_state(few) == full_state(array)
+    few.restore_few(ids, counts, num_free)
+    assert full_state(few) == before
+
+
+@pytest.mark.parametrize(
+    ("ids", "why"),
+    [([3, 3], "a repeat"), ([3, 30], "a free block"), (list(range(1, 66)), "65 ids")],
+)
+def test_held_counts_declines_what_release_few_cannot_drop(ids, why):
+    pool = BlockPool(80, "kv")
+    pool.take(70)
+    pool.release([30])
+    before = _pool_state(pool)
+    assert pool.held_counts(ids) is None, why
+    assert _pool_state(pool) == before

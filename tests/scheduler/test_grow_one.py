@@ -139,32 +139,58 @@ def test_grow_one_declines_what_the_batch_path_must_decide():
     assert step.request_ids == () and same(state(m), before)
 
 
-def _held_manager() -> tuple[BlockManager, tuple]:
-    """Per-group pools (four of them), three requests grown, one of them past its windows."""
-    m = _manager(kv=60, swa=60, rows=3, share_pools=False)
+def _held_manager(
+    extra_holders: bool = False, share_pools: bool = False
+) -> tuple[BlockManager, tuple]:
+    """Per-group pools (four of them) or shared ones, three requests grown, one of them past
+    its windows;
+    ``extra_holders``: some of ``b``'s blocks also held by a second holder or retained (as
+    a prefix hit and the prefix cache make them), so its release shares and caches."""
+    if share_pools:  # a window group and a full one drawing on one pool
+        swa = GQABackend(2, 8, block_size=16, sliding_window=32)
+        kv = GQABackend(2, 8, block_size=16)
+        layout = CacheLayout({0: swa, 1: kv, 2: swa, 3: kv})
+        m = BlockManager(layout, {"swa": 90, "kv": 90}, 3, 2048, share_pools=True)
+        assert [members for _, members in m._t.pools] == [[0, 1]]
+    else:
+        m = _manager(kv=60, swa=60, rows=3, share_pools=False)
     for rid, n in (("a", 40), ("b", 300), ("c", 17)):
         m.end_step(m.schedule([rid], [n]))
     m.take_effects()
+    if extra_holders:
+        t = m._t
+        for g in t.groups:
+            held = [b for b in g.table[t.row_of["b"]].tolist() if b]
+            g.pool.share(held[:1])
+            for b in held[1:3]:
+                g.pool.retain(b)
     return m, state(m)
 
 
-def test_a_row_released_at_once_rolls_back_under_an_interrupt_at_every_phase():
+@pytest.mark.parametrize("share_pools", [False, True])
+@pytest.mark.parametrize("extra_holders", [False, True])
+def test_a_row_released_at_once_rolls_back_under_an_interrupt_at_every_phase(
+    extra_holders, share_pools
+):
     """``RequestTables.release_row_at_once`` changes several pools in turn, with no undo of
     the book's: an interrupt as any kvforge function of ``finish`` is entered (the second
-    pool's release, the row's clearing) leaves the manager exactly as before, or the finish
-    done; the finish then runs whole."""
+    pool's release, the row's clearing) leaves the manager exactly as before, the evictable
+    blocks in their order included; the finish then runs whole, to what the batch path
+    makes of it."""
     import sys
 
     import kvforge
 
     root = kvforge.__file__.rsplit("/", 1)[0]
-    m, _ = _held_manager()
-    m.finish(["b"])
-    done = state(m)
+    m, _ = _held_manager(extra_holders, share_pools)
+    with pytest.MonkeyPatch.context() as mp:  # what the batch path makes of it
+        mp.setattr(SwapBook, "_finish_one", _off)
+        m.finish(["b"])
+    done = (state(m), [list(g.pool._evictable) for g in m._t.groups])
     k, outcomes = 0, set()
     while True:
         k += 1
-        m, before = _held_manager()
+        m, before = _held_manager(extra_holders, share_pools)
         entered = []
 
         def calls(frame, event, arg, k=k, entered=entered):
@@ -182,29 +208,29 @@ def test_a_row_released_at_once_rolls_back_under_an_interrupt_at_every_phase():
             sys.settrace(None)
         if len(entered) < k:
             break  # every phase was swept
-        now = state(m)
-        if same(now, before):
+        if same(state(m), before):
             outcomes.add("rolled back")
+            assert all(not g.pool._evictable for g in m._t.groups)
             m.finish(["b"])
-        assert same(state(m), done), entered
+        assert same((state(m), [list(g.pool._evictable) for g in m._t.groups]), done), entered
     assert "BlockPool.release_few" in entered and outcomes == {"rolled back"}, entered
     assert k > 8
+    if extra_holders:  # the shared blocks kept a holder, the retained ones are evictable
+        pools = {id(g.pool): g.pool for g in m._t.groups}
+        assert sum(len(p._evictable) for p in pools.values()) == 2 * len(m._t.groups)
 
 
-def test_a_shared_block_keeps_a_finish_under_the_undo():
-    """A pool where a block has two holders cannot drop a row in scalar stores:
-    ``release_row_at_once`` answers ``False`` with nothing changed, and the finish takes the
-    undo path, releasing exactly the row's references."""
-    m, _ = _held_manager()
+def test_many_blocks_keep_a_finish_under_the_undo():
+    """A row with more blocks in a pool than scalar stores serve (64): ``release_row_at_once``
+    answers ``False`` with nothing changed, and the finish takes the undo path, releasing
+    exactly the row's blocks."""
+    m = _manager(kv=80, swa=60, rows=2, share_pools=False)
+    m.end_step(m.schedule(["a"], [70 * 16]))  # 70 blocks of the full group
+    m.take_effects()
     t = m._t
-    g = t.by_name["kv"]
     row = t.row_of["a"]
-    block = int(g.table[row, 0])
-    g.pool.share([block])  # a second holder, as a prefix hit makes
     before = state(m)
-    cells = t.row_cells(row)
-    assert not t.release_row_at_once(row, cells)
+    assert not t.release_row_at_once(row, t.row_cells(row))
     assert same(state(m), before)
     m.finish(["a"])
-    assert "a" not in m.requests and g.pool.ref_count(block) == 1
-    g.pool.release([block])
+    assert m.requests == [] and all(g.pool.num_used == 0 for g in t.groups)
