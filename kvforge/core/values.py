@@ -24,6 +24,7 @@ from kvforge.errors import RequestStateError
 from kvforge.specs import SwapPurpose
 
 __all__ = [
+    "FEW_CELLS",
     "NO_CELLS",
     "BlockCopy",
     "PageCopy",
@@ -48,6 +49,9 @@ _EMPTY64 = np.zeros(0, dtype=np.int64)
 #: ``int32`` array, shared, so a worker knows such a delta by identity at one comparison
 NO_CELLS = np.zeros(0, dtype=np.int32)
 NO_CELLS.flags.writeable = False
+#: cells (or cleared rows) of one request's step in one group, at most: up to this many, a
+#: worker checks and mirrors a delta in Python ints (numpy's per-call overhead dominates)
+FEW_CELLS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +87,10 @@ class TableDelta:
             table[int(clear[0])] = 0  # one finished request: basic indexing
         elif len(clear):
             table[clear] = 0
-        if 0 < n <= 8 and type(self.rows) is type(self.cols) is type(self.block_ids) is np.ndarray:
+        if (
+            0 < n <= FEW_CELLS
+            and type(self.rows) is type(self.cols) is type(self.block_ids) is np.ndarray
+        ):
             # a step of one request: scalar stores beat a scatter
             for row, col, block in zip(
                 self.rows.tolist(), self.cols.tolist(), self.block_ids.tolist(), strict=True

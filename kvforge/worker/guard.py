@@ -42,6 +42,7 @@ import numpy as np
 from kvforge.core.arena import ArenaGeometry
 from kvforge.core.swap_receipt import plan_receipt
 from kvforge.core.values import (
+    FEW_CELLS,
     NO_CELLS,
     BlockCopy,
     PageCopy,
@@ -176,7 +177,7 @@ def _check_every_delta(
 
 
 _FEW_DELTAS = 8  # deltas of one request's step (a few groups)
-_FEW_CELLS = 8  # cells (or cleared rows) of one such delta
+_FEW_CELLS = FEW_CELLS  # cells (or cleared rows) of one such delta
 
 
 def _few_cells_fit(

@@ -570,11 +570,11 @@ class CacheStorage:
         computed in Python ints (:func:`_one_slot`, the numpy kernel's arithmetic; numpy's
         per-call overhead dominates at one token)."""
         with self._lock:
+            if checked and positions.shape[0] == 1:
+                few = self.few_slots(row, group, [int(positions[0])], compress_ratio)
+                return np.array(few, dtype=np.int64)
             table = self.block_table(group)
             block_size = self.layout.group(group).block_size
-            if checked and positions.shape[0] == 1:
-                slot = _one_slot(table, row, int(positions[0]), block_size, compress_ratio)
-                return np.array([slot], dtype=np.int64)
             rows = np.full(positions.shape, row, dtype=np.int64)
             return ops.slot_mapping(
                 table, rows, positions, block_size, compress_ratio, check=not checked
