@@ -271,8 +271,7 @@ class SwapBook:
         row_of = t.row_of
         row = row_of[request_id]
         cells = t.row_cells(row)
-        if t.release_row_at_once(row, cells):
-            del row_of[request_id]
+        if t.release_row_at_once(request_id, row, cells):  # the request forgotten too
             return True
         undo = _Undo()
         try:

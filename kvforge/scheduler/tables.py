@@ -214,12 +214,13 @@ class RequestTables:
         self._clear_row(row, cells)
 
     def release_row_at_once(
-        self, row: int, cells: list[tuple[int, int, list[int], list[int]]]
+        self, request_id: str, row: int, cells: list[tuple[int, int, list[int], list[int]]]
     ) -> bool:
-        """:meth:`release_row`, all or nothing by itself, when every pool can drop the row's
-        blocks in scalar stores (``BlockPool.held_counts``: a few, each held once): an
-        exception part way, an interrupt included, puts every pool, cell, count and pending
-        delta back (``BlockPool.restore_few``) and propagates. ``False``, having changed
+        """:meth:`release_row` of ``request_id``'s ``row``, and the request forgotten, all or
+        nothing by itself, when every pool can drop the row's blocks in scalar stores
+        (``BlockPool.held_counts``: a few, each held once): an exception part way, an
+        interrupt included, puts every pool, cell, count, pending delta and the request's
+        row back (``BlockPool.restore_few``) and propagates. ``False``, having changed
         nothing, for any other row (an arena, many blocks): the caller releases it under its
         undo (``SwapBook``)."""
         saved = []  # per pool: its ids in the row, their counts, its free blocks
@@ -232,10 +233,9 @@ class RequestTables:
                 if counts is None:
                     return False
                 saved.append((pool, ids, counts, pool.num_free))
-        saved_from = [int(g.held_from[row]) for g in self.groups]
+        held_from = [int(g.held_from[row]) for g in self.groups]
         tokens, committed = int(self.num_tokens[row]), self.committed[:, row].copy()
-        num_free_rows, pending = len(self.free_rows), self.pending
-        num_pending = len(pending)
+        num_free_rows, num_pending = len(self.free_rows), len(self.pending)
         try:
             # group by group, as release_row: a shared pool's evictable blocks keep the
             # order of the groups (the table's own cells; the deepest evicts first)
@@ -243,19 +243,42 @@ class RequestTables:
                 if held:
                     g.pool.release_few(held)
             self._clear_row(row, cells)
-        except BaseException:
-            for pool, ids, counts, num_free in saved:
-                pool.restore_few(ids, counts, num_free)
-            for g, (first, end, row_cells, _), held_from in zip(
-                self.groups, cells, saved_from, strict=True
-            ):
-                if end > first:
-                    g.table[row, first:end] = row_cells
-                g.held_from[row] = held_from
-            self.num_tokens[row], self.committed[:, row] = tokens, committed
-            del self.free_rows[num_free_rows:], pending[num_pending:]
+            del self.row_of[request_id]  # last: until here a retry finds the request
+        except BaseException as exc:
+            steps = [
+                *(lambda s=s: s[0].restore_few(*s[1:]) for s in saved),
+                lambda: self._restore_row(row, cells, held_from, tokens, committed),
+                lambda: self._restore_lists(request_id, row, num_free_rows, num_pending),
+            ]
+            for step in steps:  # each runs, whatever another raises (noted on ``exc``)
+                try:
+                    step()
+                except BaseException as failure:
+                    exc.add_note(f"kvforge: putting a released row back failed: {failure!r}")
             raise
         return True
+
+    def _restore_row(
+        self,
+        row: int,
+        cells: list[tuple[int, int, list[int], list[int]]],
+        held_from: list[int],
+        tokens: int,
+        committed: np.ndarray,
+    ) -> None:
+        """Put back ``row``'s cells (as :meth:`row_cells` read them), extents and counts."""
+        for g, (first, end, row_cells, _), start in zip(self.groups, cells, held_from, strict=True):
+            if end > first:
+                g.table[row, first:end] = row_cells
+            g.held_from[row] = start
+        self.num_tokens[row], self.committed[:, row] = tokens, committed
+
+    def _restore_lists(
+        self, request_id: str, row: int, num_free_rows: int, num_pending: int
+    ) -> None:
+        """Put back the free rows and pending deltas as long as they were, and the request."""
+        del self.free_rows[num_free_rows:], self.pending[num_pending:]
+        self.row_of[request_id] = row
 
     def _clear_row(self, row: int, cells: list[tuple[int, int, list[int], list[int]]]) -> None:
         """Empty ``row`` (whose blocks were released), queue its cleared deltas, put it back."""
