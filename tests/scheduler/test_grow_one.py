@@ -207,13 +207,14 @@ def test_a_row_released_at_once_rolls_back_under_an_interrupt_at_every_line(
                     raise KeyboardInterrupt(f"{seen[-1]}")
             return trace
 
+        previous = sys.gettrace()  # coverage's tracer, when it runs: put back after
         sys.settrace(trace)
         try:
             m.finish(["b"])
         except KeyboardInterrupt:
             pass
         finally:
-            sys.settrace(None)
+            sys.settrace(previous)
         if len(seen) < k:
             break  # every line was swept
         if same(state(m), before):
