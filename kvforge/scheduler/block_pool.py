@@ -258,9 +258,8 @@ class BlockPool:
     def release_few(self, block_ids: list[int]) -> None:
         """:meth:`release` of ``block_ids``, which :meth:`held_counts` accepted (they or ids
         among them) with none of them changed since, in scalar stores and no check: each
-        drops one reference; those at none
-        go on the free stack, or become evictable when retained, in the order
-        :meth:`release` gives them."""
+        drops one reference; those at none go on the free stack, or become evictable when
+        retained, in the order :meth:`release` gives them."""
         ref = self._ref
         if not self._shared:  # each held block has one reference, now none
             for b in block_ids:
@@ -288,10 +287,9 @@ class BlockPool:
         """Take back :meth:`release_few` of ``block_ids`` (in one call or in parts), whole,
         cut short by an exception, or never begun, when their counts were ``counts``
         (:meth:`held_counts`) and ``num_free`` blocks were free before it and nothing else
-        ran on this pool since: the
-        counts, the evictable set and the free stack are as they were. (A held block is never
-        evictable, so every one of ``block_ids`` found evictable was made so by the
-        release.)"""
+        ran on this pool since: the counts, the evictable set and the free stack are as they
+        were. (A held block is never evictable, so every one of ``block_ids`` found
+        evictable was made so by the release.)"""
         ref, evictable = self._ref, self._evictable
         for b, count in zip(block_ids, counts, strict=True):
             if b in evictable:

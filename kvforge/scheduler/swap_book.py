@@ -675,11 +675,8 @@ class SwapBook:
         its blocks drop."""
         t = self._t
         self._save_rows(undo, row, [slice(first, end) for first, end, _, _ in cells])
-        for pool, members in t.pools:
-            if len(members) == 1:
-                undo.guard_listed(pool, cells[members[0]][3])
-            else:
-                undo.guard_listed(pool, [b for gi in members for b in cells[gi][3]])
+        for pool, ids in t.pool_blocks(cells):
+            undo.guard_listed(pool, ids)
         t.release_row(row, cells)
 
     def _release_rows(self, undo: _Undo, rows: np.ndarray) -> None:

@@ -213,6 +213,18 @@ class RequestTables:
             g.pool.release_listed(held)  # the table's own cells (the deepest evicts first)
         self._clear_row(row, cells)
 
+    def pool_blocks(
+        self, cells: list[tuple[int, int, list[int], list[int]]]
+    ) -> list[tuple[BlockPool, list[int]]]:
+        """Per pool, the blocks of one row whose :meth:`row_cells` are ``cells``, its groups'
+        in the layout's order."""
+        return [
+            (pool, cells[members[0]][3])
+            if len(members) == 1
+            else (pool, [b for gi in members for b in cells[gi][3]])
+            for pool, members in self.pools
+        ]
+
     def release_row_at_once(
         self, request_id: str, row: int, cells: list[tuple[int, int, list[int], list[int]]]
     ) -> bool:
@@ -224,10 +236,7 @@ class RequestTables:
         nothing, for any other row (an arena, many blocks): the caller releases it under its
         undo (``SwapBook``)."""
         saved = []  # per pool: its ids in the row, their counts, its free blocks
-        for pool, members in self.pools:
-            ids = cells[members[0]][3] if len(members) == 1 else [
-                b for gi in members for b in cells[gi][3]
-            ]  # fmt: skip
+        for pool, ids in self.pool_blocks(cells):
             if ids:
                 counts = pool.held_counts(ids)
                 if counts is None:
