@@ -16,7 +16,9 @@ The scaling set is also reported per request (decode ``step`` / requests) with i
 ``block_table``, ``slot_mapping`` and ``free_request`` called one request at a time against
 vLLM's ``KVCacheManager.allocate_slots``, ``get_block_ids`` and ``free`` on the same schedule,
 in ``--rounds`` interleaved rounds (JSON phases ``per_request_alloc``, ``_table``, ``_slots``,
-``_free`` and ``_total``, each ratio with ``ratio_spread``: min, median, max over the rounds).
+``_free`` and ``_total``, each ratio with ``ratio_spread``: min, median, max over the rounds),
+and the same calls of kvforge's scheduler side alone, the scope of vLLM's ``KVCacheManager``
+(``per_request_scheduler_alloc``, ``_table``, ``_free``, ``_total``).
 
 Usage::
 

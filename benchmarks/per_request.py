@@ -25,6 +25,14 @@ ratio (``kvforge / vLLM``, below 1: kvforge is cheaper) as the median of the per
 and its spread (min, median, max over the rounds). ``total`` is ``alloc + table + slots``
 against ``alloc + table``: what one request's step costs each side.
 
+``CacheController`` is both sides of kvforge: each call also runs the worker's checked mirror of
+the step (``CacheStorage.run``), which vLLM's ``KVCacheManager`` never does (vLLM's worker
+learns of a step from the next ``SchedulerOutput``, in its own process). So each run of kvforge
+is followed, in the same round, by one of its scheduler side alone (``side="scheduler"``:
+``BlockManager.schedule`` and ``end_step`` / ``block_table`` / ``finish``, the worker never
+told), reported as the calls ``scheduler_alloc``, ``scheduler_table``, ``scheduler_free`` and
+``scheduler_total``: the same scope as ``KVCacheManager``.
+
 Invariants: both sides run exactly the steps of ``schedule(workload)`` on the blocks
 :func:`step_sim.step_num_blocks` sizes (kvforge) and :func:`vllm_baseline.build_kv_cache_config`
 sizes (vLLM); the warm-up run of kvforge checks each step's slot mapping against the block
@@ -50,16 +58,25 @@ from kvforge.core.layout import CacheLayout
 
 __all__ = [
     "CALLS",
+    "SCHEDULER_CALLS",
+    "SIDES",
     "PerRequestRecord",
     "PerRequestTimes",
     "kvforge_per_request",
     "per_request_rounds",
     "print_per_request",
+    "scheduler_per_request",
     "vllm_per_request",
 ]
 
 #: the calls timed, in reporting order; ``total`` is the step's calls together
 CALLS: tuple[str, ...] = ("alloc", "table", "slots", "free", "total")
+
+#: the scheduler side's calls (``side="scheduler"``): no slot mapping, as vLLM's manager
+SCHEDULER_CALLS: tuple[str, ...] = ("alloc", "table", "free", "total")
+
+#: which of kvforge is timed: the facade (both sides), or its scheduler side alone
+SIDES: tuple[str, ...] = ("facade", "scheduler")
 
 
 @dataclass
@@ -99,11 +116,20 @@ def _check_slots(ctl: CacheController, rid: str, group: str, pos: torch.Tensor, 
 
 
 def kvforge_per_request(
-    wl: WorkloadLike, sched: ScheduleLike, check: bool = False
+    wl: WorkloadLike, sched: ScheduleLike, check: bool = False, side: str = "facade"
 ) -> PerRequestTimes:
     """One run of ``sched`` through the facade, one request at a time (see the module
     docstring); ``check``: compare every decode step's slots with the block table, and the
-    pools with empty after the frees (``AssertionError`` on the first difference)."""
+    pools with empty after the frees (``AssertionError`` on the first difference).
+    ``side="scheduler"``: :func:`scheduler_per_request` instead.
+
+    Raises:
+        ValueError: ``side`` not one of :data:`SIDES`.
+    """
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+    if side == "scheduler":
+        return scheduler_per_request(wl, sched, check)
     backends = build_backends(wl)
     layout = CacheLayout(backends)
     num_blocks = step_num_blocks(wl, layout)
@@ -146,6 +172,58 @@ def kvforge_per_request(
         gc.enable()
     if check and ctl.requests:
         raise AssertionError(f"{wl.name}: requests still hold blocks after free: {ctl.requests}")
+    ctl.free()
+    return times
+
+
+def scheduler_per_request(
+    wl: WorkloadLike, sched: ScheduleLike, check: bool = False
+) -> PerRequestTimes:
+    """One run of ``sched`` through kvforge's scheduler side alone, the scope of vLLM's
+    ``KVCacheManager``: per request ``BlockManager.schedule`` of its new tokens and
+    ``end_step`` (``alloc``, as ``CacheController.allocate`` calls them), ``block_table`` of
+    every group (``table``), ``finish`` (``free``). The worker is never told (its mirror is
+    what the facade adds); ``check``: no refusal, and every pool whole after the frees."""
+    backends = build_backends(wl)
+    layout = CacheLayout(backends)
+    num_blocks = step_num_blocks(wl, layout)
+    ctl = CacheController(backends, share_pools=False)  # the same pools as the facade's run
+    ctl.adopt_kv_cache(empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len)
+    manager = ctl.scheduler
+    groups = [g.name for g in ctl.layout.groups]
+    free_before = {g: manager.num_free_blocks(g) for g in groups}
+    ids = [f"req-{i}" for i in range(wl.num_requests)]
+    times = PerRequestTimes()
+    clock = time.perf_counter_ns
+    gc.collect()
+    gc.disable()
+    try:
+        for step in sched.steps:
+            decode = step.phase == "decode"
+            for i, n in step.scheduled:
+                rid = ids[i]
+                t0 = clock()
+                allocation = manager.schedule([rid], [n])
+                manager.end_step(allocation)
+                t1 = clock()
+                tables = [manager.block_table(rid, g) for g in groups]
+                t2 = clock()
+                if allocation.refused:
+                    raise RuntimeError(f"kvforge refused {n} tokens for {rid}: {allocation}")
+                if decode:
+                    times.alloc.append(t1 - t0)
+                    times.table.append(t2 - t1)
+                del tables
+        for i in sched.finished:
+            t0 = clock()
+            manager.finish([ids[i]])
+            times.free.append(clock() - t0)
+    finally:
+        gc.enable()
+    if check:
+        left = {g: manager.num_free_blocks(g) for g in groups}
+        if manager.requests or left != free_before:
+            raise AssertionError(f"{wl.name}: blocks still held after free: {left}")
     ctl.free()
     return times
 
@@ -258,10 +336,16 @@ def _spread(values: Sequence[float], digits: int = 3) -> list[float]:
 
 
 def _records(
-    name: str, ours: list[dict[str, float]], theirs: list[dict[str, float]] | None
+    name: str,
+    ours: list[dict[str, float]],
+    theirs: list[dict[str, float]] | None,
+    side: str = "facade",
 ) -> list[PerRequestRecord]:
+    """One record per call of ``side`` (phases ``per_request_{call}`` for the facade,
+    ``per_request_scheduler_{call}`` for the scheduler side)."""
     out = []
-    for call in CALLS:
+    calls, prefix = (CALLS, "") if side == "facade" else (SCHEDULER_CALLS, f"{side}_")
+    for call in calls:
         mine = [r[call] for r in ours]
         other = None if theirs is None or call == "slots" else [r[call] for r in theirs]
         ratios = None if other is None else [a / b for a, b in zip(mine, other, strict=True) if b]
@@ -269,7 +353,7 @@ def _records(
         out.append(
             PerRequestRecord(
                 workload=name,
-                phase=f"per_request_{call}",
+                phase=f"per_request_{prefix}{call}",
                 kvforge_us=round(statistics.median(mine), 3),
                 vllm_us=None if other is None else round(statistics.median(other), 3),
                 ratio=None if spread is None else spread[1],
@@ -289,7 +373,8 @@ def per_request_rounds(
     progress: Callable[[str], None] | None = None,
 ) -> list[PerRequestRecord]:
     """Per workload: one checked warm-up run of each side, then ``rounds`` interleaved rounds
-    (kvforge, then vLLM), one record per call of :data:`CALLS`.
+    (kvforge's facade, its scheduler side, then vLLM), one record per call of :data:`CALLS`
+    (the facade) and of :data:`SCHEDULER_CALLS` (the scheduler side).
 
     Raises:
         ValueError: ``rounds`` below 3 (a ratio is never reported from fewer rounds).
@@ -307,16 +392,19 @@ def per_request_rounds(
             if progress is not None:
                 progress(f"{wl.name} (per request)")
             sched = schedule(wl)
-            kvforge_per_request(wl, sched, check=True)
+            for side in SIDES:
+                kvforge_per_request(wl, sched, check=True, side=side)
             if with_vllm:
                 vllm_per_request(wl, sched, check=True)
-            ours: list[dict[str, float]] = []
+            ours: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
             theirs: list[dict[str, float]] = []
             for _ in range(rounds):
-                ours.append(kvforge_per_request(wl, sched).means_us())
+                for side in SIDES:
+                    ours[side].append(kvforge_per_request(wl, sched, side=side).means_us())
                 if with_vllm:
                     theirs.append(vllm_per_request(wl, sched).means_us())
-            records += _records(wl.name, ours, theirs if with_vllm else None)
+            for side in SIDES:
+                records += _records(wl.name, ours[side], theirs if with_vllm else None, side)
     finally:
         torch.set_num_threads(threads)
     return records
@@ -342,7 +430,7 @@ def print_per_request(records: Sequence[PerRequestRecord], out: Any) -> None:
             ratio = f"{median:.2f}x ({low:.2f}-{high:.2f})"
         table.add_row(
             r.workload if r.workload != previous else "",
-            r.phase.removeprefix("per_request_"),
+            r.phase.removeprefix("per_request_").replace("_", " "),
             f"{r.kvforge_us:,.2f}",
             "n/a" if r.vllm_us is None else f"{r.vllm_us:,.2f}",
             ratio,

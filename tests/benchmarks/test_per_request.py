@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from per_request import (
     CALLS,
+    SCHEDULER_CALLS,
     kvforge_per_request,
     per_request_rounds,
     print_per_request,
@@ -51,6 +52,25 @@ def test_kvforge_side_times_every_call_and_checks_slots(groups) -> None:
     assert means["total"] == pytest.approx(means["alloc"] + means["table"] + means["slots"])
 
 
+@pytest.mark.parametrize("groups", [SW.LLAMA_GROUPS, SW.GPT_OSS_GROUPS, SW.DEEPSEEK_V4_TINY_GROUPS])
+def test_scheduler_side_times_alloc_table_and_free_and_leaves_every_pool_whole(groups) -> None:
+    wl = tiny(groups)
+    times = kvforge_per_request(wl, SW.schedule(wl), check=True, side="scheduler")
+    # the scheduler side has no slot mapping (the worker's, as in vLLM)
+    assert len(times.alloc) == len(times.table) == 15 and times.slots == []
+    assert len(times.free) == 3
+    means = times.means_us()
+    assert means["total"] == pytest.approx(means["alloc"] + means["table"])
+
+
+def test_an_unknown_side_is_refused() -> None:
+    wl = tiny(SW.LLAMA_GROUPS)
+    with pytest.raises(
+        ValueError, match=r"side must be one of \('facade', 'scheduler'\), got 'worker'"
+    ):
+        kvforge_per_request(wl, SW.schedule(wl), side="worker")
+
+
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 def test_vllm_side_times_alloc_table_and_free() -> None:
     wl = tiny(SW.DEEPSEEK_V4_TINY_GROUPS)
@@ -62,7 +82,10 @@ def test_vllm_side_times_alloc_table_and_free() -> None:
 def test_rounds_report_each_ratio_with_its_spread(tmp_path: Path, capsys) -> None:
     wl = tiny(SW.LLAMA_GROUPS)
     records = per_request_rounds([wl], SW.schedule, rounds=3, with_vllm=HAVE_VLLM)
-    assert [r.phase for r in records] == [f"per_request_{c}" for c in CALLS]
+    assert [r.phase for r in records] == [
+        *(f"per_request_{c}" for c in CALLS),
+        *(f"per_request_scheduler_{c}" for c in SCHEDULER_CALLS),
+    ]
     for r in records:
         assert r.rounds == 3 and r.kvforge_us > 0
         low, median, high = r.kvforge_spread
