@@ -41,14 +41,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from per_request import PerRequestRecord, scheduler_per_request, vllm_per_request
-from step_sim import ScheduleLike, WorkloadLike, build_backends, empty_caches, step_num_blocks
+from per_request import (
+    PerRequestRecord,
+    print_per_request,
+    ratio_record,
+    scheduler_per_request,
+    vllm_per_request,
+    workload_controller,
+)
+from step_sim import ScheduleLike, WorkloadLike
 from step_workloads import all_workloads, schedule
 from vllm_baseline import vllm_available
 
-from kvforge.cli.formatting import console, make_table
+from kvforge.cli.formatting import console
 from kvforge.controller import CacheController
-from kvforge.core.layout import CacheLayout
 
 __all__ = [
     "BareTables",
@@ -134,12 +140,7 @@ def bare_free(groups: list[BareTables], tokens: np.ndarray, i: int) -> None:
 def scheduled(wl: WorkloadLike, sched: ScheduleLike) -> tuple[CacheController, list[str]]:
     """A controller whose scheduler side ran every step of ``sched`` (the worker never told,
     as :func:`per_request.scheduler_per_request`), its requests still holding their blocks."""
-    backends = build_backends(wl)
-    layout = CacheLayout(backends)
-    ctl = CacheController(backends, share_pools=False)
-    ctl.adopt_kv_cache(
-        empty_caches(layout, step_num_blocks(wl, layout)), wl.num_requests, wl.max_model_len
-    )
+    ctl = workload_controller(wl)
     manager = ctl.scheduler
     ids = [f"req-{i}" for i in range(wl.num_requests)]
     for step in sched.steps:
@@ -201,34 +202,12 @@ def floor_rounds(
                 if with_vllm:
                     runs["vllm"].append(statistics.mean(vllm_per_request(wl, sched).free) / 1000)
             records += [
-                _record(wl.name, f"free_{side}", runs[side], runs["vllm"])
+                ratio_record(wl.name, f"free_{side}", runs[side], runs["vllm"] or None)
                 for side in ("floor", "finish")
             ]
     finally:
         torch.set_num_threads(threads)
     return records
-
-
-def _spread(values: Sequence[float], digits: int) -> list[float]:
-    return [
-        round(min(values), digits),
-        round(statistics.median(values), digits),
-        round(max(values), digits),
-    ]
-
-
-def _record(workload: str, phase: str, ours: list[float], theirs: list[float]) -> PerRequestRecord:
-    spread = _spread([a / b for a, b in zip(ours, theirs, strict=True)], 4) if theirs else None
-    return PerRequestRecord(
-        workload=workload,
-        phase=phase,
-        kvforge_us=round(statistics.median(ours), 3),
-        vllm_us=round(statistics.median(theirs), 3) if theirs else None,
-        ratio=None if spread is None else spread[1],
-        ratio_spread=spread,
-        kvforge_spread=_spread(ours, 3),
-        rounds=len(ours),
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,22 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.getloadavg()[0]:.2f}, vLLM {'installed' if with_vllm else 'absent'}"
     )
     records = floor_rounds([known[w] for w in wanted], args.rounds, with_vllm)
-    table = make_table(
-        f"a request's free, microseconds (medians of {args.rounds} interleaved rounds; "
-        "ratio = kvforge / vLLM's free, median (min-max) over the rounds)",
-        ("workload", "free", "kvforge", "vLLM", "ratio"),
-        ("workload", "free"),
-    )
-    for r in records:
-        ratio = "n/a"
-        if r.ratio_spread is not None:
-            low, median, high = r.ratio_spread
-            ratio = f"{median:.2f}x ({low:.2f}-{high:.2f})"
-        vllm = "n/a" if r.vllm_us is None else f"{r.vllm_us:,.2f}"
-        table.add_row(
-            r.workload, r.phase.removeprefix("free_"), f"{r.kvforge_us:,.2f}", vllm, ratio
-        )
-    out.print(table)
+    print_per_request(records, out, "a request's free", prefix="free_")
     if args.json:
         from step_sim import write_step_json
 

@@ -65,8 +65,10 @@ __all__ = [
     "kvforge_per_request",
     "per_request_rounds",
     "print_per_request",
+    "ratio_record",
     "scheduler_per_request",
     "vllm_per_request",
+    "workload_controller",
 ]
 
 #: the calls timed, in reporting order; ``total`` is the step's calls together
@@ -106,6 +108,17 @@ def _positive(name: str, value: object) -> int:
 # --- kvforge ------------------------------------------------------------------------------------
 
 
+def workload_controller(wl: WorkloadLike) -> CacheController:
+    """A controller with exactly ``wl``'s groups, per-group pools (as ``step_sim``'s driver)
+    of :func:`step_sim.step_num_blocks` blocks, and ``wl``'s requests and length."""
+    backends = build_backends(wl)
+    layout = CacheLayout(backends)
+    ctl = CacheController(backends, share_pools=False)
+    caches = empty_caches(layout, step_num_blocks(wl, layout))
+    ctl.adopt_kv_cache(caches, wl.num_requests, wl.max_model_len)
+    return ctl
+
+
 def _check_slots(ctl: CacheController, rid: str, group: str, pos: torch.Tensor, slots: Any) -> None:
     table = np.asarray(ctl.block_table(rid, group), dtype=np.int64)
     bs = ctl.layout.group(group).block_size
@@ -130,11 +143,7 @@ def kvforge_per_request(
         raise ValueError(f"side must be one of {SIDES}, got {side!r}")
     if side == "scheduler":
         return scheduler_per_request(wl, sched, check)
-    backends = build_backends(wl)
-    layout = CacheLayout(backends)
-    num_blocks = step_num_blocks(wl, layout)
-    ctl = CacheController(backends, share_pools=False)  # per-group pools, as step_sim's driver
-    ctl.adopt_kv_cache(empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len)
+    ctl = workload_controller(wl)
     groups = [g.name for g in ctl.layout.groups]
     ids = [f"req-{i}" for i in range(wl.num_requests)]
     held = [0] * wl.num_requests
@@ -184,11 +193,7 @@ def scheduler_per_request(
     ``end_step`` (``alloc``, as ``CacheController.allocate`` calls them), ``block_table`` of
     every group (``table``), ``finish`` (``free``). The worker is never told (its mirror is
     what the facade adds); ``check``: no refusal, and every pool whole after the frees."""
-    backends = build_backends(wl)
-    layout = CacheLayout(backends)
-    num_blocks = step_num_blocks(wl, layout)
-    ctl = CacheController(backends, share_pools=False)  # the same pools as the facade's run
-    ctl.adopt_kv_cache(empty_caches(layout, num_blocks), wl.num_requests, wl.max_model_len)
+    ctl = workload_controller(wl)
     manager = ctl.scheduler
     groups = [g.name for g in ctl.layout.groups]
     free_before = {g: manager.num_free_blocks(g) for g in groups}
@@ -343,26 +348,36 @@ def _records(
 ) -> list[PerRequestRecord]:
     """One record per call of ``side`` (phases ``per_request_{call}`` for the facade,
     ``per_request_scheduler_{call}`` for the scheduler side)."""
-    out = []
     calls, prefix = (CALLS, "") if side == "facade" else (SCHEDULER_CALLS, f"{side}_")
-    for call in calls:
-        mine = [r[call] for r in ours]
-        other = None if theirs is None or call == "slots" else [r[call] for r in theirs]
-        ratios = None if other is None else [a / b for a, b in zip(mine, other, strict=True) if b]
-        spread = _spread(ratios, 4) if ratios else None
-        out.append(
-            PerRequestRecord(
-                workload=name,
-                phase=f"per_request_{prefix}{call}",
-                kvforge_us=round(statistics.median(mine), 3),
-                vllm_us=None if other is None else round(statistics.median(other), 3),
-                ratio=None if spread is None else spread[1],
-                ratio_spread=spread,
-                kvforge_spread=_spread(mine),
-                rounds=len(mine),
-            )
+    return [
+        ratio_record(
+            name,
+            f"per_request_{prefix}{call}",
+            [r[call] for r in ours],
+            None if theirs is None or call == "slots" else [r[call] for r in theirs],
         )
-    return out
+        for call in calls
+    ]
+
+
+def ratio_record(
+    workload: str, phase: str, ours: list[float], theirs: list[float] | None
+) -> PerRequestRecord:
+    """The record of one (workload, phase) from its per-round microseconds on each side
+    (``theirs`` ``None``: vLLM not run, or no counterpart): medians, and the ratio as the
+    median of the per-round ratios with its spread."""
+    ratios = None if theirs is None else [a / b for a, b in zip(ours, theirs, strict=True) if b]
+    spread = _spread(ratios, 4) if ratios else None
+    return PerRequestRecord(
+        workload=workload,
+        phase=phase,
+        kvforge_us=round(statistics.median(ours), 3),
+        vllm_us=None if theirs is None else round(statistics.median(theirs), 3),
+        ratio=None if spread is None else spread[1],
+        ratio_spread=spread,
+        kvforge_spread=_spread(ours),
+        rounds=len(ours),
+    )
 
 
 def per_request_rounds(
@@ -410,14 +425,19 @@ def per_request_rounds(
     return records
 
 
-def print_per_request(records: Sequence[PerRequestRecord], out: Any) -> None:
-    """A rich table: per (workload, call) kvforge and vLLM microseconds per request and the
-    ratio with its spread."""
+def print_per_request(
+    records: Sequence[PerRequestRecord],
+    out: Any,
+    what: str = "per-request path",
+    prefix: str = "per_request_",
+) -> None:
+    """A rich table of ``what``: per (workload, call) kvforge and vLLM microseconds per
+    request and the ratio with its spread; a call is its phase less ``prefix``."""
     from kvforge.cli.formatting import make_table
 
     rounds = records[0].rounds if records else 0
     table = make_table(
-        f"per-request path, microseconds per request (medians of {rounds} interleaved rounds; "
+        f"{what}, microseconds per request (medians of {rounds} interleaved rounds; "
         "ratio = kvforge / vLLM, median (min-max) over the rounds)",
         ("workload", "call", "kvforge", "vLLM", "ratio"),
         ("workload", "call"),
@@ -430,7 +450,7 @@ def print_per_request(records: Sequence[PerRequestRecord], out: Any) -> None:
             ratio = f"{median:.2f}x ({low:.2f}-{high:.2f})"
         table.add_row(
             r.workload if r.workload != previous else "",
-            r.phase.removeprefix("per_request_").replace("_", " "),
+            r.phase.removeprefix(prefix).replace("_", " "),
             f"{r.kvforge_us:,.2f}",
             "n/a" if r.vllm_us is None else f"{r.vllm_us:,.2f}",
             ratio,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _step_workloads import tiny
 from step_sim import (
     STEP_PHASES,
     StepRecord,
@@ -30,21 +31,6 @@ from kvforge.worker import CacheStorage
 
 SW = load_step_workloads()
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tiny(groups, name: str = "tiny", chunk_size: int | None = 128):
-    # 3 requests of 300 prompt tokens in 128-token chunks (3 prefill steps: 128, 128, 44 each),
-    # then 5 decode steps; 300 + 5 + 1 tokens fit in 512.
-    return SW.StepWorkload(
-        name=name,
-        groups=groups,
-        num_requests=3,
-        prompt_len=300,
-        max_num_batched_tokens=512 if chunk_size else 1024,
-        decode_steps=5,
-        chunk_size=chunk_size,
-        max_model_len=512,
-    )
 
 
 GROUP_SETS = {

@@ -7,26 +7,13 @@ asserted."""
 from __future__ import annotations
 
 import pytest
+from _step_workloads import tiny
 from free_floor import bare_free, bare_tables, floor_free_times, floor_rounds, main, scheduled
 from step_sim import load_step_workloads
 from vllm_baseline import vllm_available
 
 SW = load_step_workloads()
 HAVE_VLLM = vllm_available()
-
-
-def tiny(groups, name: str = "tiny"):
-    # 3 requests of 300 prompt tokens in 128-token chunks, then 5 decode steps
-    return SW.StepWorkload(
-        name=name,
-        groups=groups,
-        num_requests=3,
-        prompt_len=300,
-        max_num_batched_tokens=512,
-        decode_steps=5,
-        chunk_size=128,
-        max_model_len=512,
-    )
 
 
 @pytest.mark.parametrize("groups", [SW.LLAMA_GROUPS, SW.GPT_OSS_GROUPS, SW.DEEPSEEK_V4_TINY_GROUPS])
