@@ -40,9 +40,33 @@ def test_kvforge_side_times_every_call_and_checks_slots(groups) -> None:
 
 
 @pytest.mark.parametrize("groups", [SW.LLAMA_GROUPS, SW.GPT_OSS_GROUPS, SW.DEEPSEEK_V4_TINY_GROUPS])
-def test_scheduler_side_times_alloc_table_and_free_and_leaves_every_pool_whole(groups) -> None:
+def test_scheduler_side_times_alloc_table_and_free_and_leaves_every_pool_whole(
+    groups, monkeypatch
+) -> None:
+    from kvforge.controller import CacheController
+    from kvforge.scheduler import BlockManager
+    from kvforge.worker import CacheStorage
+
+    calls: list[str] = []
+    for cls, name in [
+        (BlockManager, "schedule"),
+        (BlockManager, "end_step"),
+        (BlockManager, "finish"),
+        (CacheStorage, "run"),
+        (CacheStorage, "apply"),
+        (CacheController, "allocate"),
+        (CacheController, "free_request"),
+    ]:
+        real = getattr(cls, name)
+        monkeypatch.setattr(
+            cls, name, lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))[1]
+        )
     wl = tiny(groups)
     times = kvforge_per_request(wl, SW.schedule(wl), check=True, side="scheduler")
+    # the scheduler side alone: every step ended, the worker never told, no facade call
+    assert calls.count("schedule") == calls.count("end_step") > 15
+    assert calls.count("finish") == 3
+    assert not {"run", "apply", "allocate", "free_request"} & set(calls)
     # the scheduler side has no slot mapping (the worker's, as in vLLM)
     assert len(times.alloc) == len(times.table) == 15 and times.slots == []
     assert len(times.free) == 3
