@@ -8,7 +8,8 @@ row's counts and put the row back. :func:`bare_free` does those reads and stores
 arrays holding what kvforge's scheduler side holds (read through its public ``block_table``,
 ``num_tokens``, ``pool(...).ref_counts`` and ``num_free_blocks``), and nothing else: no check,
 no all-or-nothing. With ``deltas``, it also builds the one thing a free must hand the worker:
-a cleared-row ``TableDelta`` per group (:func:`cleared_row_deltas`).
+a cleared-row ``TableDelta`` per group, as kvforge builds them
+(``kvforge.core.values.cleared_row_deltas`` of the row's prebuilt frozen ``int32 [1]``).
 
 Each round, on the same schedule (``step_workloads.schedule``), times per request: the bare
 free, the bare free with its deltas, ``BlockManager.finish``
@@ -61,7 +62,7 @@ from vllm_baseline import vllm_available
 
 from kvforge.cli.formatting import console
 from kvforge.controller import CacheController
-from kvforge.core.values import NO_CELLS, TableDelta
+from kvforge.core.values import cleared_row_deltas
 
 __all__ = [
     "KVFORGE_FREES",
@@ -69,10 +70,10 @@ __all__ = [
     "BareTables",
     "bare_free",
     "bare_tables",
-    "cleared_row_deltas",
     "floor_free_times",
     "floor_rounds",
     "free_times",
+    "frozen_rows",
     "main",
     "run_schedule",
     "scheduled",
@@ -165,12 +166,12 @@ def bare_free(groups: list[BareTables], requests: BareRequests, request_id: str)
     requests.free_rows.append(row)
 
 
-def cleared_row_deltas(names: Sequence[str], row: int) -> list[TableDelta]:
-    """The deltas a worker must receive for a freed row: one per group, the row emptied (one
-    frozen ``int32`` array shared by the groups, as ``RequestTables`` builds them)."""
-    clear = np.array([row], dtype=np.int32)
-    clear.flags.writeable = False
-    return [TableDelta(name, clear, NO_CELLS, NO_CELLS, NO_CELLS) for name in names]
+def frozen_rows(num_rows: int) -> list[np.ndarray]:
+    """Row ``r``'s ``int32 [1]`` clear_rows, one frozen view each of one array, built once
+    (as ``RequestTables.one_row``): a free's deltas build no array."""
+    rows = np.arange(num_rows, dtype=np.int32)
+    rows.flags.writeable = False
+    return [rows[r : r + 1] for r in range(num_rows)]
 
 
 def scheduled(wl: WorkloadLike, sched: ScheduleLike) -> tuple[CacheController, list[str]]:
@@ -201,7 +202,7 @@ def run_schedule(ctl: CacheController, wl: WorkloadLike, sched: ScheduleLike) ->
 
 def floor_free_times(wl: WorkloadLike, sched: ScheduleLike, deltas: bool = False) -> list[int]:
     """Nanoseconds of :func:`bare_free` per finished request of ``sched`` (``deltas``: and
-    its :func:`cleared_row_deltas`), checked whole. As on the other sides, the collector runs
+    its cleared-row deltas), checked whole. As on the other sides, the collector runs
     once, after the controller is built and before the schedule, and not again until the
     frees were timed."""
     ctl = workload_controller(wl)
@@ -212,12 +213,13 @@ def floor_free_times(wl: WorkloadLike, sched: ScheduleLike, deltas: bool = False
         groups, requests = bare_tables(ctl, ids)
         usable = [ctl.scheduler.num_usable_blocks(g.name) for g in ctl.layout.groups]
         names = [g.name for g in ctl.layout.groups]
+        one_row = frozen_rows(len(requests.tokens))
         clock, times, pending = time.perf_counter_ns, [], []
         for i in sched.finished:
             t0 = clock()
             bare_free(groups, requests, ids[i])
             if deltas:
-                pending += cleared_row_deltas(names, requests.free_rows[-1])
+                pending += cleared_row_deltas(names, one_row[requests.free_rows[-1]])
             times.append(clock() - t0)
     finally:
         gc.enable()

@@ -40,6 +40,7 @@ __all__ = [
     "SwapPlan",
     "SwapResult",
     "TableDelta",
+    "cleared_row_deltas",
     "page_owner",
 ]
 
@@ -98,6 +99,39 @@ class TableDelta:
                 table[row, col] = block
         elif n:
             table[self.rows, self.cols] = self.block_ids
+
+
+# the slots of TableDelta, set as its dataclass __init__ sets them (object.__setattr__ per
+# field) but without the call per field: a finish hands the workers one delta per group
+_NEW_DELTA = object.__new__
+_SET_GROUP = TableDelta.group.__set__  # type: ignore[attr-defined]
+_SET_CLEAR = TableDelta.clear_rows.__set__  # type: ignore[attr-defined]
+_SET_ROWS = TableDelta.rows.__set__  # type: ignore[attr-defined]
+_SET_COLS = TableDelta.cols.__set__  # type: ignore[attr-defined]
+_SET_IDS = TableDelta.block_ids.__set__  # type: ignore[attr-defined]
+_SET_SEQ = TableDelta.seq.__set__  # type: ignore[attr-defined]
+
+
+def cleared_row_deltas(groups: Sequence[str], rows: np.ndarray) -> list[TableDelta]:
+    """Per group of ``groups``, the delta that empties ``rows`` (a frozen ``int32 [k]``,
+    shared by them): equal to ``TableDelta(group, rows)``, built at half its cost.
+
+    >>> rows = np.array([3], dtype=np.int32)
+    >>> [d == TableDelta(g, rows) for d, g in zip(cleared_row_deltas(["swa", "full"], rows),
+    ...                                           ["swa", "full"])]
+    [True, True]
+    """
+    out = []
+    for group in groups:
+        d = _NEW_DELTA(TableDelta)
+        _SET_GROUP(d, group)
+        _SET_CLEAR(d, rows)
+        _SET_ROWS(d, NO_CELLS)
+        _SET_COLS(d, NO_CELLS)
+        _SET_IDS(d, NO_CELLS)
+        _SET_SEQ(d, -1)
+        out.append(d)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

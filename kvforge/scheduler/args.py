@@ -24,6 +24,10 @@ _STR = {str}
 
 
 def batch_ids(request_ids: object) -> list[str]:
+    if type(request_ids) is list and len(request_ids) == 1:  # one request: the engine's call
+        rid = request_ids[0]
+        if type(rid) is str and rid:
+            return [rid]  # a fresh list, as below (the caller's list is never kept)
     if isinstance(request_ids, str) or not isinstance(request_ids, Sequence):
         raise TypeError(
             f"request_ids must be a sequence of request ids, got {type(request_ids).__name__}"

@@ -84,10 +84,15 @@ class BlockPool:
         self.name = name
         self.kind = kind
         self._ref = np.zeros(num_blocks, dtype=np.int32)
+        # the same counts, read and written one at a time as Python ints (a few held ids of
+        # a freed row): half the cost of a numpy scalar per id; the arrays are never
+        # rebound, so the views stay theirs (a copy of the pool builds its own: __setstate__)
+        self._ref_items = memoryview(self._ref)
         self._scratch = np.zeros(num_blocks, dtype=np.int32)  # release's repeat check
         self._order = np.arange(num_blocks, dtype=np.int32)  # positions, for that check
         # The free stack: the top is at index _num_free - 1, so a fresh pool pops 1, 2, 3, ...
         self._stack = np.arange(num_blocks - 1, NULL_BLOCK, -1, dtype=np.int32)
+        self._stack_items = memoryview(self._stack)  # as _ref_items, for a few pushes
         self._num_free = num_blocks - 1
         # blocks the prefix cache retains, and those of them at ref 0 in eviction order
         self._retained = np.zeros(num_blocks, dtype=bool)
@@ -97,6 +102,16 @@ class BlockPool:
         self._listeners: list[Callable[[np.ndarray], None]] = []  # add_eviction_listener
         self.evictions = 0
         self._shared = False  # set once any block gets a second holder
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        del state["_ref_items"], state["_stack_items"]  # a memoryview does not copy
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._ref_items = memoryview(self._ref)  # views of the copy's own arrays
+        self._stack_items = memoryview(self._stack)
 
     @property
     def num_usable(self) -> int:
@@ -246,21 +261,20 @@ class BlockPool:
         :meth:`release_few` may drop them: at most 64 distinct ids, each held (a count of 1
         or more); ``None`` otherwise. Reads only; an arena pool, whose slabs count their
         blocks, answers ``None``. The counts are what :meth:`restore_few` puts back."""
-        return self._held_counts(block_ids)
-
-    def _held_counts(self, block_ids: list[int]) -> list[int] | None:
         if len(block_ids) > _FEW_HELD or len(set(block_ids)) != len(block_ids):
             return None
-        ref = self._ref
+        ref = self._ref_items
         counts = [ref[b] for b in block_ids]
         return counts if min(counts) >= 1 else None
+
+    _held_counts = held_counts  # this pool's own check (an arena answers held_counts None)
 
     def release_few(self, block_ids: list[int]) -> None:
         """:meth:`release` of ``block_ids``, which :meth:`held_counts` accepted (they or ids
         among them) with none of them changed since, in scalar stores and no check: each
         drops one reference; those at none go on the free stack, or become evictable when
         retained, in the order :meth:`release` gives them."""
-        ref = self._ref
+        ref = self._ref_items
         if not self._shared:  # each held block has one reference, now none
             for b in block_ids:
                 ref[b] = 0
@@ -280,8 +294,11 @@ class BlockPool:
                     self._evictable[b] = None
                 zero = [b for b in zero if not retained[b]]
         top = self._num_free
-        self._stack[top : top + len(zero)] = zero[::-1]
-        self._num_free = top + len(zero)
+        stack = self._stack_items
+        for b in reversed(zero):  # scalar pushes: the first released ends on top
+            stack[top] = b
+            top += 1
+        self._num_free = top
 
     def restore_few(self, block_ids: list[int], counts: list[int], num_free: int) -> None:
         """Take back :meth:`release_few` of ``block_ids`` (in one call or in parts), whole,
@@ -290,7 +307,7 @@ class BlockPool:
         ran on this pool since: the counts, the evictable set and the free stack are as they
         were. (A held block is never evictable, so every one of ``block_ids`` found
         evictable was made so by the release.)"""
-        ref, evictable = self._ref, self._evictable
+        ref, evictable = self._ref_items, self._evictable
         for b, count in zip(block_ids, counts, strict=True):
             if b in evictable:
                 del evictable[b]

@@ -15,11 +15,11 @@ over 64-token blocks after a step that took the request in row 0 to 300 tokens::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvforge.core.values import NO_CELLS, BlockCopy, TableDelta
+from kvforge.core.values import NO_CELLS, BlockCopy, TableDelta, cleared_row_deltas
 from kvforge.kinds import GroupFamily, KindRule
 from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
@@ -44,6 +44,29 @@ class GroupTable:
     table: np.ndarray  # int32 [max_num_seqs, width]
     held_from: np.ndarray  # int64 [max_num_seqs]: first column that may hold a block
     plain_live: bool = False  # the rule's live_starts is KindRule's (window_start of one read)
+    # the same arrays, read and written one cell at a time as Python ints (one request's row:
+    # half the cost of numpy's scalars): ``cells`` is ``table`` flat (row r's column c at
+    # ``r * width + c``), ``zeros`` a null row to clear from. The arrays are never rebound,
+    # so the views stay theirs; a copy of the table builds its own (``__setstate__``).
+    cells: memoryview = field(init=False, repr=False, compare=False)
+    held_from_items: memoryview = field(init=False, repr=False, compare=False)
+    zeros: memoryview = field(init=False, repr=False, compare=False)
+    width: int = field(init=False, repr=False, compare=False)
+
+    _VIEWS = ("cells", "held_from_items", "zeros")
+
+    def __post_init__(self) -> None:
+        self.width = self.table.shape[1]
+        self.cells = memoryview(self.table).cast("B").cast(self.table.dtype.char)
+        self.held_from_items = memoryview(self.held_from)
+        self.zeros = memoryview(np.full(self.width, NULL_BLOCK, dtype=self.table.dtype))
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._VIEWS}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
 
     @classmethod
     def create(cls, spec: CacheGroup, pool: BlockPool, rows: int, width: int) -> GroupTable:
@@ -85,6 +108,7 @@ class RequestTables:
     Attributes:
         groups: one :class:`GroupTable` per group, in the layout's order.
         by_name: group name -> its table.
+        names: the groups' names, in the layout's order.
         pools: distinct pools, each with the indices of the groups that draw on it.
         capacity: what capacity checks count against: ``pools``, except that the member
             pools of one slab arena are one entry, the arena.
@@ -101,6 +125,7 @@ class RequestTables:
     def __init__(self, groups: list[GroupTable], max_num_seqs: int) -> None:
         self.groups = groups
         self.by_name = {g.spec.name: g for g in groups}
+        self.names = [g.spec.name for g in groups]
         self.pools: list[tuple[BlockPool, list[int]]] = []
         # what capacity checks count against: the pools, with a slab arena's member pools
         # as one entry (its groups' needs are checked together)
@@ -116,6 +141,13 @@ class RequestTables:
                 else:
                     known.append(gi)
         self.arenas = [(p, m) for p, m in self.capacity if isinstance(p, SlabArena)]
+        # every pool feeds one group: a row's blocks per pool are its blocks per group
+        self.one_group_pools = len(self.pools) == len(groups)
+        # row r's ``int32 [1]`` clear_rows, frozen and shared by every cleared-row delta of
+        # r (a worker only reads them): a finish builds no array
+        rows = np.arange(max_num_seqs, dtype=np.int32)
+        rows.flags.writeable = False
+        self.one_row = [rows[r : r + 1] for r in range(max_num_seqs)]
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.committed = np.zeros((len(groups), max_num_seqs), dtype=np.int64)
         self.row_of: dict[str, int] = {}
@@ -198,9 +230,10 @@ class RequestTables:
         longest = int(self.num_tokens[row])
         out = []
         for g in self.groups:
-            first = int(g.held_from[row]) if g.windowed else 0
+            first = g.held_from_items[row] if g.windowed else 0
             end = g.slots if g.per_request else -(-longest // g.block_size)
-            cells = g.table[row, first:end].tolist() if end > first else []
+            at = row * g.width
+            cells = g.cells[at + first : at + end].tolist() if end > first else []
             out.append((first, end, cells, [b for b in cells if b]))
         return out
 
@@ -218,6 +251,8 @@ class RequestTables:
     ) -> list[tuple[BlockPool, list[int]]]:
         """Per pool, the blocks of one row whose :meth:`row_cells` are ``cells``, its groups'
         in the layout's order."""
+        if self.one_group_pools:
+            return [(g.pool, c[3]) for g, c in zip(self.groups, cells, strict=True)]
         return [
             (pool, cells[members[0]][3])
             if len(members) == 1
@@ -242,7 +277,7 @@ class RequestTables:
                 if counts is None:
                     return False
                 saved.append((pool, ids, counts, pool.num_free))
-        held_from = [int(g.held_from[row]) for g in self.groups]
+        held_from = [g.held_from_items[row] for g in self.groups]
         tokens, committed = int(self.num_tokens[row]), self.committed[:, row].copy()
         num_free_rows, num_pending = len(self.free_rows), len(self.pending)
         try:
@@ -291,13 +326,13 @@ class RequestTables:
 
     def _clear_row(self, row: int, cells: list[tuple[int, int, list[int], list[int]]]) -> None:
         """Empty ``row`` (whose blocks were released), queue its cleared deltas, put it back."""
-        clear = np.array([row], dtype=np.int32)
-        clear.flags.writeable = False  # one frozen array shared by the groups' deltas
+        clear = self.one_row[row]  # frozen, shared by the groups' deltas
         for g, (first, end, _, _) in zip(self.groups, cells, strict=True):
-            if end > first:
-                g.table[row, first:end] = NULL_BLOCK
-            g.held_from[row] = 0
-            self.pending.append(TableDelta(g.spec.name, clear, NO_CELLS, NO_CELLS, NO_CELLS))
+            if end > first:  # NULL_BLOCK in every cell the row held
+                at = row * g.width
+                g.cells[at + first : at + end] = g.zeros[: end - first]
+            g.held_from_items[row] = 0
+        self.pending += cleared_row_deltas(self.names, clear)
         self.num_tokens[row] = 0
         self.committed[:, row] = 0
         self.free_rows.append(row)

@@ -13,17 +13,17 @@ from free_floor import (
     KVFORGE_FREES,
     bare_free,
     bare_tables,
-    cleared_row_deltas,
     floor_free_times,
     floor_rounds,
     free_times,
+    frozen_rows,
     main,
     scheduled,
 )
 from step_sim import load_step_workloads
 from vllm_baseline import vllm_available
 
-from kvforge.core.values import NO_CELLS
+from kvforge.core.values import NO_CELLS, cleared_row_deltas
 
 SW = load_step_workloads()
 HAVE_VLLM = vllm_available()
@@ -68,13 +68,15 @@ def test_the_bare_free_empties_one_row_and_gives_exactly_its_blocks_back(groups)
     assert requests.tokens[0] == 0 and requests.tokens[1:].all()
 
 
-def test_the_deltas_clear_the_freed_row_in_every_group() -> None:
-    deltas = cleared_row_deltas(["kv", "swa"], 2)
+def test_the_floor_clears_each_row_through_its_own_frozen_array() -> None:
+    rows = frozen_rows(3)
+    deltas = cleared_row_deltas(["kv", "swa"], rows[2])
     assert [d.group for d in deltas] == ["kv", "swa"]
     assert all(d.clear_rows.tolist() == [2] and d.rows is NO_CELLS for d in deltas)
-    assert deltas[0].clear_rows is deltas[1].clear_rows  # one frozen array, as a finish
+    assert deltas[0].clear_rows is deltas[1].clear_rows is rows[2]  # as a finish
+    assert [r.tolist() for r in rows] == [[0], [1], [2]]
     with pytest.raises(ValueError, match="read-only"):
-        deltas[0].clear_rows[0] = 1
+        rows[1][0] = 1
 
 
 def _skip_group(real):

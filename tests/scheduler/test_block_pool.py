@@ -273,3 +273,27 @@ def test_held_counts_declines_what_release_few_cannot_drop(ids, why):
     before = _pool_state(pool)
     assert pool.held_counts(ids) is None, why
     assert _pool_state(pool) == before
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_pool_counts_and_stacks_its_own_blocks(how):
+    """The scalar views a few-id release reads and writes (``held_counts``, ``release_few``,
+    ``restore_few``) are the copy's own arrays after a copy: the original does not move."""
+    import copy
+    import pickle
+
+    pool = BlockPool(9, "kv")
+    held = pool.take(5).tolist()
+    before = _pool_state(pool)
+    twin = copy.deepcopy(pool) if how == "deepcopy" else pickle.loads(pickle.dumps(pool))
+    ids = held[1:4]
+    counts = twin.held_counts(ids)
+    assert counts == [1, 1, 1] and all(type(c) is int for c in counts)
+    twin.release_few(ids)
+    assert _pool_state(pool) == before
+    assert twin.ref_counts[ids].tolist() == [0, 0, 0] and twin.num_free == 3 + 3
+    twin.restore_few(ids, counts, 3)
+    assert twin.num_free == 3 and twin.ref_counts[ids].tolist() == [1, 1, 1]
+    twin.release_few(ids)
+    assert twin.take(3).tolist() == ids  # pushed in the order release gives: first on top
+    assert _pool_state(pool) == before

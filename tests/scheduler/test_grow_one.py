@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from kvforge import DeepseekV4Backend, GQABackend
 from kvforge.core.layout import CacheLayout
+from kvforge.errors import RequestStateError
 from kvforge.scheduler import BlockManager, growth, step_stages
 from kvforge.scheduler.swap_book import SwapBook
 
@@ -245,3 +246,80 @@ def test_many_blocks_keep_a_finish_under_the_undo():
     assert same(state(m), before)
     m.finish(["a"])
     assert m.requests == [] and all(g.pool.num_used == 0 for g in t.groups)
+
+
+def test_a_copied_manager_frees_its_own_rows():
+    """A finish reads and clears a row through scalar views of the tables and counts: a copy
+    of the manager (as ``tests/scheduler/test_swap_faults.py`` makes them) frees its own rows
+    and leaves the original's exactly as they were."""
+    import copy
+    import threading
+
+    m = _manager(kv=40, swa=30, rows=3)
+    m.end_step(m.schedule(["a", "b"], [300, 40]))
+    m.take_effects()
+    before = state(m)
+    twin = copy.deepcopy(m, {id(m._lock): threading.RLock()})
+    row = twin.row_of("a")
+    twin.finish(["a"])
+    assert same(state(m), before) and m.requests == ["a", "b"]
+    assert twin.requests == ["b"] and row in twin._t.free_rows
+    assert all(not g.table[row].any() and g.held_from[row] == 0 for g in twin._t.groups)
+    m.finish(["a"])
+    assert same(state(m), state(twin))
+
+
+def test_a_finish_hands_each_group_the_rows_own_frozen_clear():
+    """The cleared-row deltas of a finish share one frozen ``int32 [1]`` per row, the same
+    for every finish of that row, equal to ``TableDelta(group, [row])``."""
+    from kvforge.core.values import TableDelta
+
+    m = _manager(kv=40, swa=30, rows=2)
+    clears = []
+    for rid in ("a", "b"):
+        m.end_step(m.schedule([rid], [100]))
+        m.take_effects()
+        row = m.row_of(rid)
+        m.finish([rid])
+        deltas = m.take_table_deltas()
+        assert [d.group for d in deltas] == [g.name for g in m.layout.groups]
+        assert all(d == TableDelta(d.group, d.clear_rows, seq=d.seq) for d in deltas)
+        assert all(d.clear_rows is deltas[0].clear_rows for d in deltas)
+        assert deltas[0].clear_rows.tolist() == [row] and deltas[0].clear_rows.dtype == np.int32
+        assert not deltas[0].clear_rows.flags.writeable
+        clears.append(deltas[0].clear_rows)
+    assert clears[0] is clears[1]  # the one row, freed twice: its one array
+
+
+@pytest.mark.parametrize(
+    ("request_ids", "error", "message"),
+    [
+        ([""], RequestStateError, "request_id must be a non-empty str, got ''"),
+        ([5], RequestStateError, "request_id must be a non-empty str, got 5"),
+        ("a", TypeError, "request_ids must be a sequence of request ids, got str"),
+        (["x"], RequestStateError, "request 'x' has no blocks on the device"),
+        (["a", "a"], ValueError, "request_ids lists 'a' twice"),
+    ],
+)
+def test_a_finish_of_one_bad_id_is_refused_with_nothing_changed(request_ids, error, message):
+    """One request id, the engine's call, is checked as a batch's are."""
+    m = _manager(kv=40, swa=30, rows=2)
+    m.end_step(m.schedule(["a"], [100]))
+    m.take_effects()
+    before = state(m)
+    with pytest.raises(error, match=message):
+        m.finish(request_ids)
+    assert same(state(m), before) and m.requests == ["a"]
+
+
+class _Id(str):
+    """A str subclass: a request id all the same."""
+
+
+def test_a_finish_of_one_str_subclass_or_tuple_id_frees_it():
+    m = _manager(kv=40, swa=30, rows=2)
+    for ids in ([_Id("a")], ("a",)):
+        m.end_step(m.schedule(["a"], [100]))
+        m.finish(ids)
+        assert m.requests == [] and all(g.pool.num_used == 0 for g in m._t.groups)
+        m.take_effects()
