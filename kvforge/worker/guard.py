@@ -190,6 +190,7 @@ def _few_cells_fit(
     deltas of a few ``int32`` cells each; ``False`` (never a refusal) for anything else,
     which the full checks then decide and word. ``tests/worker/test_guard_few.py`` compares
     the two."""
+    passed, passed_rows = None, -1  # the clear_rows last accepted, for tables of that many rows
     for i, delta in enumerate(deltas):
         if type(delta) is not TableDelta:
             return False
@@ -200,15 +201,19 @@ def _few_cells_fit(
         if table is None:
             return False
         clear, rows, cols, ids = delta.clear_rows, delta.rows, delta.cols, delta.block_ids
-        if type(clear) is not np.ndarray or clear.dtype is not _I32 or clear.ndim != 1:
-            return False
         num_rows = table.shape[0]
-        if len(clear):
-            if len(clear) > _FEW_CELLS:
+        # a finish's deltas share one frozen clear_rows: looked at once per batch (the same
+        # object read again here, tables of as many rows)
+        if clear is not passed or num_rows != passed_rows:
+            if type(clear) is not np.ndarray or clear.dtype is not _I32 or clear.ndim != 1:
                 return False
-            listed = clear.tolist()
-            if min(listed) < 0 or max(listed) >= num_rows:
-                return False
+            if len(clear):
+                if len(clear) > _FEW_CELLS:
+                    return False
+                listed = clear.tolist()
+                if min(listed) < 0 or max(listed) >= num_rows:
+                    return False
+            passed, passed_rows = clear, num_rows
         if rows is NO_CELLS and cols is NO_CELLS and ids is NO_CELLS:
             continue  # it only clears rows (the one frozen empty array): nothing more to see
         if not (

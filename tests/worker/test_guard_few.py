@@ -16,8 +16,12 @@ from kvforge.core.values import NO_CELLS, TableDelta
 from kvforge.errors import WorkerRefusedError
 from kvforge.worker import guard
 
-TABLES = {"a": np.zeros((4, 6), np.int32), "b": np.zeros((4, 3), np.int32)}
-NUM_BLOCKS = {"a": 10, "b": 5}
+TABLES = {
+    "a": np.zeros((4, 6), np.int32),
+    "b": np.zeros((4, 3), np.int32),
+    "c": np.zeros((2, 6), np.int32),  # fewer rows: a row another group's table holds is out
+}
+NUM_BLOCKS = {"a": 10, "b": 5, "c": 10}
 
 CELL = st.integers(-2, 11)
 DTYPE = st.sampled_from([np.int32, np.int32, np.int32, np.int64, np.int16, np.uint32])
@@ -34,7 +38,7 @@ def deltas(draw: st.DrawFn) -> tuple[list[TableDelta], int]:
     start = draw(st.integers(0, 3))
     out = []
     for i in range(draw(st.integers(1, 4))):
-        group = draw(st.sampled_from(["a", "b", "a", "zz"] if draw(st.booleans()) else ["a"]))
+        group = draw(st.sampled_from(["a", "b", "a", "c", "zz"] if draw(st.booleans()) else ["a"]))
         n = draw(st.integers(0, 10))
         dtype = draw(DTYPE)
         rows = _array(draw(st.lists(st.integers(-1, 4), min_size=n, max_size=n)), dtype)
@@ -42,6 +46,8 @@ def deltas(draw: st.DrawFn) -> tuple[list[TableDelta], int]:
         m = draw(st.sampled_from([n, n, n, max(n - 1, 0)]))  # sometimes a short array
         ids = _array(draw(st.lists(CELL, min_size=m, max_size=m)), dtype)
         clear = _array(draw(st.lists(st.integers(-1, 4), max_size=2)), draw(DTYPE))
+        if out and draw(st.booleans()):  # a finish's groups share one clear_rows array
+            clear = out[-1].clear_rows
         if n == 0 and draw(st.booleans()):  # the scheduler side's clear: one frozen array
             rows = cols = ids = NO_CELLS
         seq = start + i + draw(st.sampled_from([0, 0, 0, 1]))
@@ -124,3 +130,15 @@ def test_a_delta_of_lists_mirrors_as_before():
     table = np.zeros((4, 6), np.int32)
     delta.apply(table)
     assert table[3, 1] == 8 and table[0, 5] == 9 and int(table.sum()) == 17
+
+
+def test_a_shared_clear_is_checked_against_every_table_it_clears():
+    """A finish's deltas share one ``clear_rows`` array: looked at once, but again for a
+    table of fewer rows, where row 3 lies outside."""
+    clear = np.array([3], np.int32)
+    clear.flags.writeable = False
+    batch = [TableDelta(g, clear, seq=i) for i, g in enumerate(["a", "b", "c"])]
+    assert guard._few_cells_fit(batch[:2], 0, TABLES, NUM_BLOCKS)
+    assert not guard._few_cells_fit(batch, 0, TABLES, NUM_BLOCKS)
+    with pytest.raises(WorkerRefusedError, match=r"row 3 .* outside"):
+        guard.check_deltas(batch, 0, TABLES, NUM_BLOCKS)
