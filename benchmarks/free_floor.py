@@ -9,7 +9,7 @@ arrays holding what kvforge's scheduler side holds (read through its public ``bl
 ``num_tokens``, ``pool(...).ref_counts`` and ``num_free_blocks``), and nothing else: no check,
 no all-or-nothing. With ``deltas``, it also builds the one thing a free must hand the worker:
 a cleared-row ``TableDelta`` per group, as kvforge builds them
-(``kvforge.core.values.cleared_row_deltas`` of the row's prebuilt frozen ``int32 [1]``).
+(``kvforge.core.values.cleared_row_deltas`` of the row's ``frozen_rows``, built once).
 
 Each round, on the same schedule (``step_workloads.schedule``), times per request: the bare
 free, the bare free with its deltas, ``BlockManager.finish``
@@ -62,7 +62,7 @@ from vllm_baseline import vllm_available
 
 from kvforge.cli.formatting import console
 from kvforge.controller import CacheController
-from kvforge.core.values import cleared_row_deltas
+from kvforge.core.values import cleared_row_deltas, frozen_rows
 
 __all__ = [
     "KVFORGE_FREES",
@@ -73,7 +73,6 @@ __all__ = [
     "floor_free_times",
     "floor_rounds",
     "free_times",
-    "frozen_rows",
     "main",
     "run_schedule",
     "scheduled",
@@ -164,14 +163,6 @@ def bare_free(groups: list[BareTables], requests: BareRequests, request_id: str)
     requests.tokens[row] = 0
     requests.committed[:, row] = 0
     requests.free_rows.append(row)
-
-
-def frozen_rows(num_rows: int) -> list[np.ndarray]:
-    """Row ``r``'s ``int32 [1]`` clear_rows, one frozen view each of one array, built once
-    (as ``RequestTables.one_row``): a free's deltas build no array."""
-    rows = np.arange(num_rows, dtype=np.int32)
-    rows.flags.writeable = False
-    return [rows[r : r + 1] for r in range(num_rows)]
 
 
 def scheduled(wl: WorkloadLike, sched: ScheduleLike) -> tuple[CacheController, list[str]]:

@@ -41,6 +41,7 @@ __all__ = [
     "SwapResult",
     "TableDelta",
     "cleared_row_deltas",
+    "frozen_rows",
     "page_owner",
 ]
 
@@ -110,6 +111,19 @@ _SET_ROWS = TableDelta.rows.__set__  # type: ignore[attr-defined]
 _SET_COLS = TableDelta.cols.__set__  # type: ignore[attr-defined]
 _SET_IDS = TableDelta.block_ids.__set__  # type: ignore[attr-defined]
 _SET_SEQ = TableDelta.seq.__set__  # type: ignore[attr-defined]
+
+
+def frozen_rows(num_rows: int) -> list[np.ndarray]:
+    """Row ``r``'s ``clear_rows`` (``int32 [1]`` holding ``r``) for every row below
+    ``num_rows``: views of one array over immutable bytes, so no holder can make one
+    writeable and change which row a later delta clears.
+
+    >>> rows = frozen_rows(3)
+    >>> [r.tolist() for r in rows], rows[2].flags.writeable, rows[2].base.flags.writeable
+    ([[0], [1], [2]], False, False)
+    """
+    rows = np.frombuffer(np.arange(num_rows, dtype=np.int32).tobytes(), dtype=np.int32)
+    return [rows[r : r + 1] for r in range(num_rows)]
 
 
 def cleared_row_deltas(groups: Sequence[str], rows: np.ndarray) -> list[TableDelta]:

@@ -11,7 +11,11 @@ Invariants:
 
 The free stack and the counts are numpy arrays, so the scheduler side can take or return the
 blocks of a whole step in a few array operations (:meth:`BlockPool.take`,
-:meth:`BlockPool.release`) instead of a Python loop per block.
+:meth:`BlockPool.release`) instead of a Python loop per block. One request's few blocks
+(:meth:`BlockPool.held_counts`, :meth:`BlockPool.release_few`,
+:meth:`BlockPool.restore_few`) are read and written through ``memoryview`` objects of the
+same arrays, whose items are Python ints: half the cost of numpy's scalars, the same memory
+(``tests/scheduler/test_block_pool.py`` holds them to the arrays).
 
 A block the prefix cache *retains* (:meth:`BlockPool.retain`) does not go back to the free
 stack when its ref count reaches 0: it becomes *evictable*, keeps its bytes, and can be shared

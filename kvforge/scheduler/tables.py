@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvforge.core.values import NO_CELLS, BlockCopy, TableDelta, cleared_row_deltas
+from kvforge.core.values import (
+    NO_CELLS,
+    BlockCopy,
+    TableDelta,
+    cleared_row_deltas,
+    frozen_rows,
+)
 from kvforge.kinds import GroupFamily, KindRule
 from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
@@ -143,11 +149,9 @@ class RequestTables:
         self.arenas = [(p, m) for p, m in self.capacity if isinstance(p, SlabArena)]
         # every pool feeds one group: a row's blocks per pool are its blocks per group
         self.one_group_pools = len(self.pools) == len(groups)
-        # row r's ``int32 [1]`` clear_rows, frozen and shared by every cleared-row delta of
-        # r (a worker only reads them): a finish builds no array
-        rows = np.arange(max_num_seqs, dtype=np.int32)
-        rows.flags.writeable = False
-        self.one_row = [rows[r : r + 1] for r in range(max_num_seqs)]
+        # row r's ``int32 [1]`` clear_rows, over immutable bytes and shared by every
+        # cleared-row delta of r (a worker only reads them): a finish builds no array
+        self.one_row = frozen_rows(max_num_seqs)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.committed = np.zeros((len(groups), max_num_seqs), dtype=np.int64)
         self.row_of: dict[str, int] = {}
@@ -155,6 +159,15 @@ class RequestTables:
         self.pending: list[TableDelta] = []
         self.copies: list[BlockCopy] = []
         self.next_seq = 0  # the sequence number of the next delta handed out
+
+    def __getstate__(self) -> dict[str, object]:
+        state = self.__dict__.copy()
+        del state["one_row"]  # a copy would thaw them: __setstate__ builds them frozen
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.one_row = frozen_rows(len(self.num_tokens))
 
     def record(self, g: GroupTable, rows: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         """Queue the change of cells ``(rows[i], cols[i])`` of ``g``'s table to ``ids[i]`` (a
@@ -232,6 +245,7 @@ class RequestTables:
         for g in self.groups:
             first = g.held_from_items[row] if g.windowed else 0
             end = g.slots if g.per_request else -(-longest // g.block_size)
+            end = min(end, g.width)  # as numpy's slice: the flat view runs on into row + 1
             at = row * g.width
             cells = g.cells[at + first : at + end].tolist() if end > first else []
             out.append((first, end, cells, [b for b in cells if b]))

@@ -202,8 +202,8 @@ def _few_cells_fit(
             return False
         clear, rows, cols, ids = delta.clear_rows, delta.rows, delta.cols, delta.block_ids
         num_rows = table.shape[0]
-        # a finish's deltas share one frozen clear_rows: looked at once per batch (the same
-        # object read again here, tables of as many rows)
+        # a finish's deltas share one frozen clear_rows: looked at once per run of deltas
+        # that share it (the same object read again here, tables of as many rows)
         if clear is not passed or num_rows != passed_rows:
             if type(clear) is not np.ndarray or clear.dtype is not _I32 or clear.ndim != 1:
                 return False

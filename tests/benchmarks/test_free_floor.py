@@ -16,14 +16,13 @@ from free_floor import (
     floor_free_times,
     floor_rounds,
     free_times,
-    frozen_rows,
     main,
     scheduled,
 )
 from step_sim import load_step_workloads
 from vllm_baseline import vllm_available
 
-from kvforge.core.values import NO_CELLS, cleared_row_deltas
+from kvforge.core.values import NO_CELLS, cleared_row_deltas, frozen_rows
 
 SW = load_step_workloads()
 HAVE_VLLM = vllm_available()

@@ -267,6 +267,22 @@ def test_a_copied_manager_frees_its_own_rows():
     assert all(not g.table[row].any() and g.held_from[row] == 0 for g in twin._t.groups)
     m.finish(["a"])
     assert same(state(m), state(twin))
+    for clear in (twin._t.one_row[row], m._t.one_row[row]):  # frozen in the copy too
+        assert not clear.flags.writeable and clear.tolist() == [row]
+        with pytest.raises(ValueError):
+            clear.base.flags.writeable = True  # immutable bytes: never thawed
+
+
+def test_a_row_read_stops_at_the_tables_width():
+    """``row_cells`` reads a row through a flat view of the table: like numpy's slice it
+    stops at the row's end, so a token count past the width never reaches the next row."""
+    m = _manager(kv=40, swa=30, rows=3)
+    m.end_step(m.schedule(["a", "b"], [300, 300]))
+    t = m._t
+    row = t.row_of["a"]
+    t.num_tokens[row] = 10**6  # past every table's width (a broken invariant)
+    for g, (first, end, cells, _) in zip(t.groups, t.row_cells(row), strict=True):
+        assert end <= g.width and cells == g.table[row, first:end].tolist()
 
 
 def test_a_finish_hands_each_group_the_rows_own_frozen_clear():
