@@ -65,6 +65,7 @@ from kvforge.errors import (
     OutOfBlocksError,
     RequestStateError,
     StepError,
+    add_note,
 )
 from kvforge.kinds import live_start
 from kvforge.options import (
@@ -991,7 +992,7 @@ class CacheController:
                 try:
                     self._sync_tables()
                 except BaseException as failure:
-                    exc.add_note(f"kvforge: mirroring the rollback failed: {failure!r}")
+                    add_note(exc, f"kvforge: mirroring the rollback failed: {failure!r}")
             raise
         assert execution is not None
         self._sync_tables()
@@ -1077,9 +1078,10 @@ def _roll_back(manager: BlockManager, plan: SwapPlan, exc: BaseException) -> Non
     except ValueError:  # not in flight: it completed before the fault
         return
     except BaseException as again:
-        exc.add_note(
+        add_note(
+            exc,
             f"kvforge: settling swap plan {plan.plan_id} as failed raised {again!r}; it is "
-            "still in flight (BlockManager.complete_swap with a failed result settles it)"
+            "still in flight (BlockManager.complete_swap with a failed result settles it)",
         )
 
 

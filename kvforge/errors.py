@@ -16,7 +16,29 @@ __all__ = [
     "SwapReceiptError",
     "UnissuedCopyError",
     "WorkerRefusedError",
+    "add_note",
 ]
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc``'s notes, shown under its traceback: ``exc.add_note`` where
+    Python has it (3.11 on), else the same ``__notes__`` list by hand (3.10, which kvforge
+    supports, has the list's meaning to tools but no method), so a second failure while
+    undoing never hides the first behind an ``AttributeError``.
+
+    >>> exc = ValueError("first")
+    >>> add_note(exc, "undoing failed")
+    >>> exc.__notes__
+    ['undoing failed']
+    """
+    method = getattr(exc, "add_note", None)
+    if method is not None:
+        method(note)
+        return
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+    exc.__notes__ = [*notes, note]
 
 
 class OutOfBlocksError(RuntimeError):

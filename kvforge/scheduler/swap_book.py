@@ -46,7 +46,7 @@ import numpy as np
 from kvforge.core.layout import CacheLayout
 from kvforge.core.swap_receipt import check_receipt, new_token
 from kvforge.core.values import PageRelease, RequestMove, SwapPlan, SwapResult
-from kvforge.errors import OutOfBlocksError, RequestStateError
+from kvforge.errors import OutOfBlocksError, RequestStateError, add_note
 from kvforge.kinds import live_start
 from kvforge.scheduler.arena import SlabArena
 from kvforge.scheduler.args import batch_ids, swap_purpose
@@ -156,7 +156,7 @@ class _Undo:
             try:
                 step()
             except BaseException as failure:  # finish undoing, then re-raise the cause
-                cause.add_note(f"kvforge: undoing a swap bookkeeping step failed: {failure!r}")
+                add_note(cause, f"kvforge: undoing a swap bookkeeping step failed: {failure!r}")
 
 
 @contextmanager
@@ -585,9 +585,10 @@ class SwapBook:
         try:
             self._settle(flight, result.ok)
         except BaseException as exc:
-            exc.add_note(
+            add_note(
+                exc,
                 f"kvforge: swap plan {plan.plan_id} is still in flight, as it was before "
-                "complete_swap; calling complete_swap again settles it"
+                "complete_swap; calling complete_swap again settles it",
             )
             raise
 

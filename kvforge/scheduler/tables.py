@@ -26,6 +26,7 @@ from kvforge.core.values import (
     cleared_row_deltas,
     frozen_rows,
 )
+from kvforge.errors import add_note
 from kvforge.kinds import GroupFamily, KindRule
 from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
@@ -312,7 +313,7 @@ class RequestTables:
                 try:
                     step()
                 except BaseException as failure:
-                    exc.add_note(f"kvforge: putting a released row back failed: {failure!r}")
+                    add_note(exc, f"kvforge: putting a released row back failed: {failure!r}")
             raise
         return True
 
