@@ -345,6 +345,10 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         llm = vllm.LLM(**kwargs)
         startup = time.perf_counter() - t0
+        # the tokens of a block as the engine chose them: vLLM grows a hybrid model's
+        # attention block (a multiple of the requested size) until its page holds the
+        # linear-attention state, so a cached prefix counts in these tokens
+        block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
         steps = [STEPS[step["op"]](llm, step) for step in request.get("steps", [])]
         del llm
     return {
@@ -352,6 +356,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         "family": request["family"],
         "model_dir_bytes": size,
         "startup_s": round(startup, 3),
+        "block_size": block_size,
         "steps": steps,
     }
 
