@@ -113,7 +113,7 @@ class ArenaBlockPool(BlockPool):
 
     # ------------------------------------------------------------------ verbs
 
-    def take(self, count: int) -> np.ndarray:
+    def take(self, count: int, into: list[np.ndarray] | None = None) -> np.ndarray:
         if not isinstance(count, int | np.integer) or isinstance(count, bool) or count < 0:
             raise ValueError(f"count must be an int >= 0, got {count!r}")
         count = int(count)
@@ -135,10 +135,14 @@ class ArenaBlockPool(BlockPool):
             keep = np.ones(top, dtype=bool)
             keep[pick] = False
             ids = stack[pick]
-            rest = stack[keep]
-            self._stack[: len(rest)] = rest
+            if into is not None:
+                into.append(ids)
+            # one store: at any line the free region holds every id once (a put_back's view)
+            self._stack[:top] = np.concatenate((stack[keep], ids[::-1]))
         else:
             ids = stack[top - count :][::-1].copy()
+            if into is not None:
+                into.append(ids)
         self._num_free = top - count
         self._ref[ids] = 1
         np.add.at(self.live, ids // k, 1)
@@ -250,6 +254,27 @@ class ArenaBlockPool(BlockPool):
                 np.add.at(self.cached, kept // self.blocks_per_slab, 1)
                 self.arena.clock += 1
                 self.released_at[kept] = self.arena.clock
+
+    def put_back(self, block_ids: np.ndarray) -> None:
+        super().put_back(block_ids)
+        self._recount(block_ids)
+
+    def restore_counts(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
+        super().restore_counts(block_ids, counts)
+        self._recount(block_ids)
+
+    def _recount(self, block_ids: np.ndarray) -> None:
+        """The counts of blocks in use and cached of the slabs of ``block_ids``, read again
+        from the reference counts (an undo's: a take or a release cut short may have moved
+        some of them and not others)."""
+        k = self.blocks_per_slab
+        slabs = np.unique(block_ids // k)
+        ids = slabs[:, None] * k + np.arange(k)[None, :]
+        inside = ids < self.num_blocks  # the tail slab is short
+        ids = np.where(inside, ids, 0)
+        ref, retained = self._ref[ids], self._retained[ids]
+        self.live[slabs] = ((ref > 0) & inside).sum(axis=1)
+        self.cached[slabs] = (retained & (ref == 0) & inside).sum(axis=1)
 
     def forget(self, block_id: int) -> None:
         was_evictable = block_id in self._evictable

@@ -30,7 +30,11 @@ evictable blocks are free capacity.
 
 One verb per action: :meth:`take`, :meth:`share`, :meth:`release` move references;
 :meth:`retain`, :meth:`forget`, :meth:`evict` move blocks in and out of the evictable set.
-Every verb checks its input with array operations before any count moves.
+Every verb checks its input with array operations before any count moves. An undo (the swap
+book's all-or-nothing) takes back a take (:meth:`put_back`) or releases
+(:meth:`restore_counts`) that an exception, ``KeyboardInterrupt`` included, cut short at any
+line: both rebuild the free stack from saved values, never from how far the verb got
+(``tests/scheduler/test_swap_faults.py``, the pools' lines).
 """
 
 from __future__ import annotations
@@ -178,9 +182,11 @@ class BlockPool:
 
     # ------------------------------------------------------------------ references
 
-    def take(self, count: int) -> np.ndarray:
+    def take(self, count: int, into: list[np.ndarray] | None = None) -> np.ndarray:
         """``count`` free blocks as ``int32 [count]`` (ref count 1 each). Evicts retained
-        blocks, least recently released first, when the free stack is short.
+        blocks, least recently released first, when the free stack is short. ``into``: a
+        list the ids are appended to before they leave the free stack, so that an undo
+        (:meth:`put_back`) knows them even when an exception strikes part way.
 
         Raises:
             ValueError: ``count`` is not an int >= 0.
@@ -195,6 +201,8 @@ class BlockPool:
             self.evict(count - self._num_free)
         top = self._num_free
         ids = self._stack[top - count : top][::-1].copy()
+        if into is not None:
+            into.append(ids)
         self._num_free = top - count
         if count <= _FEW:  # a decode step's one or two blocks: scalar stores beat a scatter
             ref = self._ref
@@ -317,6 +325,43 @@ class BlockPool:
                 del evictable[b]
             ref[b] = count
         self._num_free = num_free - len(evictable)
+
+    def put_back(self, block_ids: np.ndarray) -> None:
+        """Take back a :meth:`take` of ``block_ids`` (the ids it appended to ``into``),
+        whole, cut short by an exception at any line, or never begun: each is free again
+        (count 0) and on the free stack once, those that left it back on top in the order
+        they left. Blocks the take evicted to make room stay evicted (free).
+        """
+        self._ref[block_ids] = 0
+        top = self._num_free
+        gone = block_ids[~np.isin(block_ids, self._stack[:top])][::-1]
+        self._stack[top : top + len(gone)] = gone
+        self._num_free = top + len(gone)
+
+    def restore_counts(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
+        """Take back releases of ``block_ids`` (distinct ids, each held: ``counts``, from
+        :meth:`counts_of`, are 1 or more), whole, cut short by an exception at any line, or
+        never begun: the counts come back, and each id the releases freed leaves the free
+        stack (the other ids keep their order) or the evictable set.
+
+        The undo of a release that may have stopped part way: unlike reversing it (taking
+        the freed blocks back off the top of the stack), it does not depend on how far the
+        release got. A release cut short between a count store and its push leaves a block
+        at count 0 that is on no stack; one cut short after its pushes but before the free
+        count moved leaves the pushed ids above the stack's top. Both read back as before.
+        """
+        self._ref[block_ids] = counts
+        evictable = self._evictable
+        if evictable:  # a held block is never evictable: any of them there was made so
+            for b in block_ids.tolist():
+                evictable.pop(b, None)
+        top = self._num_free
+        free = self._stack[:top]
+        back = np.isin(free, block_ids)
+        if back.any():
+            keep = free[~back]
+            self._stack[: len(keep)] = keep
+            self._num_free = len(keep)
 
     def _release(self, block_ids: np.ndarray) -> None:
         """:meth:`release` of ids :meth:`_check_ids` passed (the counts are checked here)."""

@@ -119,11 +119,11 @@ class _Undo:
         return value
 
     def take(self, pool: BlockPool, count: int) -> np.ndarray:
-        """``pool.take(count)``: undone by releasing the blocks taken."""
+        """``pool.take(count)``: undone by putting the blocks back (``BlockPool.put_back``);
+        the pool records them in ``taken`` before any leaves its free stack."""
         taken: list[np.ndarray] = []
-        self.add(lambda: [pool.release(ids) for ids in taken])
-        taken.append(pool.take(count))  # one statement: the ids are never lost
-        return taken[0]
+        self.add(lambda: [pool.put_back(ids) for ids in taken])
+        return pool.take(count, into=taken)
 
     def guard(self, pool: BlockPool, block_ids: np.ndarray) -> None:
         """Let the references that ``pool`` drops on ``block_ids`` from now on be undone."""
@@ -133,7 +133,7 @@ class _Undo:
             ids = np.sort(block_ids)
             ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
             before = pool.counts_of(ids)  # a fancy index: a copy
-            self.add(lambda: _take_back(pool, ids, before))
+            self.add(lambda: pool.restore_counts(ids, before))
 
     def guard_listed(self, pool: BlockPool, block_ids: list[int]) -> None:
         """:meth:`guard` of ids given as a Python list."""
@@ -141,7 +141,7 @@ class _Undo:
             unique = set(block_ids)
             ids = np.array(block_ids if len(unique) == len(block_ids) else list(unique), np.int32)
             before = pool.counts_of(ids)  # a fancy index: a copy
-            self.add(lambda: _take_back(pool, ids, before))
+            self.add(lambda: pool.restore_counts(ids, before))
 
     def release(self, pool: BlockPool, block_ids: np.ndarray) -> None:
         """``pool.release(block_ids)``."""
@@ -175,29 +175,6 @@ def _restore_item(mapping: dict[Any, Any], key: Any, value: Any) -> None:
         mapping.pop(key, None)
     else:
         mapping[key] = value
-
-
-def _take_back(pool: BlockPool, ids: np.ndarray, before: np.ndarray) -> None:
-    """Give ``ids`` back the references they held in ``pool`` (ref counts ``before``).
-
-    A block that went back on the free stack is taken off it again (it is on top: the pool
-    hands out the most recently freed blocks first, and nothing else ran in between); a block
-    that stayed used, or became evictable, gets its references back with ``share``.
-    """
-    lost = before - pool.ref_counts[ids]
-    if not lost.any():
-        return
-    now = pool.ref_counts[ids]
-    freed = [b for b in ids[(lost > 0) & (now == 0)].tolist() if not pool.is_retained(b)]
-    if freed:
-        back = pool.take(len(freed))
-        if sorted(back.tolist()) != sorted(freed):
-            pool.release(back)
-            raise RuntimeError(f"cannot take blocks {freed} back: {pool!r} changed meanwhile")
-        lost[np.isin(ids, freed)] -= 1
-    again = np.repeat(ids, np.maximum(lost, 0))
-    if len(again):
-        pool.share(again)
 
 
 class SwapBook:

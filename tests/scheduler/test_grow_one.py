@@ -339,3 +339,111 @@ def test_a_finish_of_one_str_subclass_or_tuple_id_frees_it():
         m.finish(ids)
         assert m.requests == [] and all(g.pool.num_used == 0 for g in m._t.groups)
         m.take_effects()
+
+
+def _sweep_lines(build, op, view) -> dict[str, int]:
+    """Run ``op(build())`` once per line of kvforge it executes, with ``KeyboardInterrupt``
+    raised at that line: each time the manager ends exactly as before (``view``), and then
+    ``op`` runs whole, or ``op`` completed; either way it ends as an uninterrupted ``op``
+    leaves it. Returns how often each happened."""
+    import sys
+
+    import kvforge
+
+    root = kvforge.__file__.rsplit("/", 1)[0]
+    m = build()
+    op(m)
+    done = view(m)
+    k, outcomes = 0, {"rolled back": 0, "completed": 0}
+    while True:
+        k += 1
+        m = build()
+        before, seen = view(m), []
+
+        def trace(frame, event, arg, k=k, seen=seen):
+            if not frame.f_code.co_filename.startswith(root):
+                return None
+            if event in ("call", "line"):
+                seen.append((frame.f_code.co_qualname, frame.f_lineno))
+                if len(seen) == k:
+                    raise KeyboardInterrupt(f"{seen[-1]}")
+            return trace
+
+        previous = sys.gettrace()  # coverage's tracer, when it runs: put back after
+        sys.settrace(trace)
+        try:
+            op(m)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(previous)
+        if len(seen) < k:
+            return outcomes  # every line was swept
+        if same(view(m), before):
+            outcomes["rolled back"] += 1
+            op(m)
+        else:
+            outcomes["completed"] += 1
+        assert same(view(m), done), seen[-1]
+
+
+@pytest.mark.parametrize("share_pools", [False, True])
+@pytest.mark.parametrize("extra_holders", [False, True])
+def test_a_batch_finish_rolls_back_under_an_interrupt_at_every_line(extra_holders, share_pools):
+    """A finish of two requests releases their rows under the book's undo, whose step for a
+    pool restores the saved reference counts and rebuilds the free stack
+    (``BlockPool.restore_counts``): an interrupt at any line, one between a count store and
+    its push or after the pushes and before the free count moves included, leaves every
+    pool, stack, evictable block and row as before (a retry then frees both) or the finish
+    done. Before, the undo popped the top of the stack, which such an interrupt left short,
+    and lost blocks."""
+
+    def view(m: BlockManager) -> tuple:
+        return state(m), _evictable(m)
+
+    def build() -> BlockManager:
+        return _held_manager(extra_holders, share_pools)[0]
+
+    outcomes = _sweep_lines(build, lambda m: m.finish(["a", "b"]), view)
+    assert outcomes["rolled back"] > 150 and outcomes["completed"] >= 1, outcomes
+
+
+def test_a_batch_finish_in_a_slab_arena_rolls_back_under_an_interrupt_at_every_line():
+    """As above for an arena's pools, which also count the blocks in use and cached per slab
+    (``ArenaBlockPool.restore_counts`` reads them again), with prefix caching on: the
+    released blocks become evictable, and leave the evictable set again on an undo."""
+    from kvforge.core.arena import plan_arena
+    from kvforge.models import from_hf_config
+
+    layout = CacheLayout(from_hf_config("deepseek-v4-tiny"))
+    geometry = plan_arena(layout, 160 << 20)
+    assert geometry is not None
+    tokens = [list(range(1, 700)), list(range(1, 500)) + list(range(900, 1400))]
+
+    def build() -> BlockManager:
+        m = BlockManager(
+            layout,
+            {g: geometry.num_blocks(g) for g in geometry.groups},
+            4,
+            8192,
+            enable_prefix_caching=True,
+            arena=geometry,
+        )
+        m.end_step(m.schedule(["a", "b"], [len(t) for t in tokens], tokens))
+        m.take_effects()
+        return m
+
+    def view(m: BlockManager) -> tuple:
+        assert m.arena is not None
+        m.arena.check()
+        pools = [
+            (p.ref_counts, p.num_free, p.free_stack, p.live, p.cached, list(p._evictable))
+            for p in m.arena.pools
+        ]
+        return pools, [m.table(g) for g in m.groups], m.requests
+
+    outcomes = _sweep_lines(build, lambda m: m.finish(["a", "b"]), view)
+    assert outcomes["rolled back"] > 500 and outcomes["completed"] >= 1, outcomes
+    m = build()
+    m.finish(["a", "b"])  # the released blocks were cached: the undo had evictable ones
+    assert m.arena is not None and sum(p.num_evictable for p in m.arena.pools) > 20
