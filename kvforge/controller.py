@@ -977,12 +977,17 @@ class CacheController:
         manager = self._ready_manager()
         plan: SwapPlan | None = None
         execution: SwapExecution | None = None
+        earlier = {p.plan_id for p in manager.plans_in_flight()}
         try:
             plan = make_plan()
             self._sync_tables()  # a swap in's new rows, mirrored before the worker checks it
             execution = self.storage.execute(plan)
             manager.complete_swap(execution.result)
         except BaseException as exc:
+            if plan is None:  # struck after the plan was made, before it came back here
+                plan = next(
+                    (p for p in manager.plans_in_flight() if p.plan_id not in earlier), None
+                )
             if plan is not None:
                 try:
                     if execution is not None:  # no copy may still touch what goes back

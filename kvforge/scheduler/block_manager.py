@@ -758,6 +758,12 @@ class BlockManager:
     complete_swap.__doc__ = SwapBook.complete_swap.__doc__
 
     @locked
+    def plans_in_flight(self) -> tuple[SwapPlan, ...]:
+        return self._book.plans_in_flight()
+
+    plans_in_flight.__doc__ = SwapBook.plans_in_flight.__doc__
+
+    @locked
     def page_bytes(self, group: str) -> int:
         """Bytes of one host page of ``group`` (its offloaded roles, no padding)."""
         return self._book.page_bytes(group)

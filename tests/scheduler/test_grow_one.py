@@ -387,6 +387,7 @@ def _sweep_lines(build, op, view) -> dict[str, int]:
         assert same(view(m), done), seen[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share_pools", [False, True])
 @pytest.mark.parametrize("extra_holders", [False, True])
 def test_a_batch_finish_rolls_back_under_an_interrupt_at_every_line(extra_holders, share_pools):
@@ -408,6 +409,7 @@ def test_a_batch_finish_rolls_back_under_an_interrupt_at_every_line(extra_holder
     assert outcomes["rolled back"] > 150 and outcomes["completed"] >= 1, outcomes
 
 
+@pytest.mark.slow
 def test_a_batch_finish_in_a_slab_arena_rolls_back_under_an_interrupt_at_every_line():
     """As above for an arena's pools, which also count the blocks in use and cached per slab
     (``ArenaBlockPool.restore_counts`` reads them again), with prefix caching on: the

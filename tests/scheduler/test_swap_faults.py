@@ -365,6 +365,7 @@ def test_manager_interrupted_at_every_line(case, direction, swapped, batch):
     assert sweep_manager(CASES[case], swapped, direction, batch, on_line) > 50
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("direction", "swapped", "batch"), SWAPS[::2], ids=SWAP_IDS[::2])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("ok", [True, False], ids=["executed", "failed"])
