@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import operator
+import sys
+
+import kvforge
+
 
 def grow(ctl, request_id: str, num_tokens: int, chunk: int = 64) -> None:
     """Grow a request to ``num_tokens`` tokens in prefill chunks of ``chunk`` tokens, one
@@ -33,3 +38,46 @@ def next_step(storage, **fields):
     )
     base.update(fields)
     return StepAllocation(**base)
+
+
+def sweep_lines(build, op, view, same=operator.eq) -> dict[str, int]:
+    """Run ``op(build())`` once per line of kvforge it executes, with ``KeyboardInterrupt``
+    raised at that line (a call counts as its first line): each time the object ends exactly
+    as before (``view``, compared with ``same``), and then ``op`` runs whole, or ``op``
+    completed; either way it ends as an uninterrupted ``op`` leaves it. Returns how often
+    each happened."""
+    root = kvforge.__file__.rsplit("/", 1)[0]
+    m = build()
+    op(m)
+    done = view(m)
+    k, outcomes = 0, {"rolled back": 0, "completed": 0}
+    while True:
+        k += 1
+        m = build()
+        before, seen = view(m), []
+
+        def trace(frame, event, arg, k=k, seen=seen):
+            if not frame.f_code.co_filename.startswith(root):
+                return None
+            if event in ("call", "line"):
+                seen.append((frame.f_code.co_qualname, frame.f_lineno))
+                if len(seen) == k:
+                    raise KeyboardInterrupt(f"{seen[-1]}")
+            return trace
+
+        previous = sys.gettrace()  # coverage's tracer, when it runs: put back after
+        sys.settrace(trace)
+        try:
+            op(m)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(previous)
+        if len(seen) < k:
+            return outcomes  # every line was swept
+        if same(view(m), before):
+            outcomes["rolled back"] += 1
+            op(m)
+        else:
+            outcomes["completed"] += 1
+        assert same(view(m), done), seen[-1]

@@ -14,9 +14,10 @@ until the plan completes, and no other call may touch it.
 
 Faults mid-bookkeeping. Planning and completing a swap change many things: pools, table rows,
 deltas, the maps of running, swapped and busy requests. Each call first checks everything it
-can, then applies its change through an :class:`_Undo` journal: every step registers how to
-take it back *before* it happens, and an exception of any kind (``KeyboardInterrupt``
-included) between any two statements undoes the steps taken, newest first, and propagates.
+can, then applies its change through an undo journal (:class:`~kvforge.scheduler.undo.Undo`):
+every step registers how to take it back *before* it happens, and an exception of any kind
+(``KeyboardInterrupt`` included) between any two statements undoes the steps taken, newest
+first, and propagates.
 So a plan is either made in full or not at all, and a completion either settles the plan in
 full or leaves it in flight exactly as it was: calling :meth:`SwapBook.complete_swap` again
 (with the same result, or a failed one) settles it. A plan leaves flight as the last step of
@@ -35,11 +36,10 @@ plan that would overwrite swapped data or read another request's pages.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -52,11 +52,10 @@ from kvforge.scheduler.arena import SlabArena
 from kvforge.scheduler.args import batch_ids, swap_purpose
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.tables import RequestTables
+from kvforge.scheduler.undo import Undo, all_or_nothing, save_rows
 from kvforge.specs import SwapPurpose, TokenRange
 
 __all__ = ["InFlight", "SwapBook", "SwapStats", "Swapped"]
-
-_MISSING = object()
 
 
 @dataclass
@@ -87,94 +86,6 @@ class InFlight:
 
     plan: SwapPlan
     rows: dict[str, int]  # swap in: rows adopted for the plan
-
-
-class _Undo:
-    """How to take back the steps of one change, newest first.
-
-    Each helper registers its undo step *before* it changes anything, and every undo step
-    restores a saved value rather than reversing a delta, so undoing a step that never ran
-    (an interrupt struck in between) changes nothing.
-    """
-
-    __slots__ = ("_steps",)
-
-    def __init__(self) -> None:
-        self._steps: list[Callable[[], None]] = []
-
-    def add(self, step: Callable[[], None]) -> None:
-        self._steps.append(step)
-
-    def put(self, mapping: dict[Any, Any], key: Any, value: Any) -> None:
-        """``mapping[key] = value``."""
-        old = mapping.get(key, _MISSING)
-        self.add(lambda: _restore_item(mapping, key, old))
-        mapping[key] = value
-
-    def pop(self, mapping: dict[Any, Any], key: Any) -> Any:
-        """``mapping.pop(key)``."""
-        value = mapping[key]
-        self.add(lambda: _restore_item(mapping, key, value))
-        del mapping[key]
-        return value
-
-    def take(self, pool: BlockPool, count: int) -> np.ndarray:
-        """``pool.take(count)``: undone by putting the blocks back (``BlockPool.put_back``);
-        the pool records them in ``taken`` before any leaves its free stack."""
-        taken: list[np.ndarray] = []
-        self.add(lambda: [pool.put_back(ids) for ids in taken])
-        return pool.take(count, into=taken)
-
-    def guard(self, pool: BlockPool, block_ids: np.ndarray) -> None:
-        """Let the references that ``pool`` drops on ``block_ids`` from now on be undone."""
-        if len(block_ids) <= 40:  # one request's blocks: a Python set beats a sort and a mask
-            self.guard_listed(pool, block_ids.tolist())
-        else:  # unique, without np.unique's overhead (a free is hot)
-            ids = np.sort(block_ids)
-            ids = ids[np.concatenate(([True], ids[1:] != ids[:-1]))]
-            before = pool.counts_of(ids)  # a fancy index: a copy
-            self.add(lambda: pool.restore_counts(ids, before))
-
-    def guard_listed(self, pool: BlockPool, block_ids: list[int]) -> None:
-        """:meth:`guard` of ids given as a Python list."""
-        if block_ids:
-            unique = set(block_ids)
-            ids = np.array(block_ids if len(unique) == len(block_ids) else list(unique), np.int32)
-            before = pool.counts_of(ids)  # a fancy index: a copy
-            self.add(lambda: pool.restore_counts(ids, before))
-
-    def release(self, pool: BlockPool, block_ids: np.ndarray) -> None:
-        """``pool.release(block_ids)``."""
-        self.guard(pool, block_ids)
-        pool.release(block_ids)
-
-    def rollback(self, cause: BaseException) -> None:
-        """Run every undo step, newest first. A step that fails is noted on ``cause`` and the
-        others still run."""
-        while self._steps:
-            step = self._steps.pop()
-            try:
-                step()
-            except BaseException as failure:  # finish undoing, then re-raise the cause
-                add_note(cause, f"kvforge: undoing a swap bookkeeping step failed: {failure!r}")
-
-
-@contextmanager
-def _all_or_nothing() -> Iterator[_Undo]:
-    """Apply a change through an :class:`_Undo`; any exception undoes it and propagates."""
-    undo = _Undo()
-    try:
-        yield undo
-    except BaseException as exc:
-        undo.rollback(exc)
-        raise
-
-
-def _restore_item(mapping: dict[Any, Any], key: Any, value: Any) -> None:
-    if value is _MISSING:
-        mapping.pop(key, None)
-    else:
-        mapping[key] = value
 
 
 class SwapBook:
@@ -224,7 +135,7 @@ class SwapBook:
         resident = [rid for rid in request_ids if rid in row_of]
         if len(request_ids) == 1 and resident and self._finish_one(resident[0]):
             return
-        with _all_or_nothing() as undo:
+        with all_or_nothing() as undo:
             for rid in request_ids if self.swapped else ():
                 swapped = self.swapped.get(rid)
                 if swapped is not None:
@@ -250,7 +161,7 @@ class SwapBook:
         cells = t.row_cells(row)
         if t.release_row_at_once(request_id, row, cells):  # the request forgotten too
             return True
-        undo = _Undo()
+        undo = Undo()
         try:
             self._release_row(undo, row, cells)
             undo.pop(row_of, request_id)
@@ -364,7 +275,7 @@ class SwapBook:
             pool = self._host[name]
             if count > pool.num_free:
                 raise OutOfBlocksError("host", name, count, pool.num_free, "swap_out")
-        with _all_or_nothing() as undo:
+        with all_or_nothing() as undo:
             taken = {name: undo.take(self._host[name], count) for name, count in totals.items()}
             offsets = dict.fromkeys(totals, 0)
             moves = []
@@ -407,8 +318,8 @@ class SwapBook:
             arena.prepare(needs)
         # the rows free_rows.pop() hands out, in order
         chosen = self._t.free_rows[len(self._t.free_rows) - len(ids) :][::-1]
-        with _all_or_nothing() as undo:
-            self._save_rows(undo, np.array(chosen, dtype=np.int64))
+        with all_or_nothing() as undo:
+            save_rows(undo, self._t, np.array(chosen, dtype=np.int64))
             rows: dict[str, int] = {}
             moves = []
             for rid, cols in zip(ids, cols_of, strict=True):
@@ -476,7 +387,7 @@ class SwapBook:
         return arenas
 
     def _restore_row(
-        self, undo: _Undo, rid: str, row: int, cols: dict[str, np.ndarray]
+        self, undo: Undo, rid: str, row: int, cols: dict[str, np.ndarray]
     ) -> RequestMove:
         """Take fresh blocks for ``rid``'s ``cols`` into ``row`` (undoably: ``undo`` saved the
         row), queue the table deltas, restore its token and committed counts, and describe
@@ -506,7 +417,7 @@ class SwapBook:
 
     def _launch(
         self,
-        undo: _Undo,
+        undo: Undo,
         direction: Literal["out", "in"],
         moves: list[RequestMove],
         rows: dict[str, int],
@@ -571,7 +482,7 @@ class SwapBook:
 
     def _settle(self, flight: InFlight, ok: bool) -> None:
         plan = flight.plan
-        with _all_or_nothing() as undo:
+        with all_or_nothing() as undo:
             if plan.direction == "out" and ok:
                 rows = [self._t.row_of[m.request_id] for m in plan.requests]
                 self._release_rows(undo, np.array(rows, dtype=np.int64))
@@ -616,62 +527,34 @@ class SwapBook:
                     f"the plan left it (busy with plan, running, swapped = {where})"
                 )
 
-    def _save_rows(
-        self, undo: _Undo, rows: np.ndarray | int, spans: Sequence[slice] | None = None
-    ) -> None:
-        """Let every change to table rows ``rows`` (an array, or one row as an int) be undone:
-        their cells (of each group's columns ``spans[i]``: those a change may touch; all by
-        default), extents, token counts and commits, the free rows and the pending deltas."""
-        t = self._t
-        if spans is None:
-            spans = [slice(0, g.table.shape[1]) for g in t.groups]
-        saved = [
-            (g, span, g.table[rows, span].copy(), g.held_from[rows].copy())
-            for g, span in zip(t.groups, spans, strict=True)
-        ]
-        tokens, committed = t.num_tokens[rows].copy(), t.committed[:, rows].copy()
-        free_rows, pending = list(t.free_rows), t.pending
-        num_pending = len(pending)
-
-        def restore() -> None:
-            for g, span, table, held_from in saved:
-                g.table[rows, span] = table
-                g.held_from[rows] = held_from
-            t.num_tokens[rows] = tokens
-            t.committed[:, rows] = committed
-            t.free_rows[:] = free_rows
-            del pending[num_pending:]
-
-        undo.add(restore)
-
     def _release_row(
-        self, undo: _Undo, row: int, cells: list[tuple[int, int, list[int], list[int]]]
+        self, undo: Undo, row: int, cells: list[tuple[int, int, list[int], list[int]]]
     ) -> None:
         """:meth:`_release_rows` of one row, undoable, whose cells were read once
         (``RequestTables.row_cells``): the saved state is the cells it can hold, its extents,
         token count and commits, the free rows and the pending deltas, and the references
         its blocks drop."""
         t = self._t
-        self._save_rows(undo, row, [slice(first, end) for first, end, _, _ in cells])
+        save_rows(undo, self._t, row, [slice(first, end) for first, end, _, _ in cells])
         for pool, ids in t.pool_blocks(cells):
             undo.guard_listed(pool, ids)
         t.release_row(row, cells)
 
-    def _release_rows(self, undo: _Undo, rows: np.ndarray) -> None:
+    def _release_rows(self, undo: Undo, rows: np.ndarray) -> None:
         """``tables.release_rows(rows)``, undoable: the rows and every reference their
         blocks drop."""
         t = self._t
         # the cells the rows can hold (as release_rows reads them): beyond, every cell is null
         longest = int(t.num_tokens[rows].max()) if len(rows) else 0
         widths = [g.slots if g.per_request else -(-longest // g.block_size) for g in t.groups]
-        self._save_rows(undo, rows, [slice(0, w) for w in widths])
+        save_rows(undo, self._t, rows, [slice(0, w) for w in widths])
         for pool, members in t.pools:
             cells = [t.groups[gi].table[rows, : widths[gi]].ravel() for gi in members]
             held = cells[0] if len(cells) == 1 else np.concatenate(cells)
             undo.guard(pool, held[held != NULL_BLOCK])
         t.release_rows(rows)
 
-    def _release_pages(self, undo: _Undo, moves: Sequence[RequestMove]) -> None:
+    def _release_pages(self, undo: Undo, moves: Sequence[RequestMove]) -> None:
         """Give back the host pages of ``moves``: one release per group."""
         per_group: dict[str, list[np.ndarray]] = {}
         for m in moves:
@@ -682,7 +565,7 @@ class SwapBook:
         for m in moves:
             self._note_release(undo, m.request_id, m.host_pages)
 
-    def _keep_releases(self, undo: _Undo, releases: list[PageRelease]) -> None:
+    def _keep_releases(self, undo: Undo, releases: list[PageRelease]) -> None:
         """``self._releases = releases``, undoable (with the release counter)."""
         saved, seq = list(self._releases), self._release_seq
 
@@ -693,7 +576,7 @@ class SwapBook:
         undo.add(restore)
         self._releases[:] = releases
 
-    def _note_release(self, undo: _Undo, request_id: str, pages: Mapping[str, np.ndarray]) -> None:
+    def _note_release(self, undo: Undo, request_id: str, pages: Mapping[str, np.ndarray]) -> None:
         """Tell the worker (with the next plans) that ``pages`` no longer hold
         ``request_id``'s data."""
         release = PageRelease(self._release_seq, request_id, dict(pages))
@@ -701,7 +584,7 @@ class SwapBook:
         self._release_seq += 1
 
     def _count_swaps(
-        self, undo: _Undo, moves: Sequence[RequestMove], direction: Literal["out", "in"]
+        self, undo: Undo, moves: Sequence[RequestMove], direction: Literal["out", "in"]
     ) -> None:
         """Add ``moves`` to :attr:`stats` (swaps, bytes and pages per group), undoably."""
         stats = self.stats

@@ -16,6 +16,13 @@ flight, in no open step):
 3. :func:`release_tail`: blocks past the new end go back to their pools, their cells become
    null, and the row's committed count and token count shrink to the new end.
 
+Steps 2 and 3 run under an undo journal (:mod:`.undo`): an exception at any line,
+``KeyboardInterrupt`` included, puts back the row's cells from the new end on, its counts,
+the pools' references (a fresh block taken, shared and tail blocks released), the queued
+copies and deltas. Two changes stay: the request's registration chain ends and the prefix
+cache forgets the key of the block the new end falls in. Each only loses a cache entry (a
+later hit recomputes), and neither may wait: the request writes that block again.
+
 Invariants: a refused truncation changes nothing; after a truncation the row holds exactly
 ``cdiv(num_tokens, B)`` columns per group (from ``held_from``), no block it holds is shared
 where it will write, and every cell change is queued as a table delta. Tested in
@@ -33,6 +40,7 @@ from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK
 from kvforge.scheduler.prefix import PrefixCache
 from kvforge.scheduler.tables import GroupTable, RequestTables
+from kvforge.scheduler.undo import Undo, all_or_nothing, save_rows
 
 __all__ = ["check_truncation", "copy_on_write", "release_tail", "truncate"]
 
@@ -50,9 +58,28 @@ def truncate(
         OutOfBlocksError: a pool lacks the fresh blocks the copies on write need.
     """
     current = check_truncation(tables, request_id, row, num_tokens)
-    copy_on_write(tables, prefix, row, num_tokens)
-    prefix.end_chain(request_id)  # its chain held the rolled-back tokens
-    release_tail(tables, row, current, num_tokens)
+    with all_or_nothing() as undo:
+        _save_tail(undo, tables, row, current, num_tokens)
+        copy_on_write(tables, prefix, row, num_tokens, undo)
+        prefix.end_chain(request_id)  # its chain held the rolled-back tokens
+        release_tail(tables, row, current, num_tokens)
+
+
+def _save_tail(undo: Undo, tables: RequestTables, row: int, current: int, num_tokens: int) -> None:
+    """Let the truncation of ``row`` from ``current`` to ``num_tokens`` tokens be undone: the
+    row's cells from the block the new end falls in to its end (what steps 2 and 3 change),
+    its counts, the queued copies and deltas, and every reference those cells hold."""
+    spans = [  # a per-request group's cells do not change
+        slice(0, 0)
+        if g.per_request
+        else slice(num_tokens // g.block_size, -(-current // g.block_size))
+        for g in tables.groups
+    ]
+    save_rows(undo, tables, row, spans)
+    for pool, members in tables.pools:
+        cells = [tables.groups[gi].table[row, spans[gi]] for gi in members]
+        held = cells[0] if len(cells) == 1 else np.concatenate(cells)
+        undo.guard(pool, held[held != NULL_BLOCK])
 
 
 def check_truncation(tables: RequestTables, request_id: str, row: int, num_tokens: object) -> int:
@@ -85,13 +112,17 @@ def check_truncation(tables: RequestTables, request_id: str, row: int, num_token
     return current
 
 
-def copy_on_write(tables: RequestTables, prefix: PrefixCache, row: int, num_tokens: int) -> None:
+def copy_on_write(
+    tables: RequestTables, prefix: PrefixCache, row: int, num_tokens: int, undo: Undo | None = None
+) -> None:
     """Step 2: give the row its own copy of each shared block the new end falls in, and drop
     the prefix cache's key of each unshared one.
 
     Reads the row's cells and the pools' reference counts; changes, once every pool was found
     to have the blocks: the pools (a fresh block taken, the shared one released), the cell,
     ``tables.copies`` and ``tables.pending``, and the prefix cache (forgotten keys).
+
+    ``undo``: its takes are undone with the rest of the truncation.
 
     Raises:
         OutOfBlocksError: a pool or arena lacks the fresh blocks (nothing changed).
@@ -100,7 +131,8 @@ def copy_on_write(tables: RequestTables, prefix: PrefixCache, row: int, num_toke
     _check_copy_capacity(partial)
     for g, col, block in partial:
         if g.pool.ref_counts[block] > 1:
-            [fresh] = g.pool.take(1).tolist()
+            taken = g.pool.take(1) if undo is None else undo.take(g.pool, 1)
+            [fresh] = taken.tolist()
             g.table[row, col] = fresh
             g.pool.release(np.array([block], dtype=np.int32))
             old, new = np.array([block], np.int32), np.array([fresh], np.int32)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import sweep_lines
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -341,52 +342,6 @@ def test_a_finish_of_one_str_subclass_or_tuple_id_frees_it():
         m.take_effects()
 
 
-def _sweep_lines(build, op, view) -> dict[str, int]:
-    """Run ``op(build())`` once per line of kvforge it executes, with ``KeyboardInterrupt``
-    raised at that line: each time the manager ends exactly as before (``view``), and then
-    ``op`` runs whole, or ``op`` completed; either way it ends as an uninterrupted ``op``
-    leaves it. Returns how often each happened."""
-    import sys
-
-    import kvforge
-
-    root = kvforge.__file__.rsplit("/", 1)[0]
-    m = build()
-    op(m)
-    done = view(m)
-    k, outcomes = 0, {"rolled back": 0, "completed": 0}
-    while True:
-        k += 1
-        m = build()
-        before, seen = view(m), []
-
-        def trace(frame, event, arg, k=k, seen=seen):
-            if not frame.f_code.co_filename.startswith(root):
-                return None
-            if event in ("call", "line"):
-                seen.append((frame.f_code.co_qualname, frame.f_lineno))
-                if len(seen) == k:
-                    raise KeyboardInterrupt(f"{seen[-1]}")
-            return trace
-
-        previous = sys.gettrace()  # coverage's tracer, when it runs: put back after
-        sys.settrace(trace)
-        try:
-            op(m)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(previous)
-        if len(seen) < k:
-            return outcomes  # every line was swept
-        if same(view(m), before):
-            outcomes["rolled back"] += 1
-            op(m)
-        else:
-            outcomes["completed"] += 1
-        assert same(view(m), done), seen[-1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("share_pools", [False, True])
 @pytest.mark.parametrize("extra_holders", [False, True])
@@ -405,7 +360,7 @@ def test_a_batch_finish_rolls_back_under_an_interrupt_at_every_line(extra_holder
     def build() -> BlockManager:
         return _held_manager(extra_holders, share_pools)[0]
 
-    outcomes = _sweep_lines(build, lambda m: m.finish(["a", "b"]), view)
+    outcomes = sweep_lines(build, lambda m: m.finish(["a", "b"]), view, same)
     assert outcomes["rolled back"] > 150 and outcomes["completed"] >= 1, outcomes
 
 
@@ -444,7 +399,7 @@ def test_a_batch_finish_in_a_slab_arena_rolls_back_under_an_interrupt_at_every_l
         ]
         return pools, [m.table(g) for g in m.groups], m.requests
 
-    outcomes = _sweep_lines(build, lambda m: m.finish(["a", "b"]), view)
+    outcomes = sweep_lines(build, lambda m: m.finish(["a", "b"]), view, same)
     assert outcomes["rolled back"] > 500 and outcomes["completed"] >= 1, outcomes
     m = build()
     m.finish(["a", "b"])  # the released blocks were cached: the undo had evictable ones

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import sweep_lines
 
 from kvforge import DeepseekV4Backend, GQABackend
 from kvforge.core.layout import CacheLayout
@@ -151,3 +152,33 @@ def test_copy_on_write_is_refused_when_no_block_is_free_and_nothing_changes():
     with pytest.raises(OutOfBlocksError, match="kv"):
         m.truncate("b", 20)
     assert state(m) == before and m.num_tokens("b") == 48
+
+
+def _stacks(m: BlockManager) -> tuple:
+    """The pools' free stacks (the order of later takes) and evictable blocks."""
+    pools = {id(g.pool): g.pool for g in m._t.groups}.values()
+    return tuple((p._stack[: p._num_free].tolist(), list(p._evictable)) for p in pools)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("build", "num_tokens"),
+    [
+        (lambda: _sharing(kv=40)[0], 20),  # a copy on write of the block a shares
+        (lambda: grown(300), 200),  # blocks past the end, a window group's among them
+        (lambda: grown(300, prefix=True), 150),  # the new end's cached key goes too
+    ],
+    ids=["copy-on-write", "tail", "cached-tail"],
+)
+def test_a_truncation_rolls_back_under_an_interrupt_at_every_line(build, num_tokens):
+    """The copies on write and the releases of a truncation run under the undo journal: an
+    interrupt at any line of kvforge leaves the tables, counts, pools (free stacks in order
+    included), queued copies and deltas as before, and a retry then truncates as an
+    uninterrupted call does; or the truncation completed."""
+    request = "b" if "b" in build().requests else "r"
+
+    def view(m: BlockManager) -> tuple:
+        return state(m), _stacks(m), m.num_tokens(request)
+
+    outcomes = sweep_lines(build, lambda m: m.truncate(request, num_tokens), view)
+    assert outcomes["rolled back"] > 40 and outcomes["completed"] >= 1, outcomes
