@@ -17,11 +17,13 @@ flight, in no open step):
    null, and the row's committed count and token count shrink to the new end.
 
 Steps 2 and 3 run under an undo journal (:mod:`.undo`): an exception at any line,
-``KeyboardInterrupt`` included, puts back the row's cells from the new end on, its counts,
-the pools' references (a fresh block taken, shared and tail blocks released), the queued
-copies and deltas. Two changes stay: the request's registration chain ends and the prefix
-cache forgets the key of the block the new end falls in. Each only loses a cache entry (a
-later hit recomputes), and neither may wait: the request writes that block again.
+``KeyboardInterrupt`` included, puts back the cells they changed, the row's counts, the
+pools' references (a fresh block taken, shared and tail blocks released), the queued copies
+and deltas. Each change saves what it changes just before it happens, so a truncation within
+one block (most rejected draft tokens) saves two counts. Two changes stay: the request's
+registration chain ends and the prefix cache forgets the key of the block the new end falls
+in. Each only loses a cache entry (a later hit recomputes), and neither may wait: the request
+writes that block again.
 
 Invariants: a refused truncation changes nothing; after a truncation the row holds exactly
 ``cdiv(num_tokens, B)`` columns per group (from ``held_from``), no block it holds is shared
@@ -40,7 +42,7 @@ from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK
 from kvforge.scheduler.prefix import PrefixCache
 from kvforge.scheduler.tables import GroupTable, RequestTables
-from kvforge.scheduler.undo import Undo, all_or_nothing, save_rows
+from kvforge.scheduler.undo import Undo
 
 __all__ = ["check_truncation", "copy_on_write", "release_tail", "truncate"]
 
@@ -58,28 +60,42 @@ def truncate(
         OutOfBlocksError: a pool lacks the fresh blocks the copies on write need.
     """
     current = check_truncation(tables, request_id, row, num_tokens)
-    with all_or_nothing() as undo:
-        _save_tail(undo, tables, row, current, num_tokens)
+    undo = Undo()  # each change below registers its undo just before it happens
+    try:
+        _save_counts(undo, tables, row)
         copy_on_write(tables, prefix, row, num_tokens, undo)
         prefix.end_chain(request_id)  # its chain held the rolled-back tokens
-        release_tail(tables, row, current, num_tokens)
+        release_tail(tables, row, current, num_tokens, undo)
+    except BaseException as exc:
+        undo.rollback(exc)
+        raise
 
 
-def _save_tail(undo: Undo, tables: RequestTables, row: int, current: int, num_tokens: int) -> None:
-    """Let the truncation of ``row`` from ``current`` to ``num_tokens`` tokens be undone: the
-    row's cells from the block the new end falls in to its end (what steps 2 and 3 change),
-    its counts, the queued copies and deltas, and every reference those cells hold."""
-    spans = [  # a per-request group's cells do not change
-        slice(0, 0)
-        if g.per_request
-        else slice(num_tokens // g.block_size, -(-current // g.block_size))
-        for g in tables.groups
-    ]
-    save_rows(undo, tables, row, spans)
-    for pool, members in tables.pools:
-        cells = [tables.groups[gi].table[row, spans[gi]] for gi in members]
-        held = cells[0] if len(cells) == 1 else np.concatenate(cells)
-        undo.guard(pool, held[held != NULL_BLOCK])
+def _save_counts(undo: Undo, tables: RequestTables, row: int) -> None:
+    """Let ``row``'s token count and commits, the pending deltas and the queued copies be
+    put back (the cells and references: as each step changes them)."""
+    tokens, committed = int(tables.num_tokens[row]), tables.committed[:, row].copy()
+    pending, copies = tables.pending, tables.copies
+    num_pending, num_copies = len(pending), len(copies)
+
+    def restore() -> None:
+        tables.num_tokens[row], tables.committed[:, row] = tokens, committed
+        del pending[num_pending:], copies[num_copies:]
+
+    undo.add(restore)
+
+
+def _save_cells(undo: Undo, g: GroupTable, row: int, cols: np.ndarray | int) -> np.ndarray:
+    """Let ``g``'s cells ``(row, cols)`` and the references their blocks hold be put back;
+    returns the cells (a copy)."""
+    cells = g.table[row, cols]
+    if isinstance(cells, np.ndarray):
+        cells = cells.copy()
+    table = g.table
+    undo.add(lambda: table.__setitem__((row, cols), cells))
+    held = np.atleast_1d(cells)
+    undo.guard(g.pool, held[held != NULL_BLOCK])
+    return held
 
 
 def check_truncation(tables: RequestTables, request_id: str, row: int, num_tokens: object) -> int:
@@ -131,6 +147,8 @@ def copy_on_write(
     _check_copy_capacity(partial)
     for g, col, block in partial:
         if g.pool.ref_counts[block] > 1:
+            if undo is not None:
+                _save_cells(undo, g, row, col)
             taken = g.pool.take(1) if undo is None else undo.take(g.pool, 1)
             [fresh] = taken.tolist()
             g.table[row, col] = fresh
@@ -181,12 +199,15 @@ def _check_copy_capacity(partial: list[tuple[GroupTable, int, int]]) -> None:
         arena.prepare(needs)
 
 
-def release_tail(tables: RequestTables, row: int, current: int, num_tokens: int) -> None:
+def release_tail(
+    tables: RequestTables, row: int, current: int, num_tokens: int, undo: Undo | None = None
+) -> None:
     """Step 3: free the row's blocks past ``num_tokens`` (null cells, one delta per group that
     shrinks), cap its committed blocks at the whole blocks kept, and set its token count.
 
     Reads and changes the row's cells, the pools, ``tables.committed``, ``tables.pending`` and
-    ``tables.num_tokens``; refuses nothing (step 1 checked the bounds)."""
+    ``tables.num_tokens``; refuses nothing (step 1 checked the bounds). ``undo``: the cells
+    and references it changes can be put back (the counts: by the caller)."""
     for gi, g in enumerate(tables.groups):
         if g.per_request:
             continue
@@ -197,7 +218,7 @@ def release_tail(tables: RequestTables, row: int, current: int, num_tokens: int)
         if new_len == old_len:
             continue
         cols = np.arange(new_len, old_len)
-        old = g.table[row, cols]
+        old = g.table[row, cols] if undo is None else _save_cells(undo, g, row, cols)
         g.pool.release(old[old != NULL_BLOCK])
         g.table[row, cols] = NULL_BLOCK
         tables.record(g, np.full(len(cols), row), cols, np.zeros(len(cols), dtype=np.int32))
