@@ -464,18 +464,25 @@ class CacheController:
         as one numbered step of no request (``BlockManager.take_effects``), which the worker
         runs as it runs any step (``CacheStorage.run``), once and in order."""
         self._catch_up()
-        step = self._ready_manager().take_effects()
+        storage = self.storage
+        # handed over in the statement that takes it: an interrupt at any line loses nothing
+        storage.pending = step = self._ready_manager().take_effects()
         if step is None:
             return
-        storage = self.storage
-        storage.pending = step  # handed over: an interrupt from here loses nothing
         storage.run(step.effects)  # with its copies on write, before anything writes them
         self._publish(step.offloads)
 
     def _catch_up(self) -> None:
         """The worker finishes the step an interrupt kept from running whole
-        (``CacheStorage.catch_up``) before anything newer; its offloads are published."""
-        step = self.storage.catch_up()
+        (``CacheStorage.catch_up``) before anything newer; its offloads are published. A step
+        the scheduler side handed out and an interrupt kept from reaching the worker (struck
+        as the call returned) is its next one: ``BlockManager.last_step``."""
+        storage = self.storage
+        if storage.pending is None and self._manager is not None:
+            lost = self._manager.last_step
+            if lost is not None and lost.step_id == storage.next_step:
+                storage.pending = lost
+        step = storage.catch_up()
         if step is not None:
             self._publish(step.offloads)
 
@@ -494,11 +501,11 @@ class CacheController:
         side). See :meth:`BlockManager.schedule`. After the step's kernels ran, call
         :meth:`end_step` (it takes the per-request state snapshots the step is due)."""
         self._catch_up()
-        allocation = self._ready_manager().schedule(
+        storage = self.storage
+        # handed over in the statement that makes it (see CacheStorage.pending)
+        storage.pending = allocation = self._ready_manager().schedule(
             request_ids, num_new_tokens, new_token_ids, prefix_matches
         )
-        storage = self.storage
-        storage.pending = allocation  # handed over (see CacheStorage.pending)
         # the snapshots of the open steps of these requests, before this step's kernels move
         # their states on (an asynchronous engine ends step N after it schedules N + 1)
         storage.run_snapshots(request_ids)
@@ -577,8 +584,8 @@ class CacheController:
                 f"{request_id!r} already holds; tables only grow (use truncate to roll back)"
             )
         self._catch_up()
-        step = manager.schedule([request_id], [num_tokens - current])
-        self.storage.pending = step  # handed over (see CacheStorage.pending)
+        # handed over in the statement that makes it (see CacheStorage.pending)
+        self.storage.pending = step = manager.schedule([request_id], [num_tokens - current])
         # no token ids: the step registers nothing and holds nothing, so it ends at once
         manager.end_step(step)
         # moves, evicted blocks out, brought-back blocks in, table changes: checked and run

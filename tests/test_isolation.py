@@ -275,6 +275,7 @@ LOCK_FREE = {
         "num_usable_blocks": "a pool's size never changes",
         "prefix_cache": "returns the prefix cache object fixed at construction",
         "group_tables": "the group tables are built at construction and never replaced",
+        "last_step": "one read of a frozen value that one statement replaces",
     },
     CacheController: {
         "platform": "fixed at construction",

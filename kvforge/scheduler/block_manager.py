@@ -66,10 +66,12 @@ the worker before the block is written again or read (:mod:`kvforge.scheduler.ho
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -246,6 +248,10 @@ class BlockManager:
         self._book = SwapBook(self._t, layout)
         self._lock = threading.RLock()
         self._issued = 0  # the last step id handed out
+        #: what :meth:`take_effects` took from the parts and did not hand out (an exception
+        #: struck in between): the next hand-out carries it first, in the order it was taken
+        self._outbox: dict[str, tuple[Any, ...]] = {}
+        self._last_step: StepAllocation | None = None  # the newest step handed out
         self._open_steps: dict[int, StepWork] = {}  # scheduled, not ended: oldest first
         self._host_tier: HostTier | None = None  # attach_host_tier
 
@@ -459,7 +465,7 @@ class BlockManager:
         ids = work.request_ids = (request_id,)
         self._open_steps[self._issued] = work
         tier = self._host_tier
-        return StepAllocation(
+        step = StepAllocation(
             request_ids=ids,
             rows=np.array([row], dtype=np.int32),
             num_computed=np.array([before], dtype=np.int64),
@@ -472,6 +478,8 @@ class BlockManager:
             offloads=tier.take_offloads() if tier is not None else (),
             onloads=host_lookup.take_onloads(tier) if tier is not None else (),
         )
+        self._last_step = step = self._after_outbox(step) if self._outbox else step
+        return step
 
     def _open_step(
         self,
@@ -487,7 +495,7 @@ class BlockManager:
         self._issued += 1
         work.request_ids = b.kept_ids
         self._open_steps[self._issued] = work
-        return StepAllocation(
+        step = StepAllocation(
             request_ids=b.kept_ids,
             rows=b.safe_rows[kept].astype(np.int32),
             num_computed=b.before[kept],
@@ -501,6 +509,23 @@ class BlockManager:
             offloads=self._host_tier.take_offloads() if self._host_tier is not None else (),
             onloads=host_lookup.take_onloads(self._host_tier),
         )
+        self._last_step = step = self._after_outbox(step) if self._outbox else step
+        return step
+
+    def _after_outbox(self, step: StepAllocation) -> StepAllocation:
+        """``step`` carrying first what :meth:`take_effects` took and never handed out; the
+        outbox is emptied in the same statement that hands the whole over."""
+        box = self._outbox
+        whole = dataclasses.replace(
+            step,
+            table_deltas=box.get("deltas", ()) + step.table_deltas,
+            copies_before=box.get("copies", ()) + step.copies_before,
+            moves=box.get("moves", ()) + step.moves,
+            offloads=box.get("offloads", ()) + step.offloads,
+            onloads=box.get("onloads", ()) + step.onloads,
+        )
+        self._outbox = {}
+        return whole
 
     def _drop_unended_steps(self) -> None:
         """Steps left open past MAX_OPEN_STEPS are dropped, oldest first: they share nothing
@@ -835,23 +860,41 @@ class BlockManager:
         and truncations, copies on write, the tiers' page copies, arena moves) as one step of
         no request, numbered in the sequence of steps (``step_id``): a worker ``apply``-s it
         once, in order, as it applies a step. ``None`` when nothing is due (no id is used)."""
-        t = self._t
-        if not (t.pending or t.copies) and self.arena is None and self._host_tier is None:
+        t, box = self._t, self._outbox
+        if not (box or t.pending or t.copies) and self.arena is None and self._host_tier is None:
             return None  # the facade asks before most reads: nothing to hand out
-        moves = self.arena.take_moves() if self.arena is not None else ()
+        # each part's hand-out is kept in the statement that takes it: an exception between
+        # two of them (an interrupt at any line) leaves them here for the next hand-out
+        if "moves" not in box:
+            box["moves"] = self.arena.take_moves() if self.arena is not None else ()
         tier = self._host_tier
-        offloads = tier.take_offloads() if tier is not None else ()
-        onloads = host_lookup.take_onloads(tier) if tier is not None else ()
-        copies = self.take_copies() if t.copies else ()
-        deltas = t.take_pending()  # numbered deltas last
-        if not (moves or offloads or onloads or deltas or copies):
+        if "offloads" not in box:
+            box["offloads"] = tier.take_offloads() if tier is not None else ()
+        if "onloads" not in box:
+            box["onloads"] = host_lookup.take_onloads(tier) if tier is not None else ()
+        if "copies" not in box:  # kept in the statement that empties the queue
+            box["copies"], t.copies = tuple(t.copies), []
+        if "deltas" not in box:
+            t.take_pending(into=box)  # numbered deltas last
+        if not any(box.values()):
+            self._outbox = {}
             return None
-        self._issued += 1
-        return StepAllocation(
+        step = StepAllocation(
             request_ids=(), rows=_NO_ROWS, num_computed=_NO_COUNTS, num_new=_NO_COUNTS,
-            refused=(), table_deltas=deltas, copies_before=copies, step_id=self._issued,
-            offloads=offloads, onloads=onloads, moves=moves,
+            refused=(), table_deltas=box["deltas"], copies_before=box["copies"],
+            step_id=self._issued + 1, offloads=box["offloads"], onloads=box["onloads"],
+            moves=box["moves"],
         )  # fmt: skip
+        # handed out whole, in one statement (and kept: see last_step)
+        self._issued, self._outbox, self._last_step = step.step_id, {}, step
+        return step
+
+    @property
+    def last_step(self) -> StepAllocation | None:
+        """The newest step handed out (by :meth:`schedule` or :meth:`take_effects`): a
+        caller that an exception kept from receiving it (an interrupt as the call returned)
+        finds it here, and a worker whose next step is this one applies it."""
+        return self._last_step
 
     # ================================================================== helpers
 

@@ -16,6 +16,7 @@ over 64-token blocks after a step that took the request in row 0 to 300 tokens::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -199,19 +200,26 @@ class RequestTables:
         out or moved) for the workers: the :class:`TableDelta` of cleared rows."""
         self.pending.append(TableDelta(group=g.spec.name, clear_rows=rows.astype(np.int32)))
 
-    def take_pending(self) -> tuple[TableDelta, ...]:
+    def take_pending(self, into: dict[str, Any] | None = None) -> tuple[TableDelta, ...]:
         """Hand out the pending deltas, numbered in order (``TableDelta.seq``): a worker that
-        mirrors them refuses a gap, a repeat or a reordering."""
+        mirrors them refuses a gap, a repeat or a reordering. ``into``: a dict that gets them
+        as ``into["deltas"]`` in the statement that takes them, so that an exception at any
+        line either takes nothing (numbering them again gives the same numbers) or leaves
+        them there."""
         if not self.pending:  # the facade asks between most calls: nothing to number
             self.pending = []  # a fresh list, as below (an undo holds the one it saved)
+            if into is not None:
+                into["deltas"] = ()
             return ()
         deltas, number = tuple(self.pending), object.__setattr__
         # numbered in place: a pending delta is this object's alone until handed out (frozen
         # for everyone after), and a copy per delta costs as much as the step
         for seq, d in enumerate(deltas, self.next_seq):
             number(d, "seq", seq)
-        self.next_seq += len(deltas)
-        self.pending = []
+        if into is None:
+            self.next_seq, self.pending = self.next_seq + len(deltas), []
+        else:
+            into["deltas"], self.next_seq, self.pending = deltas, self.next_seq + len(deltas), []
         return deltas
 
     def release_rows(self, rows: np.ndarray) -> None:
