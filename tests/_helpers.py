@@ -40,16 +40,17 @@ def next_step(storage, **fields):
     return StepAllocation(**base)
 
 
-def sweep_lines(build, op, view, same=operator.eq) -> dict[str, int]:
+def sweep_lines(build, op, view, same=operator.eq, done=None, lines=None) -> dict[str, int]:
     """Run ``op(build())`` once per line of kvforge it executes, with ``KeyboardInterrupt``
     raised at that line (a call counts as its first line): each time the object ends exactly
     as before (``view``, compared with ``same``), and then ``op`` runs whole, or ``op``
-    completed; either way it ends as an uninterrupted ``op`` leaves it. Returns how often
-    each happened."""
+    completed; either way it ends as ``done`` (default: as an uninterrupted ``op`` leaves
+    it). Returns how often each happened; ``lines`` gets every line of the whole run."""
     root = kvforge.__file__.rsplit("/", 1)[0]
-    m = build()
-    op(m)
-    done = view(m)
+    if done is None:
+        m = build()
+        op(m)
+        done = view(m)
     k, outcomes = 0, {"rolled back": 0, "completed": 0}
     while True:
         k += 1
@@ -73,8 +74,10 @@ def sweep_lines(build, op, view, same=operator.eq) -> dict[str, int]:
             pass
         finally:
             sys.settrace(previous)
-        if len(seen) < k:
-            return outcomes  # every line was swept
+        if len(seen) < k:  # every line was swept
+            if lines is not None:
+                lines[:] = seen
+            return outcomes
         if same(view(m), before):
             outcomes["rolled back"] += 1
             op(m)

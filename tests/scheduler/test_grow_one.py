@@ -184,48 +184,19 @@ def test_a_row_released_at_once_rolls_back_under_an_interrupt_at_every_line(
     clearing and before the request is forgotten) leaves the manager exactly as before, the
     evictable blocks in their order included, or the finish done; a finish rolled back then
     runs whole. Either way the manager ends as the batch path leaves it."""
-    import sys
-
-    import kvforge
-
-    root = kvforge.__file__.rsplit("/", 1)[0]
     m, _ = _held_manager(extra_holders, share_pools)
     with pytest.MonkeyPatch.context() as mp:  # what the batch path makes of it
         mp.setattr(SwapBook, "_finish_one", _off)
         m.finish(["b"])
-    done = (state(m), _evictable(m))
-    k, outcomes = 0, {"rolled back": 0, "completed": 0}
-    while True:
-        k += 1
-        m, before = _held_manager(extra_holders, share_pools)
-        seen = []
-
-        def trace(frame, event, arg, k=k, seen=seen):
-            if not frame.f_code.co_filename.startswith(root):
-                return None
-            if event in ("call", "line"):
-                seen.append((frame.f_code.co_qualname, frame.f_lineno))
-                if len(seen) == k:
-                    raise KeyboardInterrupt(f"{seen[-1]}")
-            return trace
-
-        previous = sys.gettrace()  # coverage's tracer, when it runs: put back after
-        sys.settrace(trace)
-        try:
-            m.finish(["b"])
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(previous)
-        if len(seen) < k:
-            break  # every line was swept
-        if same(state(m), before):
-            outcomes["rolled back"] += 1
-            assert _evictable(m) == [[] for _ in m._t.groups], seen[-1]
-            m.finish(["b"])
-        else:
-            outcomes["completed"] += 1
-        assert same((state(m), _evictable(m)), done), seen[-1]
+    seen: list[tuple[str, int]] = []
+    outcomes = sweep_lines(
+        lambda: _held_manager(extra_holders, share_pools)[0],
+        lambda m: m.finish(["b"]),
+        lambda m: (state(m), _evictable(m)),
+        same,
+        done=(state(m), _evictable(m)),
+        lines=seen,
+    )
     assert any(name == "BlockPool.release_few" for name, _ in seen), seen
     assert outcomes["rolled back"] > 30 and outcomes["completed"] > 0, outcomes
     if extra_holders:  # the shared blocks kept a holder, the retained ones are evictable
