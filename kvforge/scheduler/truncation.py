@@ -42,7 +42,7 @@ from kvforge.scheduler.arena import ArenaBlockPool, SlabArena
 from kvforge.scheduler.block_pool import NULL_BLOCK
 from kvforge.scheduler.prefix import PrefixCache
 from kvforge.scheduler.tables import GroupTable, RequestTables
-from kvforge.scheduler.undo import Undo
+from kvforge.scheduler.undo import Undo, save_cells, save_counts
 
 __all__ = ["check_truncation", "copy_on_write", "release_tail", "truncate"]
 
@@ -62,40 +62,13 @@ def truncate(
     current = check_truncation(tables, request_id, row, num_tokens)
     undo = Undo()  # each change below registers its undo just before it happens
     try:
-        _save_counts(undo, tables, row)
+        save_counts(undo, tables, row)
         copy_on_write(tables, prefix, row, num_tokens, undo)
         prefix.end_chain(request_id)  # its chain held the rolled-back tokens
         release_tail(tables, row, current, num_tokens, undo)
     except BaseException as exc:
         undo.rollback(exc)
         raise
-
-
-def _save_counts(undo: Undo, tables: RequestTables, row: int) -> None:
-    """Let ``row``'s token count and commits, the pending deltas and the queued copies be
-    put back (the cells and references: as each step changes them)."""
-    tokens, committed = int(tables.num_tokens[row]), tables.committed[:, row].copy()
-    pending, copies = tables.pending, tables.copies
-    num_pending, num_copies = len(pending), len(copies)
-
-    def restore() -> None:
-        tables.num_tokens[row], tables.committed[:, row] = tokens, committed
-        del pending[num_pending:], copies[num_copies:]
-
-    undo.add(restore)
-
-
-def _save_cells(undo: Undo, g: GroupTable, row: int, cols: np.ndarray | int) -> np.ndarray:
-    """Let ``g``'s cells ``(row, cols)`` and the references their blocks hold be put back;
-    returns the cells (a copy)."""
-    cells = g.table[row, cols]
-    if isinstance(cells, np.ndarray):
-        cells = cells.copy()
-    table = g.table
-    undo.add(lambda: table.__setitem__((row, cols), cells))
-    held = np.atleast_1d(cells)
-    undo.guard(g.pool, held[held != NULL_BLOCK])
-    return held
 
 
 def check_truncation(tables: RequestTables, request_id: str, row: int, num_tokens: object) -> int:
@@ -129,7 +102,7 @@ def check_truncation(tables: RequestTables, request_id: str, row: int, num_token
 
 
 def copy_on_write(
-    tables: RequestTables, prefix: PrefixCache, row: int, num_tokens: int, undo: Undo | None = None
+    tables: RequestTables, prefix: PrefixCache, row: int, num_tokens: int, undo: Undo
 ) -> None:
     """Step 2: give the row its own copy of each shared block the new end falls in, and drop
     the prefix cache's key of each unshared one.
@@ -138,7 +111,7 @@ def copy_on_write(
     to have the blocks: the pools (a fresh block taken, the shared one released), the cell,
     ``tables.copies`` and ``tables.pending``, and the prefix cache (forgotten keys).
 
-    ``undo``: its takes are undone with the rest of the truncation.
+    ``undo``: the cells, takes and releases it makes can be put back.
 
     Raises:
         OutOfBlocksError: a pool or arena lacks the fresh blocks (nothing changed).
@@ -147,10 +120,8 @@ def copy_on_write(
     _check_copy_capacity(partial)
     for g, col, block in partial:
         if g.pool.ref_counts[block] > 1:
-            if undo is not None:
-                _save_cells(undo, g, row, col)
-            taken = g.pool.take(1) if undo is None else undo.take(g.pool, 1)
-            [fresh] = taken.tolist()
+            save_cells(undo, g, row, col)
+            [fresh] = undo.take(g.pool, 1).tolist()
             g.table[row, col] = fresh
             g.pool.release(np.array([block], dtype=np.int32))
             old, new = np.array([block], np.int32), np.array([fresh], np.int32)
@@ -218,7 +189,7 @@ def release_tail(
         if new_len == old_len:
             continue
         cols = np.arange(new_len, old_len)
-        old = g.table[row, cols] if undo is None else _save_cells(undo, g, row, cols)
+        old = g.table[row, cols] if undo is None else save_cells(undo, g, row, cols)
         g.pool.release(old[old != NULL_BLOCK])
         g.table[row, cols] = NULL_BLOCK
         tables.record(g, np.full(len(cols), row), cols, np.zeros(len(cols), dtype=np.int32))

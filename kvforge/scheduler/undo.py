@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from kvforge.errors import add_note
-from kvforge.scheduler.block_pool import BlockPool
-from kvforge.scheduler.tables import RequestTables
+from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
+from kvforge.scheduler.tables import GroupTable, RequestTables
 
-__all__ = ["Undo", "all_or_nothing", "restore_item", "save_rows"]
+__all__ = ["Undo", "all_or_nothing", "restore_item", "save_cells", "save_counts", "save_rows"]
 
 _MISSING = object()
 
@@ -114,30 +114,54 @@ def restore_item(mapping: dict[Any, Any], key: Any, value: Any) -> None:
         mapping[key] = value
 
 
+def save_counts(undo: Undo, t: RequestTables, rows: np.ndarray | int) -> None:
+    """Let ``t``'s token counts and commits of ``rows`` (an array, or one row as an int), the
+    pending deltas and the queued copies be put back."""
+    tokens, committed = t.num_tokens[rows].copy(), t.committed[:, rows].copy()
+    pending, copies = t.pending, t.copies
+    num_pending, num_copies = len(pending), len(copies)
+
+    def restore() -> None:
+        t.num_tokens[rows], t.committed[:, rows] = tokens, committed
+        del pending[num_pending:], copies[num_copies:]
+
+    undo.add(restore)
+
+
+def save_cells(undo: Undo, g: GroupTable, row: int, cols: np.ndarray | int) -> np.ndarray:
+    """Let ``g``'s cells ``(row, cols)`` and the references their blocks hold be put back
+    (a change may release those blocks); returns the cells (a copy, 1-d)."""
+    cells = g.table[row, cols]
+    if isinstance(cells, np.ndarray):
+        cells = cells.copy()
+    table = g.table
+    undo.add(lambda: table.__setitem__((row, cols), cells))
+    held = np.atleast_1d(cells)
+    undo.guard(g.pool, held[held != NULL_BLOCK])
+    return held
+
+
 def save_rows(
     undo: Undo, t: RequestTables, rows: np.ndarray | int, spans: Sequence[slice] | None = None
 ) -> None:
     """Let every change to ``t``'s rows ``rows`` (an array, or one row as an int) be undone:
     their cells (of each group's columns ``spans[i]``: those a change may touch; all by
-    default), extents, token counts and commits, the free rows, the pending deltas and the
-    queued copies."""
+    default), extents, token counts and commits (:func:`save_counts`), the free rows, the
+    pending deltas and the queued copies. The references the cells hold: the caller's
+    (``Undo.guard``)."""
     if spans is None:
         spans = [slice(0, g.table.shape[1]) for g in t.groups]
+    save_counts(undo, t, rows)
     saved = [
         (g, span, g.table[rows, span].copy(), g.held_from[rows].copy())
         for g, span in zip(t.groups, spans, strict=True)
     ]
-    tokens, committed = t.num_tokens[rows].copy(), t.committed[:, rows].copy()
-    free_rows, pending, copies = list(t.free_rows), t.pending, t.copies
-    num_pending, num_copies = len(pending), len(copies)
+    free_rows = list(t.free_rows)
 
     def restore() -> None:
         for g, span, table, held_from in saved:
             g.table[rows, span] = table
             g.held_from[rows] = held_from
-        t.num_tokens[rows] = tokens
-        t.committed[:, rows] = committed
         t.free_rows[:] = free_rows
-        del pending[num_pending:], copies[num_copies:]
 
     undo.add(restore)
