@@ -278,18 +278,27 @@ class ArenaBlockPool(BlockPool):
 
     def forget(self, block_id: int) -> None:
         was_evictable = block_id in self._evictable
-        super().forget(block_id)
-        if was_evictable:
-            self.cached[block_id // self.blocks_per_slab] -= 1
-            self._unsettled[block_id] = True
+        try:
+            super().forget(block_id)
+            if was_evictable:
+                self.cached[block_id // self.blocks_per_slab] -= 1
+        except BaseException:  # the pool completed it: its slab is counted again
+            self._recount(np.array([block_id]))
+            raise
+        finally:
+            if was_evictable:
+                self._unsettled[block_id] = True
 
-    def evict(self, count: int | None = None, block_ids: Sequence[int] | None = None) -> np.ndarray:
-        victims = super().evict(count, block_ids)
-        if len(victims):
+    def _free_victims(
+        self, victims: np.ndarray, listed: list[int], top: int, evictions: int, again: bool
+    ) -> None:
+        super()._free_victims(victims, listed, top, evictions, again)
+        if again:  # a first run cut short may or may not have counted them: count again
+            self._recount(victims)
+        else:
             np.subtract.at(self.cached, victims // self.blocks_per_slab, 1)
-            if self.has_eviction_listeners:  # (never clears a slot freed this period)
-                self._unsettled[victims] = True
-        return victims
+        if self.has_eviction_listeners:  # (never clears a slot freed this period)
+            self._unsettled[victims] = True
 
     # ------------------------------------------------------------------ slabs
 

@@ -34,7 +34,10 @@ Every verb checks its input with array operations before any count moves. An und
 book's all-or-nothing) takes back a take (:meth:`put_back`) or releases
 (:meth:`restore_counts`) that an exception, ``KeyboardInterrupt`` included, cut short at any
 line: both rebuild the free stack from saved values, never from how far the verb got
-(``tests/scheduler/test_swap_faults.py``, the pools' lines).
+(``tests/scheduler/test_swap_faults.py``, the pools' lines). An eviction changes nothing of
+the pool until its listeners and keeper are done; from its first store on it completes,
+whatever line an exception strikes (each store sets a value read before the first), and so
+does a :meth:`forget`.
 """
 
 from __future__ import annotations
@@ -430,9 +433,15 @@ class BlockPool:
             return
         self._retained[block_id] = False
         if block_id in self._evictable:
-            del self._evictable[block_id]
-            self._stack[self._num_free] = block_id
-            self._num_free += 1
+            top = self._num_free
+            self._stack[top] = block_id  # above the free count: nothing until it is counted
+            try:
+                del self._evictable[block_id]
+                self._num_free = top + 1
+            except BaseException:  # completed whatever line it struck: the block is free
+                self._evictable.pop(block_id, None)
+                self._num_free = top + 1
+                raise
 
     def evict(self, count: int | None = None, block_ids: Sequence[int] | None = None) -> np.ndarray:
         """Put evictable blocks on the free stack, telling the eviction listeners (in the
@@ -456,18 +465,36 @@ class BlockPool:
             victims = np.fromiter(itertools.islice(self._evictable, n), dtype=np.int32, count=n)
         if not len(victims):
             return victims
+        # until the victims leave the evictable set nothing of the pool has changed: an
+        # exception in a listener or the keeper leaves them evictable (a keeper forgets a key
+        # before its block can be taken, and skips a victim it no longer knows)
         for listener in self._listeners:
             listener(victims)
         if self.on_evict is not None:
             self.on_evict(victims)
-        for b in victims.tolist():
-            del self._evictable[b]
-        self._retained[victims] = False
-        top = self._num_free
-        self._stack[top : top + len(victims)] = victims[::-1]
-        self._num_free = top + len(victims)
-        self.evictions += len(victims)
+        # from the pool's first store on, the eviction completes: under an exception at any
+        # line, ``KeyboardInterrupt`` included, it runs again whole (each store sets a value
+        # read before the first one) and the exception propagates
+        done = (victims.tolist(), self._num_free, self.evictions)
+        try:
+            self._free_victims(victims, *done, again=False)
+        except BaseException:
+            self._free_victims(victims, *done, again=True)
+            raise
         return victims
+
+    def _free_victims(
+        self, victims: np.ndarray, listed: list[int], top: int, evictions: int, again: bool
+    ) -> None:
+        """Move the victims of an eviction from the evictable set to the free stack, which
+        held ``top`` free blocks before, and count them. Each store sets a value, so running
+        it again after it was cut short completes it (``again``: a second run)."""
+        evictable = self._evictable
+        for b in listed:
+            evictable.pop(b, None)
+        self._retained[victims] = False
+        self._stack[top : top + len(listed)] = victims[::-1]
+        self._num_free, self.evictions = top + len(listed), evictions + len(listed)
 
     def _check_ids(self, block_ids: np.ndarray, action: str) -> np.ndarray:
         if block_ids.ndim != 1 or (

@@ -336,15 +336,28 @@ class HostTier:
         if key in index or pool.num_free == 0 or name in self.recomputed:
             self._let_go(ref)
             return None
-        return self._index_page(name, key, end, ref, proof)
-
-    def _index_page(self, name: str, key: bytes, end: int, ref: bytes | None, proof: object) -> int:
-        """Take a page (evicting the least recently used one when none is free), pinned and
-        retained, and index ``key`` to it with what the exact check reads."""
-        [page] = self._pools[name].take(1).tolist()
-        self._pools[name].retain(page)
+        page = self._take_page(name, key, end, ref, proof)
         self._index[name][key] = page
-        self._pages[name][page] = _Page(key, int(end), ref, proof)  # type: ignore[arg-type]
+        return page
+
+    def _take_page(self, name: str, key: bytes, end: int, ref: bytes | None, proof: object) -> int:
+        """Take a page (evicting the least recently used one when none is free), pinned and
+        retained, with what the exact check of ``key`` reads; the caller indexes ``key`` to
+        it last, once the page's bytes are due. All or nothing under an exception at any
+        line, ``KeyboardInterrupt`` included."""
+        pool, pages = self._pools[name], self._pages[name]
+        taken: list[np.ndarray] = []
+        try:
+            [page] = pool.take(1, into=taken).tolist()
+            pool.retain(page)
+            pages[page] = _Page(key, int(end), ref, proof)  # type: ignore[arg-type]
+        except BaseException:
+            for ids in taken:  # the page taken, if the take got as far as naming it
+                for p in ids.tolist():
+                    pages.pop(p, None)
+                    pool.forget(p)  # held: it only stops being retained
+                pool.put_back(ids)
+            raise
         return page
 
     def filled(self, group: str, pages: Sequence[int], arrived: Sequence[bool]) -> None:
@@ -410,9 +423,13 @@ class HostTier:
             _bump(self.stats.dropped, name)
             self._let_go(ref)
             return None
-        page = self._index_page(name, key, end, ref, proof)
+        page = self._take_page(name, key, end, ref, proof)
         self._offloads[name].append((int(device_block), page))
         self._queued[name].add(int(device_block))
+        # last: a key names a page whose bytes are on their way. Struck before, the page
+        # holds no key (it is evicted in its turn) and the block's queued offload keeps a
+        # second demotion of it away
+        self._index[name][key] = page
         _bump(self.stats.demotions, name)
         return page
 
@@ -639,15 +656,26 @@ class HostTier:
     # ------------------------------------------------------------------ eviction
 
     def _evicted(self, group: str, victims: np.ndarray) -> None:
+        """The keeper's hook of ``group``'s page pool: the victims' keys leave the index.
+        An eviction cut short leaves its victims evictable, some with no key: the pool evicts
+        them again, and a page this no longer knows is skipped. A key leaves the index before
+        its page's entry goes, so no lookup finds a page the pool may hand out."""
         pages, index = self._pages[group], self._index[group]
-        self._released[group] += victims.tolist()
+        self._released[group] += victims.tolist()  # a repeat is harmless: take_released
         keys = []
         for page in victims.tolist():
-            e = pages.pop(page)
-            del index[e.key]
+            e = pages.get(page)
+            if e is None:
+                continue  # forgotten by an eviction cut short
+            named = index.get(e.key) == page  # not when a demotion was cut short
+            if named:
+                del index[e.key]
+            del pages[page]
             self._let_go(e.ref)
-            keys.append(e.key)
-        _bump(self.stats.evictions, group, len(victims))
+            if named:
+                keys.append(e.key)
+        if keys:
+            _bump(self.stats.evictions, group, len(keys))
         if self._on_evicted is not None and keys:
             self._on_evicted(group, keys)
 

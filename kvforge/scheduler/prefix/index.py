@@ -13,7 +13,13 @@ Invariants (``tests/scheduler/test_prefix_cache.py``, ``tests/scheduler/test_new
 
 - a block is in ``_owner`` of its pool exactly when some group's ``_cached`` maps a key to it
   (it is served), in ``_spare_owner`` exactly when it waits in ``_spares`` as another copy
-  of a served key, never in both; exactly then its pool retains it (evictable at ref 0);
+  of a served key, never in both; exactly then its pool retains it (evictable at ref 0),
+  but for the victims of an eviction an exception cut short, retained with no key until
+  their pool evicts them again;
+- a key names a block only while the block's entry is in place and its pool retains it:
+  a key is written last (:meth:`PrefixIndex.store`, :meth:`PrefixIndex.promote`) and
+  withdrawn first (:meth:`PrefixIndex.evicted`) (``tests/scheduler/test_swap_faults.py``,
+  an eviction struck at every line of the pools and the index);
 - the newest copy wins: when the served copy of a key goes (evicted or rewritten), its newest
   waiting copy takes the key over (:meth:`PrefixIndex.promote`), announced as stored; a
   waiting copy that goes is never announced (a key was not lost);
@@ -109,9 +115,9 @@ class PrefixIndex:
         of the index change here, in :meth:`forget_block`, :meth:`promote` and
         :meth:`evicted` only. ``ref`` is the unit record the block holds a reference on
         (released when it goes)."""
-        self._cached[g.spec.name][key] = block
         self._owner[g.pool][block] = Entry(key, end, gi, ref, proof)
         g.pool.retain(block)
+        self._cached[g.spec.name][key] = block  # last: the key names a block kept for it
         self._events.append(PrefixEvent("stored", g.spec.name, key, end))
 
     def add_waiting(self, g: GroupTable, block: int, entry: Entry) -> None:
@@ -128,12 +134,14 @@ class PrefixIndex:
         if self.drop_waiting(g.pool, block):
             g.pool.forget(block)
             return
-        entry = self._owner[g.pool].pop(block, None)
+        owner = self._owner[g.pool]
+        entry = owner.get(block)
         if entry is None:
             return
         group = self._groups[entry.group]
         if self._cached[group.spec.name].get(entry.key) == block:
-            del self._cached[group.spec.name][entry.key]
+            del self._cached[group.spec.name][entry.key]  # first, as in evicted
+        del owner[block]
         g.pool.forget(block)
         if entry.ref is not None:
             self._records.release(entry.ref)
@@ -142,15 +150,20 @@ class PrefixIndex:
             self.promote(group, entry.key)
 
     def drop_waiting(self, pool: BlockPool, block: int) -> bool:
-        """Drop ``block`` if it is a waiting copy (no event: it was never announced)."""
-        entry = self._spare_owner[pool].pop(block, None)
+        """Drop ``block`` if it is a waiting copy (no event: it was never announced). It
+        leaves its key's list before its entry goes, so a drop cut short is finished by the
+        next one, and a promotion never takes a block that has no entry."""
+        spare_owner = self._spare_owner[pool]
+        entry = spare_owner.get(block)
         if entry is None:
             return False
         name = self._groups[entry.group].spec.name
-        waiting = self._spares[name][entry.key]
-        waiting.remove(block)
-        if not waiting:
-            del self._spares[name][entry.key]
+        waiting = self._spares[name].get(entry.key)
+        if waiting is not None and block in waiting:  # (a drop cut short took it out)
+            waiting.remove(block)
+            if not waiting:
+                del self._spares[name][entry.key]
+        del spare_owner[block]
         if entry.ref is not None:
             self._records.release(entry.ref)
         return True
@@ -164,25 +177,33 @@ class PrefixIndex:
         if not waiting:
             del self._spares[g.spec.name][key]
         entry = self._spare_owner[g.pool].pop(block)
-        self._cached[g.spec.name][key] = block
         self._owner[g.pool][block] = entry
+        self._cached[g.spec.name][key] = block  # last, as in store
         self._events.append(PrefixEvent("stored", g.spec.name, key, entry.end))
 
     def evicted(self, pool: BlockPool, victims: np.ndarray) -> None:
-        """The eviction hook of ``pool``: ``victims`` leave the index (and are counted)."""
+        """The eviction hook of ``pool``: ``victims`` leave the index (and are counted).
+
+        An eviction an exception cut short (``KeyboardInterrupt`` included) leaves its
+        victims evictable in their pool, some of them with no key: the pool evicts them
+        again, and this hook skips a victim it no longer knows. Each key stops naming its
+        block before the block's entry goes, so no lookup finds a block the pool frees."""
         ev = self._stats.evictions
         owner = self._owner[pool]
         # waiting copies first, so that none of them is promoted; they were never announced,
         # so they are not counted as evictions (a key was not lost)
         served = [b for b in victims.tolist() if not self.drop_waiting(pool, b)]
         for b in served:
-            entry = owner.pop(b)
+            entry = owner.get(b)
+            if entry is None:
+                continue  # forgotten by an eviction cut short
             g = self._groups[entry.group]
-            family = g.spec.family.value
-            ev[family] = ev.get(family, 0) + 1
             cached = self._cached[g.spec.name]
             if cached.get(entry.key) == b:
-                del cached[entry.key]
+                del cached[entry.key]  # first: from here no lookup finds the block
+            del owner[b]
+            family = g.spec.family.value
+            ev[family] = ev.get(family, 0) + 1
             if entry.ref is not None:
                 self._records.release(entry.ref)
             self._events.append(PrefixEvent("removed", g.spec.name, entry.key, entry.end))
