@@ -31,7 +31,10 @@ learns of a step from the next ``SchedulerOutput``, in its own process). So each
 is followed, in the same round, by one of its scheduler side alone (``side="scheduler"``:
 ``BlockManager.schedule`` and ``end_step`` / ``block_table`` / ``finish``, the worker never
 told), reported as the calls ``scheduler_alloc``, ``scheduler_table``, ``scheduler_free`` and
-``scheduler_total``: the same scope as ``KVCacheManager``.
+``scheduler_total``: the same scope as ``KVCacheManager``. Their difference in each round,
+``facade_only_alloc`` and ``facade_only_free`` (:func:`facade_only`), is what only the facade
+does; its ratio to vLLM's whole call is the least the facade's ratio could be if its scheduler
+side cost nothing.
 
 Invariants: both sides run exactly the steps of ``schedule(workload)`` on the blocks
 :func:`step_sim.step_num_blocks` sizes (kvforge) and :func:`vllm_baseline.build_kv_cache_config`
@@ -58,10 +61,12 @@ from kvforge.core.layout import CacheLayout
 
 __all__ = [
     "CALLS",
+    "FACADE_ONLY_CALLS",
     "SCHEDULER_CALLS",
     "SIDES",
     "PerRequestRecord",
     "PerRequestTimes",
+    "facade_only",
     "kvforge_per_request",
     "per_request_rounds",
     "print_per_request",
@@ -79,6 +84,10 @@ SCHEDULER_CALLS: tuple[str, ...] = ("alloc", "table", "free", "total")
 
 #: which of kvforge is timed: the facade (both sides), or its scheduler side alone
 SIDES: tuple[str, ...] = ("facade", "scheduler")
+
+#: the calls whose facade-only share is reported (``facade_only``): what the facade adds to
+#: its scheduler side, against vLLM's whole call
+FACADE_ONLY_CALLS: tuple[str, ...] = ("alloc", "free")
 
 
 @dataclass
@@ -380,6 +389,21 @@ def ratio_record(
     )
 
 
+def facade_only(
+    facade: Sequence[dict[str, float]], scheduler: Sequence[dict[str, float]], call: str
+) -> list[float]:
+    """Per round, what the facade's ``call`` costs beyond its scheduler side's in the same
+    round (microseconds per request): the worker's checked mirror of the step and the
+    facade's own checks, which vLLM's ``KVCacheManager`` call never does. Against vLLM's
+    whole call it is a lower bound of the facade's ratio with a scheduler side that cost
+    nothing. A round's difference below 0 is the machine's noise and is kept as measured.
+
+    >>> facade_only([{"free": 70.0}, {"free": 66.5}], [{"free": 34.0}, {"free": 40.0}], "free")
+    [36.0, 26.5]
+    """
+    return [f[call] - s[call] for f, s in zip(facade, scheduler, strict=True)]
+
+
 def per_request_rounds(
     workloads: Sequence[WorkloadLike],
     schedule: Callable[[WorkloadLike], ScheduleLike],
@@ -389,7 +413,8 @@ def per_request_rounds(
 ) -> list[PerRequestRecord]:
     """Per workload: one checked warm-up run of each side, then ``rounds`` interleaved rounds
     (kvforge's facade, its scheduler side, then vLLM), one record per call of :data:`CALLS`
-    (the facade) and of :data:`SCHEDULER_CALLS` (the scheduler side).
+    (the facade), of :data:`SCHEDULER_CALLS` (the scheduler side), and of
+    :data:`FACADE_ONLY_CALLS` (:func:`facade_only`, phases ``per_request_facade_only_{call}``).
 
     Raises:
         ValueError: ``rounds`` below 3 (a ratio is never reported from fewer rounds).
@@ -420,6 +445,15 @@ def per_request_rounds(
                     theirs.append(vllm_per_request(wl, sched).means_us())
             for side in SIDES:
                 records += _records(wl.name, ours[side], theirs if with_vllm else None, side)
+            for call in FACADE_ONLY_CALLS:
+                records.append(
+                    ratio_record(
+                        wl.name,
+                        f"per_request_facade_only_{call}",
+                        facade_only(ours["facade"], ours["scheduler"], call),
+                        [r[call] for r in theirs] if with_vllm else None,
+                    )
+                )
     finally:
         torch.set_num_threads(threads)
     return records

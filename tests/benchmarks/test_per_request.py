@@ -12,7 +12,9 @@ import pytest
 from _step_workloads import tiny
 from per_request import (
     CALLS,
+    FACADE_ONLY_CALLS,
     SCHEDULER_CALLS,
+    facade_only,
     kvforge_per_request,
     per_request_rounds,
     print_per_request,
@@ -96,8 +98,16 @@ def test_rounds_report_each_ratio_with_its_spread(tmp_path: Path, capsys) -> Non
     assert [r.phase for r in records] == [
         *(f"per_request_{c}" for c in CALLS),
         *(f"per_request_scheduler_{c}" for c in SCHEDULER_CALLS),
+        *(f"per_request_facade_only_{c}" for c in FACADE_ONLY_CALLS),
     ]
+    by_phase = {r.phase: r for r in records}
     for r in records:
+        if "facade_only" in r.phase:  # a difference of two sides: noise may take it below 0
+            call = r.phase.rsplit("_", 1)[1]
+            assert r.vllm_us == by_phase[f"per_request_{call}"].vllm_us and r.rounds == 3
+            low, median, high = r.kvforge_spread
+            assert low <= median == pytest.approx(r.kvforge_us, abs=1e-3) and median <= high
+            continue
         assert r.rounds == 3 and r.kvforge_us > 0
         low, median, high = r.kvforge_spread
         assert low <= median <= high and median == pytest.approx(r.kvforge_us, abs=1e-3)
@@ -112,6 +122,15 @@ def test_rounds_report_each_ratio_with_its_spread(tmp_path: Path, capsys) -> Non
     assert {"ratio_spread", "kvforge_spread", "rounds"} <= set(data[0])
     print_per_request(records, console())
     assert "median (min-max) over the rounds" in " ".join(capsys.readouterr().out.split())
+
+
+def test_facade_only_is_the_facade_less_its_scheduler_side_round_by_round() -> None:
+    facade = [{"alloc": 51.0, "free": 72.0}, {"alloc": 40.0, "free": 60.0}]
+    scheduler = [{"alloc": 26.0, "free": 34.0}, {"alloc": 41.0, "free": 30.0}]
+    assert facade_only(facade, scheduler, "alloc") == [25.0, -1.0]  # noise kept as measured
+    assert facade_only(facade, scheduler, "free") == [38.0, 30.0]
+    with pytest.raises(ValueError):  # rounds of both sides pair up one to one
+        facade_only(facade, scheduler[:1], "free")
 
 
 @pytest.mark.parametrize(
