@@ -282,12 +282,12 @@ class ArenaBlockPool(BlockPool):
             super().forget(block_id)
             if was_evictable:
                 self.cached[block_id // self.blocks_per_slab] -= 1
-        except BaseException:  # the pool completed it: its slab is counted again
-            self._recount(np.array([block_id]))
-            raise
-        finally:
-            if was_evictable:
                 self._unsettled[block_id] = True
+        except BaseException:  # the pool's part completed or never began: count again
+            self._recount(np.array([block_id]))
+            if was_evictable and block_id not in self._evictable:
+                self._unsettled[block_id] = True
+            raise
 
     def _free_victims(
         self, victims: np.ndarray, listed: list[int], top: int, evictions: int, again: bool

@@ -431,17 +431,20 @@ class BlockPool:
         caller (the prefix cache) drops the key itself, so the eviction hook is not told."""
         if not self._retained[block_id]:
             return
-        self._retained[block_id] = False
-        if block_id in self._evictable:
-            top = self._num_free
-            self._stack[top] = block_id  # above the free count: nothing until it is counted
-            try:
-                del self._evictable[block_id]
-                self._num_free = top + 1
-            except BaseException:  # completed whatever line it struck: the block is free
-                self._evictable.pop(block_id, None)
-                self._num_free = top + 1
-                raise
+        if block_id not in self._evictable:  # in use: it goes when its holders release it
+            self._retained[block_id] = False
+            return
+        top = self._num_free
+        self._stack[top] = block_id  # above the free count: nothing until it is counted
+        try:
+            self._retained[block_id] = False
+            del self._evictable[block_id]
+            self._num_free = top + 1
+        except BaseException:  # completed whatever line it struck: the block is free
+            self._retained[block_id] = False
+            self._evictable.pop(block_id, None)
+            self._num_free = top + 1
+            raise
 
     def evict(self, count: int | None = None, block_ids: Sequence[int] | None = None) -> np.ndarray:
         """Put evictable blocks on the free stack, telling the eviction listeners (in the

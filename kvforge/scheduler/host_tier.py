@@ -336,9 +336,15 @@ class HostTier:
         if key in index or pool.num_free == 0 or name in self.recomputed:
             self._let_go(ref)
             return None
-        page = self._take_page(name, key, end, ref, proof)
-        self._index[name][key] = page
-        return page
+        page = None
+        try:  # (a line of its own: the page is taken inside)
+            page = self._take_page(name, key, end, ref, proof)
+            self._index[name][key] = page
+            return page  # (struck here, the caller never learns of the page: it goes back)
+        except BaseException:
+            if page is not None:
+                self._give_back_page(name, key, page)
+            raise
 
     def _take_page(self, name: str, key: bytes, end: int, ref: bytes | None, proof: object) -> int:
         """Take a page (evicting the least recently used one when none is free), pinned and
@@ -351,6 +357,7 @@ class HostTier:
             [page] = pool.take(1, into=taken).tolist()
             pool.retain(page)
             pages[page] = _Page(key, int(end), ref, proof)  # type: ignore[arg-type]
+            return page
         except BaseException:
             for ids in taken:  # the page taken, if the take got as far as naming it
                 for p in ids.tolist():
@@ -358,7 +365,15 @@ class HostTier:
                     pool.forget(p)  # held: it only stops being retained
                 pool.put_back(ids)
             raise
-        return page
+
+    def _give_back_page(self, name: str, key: bytes, page: int) -> None:
+        """Undo :meth:`_take_page` of ``page`` for ``key`` (and its index entry, if made)."""
+        if self._index[name].get(key) == page:
+            del self._index[name][key]
+        self._pages[name].pop(page, None)
+        pool = self._pools[name]
+        pool.forget(page)  # held: it only stops being retained
+        pool.release(np.array([page], dtype=np.int32))
 
     def filled(self, group: str, pages: Sequence[int], arrived: Sequence[bool]) -> None:
         """Unpin pages :meth:`reserve` gave: those whose bytes arrived become the most
@@ -423,13 +438,19 @@ class HostTier:
             _bump(self.stats.dropped, name)
             self._let_go(ref)
             return None
-        page = self._take_page(name, key, end, ref, proof)
-        self._offloads[name].append((int(device_block), page))
-        self._queued[name].add(int(device_block))
-        # last: a key names a page whose bytes are on their way. Struck before, the page
-        # holds no key (it is evicted in its turn) and the block's queued offload keeps a
-        # second demotion of it away
-        self._index[name][key] = page
+        offloads, queued, block = self._offloads[name], self._queued[name], int(device_block)
+        n, page = len(offloads), None
+        try:  # (a line of its own: the page is taken inside)
+            page = self._take_page(name, key, end, ref, proof)
+            offloads.append((block, page))
+            queued.add(block)
+            self._index[name][key] = page  # last: a key names a page whose bytes are due
+        except BaseException:  # the offload and the page go back: all or nothing
+            if page is not None:
+                del offloads[n:]
+                queued.discard(block)
+                self._give_back_page(name, key, page)
+            raise
         _bump(self.stats.demotions, name)
         return page
 
@@ -660,20 +681,20 @@ class HostTier:
         An eviction cut short leaves its victims evictable, some with no key: the pool evicts
         them again, and a page this no longer knows is skipped. A key leaves the index before
         its page's entry goes, so no lookup finds a page the pool may hand out."""
-        pages, index = self._pages[group], self._index[group]
-        self._released[group] += victims.tolist()  # a repeat is harmless: take_released
+        pages, index, released = self._pages[group], self._index[group], self._released[group]
         keys = []
         for page in victims.tolist():
             e = pages.get(page)
-            if e is None:
-                continue  # forgotten by an eviction cut short
-            named = index.get(e.key) == page  # not when a demotion was cut short
-            if named:
-                del index[e.key]
-            del pages[page]
-            self._let_go(e.ref)
-            if named:
-                keys.append(e.key)
+            if e is not None:  # (None: forgotten by an eviction cut short)
+                named = index.get(e.key) == page
+                if named:
+                    del index[e.key]
+                del pages[page]
+                self._let_go(e.ref)
+                if named:
+                    keys.append(e.key)
+            # once its key went: the worker's record frees it (a repeat is harmless)
+            released.append(page)
         if keys:
             _bump(self.stats.evictions, group, len(keys))
         if self._on_evicted is not None and keys:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -440,6 +441,10 @@ def check_tier(m: BlockManager) -> None:
             assert tier.page_key(g, page) == key and pool.is_retained(page), (g, page)
             assert page not in pool._stack[: pool._num_free], (g, page)
             assert page in queued or page in m.offloads_before[g], (g, page)
+        # a page is held only by its queued offload (none is lost), and the worker is told
+        # a page was released only once its key went (or for the key it is queued to take)
+        assert set(np.flatnonzero(pool.ref_counts).tolist()) == queued, g
+        assert set(tier._released[g]) & set(tier._index[g].values()) <= queued, g
 
 
 def on_eviction_line(fault: Interrupt) -> contextlib.AbstractContextManager[None]:
@@ -448,60 +453,142 @@ def on_eviction_line(fault: Interrupt) -> contextlib.AbstractContextManager[None
     return on_line(fault, TRACED_POOLS | {prefix_index.__file__, host_tier.__file__})
 
 
-def test_an_arena_eviction_struck_at_any_line_completes_or_changes_no_pool():
-    """An arena pool's eviction (its slabs count their cached blocks) cut short at any line
-    of the pool, the arena or the index: the pools are as before (the victims still
-    evictable, some with no key) and the next eviction completes it, or it completed; the
-    slab counts agree with the blocks either way (``ArenaBlockPool._free_victims`` counts
-    them again after a run cut short)."""
+def arena_manager() -> BlockManager:
+    """DeepSeek-V4-tiny in a slab arena with prefix caching: two finished requests left many
+    evictable blocks (their keys held by the prefix index)."""
     from kvforge.core.arena import plan_arena
 
     layout = CacheLayout(from_hf_config("deepseek-v4-tiny"))
     geometry = plan_arena(layout, 160 << 20)
     assert geometry is not None
     tokens = [list(range(1, 700)), list(range(1, 500)) + list(range(900, 1400))]
+    m = BlockManager(
+        layout,
+        {g: geometry.num_blocks(g) for g in geometry.groups},
+        4,
+        8192,
+        enable_prefix_caching=True,
+        arena=geometry,
+    )
+    m.end_step(m.schedule(["a", "b"], [len(t) for t in tokens], tokens))
+    m.finish(["a", "b"])
+    m.take_effects()
+    return m
 
-    def build() -> BlockManager:
-        m = BlockManager(
-            layout,
-            {g: geometry.num_blocks(g) for g in geometry.groups},
-            4,
-            8192,
-            enable_prefix_caching=True,
-            arena=geometry,
+
+def most_evictable(m: BlockManager) -> BlockPool:
+    assert m.arena is not None
+    return max(m.arena.pools, key=lambda p: p.num_evictable)
+
+
+def arena_view(m: BlockManager) -> list:
+    """The arena's pools, their slab counts checked against their blocks."""
+    assert m.arena is not None
+    m.arena.check()
+    return [
+        (p.ref_counts, p.num_free, p.free_stack, p.live, p.cached, list(p._evictable))
+        for p in m.arena.pools
+    ]
+
+
+def same_pools(a: list, b: list) -> bool:
+    return all(
+        all(
+            np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+            for x, y in zip(one, other, strict=True)
         )
-        m.end_step(m.schedule(["a", "b"], [len(t) for t in tokens], tokens))
-        m.finish(["a", "b"])
-        m.take_effects()
-        return m
+        for one, other in zip(a, b, strict=True)
+    )
 
-    def pool(m: BlockManager):
-        assert m.arena is not None
-        return max(m.arena.pools, key=lambda p: p.num_evictable)
 
-    def view(m: BlockManager) -> tuple:
-        assert m.arena is not None
-        m.arena.check()
+def test_an_arena_eviction_struck_at_any_line_completes_or_changes_no_pool():
+    """An arena pool's eviction (its slabs count their cached blocks) cut short at any line
+    of the pool, the arena or the index: the pools are as before (the victims still
+    evictable, some with no key) and the next eviction completes it, or it completed; the
+    slab counts agree with the blocks either way (``ArenaBlockPool._free_victims`` counts
+    them again after a run cut short)."""
+
+    def view(m: BlockManager) -> list:
         check_keys(m)
-        return [
-            (p.ref_counts, p.num_free, p.free_stack, p.live, p.cached, list(p._evictable))
-            for p in m.arena.pools
-        ]
+        return arena_view(m)
 
-    def same(a: list, b: list) -> bool:
-        return all(
-            all(
-                np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
-                for x, y in zip(one, other, strict=True)
-            )
-            for one, other in zip(a, b, strict=True)
-        )
-
-    assert pool(build()).num_evictable > 10
+    assert most_evictable(arena_manager()).num_evictable > 10
     lines: list = []
-    outcomes = sweep_lines(build, lambda m: pool(m).evict(8), view, same, lines=lines)
+    evict = lambda m: most_evictable(m).evict(8)  # noqa: E731
+    outcomes = sweep_lines(arena_manager, evict, view, same_pools, lines=lines)
     assert outcomes["rolled back"] > 10 and outcomes["completed"] >= 1, outcomes
     assert {"ArenaBlockPool._free_victims", "PrefixIndex.evicted"} <= {q for q, _ in lines}
+
+
+def test_a_forget_struck_at_any_line_completes_or_changes_nothing():
+    """``forget`` of an evictable block (the keeper dropped its key: it is free again) and
+    of a block in use, cut short at any line, on a plain pool and on an arena pool: nothing
+    changed, or it completed, the slab counts agreeing with the blocks either way."""
+    plain = BlockPool(16, "g")
+
+    def build_plain() -> BlockPool:
+        pool = copy.deepcopy(plain)
+        ids = pool.take(6).tolist()
+        for b in ids:
+            pool.retain(b)
+        pool.release(ids[:4])  # four evictable, two in use
+        return pool
+
+    def view_plain(pool: BlockPool) -> tuple:
+        free = pool._stack[: pool._num_free].tolist()
+        held = np.flatnonzero(pool.ref_counts).tolist()  # each block exactly one of the three
+        assert sorted(free + list(pool._evictable) + held) == list(range(1, pool.num_blocks))
+        return (pool.ref_counts.tolist(), free, list(pool._evictable), pool._retained.tolist())
+
+    for which in (0, 5):  # evictable, in use
+        forget = lambda pool, which=which: pool.forget(sorted(pool._retained.nonzero()[0])[which])  # noqa: E731
+        outcomes = sweep_lines(build_plain, forget, view_plain)
+        assert outcomes["rolled back"] >= 2 and outcomes["completed"] >= 1, outcomes
+    # an arena pool: its slab counts follow (ArenaBlockPool.forget counts them again)
+    evictable = lambda m: most_evictable(m).forget(next(iter(most_evictable(m)._evictable)))  # noqa: E731
+    lines: list = []
+    outcomes = sweep_lines(arena_manager, evictable, arena_view, same_pools, lines=lines)
+    assert outcomes["rolled back"] >= 2 and outcomes["completed"] >= 1, outcomes
+    assert "ArenaBlockPool.forget" in {q for q, _ in lines}
+
+
+def test_a_keyless_cached_block_moves_with_the_keyed_ones():
+    # an eviction cut short after the keeper ran (PrefixIndex.evicted) and before the pool's
+    # stores leaves its victim evictable with no key; an arena packing may move it
+    m = arena_manager()
+    p = most_evictable(m)
+    index = m._prefix._index  # the index's own hooks, driven as the pool drives them
+    keyless, served = itertools.islice(p._evictable, 2)
+    index.evicted(p, np.array([keyless], dtype=np.int32))  # the keeper's part only
+    key = index.served(p, served).key
+    top = p._num_free
+    dst = p._stack[:2].copy()
+    p._move(np.array([keyless, served], dtype=np.int32), dst, p._stack[:top], top)
+    assert index.served(p, int(dst[1])).key == key and index.served(p, int(dst[0])) is None
+    check_keys(m)
+    m.arena.check()
+
+
+def test_a_waiting_copy_struck_at_any_line_never_gets_a_free_block_its_key():
+    # add_waiting retains the block before the key's list names it: struck between, a later
+    # promotion never gives the key to a block back on the free stack
+    layout = CacheLayout({0: GQABackend(2, 8, 4)})
+    files = {prefix_index.__file__, block_pool.__file__}
+    for fault in each_fault():
+        m = BlockManager(layout, {"kv": 40}, 8, 1024, enable_prefix_caching=True)
+        m.end_step(m.schedule(["a", "b"], [4, 4], [[1, 2, 3, 4], [5, 6, 7, 8]]))
+        index, pool = m._prefix._index, m.pool("kv")
+        a_block = index.block_of("kv", next(iter(index.keys_of("kv"))))
+        entry = index.served(pool, a_block)
+        b_block = next(b for b in m.table("kv")[m.row_of("b")].tolist() if b)
+        group = m.group_tables[0]
+        index.forget_block(group, b_block)  # b's block is about to hold a newer copy of a's key
+        with contextlib.suppress(KeyboardInterrupt), on_line(fault, files):
+            index.add_waiting(group, b_block, entry._replace(ref=None))
+        m.finish(["b"])
+        m.finish(["a"])
+        pool.evict(pool.num_evictable)  # a's copy goes: the waiting copy, if listed, takes over
+        check_keys(m)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

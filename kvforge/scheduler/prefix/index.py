@@ -123,9 +123,9 @@ class PrefixIndex:
     def add_waiting(self, g: GroupTable, block: int, entry: Entry) -> None:
         """``block`` is a newer copy of ``entry.key`` while the served copy is in use: it
         waits (retained by its pool) and takes the key over when that copy goes."""
+        g.pool.retain(block)  # first: a promotion may give it the key at once
         self._spare_owner[g.pool][block] = entry
-        self._spares[g.spec.name].setdefault(entry.key, []).append(block)
-        g.pool.retain(block)
+        self._spares[g.spec.name].setdefault(entry.key, []).append(block)  # last, as a key
 
     def forget_block(self, g: GroupTable, block: int, promote: bool = True) -> None:
         """Forget the key of ``block`` (it will be written again): the block stays with its
@@ -210,15 +210,20 @@ class PrefixIndex:
             self.promote(g, entry.key)
 
     def moved(self, pool: BlockPool, src: np.ndarray, dst: np.ndarray) -> None:
-        """Cached blocks ``src`` moved to ``dst`` (a slab arena packing): keys follow."""
+        """Cached blocks ``src`` moved to ``dst`` (a slab arena packing): keys follow. A
+        block this no longer knows (an eviction or a drop cut short forgot it) moves
+        keyless."""
         served, waiting = self._owner[pool], self._spare_owner[pool]
         for a, b in zip(src.tolist(), dst.tolist(), strict=True):
-            owner = served if a in served else waiting
+            owner = served if a in served else waiting if a in waiting else None
+            if owner is None:
+                continue
             entry = owner[b] = owner.pop(a)
             name = self._groups[entry.group].spec.name
             if owner is waiting:
-                copies = self._spares[name][entry.key]
-                copies[copies.index(a)] = b
+                copies = self._spares[name].get(entry.key)
+                if copies is not None and a in copies:
+                    copies[copies.index(a)] = b
             elif self._cached[name].get(entry.key) == a:
                 self._cached[name][entry.key] = b
 
