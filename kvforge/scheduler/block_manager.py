@@ -723,7 +723,12 @@ class BlockManager:
         handed out), and let go of what they held; returns how many pages went (0 without a
         host tier). The device prefix cache keeps its blocks."""
         tier = self._host_tier
-        return tier.reset() if tier is not None else 0
+        if tier is None:
+            return 0
+        # the blocks a lookup filled from pages are keyed on the device already; their
+        # onloads go with the reset, so their keys go first
+        host_lookup.forget_pending(self._prefix, self._t.groups, tier)
+        return tier.reset()
 
     @locked
     def prompt_plan(self, tokens: np.ndarray, query: PrefixQuery) -> host_lookup.PromptPlan:

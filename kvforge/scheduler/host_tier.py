@@ -379,10 +379,14 @@ class HostTier:
         """Unpin pages :meth:`reserve` gave: those whose bytes arrived become the most
         recently used; the others are forgotten at once (key, record and page)."""
         name = self._group(group)
-        pool = self._pools[name]
+        pool, index, held = self._pools[name], self._index[name], self._pages[name]
         ids = np.asarray(pages, dtype=np.int32)
-        pool.release(ids)
         lost = ids[~np.asarray(arrived, dtype=bool)] if len(ids) else ids
+        for page in lost.tolist():  # first: no key names a page whose bytes never came
+            e = held.get(page)
+            if e is not None and index.get(e.key) == page:
+                del index[e.key]
+        pool.release(ids)
         if len(lost):
             pool.evict(block_ids=lost)
 
@@ -703,15 +707,17 @@ class HostTier:
     def reset(self) -> int:
         """Forget every page, queued offloads and onloads included (they will not be handed
         out); returns how many pages went."""
+        # each list is emptied before what it pins is released: cut short, a page or block
+        # stays pinned rather than being released twice
         for name, pool in self._pools.items():
-            for queued in (self._offloads[name], self._onloads[name]):
+            for copies in (self._offloads, self._onloads):
+                queued, copies[name] = copies[name], []
                 if queued:
                     pool.release(np.array([p for _, p in queued], dtype=np.int32))
-                    queued.clear()
             self._queued[name].clear()
-        for pool, blocks in self.pending_blocks:  # their onloads will not run: keyless now
+        pending, self.pending_blocks = self.pending_blocks, []
+        for pool, blocks in pending:  # their onloads will not run (the caller forgot keys)
             pool.release(blocks)
-        self.pending_blocks.clear()
         return sum(len(pool.evict(pool.num_evictable)) for pool in self._pools.values())
 
     def _let_go(self, ref: bytes | None) -> None:

@@ -750,3 +750,22 @@ def test_freeing_a_swapped_request_interrupted_keeps_or_frees_all_its_pages(case
         assert not m.is_swapped("b") and not m.is_running("b")
         m.finish(["a", "c"])
         check_all_free(m)
+
+
+def test_a_failed_fill_struck_at_any_line_leaves_no_key_on_its_page():
+    # a remote fill whose bytes never arrived: its key goes before its page is unpinned, so
+    # no lookup finds a page that holds nothing (or, once reused, another key's bytes)
+    layout = CacheLayout({0: GQABackend(2, 8, 4)})
+    key = bytes(range(1, 33))
+    fired = 0
+    for fault in each_fault():
+        m = BlockManager(layout, {"kv": 40}, 8, 1024, enable_prefix_caching=True)
+        tier = HostTier({"kv": 4}, m.prefix_cache.records)
+        page = tier.reserve("kv", key, 16, None, None)
+        with contextlib.suppress(KeyboardInterrupt), on_line(fault, {host_tier.__file__}):
+            tier.filled("kv", [page], [False])
+        fired += fault.fired
+        pool = tier.pool("kv")
+        assert not tier.holds("kv", key) or pool.ref_count(page) == 1, fault
+        assert page not in pool._stack[: pool._num_free] or not tier.holds("kv", key)
+    assert fired >= 5

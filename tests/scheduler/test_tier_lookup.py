@@ -156,3 +156,31 @@ def test_a_reset_drops_queued_onloads_and_their_keys():
     # the stale match is refused, never served from blocks whose bytes never arrived
     step = ctl.schedule(["b"], [16], new_token_ids=[toks[144:160]], prefix_matches=[match])
     assert step.allocation.refused
+
+
+def test_reset_host_tier_forgets_the_device_keys_of_the_onloads_it_drops():
+    # a lookup keyed device blocks whose bytes come with its queued onloads; dropping those
+    # onloads (reset_host_tier keeps the device prefix cache) must drop those keys too
+    ctl = gqa()
+    toks = np.arange(1, 161)
+    run(ctl, "a", toks, 64)
+    ctl.free_request("a")
+    evict_with_others(ctl, 3, 160, 64)
+    m = ctl.scheduler
+    kept = {g: dict(m.prefix_cache.cached_keys(g)) for g in m.groups}  # on the device
+    [match] = ctl.lookup([PrefixQuery(toks)])
+    tier = ctl.host_tier
+    pending = {int(b) for _, blocks in tier.pending_blocks for b in blocks}
+    assert pending and match.num_tokens == 144  # (the last token is always computed)
+    free_before = m.num_free_blocks("kv")
+    assert m.reset_host_tier() > 0
+    assert not tier.pending_blocks and len(tier) == 0
+    for g in m.groups:  # every key left names a block whose bytes are on the device
+        keys = m.prefix_cache.cached_keys(g)
+        assert not set(keys.values()) & pending, g
+        assert all(kept[g].get(k) == b for k, b in keys.items()), g
+    assert m.num_free_blocks("kv") > free_before
+    [again] = ctl.lookup([PrefixQuery(toks)])
+    assert again.num_tokens < match.num_tokens
+    step = ctl.schedule(["b"], [16], new_token_ids=[toks[144:160]], prefix_matches=[match])
+    assert step.allocation.refused  # the stale match is refused, never served

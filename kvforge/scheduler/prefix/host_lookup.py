@@ -80,10 +80,19 @@ def take_onloads(tier: HostTier | None) -> tuple[PageCopy, ...]:
     if tier is None:
         return ()
     copies = tier.take_onloads()
-    for pool, blocks in tier.pending_blocks:
+    pending, tier.pending_blocks = tier.pending_blocks, []  # emptied first: released once
+    for pool, blocks in pending:
         pool.release(blocks)
-    tier.pending_blocks.clear()
     return copies
+
+
+def forget_pending(prefix: PrefixCache, groups: Sequence[GroupTable], tier: HostTier) -> None:
+    """The device forgets the keys of the blocks ``tier`` brought back whose onloads were not
+    handed out yet (before a reset drops those onloads: their bytes will never arrive)."""
+    for pool, blocks in tier.pending_blocks:
+        group = next(g for g in groups if g.pool is pool)
+        for block in blocks.tolist():
+            prefix.forget_block(group, block)
 
 
 class PromptPlan:
