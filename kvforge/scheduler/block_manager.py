@@ -560,7 +560,7 @@ class BlockManager:
             raise StepError(
                 f"end_step takes a StepAllocation or its step_id, got {type(step).__name__}"
             )
-        work = self._open_steps.pop(step_id, None)
+        work = self._open_steps.get(step_id)
         if work is None:
             issued = self._issued
             if 1 <= step_id <= issued:
@@ -570,7 +570,11 @@ class BlockManager:
                     f"{list(self._open_steps)}"
                 )
             raise StepError(f"step {step_id} is unknown: this scheduler issued steps 1..{issued}")
+        # finished before it leaves the open steps: an end_step an exception cut short is
+        # open still and may be called again (finish_step empties what it ran), and a step
+        # dropped later runs nothing twice
         self._prefix.finish_step(work, kernels_ran=True, copies_ran=copies_ran is True)
+        del self._open_steps[step_id]
 
     def _refuse_in_open_step(self, request_id: object, verb: str) -> None:
         # A step's kernels may still be writing its request's blocks: a swap out would copy

@@ -37,11 +37,13 @@ from kvforge import CacheController, GQABackend
 from kvforge.core.layout import CacheLayout
 from kvforge.core.swap_receipt import plan_receipt
 from kvforge.core.values import PrefixQuery, SwapFailure, SwapPlan, SwapResult
+from kvforge.errors import StepError
 from kvforge.models import from_hf_config
 from kvforge.scheduler import arena, block_pool, host_tier, swap_book, tables
 from kvforge.scheduler.block_manager import BlockManager
 from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
 from kvforge.scheduler.host_tier import HostTier
+from kvforge.scheduler.prefix import commit
 from kvforge.scheduler.prefix import index as prefix_index
 from kvforge.scheduler.tables import RequestTables
 from kvforge.verify import verify_request, write_request
@@ -768,4 +770,29 @@ def test_a_failed_fill_struck_at_any_line_leaves_no_key_on_its_page():
         pool = tier.pool("kv")
         assert not tier.holds("kv", key) or pool.ref_count(page) == 1, fault
         assert page not in pool._stack[: pool._num_free] or not tier.holds("kv", key)
+    assert fired >= 5
+
+
+@pytest.mark.parametrize(("case", "n"), [("gqa", 16), ("deepseek_v4", 64)])
+def test_an_end_step_struck_at_any_line_of_its_registrations_holds_nothing_after(case, n):
+    # the step's pins (blocks held for its snapshot copies and registrations) are released
+    # whatever line of the registrations an interrupt strikes, each once; the step leaves
+    # the open steps only once it is done, so an engine's retry finishes what was cut short
+    files = {commit.__file__, prefix_index.__file__}
+    tokens = np.arange(1, n + 1)
+    fired = 0
+    for fault in each_fault():
+        m = manager_for(CASES[case], [], True)
+        step = m.schedule(["d"], [n], new_token_ids=[tokens])
+        assert step.request_ids == ("d",), step.refused
+        with contextlib.suppress(KeyboardInterrupt), on_line(fault, files):
+            m.end_step(step)
+        fired += fault.fired
+        check_keys(m)
+        if step.step_id in m.open_steps:  # cut short before it was done: the engine retries
+            m.end_step(step)
+        with pytest.raises(StepError, match="already ended"):
+            m.end_step(step)
+        m.finish([*CASES[case].lengths, "d"])
+        check_all_free(m)
     assert fired >= 5

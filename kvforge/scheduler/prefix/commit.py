@@ -43,6 +43,7 @@ from kvforge.scheduler.prefix.records import (
 )
 from kvforge.scheduler.prefix.retention import in_some_tail
 from kvforge.scheduler.tables import GroupTable, RequestTables
+from kvforge.scheduler.undo import all_or_nothing
 from kvforge.scheduler.unit_records import Held, UnitRecordStore
 
 __all__ = ["Commits"]
@@ -245,8 +246,26 @@ class Commits:
         (an explicit ``end_step``): blocks are registered only after the kernels, snapshots
         only after the copies. A step dropped unended registers nothing. ``on_store`` hears
         of every block registered (the host tier's write-through)."""
+        try:
+            self._register(work, kernels_ran, copies_ran, on_store)
+        finally:  # whatever a registration met, the rest are dropped and the pins go
+            work.registrations.clear()
+            if work.pins:
+                _release_pins(work)
+
+    def _register(
+        self,
+        work: StepWork,
+        kernels_ran: bool,
+        copies_ran: bool,
+        on_store: Callable[[BlockPool, int], None] | None,
+    ) -> None:
+        """The registrations of :meth:`finish_step`."""
         stats = self._stats
-        for r in work.registrations:
+        registrations = work.registrations
+        registrations.reverse()  # each taken off before it is registered: never twice
+        while registrations:
+            r = registrations.pop()
             written = copies_ran if r.snapshot else kernels_ran
             old = self._index.block_of(r.group.spec.name, r.key)
             if (
@@ -273,7 +292,15 @@ class Commits:
             stats.stored_blocks[name] = stats.stored_blocks.get(name, 0) + 1
             if on_store is not None:  # the host tier's write-through
                 on_store(r.group.pool, r.block)
-        for g, blocks in work.pins:
-            g.pool.release(blocks)
-        work.registrations.clear()
-        work.pins.clear()
+
+
+def _release_pins(work: StepWork) -> None:
+    """Release every pin of ``work`` (blocks it held for its copies and registrations) and
+    empty the list, all or nothing: cut short at any line, the pins are held and listed as
+    before, for an ``end_step`` tried again."""
+    with all_or_nothing() as undo:
+        pins = work.pins
+        for g, blocks in pins:
+            undo.release(g.pool, blocks)
+        undo.add(lambda: setattr(work, "pins", pins))  # (struck as the block closes, too)
+        work.pins = []
