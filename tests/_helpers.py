@@ -84,3 +84,31 @@ def sweep_lines(build, op, view, same=operator.eq, done=None, lines=None) -> dic
         else:
             outcomes["completed"] += 1
         assert same(view(m), done), seen[-1]
+
+
+def arena_manager(finished: bool = True):
+    """DeepSeek-V4-tiny's scheduler side in a slab arena with prefix caching, after one step of
+    two requests sharing a 499-token prefix (700 and 1,000 tokens); ``finished``: both ended,
+    leaving many evictable blocks whose keys the prefix index holds."""
+    from kvforge.core.arena import plan_arena
+    from kvforge.core.layout import CacheLayout
+    from kvforge.models import from_hf_config
+    from kvforge.scheduler.block_manager import BlockManager
+
+    layout = CacheLayout(from_hf_config("deepseek-v4-tiny"))
+    geometry = plan_arena(layout, 160 << 20)
+    assert geometry is not None
+    tokens = [list(range(1, 700)), list(range(1, 500)) + list(range(900, 1400))]
+    m = BlockManager(
+        layout,
+        {g: geometry.num_blocks(g) for g in geometry.groups},
+        4,
+        8192,
+        enable_prefix_caching=True,
+        arena=geometry,
+    )
+    m.end_step(m.schedule(["a", "b"], [len(t) for t in tokens], tokens))
+    if finished:
+        m.finish(["a", "b"])
+    m.take_effects()
+    return m

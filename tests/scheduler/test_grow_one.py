@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _helpers import sweep_lines
+from _helpers import arena_manager, sweep_lines
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -340,26 +340,9 @@ def test_a_batch_finish_in_a_slab_arena_rolls_back_under_an_interrupt_at_every_l
     """As above for an arena's pools, which also count the blocks in use and cached per slab
     (``ArenaBlockPool.restore_counts`` reads them again), with prefix caching on: the
     released blocks become evictable, and leave the evictable set again on an undo."""
-    from kvforge.core.arena import plan_arena
-    from kvforge.models import from_hf_config
-
-    layout = CacheLayout(from_hf_config("deepseek-v4-tiny"))
-    geometry = plan_arena(layout, 160 << 20)
-    assert geometry is not None
-    tokens = [list(range(1, 700)), list(range(1, 500)) + list(range(900, 1400))]
 
     def build() -> BlockManager:
-        m = BlockManager(
-            layout,
-            {g: geometry.num_blocks(g) for g in geometry.groups},
-            4,
-            8192,
-            enable_prefix_caching=True,
-            arena=geometry,
-        )
-        m.end_step(m.schedule(["a", "b"], [len(t) for t in tokens], tokens))
-        m.take_effects()
-        return m
+        return arena_manager(finished=False)
 
     def view(m: BlockManager) -> tuple:
         assert m.arena is not None

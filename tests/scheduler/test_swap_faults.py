@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from _helpers import grow, sweep_lines
+from _helpers import arena_manager, grow, sweep_lines
 
 from kvforge import CacheController, GQABackend
 from kvforge.core.layout import CacheLayout
@@ -453,29 +453,6 @@ def on_eviction_line(fault: Interrupt) -> contextlib.AbstractContextManager[None
     """:func:`on_line` of the pools' and the prefix index's lines: an eviction's listeners,
     its keeper and the pool's stores."""
     return on_line(fault, TRACED_POOLS | {prefix_index.__file__, host_tier.__file__})
-
-
-def arena_manager() -> BlockManager:
-    """DeepSeek-V4-tiny in a slab arena with prefix caching: two finished requests left many
-    evictable blocks (their keys held by the prefix index)."""
-    from kvforge.core.arena import plan_arena
-
-    layout = CacheLayout(from_hf_config("deepseek-v4-tiny"))
-    geometry = plan_arena(layout, 160 << 20)
-    assert geometry is not None
-    tokens = [list(range(1, 700)), list(range(1, 500)) + list(range(900, 1400))]
-    m = BlockManager(
-        layout,
-        {g: geometry.num_blocks(g) for g in geometry.groups},
-        4,
-        8192,
-        enable_prefix_caching=True,
-        arena=geometry,
-    )
-    m.end_step(m.schedule(["a", "b"], [len(t) for t in tokens], tokens))
-    m.finish(["a", "b"])
-    m.take_effects()
-    return m
 
 
 def most_evictable(m: BlockManager) -> BlockPool:

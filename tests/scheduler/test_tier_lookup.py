@@ -95,12 +95,19 @@ def test_an_evicted_prefix_comes_back_from_the_host_byte_for_byte(
     assert results[True] == longest > results[False]
 
 
-def test_brought_back_blocks_are_held_until_their_onloads_are_handed_out():
+def demoted_prompt() -> tuple[CacheController, np.ndarray]:
+    """A controller whose host tier holds the blocks of a 160-token prompt that others
+    evicted from the device (request ``a`` cached it, then finished)."""
     ctl = gqa()
     toks = np.arange(1, 161)
     run(ctl, "a", toks, 64)
     ctl.free_request("a")
     evict_with_others(ctl, 3, 160, 64)
+    return ctl, toks
+
+
+def test_brought_back_blocks_are_held_until_their_onloads_are_handed_out():
+    ctl, toks = demoted_prompt()
     manager = ctl.scheduler
     [match] = ctl.lookup([PrefixQuery(toks)])
     tier = ctl.host_tier
@@ -139,11 +146,7 @@ def test_a_device_with_no_room_brings_nothing_back():
 
 
 def test_a_reset_drops_queued_onloads_and_their_keys():
-    ctl = gqa()
-    toks = np.arange(1, 161)
-    run(ctl, "a", toks, 64)
-    ctl.free_request("a")
-    evict_with_others(ctl, 3, 160, 64)
+    ctl, toks = demoted_prompt()
     [match] = ctl.lookup([PrefixQuery(toks)])
     tier = ctl.host_tier
     assert tier.pending_blocks
@@ -161,11 +164,7 @@ def test_a_reset_drops_queued_onloads_and_their_keys():
 def test_reset_host_tier_forgets_the_device_keys_of_the_onloads_it_drops():
     # a lookup keyed device blocks whose bytes come with its queued onloads; dropping those
     # onloads (reset_host_tier keeps the device prefix cache) must drop those keys too
-    ctl = gqa()
-    toks = np.arange(1, 161)
-    run(ctl, "a", toks, 64)
-    ctl.free_request("a")
-    evict_with_others(ctl, 3, 160, 64)
+    ctl, toks = demoted_prompt()
     m = ctl.scheduler
     kept = {g: dict(m.prefix_cache.cached_keys(g)) for g in m.groups}  # on the device
     [match] = ctl.lookup([PrefixQuery(toks)])
