@@ -40,13 +40,39 @@ def next_step(storage, **fields):
     return StepAllocation(**base)
 
 
+def strike(op, m, k: int) -> list:
+    """Run ``op(m)`` with ``KeyboardInterrupt`` raised at the ``k``-th line of kvforge it
+    executes (a call counts as its first line); returns the lines it reached, ``(qualified
+    name, line)``: fewer than ``k`` when ``op`` ran whole."""
+    root = kvforge.__file__.rsplit("/", 1)[0]
+    seen: list = []
+
+    def trace(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(root):
+            return None
+        if event in ("call", "line"):
+            seen.append((frame.f_code.co_qualname, frame.f_lineno))
+            if len(seen) == k:
+                raise KeyboardInterrupt(f"{seen[-1]}")
+        return trace
+
+    previous = sys.gettrace()  # coverage's tracer, when it runs: put back after
+    sys.settrace(trace)
+    try:
+        op(m)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(previous)
+    return seen
+
+
 def sweep_lines(build, op, view, same=operator.eq, done=None, lines=None) -> dict[str, int]:
     """Run ``op(build())`` once per line of kvforge it executes, with ``KeyboardInterrupt``
     raised at that line (a call counts as its first line): each time the object ends exactly
     as before (``view``, compared with ``same``), and then ``op`` runs whole, or ``op``
     completed; either way it ends as ``done`` (default: as an uninterrupted ``op`` leaves
     it). Returns how often each happened; ``lines`` gets every line of the whole run."""
-    root = kvforge.__file__.rsplit("/", 1)[0]
     if done is None:
         m = build()
         op(m)
@@ -55,25 +81,8 @@ def sweep_lines(build, op, view, same=operator.eq, done=None, lines=None) -> dic
     while True:
         k += 1
         m = build()
-        before, seen = view(m), []
-
-        def trace(frame, event, arg, k=k, seen=seen):
-            if not frame.f_code.co_filename.startswith(root):
-                return None
-            if event in ("call", "line"):
-                seen.append((frame.f_code.co_qualname, frame.f_lineno))
-                if len(seen) == k:
-                    raise KeyboardInterrupt(f"{seen[-1]}")
-            return trace
-
-        previous = sys.gettrace()  # coverage's tracer, when it runs: put back after
-        sys.settrace(trace)
-        try:
-            op(m)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(previous)
+        before = view(m)
+        seen = strike(op, m, k)
         if len(seen) < k:  # every line was swept
             if lines is not None:
                 lines[:] = seen
@@ -84,6 +93,23 @@ def sweep_lines(build, op, view, same=operator.eq, done=None, lines=None) -> dic
         else:
             outcomes["completed"] += 1
         assert same(view(m), done), seen[-1]
+
+
+def sweep_checks(build, op, check, lines=None) -> int:
+    """Run ``op(build())`` once per line of kvforge it executes, with ``KeyboardInterrupt``
+    raised at that line, and ``check(m, struck_at)`` what it left (for an ``op`` whose
+    interrupted runs may end in more than two states, each of them sound). Returns the
+    number of lines; ``lines`` gets every line of the whole run."""
+    k = 0
+    while True:
+        k += 1
+        m = build()
+        seen = strike(op, m, k)
+        if len(seen) < k:
+            if lines is not None:
+                lines[:] = seen
+            return k - 1
+        check(m, seen[-1])
 
 
 def arena_manager(finished: bool = True):

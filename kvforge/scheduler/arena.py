@@ -51,7 +51,7 @@ from kvforge.core.arena import ArenaGeometry
 from kvforge.core.layout import CacheLayout
 from kvforge.core.values import BlockCopy
 from kvforge.errors import OutOfBlocksError
-from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool
+from kvforge.scheduler.block_pool import NULL_BLOCK, BlockPool, run_whole
 
 __all__ = ["PACK_TOKENS", "ArenaBlockPool", "SlabArena", "check_arena", "packing"]
 
@@ -193,24 +193,54 @@ class ArenaBlockPool(BlockPool):
         self._move(src, dst, stack, top)
 
     def _move(self, src: np.ndarray, dst: np.ndarray, stack: np.ndarray, top: int) -> None:
-        """Cached blocks ``src`` move to free slots ``dst``; ``src`` become free slots."""
-        k = self.blocks_per_slab
+        """Cached blocks ``src`` move to free slots ``dst``; ``src`` become free slots.
+
+        Three parts, so that no key ever names a block the pool may hand out (the prefix
+        index's rule: a key is written last and withdrawn first): ``dst`` become cached
+        copies (taken off the free stack, retained, their copies recorded), the keys follow
+        (``on_move``), and only then ``src`` go back to the free stack. The first and the
+        last part each complete once begun (every store sets a value read before the first
+        one, so the part runs again whole under an exception at any line). A listener cut
+        short leaves ``src`` cached beside ``dst``, each block keyed or keyless (the index
+        moves a block's entry whole): the pool evicts them in their turn.
+        """
         to = dict(zip(src.tolist(), dst.tolist(), strict=True))
-        self._evictable = {to.get(b, b): None for b in self._evictable}  # same LRU order
-        self._retained[dst], self._retained[src] = True, False
-        self.released_at[dst] = self.released_at[src]
-        np.add.at(self.cached, dst // k, 1)
-        np.subtract.at(self.cached, src // k, 1)
+        both = {}  # LRU order, each copy beside its source
+        for b in self._evictable:
+            both[b] = None
+            if b in to:
+                both[to[b]] = None
+        after = {to.get(b, b): None for b in self._evictable}  # same LRU order
         rest = stack[~np.isin(stack, dst)]
-        self._stack[: len(rest)] = rest
-        self._stack[len(rest) : top] = src
-        self._unsettled[src] = True
-        moved = self._moved
-        for a, b in to.items():  # a block moved twice is copied once, from where it was
-            moved[b] = moved.pop(a, a)
-        self.arena.moved_blocks += len(src)
+        ages = self.released_at[src]
+        # a block moved twice is copied once, from where it was
+        copies = {b: self._moved.get(a, a) for a, b in to.items()}
+        slabs = np.concatenate((src, dst))
+
+        def copied() -> None:
+            self._stack[: len(rest)] = rest
+            self._num_free = len(rest)
+            self._retained[dst] = True
+            self.released_at[dst] = ages
+            self._moved.update(copies)
+            self._evictable = both
+            self._recount(slabs)
+
+        def freed() -> None:
+            self._evictable = after
+            self._retained[src] = False
+            for a in to:  # a block moved here before: its bytes go on, not to a free slot
+                self._moved.pop(a, None)
+            self._stack[len(rest) : top] = src
+            self._num_free = top
+            self._unsettled[src] = True
+            self._recount(slabs)
+
+        run_whole(copied)
         assert self.on_move is not None
         self.on_move(src, dst)
+        run_whole(freed)
+        self.arena.moved_blocks += len(src)
 
     def take_moves(self) -> BlockCopy | None:
         """The moves since the last call, as one copy (``None``: none); settles every slot."""

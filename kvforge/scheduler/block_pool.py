@@ -49,10 +49,24 @@ import numpy as np
 
 from kvforge.errors import OutOfBlocksError
 
-__all__ = ["NULL_BLOCK", "BlockPool"]
+__all__ = ["NULL_BLOCK", "BlockPool", "run_whole"]
 
 NULL_BLOCK = 0
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # no Python-level wrappers per call
+
+
+def run_whole(part: Callable[[], None]) -> None:
+    """Run ``part``, a change whose every store sets a value read before the first one; cut
+    short by an exception at any line (``KeyboardInterrupt`` included), run it again whole,
+    then let the exception go on. A change that must not stop half way (no undo could say
+    which half ran) completes instead."""
+    try:
+        part()
+    except BaseException:
+        part()
+        raise
+
+
 _INTS = (int, np.integer)
 _FEW = 16  # up to this many ids, Python loops over scalars beat numpy's per-call overhead
 _FEW_HELD = 64  # one request's blocks of a pool: a freed row releases them in scalar stores

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from _helpers import arena_manager, grow, sweep_lines
+from _helpers import arena_manager, grow, sweep_checks, sweep_lines
 
 from kvforge import CacheController, GQABackend
 from kvforge.core.layout import CacheLayout
@@ -546,6 +546,74 @@ def test_a_keyless_cached_block_moves_with_the_keyed_ones():
     assert index.served(p, int(dst[1])).key == key and index.served(p, int(dst[0])) is None
     check_keys(m)
     m.arena.check()
+
+
+def packing_arena(group: str):
+    """:func:`arena_manager` with group ``group``'s free slots all held and one more slab
+    settled, packing forced on: its next take moves cached (keyed) blocks out of the busy
+    slab to the new one (``ArenaBlockPool._pack``)."""
+    m = arena_manager()
+    assert m.arena is not None
+    p = m.arena.pool(group)
+    p.take(p.own_free - p.num_evictable)  # a holder outside the tables
+    m.arena.prepare({p: p.blocks_per_slab})
+    m.arena.packing, m.arena.pack_below = True, m.arena.geometry.num_slabs + 1
+    m.arena.take_moves()  # settles the new slab's slots
+    return m
+
+
+def check_packing(m: BlockManager, before: dict) -> None:
+    """What a packing leaves, whole or cut short: no key names a block its pool may hand out,
+    a key's entry lives in one block only (its unit record is released once), every block is
+    free, evictable or held exactly once, and every block that caches bytes it did not cache
+    before the packing gets them by a recorded copy from a block that cached them."""
+    check_keys(m)
+    assert m.arena is not None
+    m.arena.check()
+    for g in m.groups:
+        keys = [entry[0] for entry in m.registered_blocks(g).values()]
+        assert len(keys) == len(set(keys)), g
+    for p in m.arena.pools:
+        free, idle = p.free_stack.tolist(), list(p._evictable)
+        held = np.flatnonzero(p.ref_counts).tolist()
+        assert len(free) + len(idle) + len(held) == len(set(free) | set(idle) | set(held))
+        copies = {**p._moved}
+        for b in idle:
+            if b not in before[p.name]:
+                assert copies.get(b) in before[p.name], (p.name, b)
+
+
+def test_a_packing_struck_at_any_line_never_lets_a_key_name_a_free_block():
+    """An arena packing (a take under pressure moves cached blocks to free slots of an
+    emptier slab, their keys following, ``PrefixIndex.moved``) cut short at any line of the
+    pool or the index: no key names a freed block, no entry lives twice, nothing is lost, and
+    the pool then takes, packs and evicts as usual. Before, the moved blocks went back to
+    the free stack before their keys followed them."""
+    build = functools.partial(packing_arena, "c4_state")
+
+    def cached_before() -> dict:
+        m = build()
+        return {p.name: set(p._evictable) for p in m.arena.pools}
+
+    before = cached_before()
+    # the packing part of a take of 3 (the take's own lines are its caller's to undo)
+    pack = lambda m: m.arena.pool("c4_state")._pack(3)  # noqa: E731
+
+    def check(m: BlockManager, struck_at) -> None:
+        check_packing(m, before)
+        p = m.arena.pool("c4_state")
+        p.take(3)  # the next take packs and takes as usual
+        p.evict(p.num_evictable)
+        check_keys(m)
+        m.arena.check()
+
+    whole = build()
+    pack(whole)
+    assert whole.arena.moved_blocks == 3
+    check_packing(whole, before)
+    lines: list = []
+    assert sweep_checks(build, pack, check, lines=lines) > 50
+    assert {"ArenaBlockPool._move", "PrefixIndex.moved"} <= {q for q, _ in lines}
 
 
 def test_a_waiting_copy_struck_at_any_line_never_gets_a_free_block_its_key():

@@ -28,12 +28,13 @@ Invariants (``tests/scheduler/test_prefix_cache.py``, ``tests/scheduler/test_new
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import numpy as np
 
 from kvforge.core.values import PrefixEvent
-from kvforge.scheduler.block_pool import BlockPool
+from kvforge.scheduler.block_pool import BlockPool, run_whole
 from kvforge.scheduler.prefix.records import Entry, PrefixStats, Proof
 from kvforge.scheduler.tables import GroupTable, RequestTables
 from kvforge.scheduler.unit_records import UnitRecordStore
@@ -212,20 +213,29 @@ class PrefixIndex:
     def moved(self, pool: BlockPool, src: np.ndarray, dst: np.ndarray) -> None:
         """Cached blocks ``src`` moved to ``dst`` (a slab arena packing): keys follow. A
         block this no longer knows (an eviction or a drop cut short forgot it) moves
-        keyless."""
+        keyless. Each block's entry moves whole (:func:`run_whole`): in place at ``dst``
+        first, then its key, then gone from ``src``; an exception leaves each block of the
+        pair keyed or keyless, never one entry at two blocks (its unit record would be
+        released twice). The pool frees ``src`` only once this returned."""
         served, waiting = self._owner[pool], self._spare_owner[pool]
         for a, b in zip(src.tolist(), dst.tolist(), strict=True):
             owner = served if a in served else waiting if a in waiting else None
-            if owner is None:
-                continue
-            entry = owner[b] = owner.pop(a)
-            name = self._groups[entry.group].spec.name
-            if owner is waiting:
-                copies = self._spares[name].get(entry.key)
-                if copies is not None and a in copies:
-                    copies[copies.index(a)] = b
-            elif self._cached[name].get(entry.key) == a:
-                self._cached[name][entry.key] = b
+            if owner is not None:
+                run_whole(functools.partial(self._move_entry, owner, owner is waiting, a, b))
+
+    def _move_entry(self, owner: dict[int, Entry], waits: bool, a: int, b: int) -> None:
+        """Block ``a``'s entry, and the key or waiting list that names it, to block ``b``;
+        every store sets a value read first, so it runs again whole."""
+        entry = owner.get(a) or owner[b]  # (a second run: the entry is at b already)
+        name = self._groups[entry.group].spec.name
+        owner[b] = entry
+        if waits:
+            copies = self._spares[name].get(entry.key)
+            if copies is not None and a in copies:
+                copies[copies.index(a)] = b
+        elif self._cached[name].get(entry.key) == a:
+            self._cached[name][entry.key] = b
+        owner.pop(a, None)
 
     def reset(self) -> int:
         """Forget every key: evictable blocks go back to the free stacks and blocks in use
