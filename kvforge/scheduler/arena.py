@@ -336,26 +336,38 @@ class ArenaBlockPool(BlockPool):
         k = self.blocks_per_slab
         return (slabs[:, None] * k + np.arange(k)[None, :]).ravel().astype(np.int32)
 
-    def _grant(self, slabs: np.ndarray, ids: np.ndarray | None = None) -> None:
-        """Put the ids of ``slabs`` (just given to this group; or ``ids``) on the free
-        stack."""
+    def _grant(self, slabs: np.ndarray, ids: np.ndarray | None = None) -> Callable[[], None]:
+        """How to put the ids of ``slabs`` (just given to this group; or ``ids``) on the
+        free stack: a change whose stores set values read now, so it runs again whole."""
         ids = (self._slab_ids(slabs) if ids is None else ids)[::-1]
-        self._unsettled[ids] = True
         top = self._num_free
-        self._stack[top : top + len(ids)] = ids
-        self._num_free = top + len(ids)
 
-    def _give_up(self, slabs: np.ndarray) -> None:
-        """Evict what ``slabs`` cache and take their ids off the free stack (no block of
-        them is in use)."""
+        def grant() -> None:
+            self._unsettled[ids] = True
+            self._stack[top : top + len(ids)] = ids
+            self._num_free = top + len(ids)
+
+        return grant
+
+    def _evict_slabs(self, slabs: np.ndarray) -> None:
+        """Evict what ``slabs`` cache (no block of them is in use): an eviction, whole or
+        not begun."""
         ids = self._slab_ids(slabs)
         cached = ids[self._retained[ids] & (self._ref[ids] == 0)]
         if len(cached):
             self.evict(block_ids=cached)
+
+    def _give_up(self, slabs: np.ndarray) -> Callable[[], None]:
+        """How to take the ids of ``slabs`` (evicted: all free) off the free stack, as
+        :meth:`_grant` puts them on."""
         stack = self._stack[: self._num_free]
         keep = stack[~np.isin(stack // self.blocks_per_slab, slabs)]
-        self._stack[: len(keep)] = keep
-        self._num_free = len(keep)
+
+        def give_up() -> None:
+            self._stack[: len(keep)] = keep
+            self._num_free = len(keep)
+
+        return give_up
 
     def newest_release(self, slabs: np.ndarray) -> np.ndarray:
         """Per slab of ``slabs``, when its most recently released evictable block was
@@ -453,7 +465,7 @@ class SlabArena:
         pinned_ids = np.concatenate(
             [np.arange(geometry.home_reserved, k), n * k + np.arange(geometry.tail_blocks)]
         )
-        home._grant(np.empty(0, dtype=np.int64), pinned_ids.astype(np.int32))
+        home._grant(np.empty(0, dtype=np.int64), pinned_ids.astype(np.int32))()
 
     def pool(self, group: str) -> ArenaBlockPool:
         return self.pools[self.geometry.index(group)]
@@ -580,18 +592,29 @@ class SlabArena:
         got: list[int] = []
         while free_slabs and len(got) < count:
             got.append(free_slabs.pop())
+        donors: dict[ArenaBlockPool, list[int]] = {}
         if len(got) < count:
             for slab, donor in self._donor_slabs(p, give, count - len(got), lru_limit):
-                donor._give_up(np.array([slab]))
+                donor._evict_slabs(np.array([slab]))  # the donor keeps it until handed over
                 give[donor] -= 1
-                self.moves += 1
+                donors.setdefault(donor, []).append(slab)
                 got.append(slab)
         if not got:
             return
         slabs = np.array(got, dtype=np.int64)
         assert optional or len(got) == count
-        self.owner[slabs] = p.index
-        p._grant(slabs)
+        # one hand-over, whole at any line: a slab off its donor's free stack is on the
+        # new owner's (else its blocks would be on no stack, lost for good)
+        parts = [d._give_up(np.array(s, dtype=np.int64)) for d, s in donors.items()]
+        parts.append(p._grant(slabs))
+
+        def hand_over() -> None:
+            for part in parts:
+                part()
+            self.owner[slabs] = p.index
+
+        run_whole(hand_over)
+        self.moves += sum(map(len, donors.values()))
 
     def _donor_slabs(
         self,

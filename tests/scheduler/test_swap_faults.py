@@ -616,6 +616,38 @@ def test_a_packing_struck_at_any_line_never_lets_a_key_name_a_free_block():
     assert {"ArenaBlockPool._move", "PrefixIndex.moved"} <= {q for q, _ in lines}
 
 
+def test_a_slab_handed_over_struck_at_any_line_loses_no_capacity():
+    """``SlabArena.prepare`` giving a group the free slabs and another group's idle slab
+    (whose cached blocks it evicts), cut short at any line: each slab is free or owned, its
+    blocks on its owner's free stack, in use or cached (``SlabArena.check``), no key names
+    a freed block, and the prepare and the take then succeed. Before, a slab taken off its
+    donor's free stack and not yet on the new owner's was lost for good."""
+    name = "c128_state"
+
+    def need(m: BlockManager) -> int:
+        p = m.arena.pool(name)
+        return p.own_free + p.blocks_per_slab * (len(m.arena.free_slabs()) + 1)
+
+    count = need(arena_manager())
+    prepare = lambda m: m.arena.prepare({m.arena.pool(name): count})  # noqa: E731
+
+    def check(m: BlockManager, struck_at) -> None:
+        m.arena.check()
+        check_keys(m)
+        prepare(m)
+        m.arena.pool(name).take(count)
+        m.arena.check()
+        check_keys(m)
+
+    whole = arena_manager()
+    owners = whole.arena.owner.copy()
+    prepare(whole)
+    assert whole.arena.moves >= 1 and (whole.arena.owner != owners).sum() >= 6
+    lines: list = []
+    assert sweep_checks(arena_manager, prepare, check, lines=lines) > 50
+    assert {"SlabArena._move", "ArenaBlockPool._free_victims"} <= {q for q, _ in lines}
+
+
 def test_a_waiting_copy_struck_at_any_line_never_gets_a_free_block_its_key():
     # add_waiting retains the block before the key's list names it: struck between, a later
     # promotion never gives the key to a block back on the free stack
