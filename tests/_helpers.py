@@ -40,10 +40,11 @@ def next_step(storage, **fields):
     return StepAllocation(**base)
 
 
-def strike(op, m, k: int) -> list:
+def strike(op, m, k: int, only=None) -> list:
     """Run ``op(m)`` with ``KeyboardInterrupt`` raised at the ``k``-th line of kvforge it
-    executes (a call counts as its first line); returns the lines it reached, ``(qualified
-    name, line)``: fewer than ``k`` when ``op`` ran whole."""
+    executes (a call counts as its first line; ``only``: counting only the lines of the
+    functions of these qualified names); returns the lines it reached, ``(qualified name,
+    line)``: fewer than ``k`` when ``op`` ran whole."""
     root = kvforge.__file__.rsplit("/", 1)[0]
     seen: list = []
 
@@ -51,6 +52,8 @@ def strike(op, m, k: int) -> list:
         if not frame.f_code.co_filename.startswith(root):
             return None
         if event in ("call", "line"):
+            if only is not None and frame.f_code.co_qualname not in only:
+                return trace
             seen.append((frame.f_code.co_qualname, frame.f_lineno))
             if len(seen) == k:
                 raise KeyboardInterrupt(f"{seen[-1]}")
@@ -95,16 +98,17 @@ def sweep_lines(build, op, view, same=operator.eq, done=None, lines=None) -> dic
         assert same(view(m), done), seen[-1]
 
 
-def sweep_checks(build, op, check, lines=None) -> int:
+def sweep_checks(build, op, check, lines=None, only=None) -> int:
     """Run ``op(build())`` once per line of kvforge it executes, with ``KeyboardInterrupt``
     raised at that line, and ``check(m, struck_at)`` what it left (for an ``op`` whose
     interrupted runs may end in more than two states, each of them sound). Returns the
-    number of lines; ``lines`` gets every line of the whole run."""
+    number of lines; ``lines`` gets every line of the whole run; ``only``: as in
+    :func:`strike`."""
     k = 0
     while True:
         k += 1
         m = build()
-        seen = strike(op, m, k)
+        seen = strike(op, m, k, only)
         if len(seen) < k:
             if lines is not None:
                 lines[:] = seen

@@ -356,10 +356,11 @@ class BlockPool:
         self._num_free = top + len(gone)
 
     def restore_counts(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
-        """Take back releases of ``block_ids`` (distinct ids, each held: ``counts``, from
-        :meth:`counts_of`, are 1 or more), whole, cut short by an exception at any line, or
-        never begun: the counts come back, and each id the releases freed leaves the free
-        stack (the other ids keep their order) or the evictable set.
+        """Take back releases or shares of ``block_ids`` (distinct ids; ``counts``, from
+        :meth:`counts_of`), whole, cut short by an exception at any line, or never begun:
+        the counts come back, and each id the releases freed leaves the free stack (the
+        other ids keep their order) or the evictable set; an id whose saved count is 0 (a
+        share of a cached block taken back) is evictable again, the most recently released.
 
         The undo of a release that may have stopped part way: unlike reversing it (taking
         the freed blocks back off the top of the stack), it does not depend on how far the
@@ -379,6 +380,10 @@ class BlockPool:
             keep = free[~back]
             self._stack[: len(keep)] = keep
             self._num_free = len(keep)
+        idle = block_ids[counts == 0]
+        if len(idle):  # (only cached blocks are shared at count 0)
+            for b in idle.tolist():
+                evictable[b] = None
 
     def _release(self, block_ids: np.ndarray) -> None:
         """:meth:`release` of ids :meth:`_check_ids` passed (the counts are checked here)."""

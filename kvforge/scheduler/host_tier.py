@@ -81,7 +81,7 @@ import numpy as np
 
 from kvforge._checks import ArgumentError
 from kvforge.core.values import PageCopy, page_owner
-from kvforge.scheduler.block_pool import BlockPool
+from kvforge.scheduler.block_pool import BlockPool, run_whole
 from kvforge.scheduler.tables import GroupTable
 from kvforge.scheduler.unit_records import UnitRecordStore
 
@@ -629,12 +629,33 @@ class HostTier:
             raise KeyError(f"group {group!r} holds no page for key {missing!r}")
         return np.array([index[k] for k in keys], dtype=np.int32)
 
-    def pin(self, group: str, keys: Sequence[bytes]) -> np.ndarray:
+    def pin(
+        self,
+        group: str,
+        keys: Sequence[bytes],
+        into: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> np.ndarray:
         """Pin the pages of ``keys`` (all held, else :class:`KeyError` and nothing changed),
-        so no demotion evicts them; :meth:`queue_onloads` or :meth:`unpin` follows."""
+        so no demotion evicts them; :meth:`queue_onloads` or :meth:`unpin` follows. All or
+        nothing at any line; ``into`` gets ``group -> (pages, their counts before)`` before
+        any pin, so a caller cut short after this returns can take it back
+        (:meth:`restore_pins`)."""
         pages = self._pages_of(self._group(group), keys)
-        self._pools[group].share(pages)
+        pool = self._pools[group]
+        before = pool.counts_of(pages)
+        if into is not None:
+            into[group] = (pages, before)
+        try:
+            pool.share(pages)
+        except BaseException:
+            pool.restore_counts(pages, before)
+            raise
         return pages
+
+    def restore_pins(self, group: str, pages: np.ndarray, before: np.ndarray) -> None:
+        """Take back a :meth:`pin` of ``pages`` whose counts were ``before``, whole, cut
+        short or never begun (a saved value: running it twice changes nothing more)."""
+        self._pools[self._group(group)].restore_counts(pages, before)
 
     def touch(self, group: str, keys: Sequence[bytes]) -> None:
         """Make the evictable pages of ``keys`` the most recently used, the first key last
@@ -671,6 +692,33 @@ class HostTier:
             np.asarray(device_blocks).tolist(), np.asarray(pages).tolist(), strict=True
         )
         _bump(self.stats.hits, group, len(pages))
+
+    def hold_for_onloads(
+        self, group: str, pool: BlockPool, device_blocks: np.ndarray, pages: np.ndarray
+    ) -> None:
+        """Queue the copies of pinned ``pages`` to ``device_blocks`` of ``pool`` (taken for
+        them), which the tier holds (``pending_blocks``) until :meth:`take_onloads` hands the
+        onloads out: one hand-over, whole at any line (:func:`run_whole`), so a block with a
+        queued onload is always held and a held block's onload always queued."""
+        queue = self._onloads[group]
+        n, pairs = len(queue), list(zip(device_blocks.tolist(), pages.tolist(), strict=True))
+
+        def hand_over() -> None:
+            if not self.holds_for_onloads(pool, device_blocks):
+                self.pending_blocks.append((pool, device_blocks))
+            del queue[n:]
+            queue.extend(pairs)
+
+        run_whole(hand_over)
+        _bump(self.stats.hits, group, len(pages))
+
+    def holds_for_onloads(self, pool: BlockPool, device_blocks: np.ndarray) -> bool:
+        """Whether the tier holds ``device_blocks`` of ``pool`` for queued onloads (a taken
+        block is held by one owner only, so equal ids are the same hand-over)."""
+        return any(
+            held is pool and np.array_equal(blocks, device_blocks)
+            for held, blocks in self.pending_blocks
+        )
 
     def take_onloads(self) -> tuple[PageCopy, ...]:
         """The queued onloads (host page -> device block), one :class:`PageCopy` per group,

@@ -183,3 +183,72 @@ def test_reset_host_tier_forgets_the_device_keys_of_the_onloads_it_drops():
     assert again.num_tokens < match.num_tokens
     step = ctl.schedule(["b"], [16], new_token_ids=[toks[144:160]], prefix_matches=[match])
     assert step.allocation.refused  # the stale match is refused, never served
+
+
+def nothing_held(m) -> None:
+    """No device block and no host page is held (no request runs, no onload is queued),
+    every block and page is free or cached exactly once, and every key names a block or a
+    page its pool retains."""
+    tier = m.host_tier
+    pools = {id(m.pool(g)): m.pool(g) for g in m.groups} | {
+        id(tier.pool(g)): tier.pool(g) for g in tier.groups
+    }
+    for pool in pools.values():
+        assert not pool.ref_counts.any(), pool
+        free, idle = pool._stack[: pool._num_free].tolist(), list(pool._evictable)
+        assert sorted(free + idle) == list(range(1, pool.num_blocks)), pool
+    for g in m.groups:
+        for block in m.prefix_cache.cached_keys(g).values():
+            assert m.pool(g).is_retained(block), (g, block)
+    for g in tier.groups:
+        for page in tier._index[g].values():
+            assert tier.pool(g).is_retained(page), (g, page)
+
+
+@pytest.mark.slow
+def test_a_lookup_struck_at_any_line_of_the_bring_back_holds_nothing_after():
+    """A lookup that brings blocks back from the host tier, cut short at any line of the
+    bring-back (the device part's pins, the pages' pins, the takes, the queueing and the
+    registrations): once the onloads queued are handed out, no block or page is held; the
+    next lookup brings the prefix back. Before, blocks taken or pages pinned before the
+    onloads were queued stayed held for good."""
+    from _helpers import sweep_checks
+
+    from kvforge.scheduler.prefix import host_lookup
+
+    toks = demoted_prompt()[1]
+    query = [PrefixQuery(toks)]
+    lookup = lambda m: m.lookup(query)  # noqa: E731
+
+    def build():
+        return demoted_prompt()[0].scheduler
+
+    def check(m, struck_at) -> None:
+        m.take_effects()  # the onloads queued are handed out: their blocks released
+        nothing_held(m)
+        [match] = m.lookup(query)
+        assert match.num_tokens == 144, struck_at
+        m.take_effects()
+        nothing_held(m)
+
+    whole = build()
+    [match] = lookup(whole)
+    assert match.num_tokens == 144 and whole.host_tier.pending_blocks
+    check(whole, None)
+    only = {
+        f.__qualname__
+        for f in vars(host_lookup).values()
+        if callable(f) and getattr(f, "__module__", "") == host_lookup.__name__
+    } | {
+        "BlockPool.share",
+        "BlockPool.take",
+        "BlockPool._release",
+        "BlockPool.release",
+        "HostTier.pin",
+        "HostTier.unpin",
+        "HostTier.queue_onloads",
+        "PrefixCache.register",
+    }
+    lines: list = []
+    assert sweep_checks(build, lookup, check, lines=lines, only=only) > 50
+    assert {"_restore", "_pin_and_take", "_queue"} <= {q for q, _ in lines}

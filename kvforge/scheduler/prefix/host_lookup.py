@@ -40,7 +40,7 @@ Invariants (``tests/scheduler/test_tier_lookup.py``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -242,43 +242,64 @@ def _restore(
         )
         for _, g, ks in need
     ]
-    for pool, blocks in kept:
-        pool.share(blocks)
+    before = [pool.counts_of(blocks) for pool, blocks in kept]
+    # every pin and take is recorded here before it is made: whatever line an exception
+    # strikes, the except below gives back exactly what is held
+    pins: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    takes: dict[BlockPool, list[np.ndarray]] = {}
+    taken = None
     try:
-        taken = _pin_and_take(tier, missing)
-    finally:
+        for pool, blocks in kept:
+            pool.share(blocks)
+        taken = _pin_and_take(tier, missing, pins, takes)
         for pool, blocks in kept:
             pool.release(blocks)
-    if taken is None:
-        return False
-    _queue(prefix, tier, missing, *taken)
+        if taken is None:
+            return False
+        _queue(prefix, tier, missing, taken, {name: p for name, (p, _) in pins.items()})
+    except BaseException:
+        for (pool, blocks), counts in zip(kept, before, strict=True):
+            pool.restore_counts(blocks, counts)
+        _give_back(tier, missing, taken, pins, takes)
+        raise
     return True
 
 
 def _pin_and_take(
-    tier: HostTier, missing: list[tuple[int, GroupTable, list[bytes]]]
-) -> tuple[dict[BlockPool, np.ndarray], dict[str, np.ndarray]] | None:
+    tier: HostTier,
+    missing: list[tuple[int, GroupTable, list[bytes]]],
+    pins: dict[str, tuple[np.ndarray, np.ndarray]],
+    takes: dict[BlockPool, list[np.ndarray]],
+) -> dict[BlockPool, np.ndarray] | None:
     """Pin the pages of the ``missing`` keys (every one held: checked by the caller) and take
-    a device block for each: ``(pool -> blocks taken, group -> pages)``, or ``None`` (and
-    nothing pinned or taken) when the device pools cannot give them all."""
+    a device block for each (``pool -> blocks taken``), or ``None`` with nothing pinned or
+    taken when the device pools cannot give them all. Each pin goes to ``pins`` and each
+    take to ``takes`` before it is made, for the caller's undo."""
     per_pool: dict[BlockPool, int] = {}
     for _, g, ks in missing:
         per_pool[g.pool] = per_pool.get(g.pool, 0) + len(ks)
     if not _fits(per_pool):
         return None
-    pages: dict[str, np.ndarray] = {}
-    try:
-        for _, g, ks in missing:  # all held (checked above): no pin can fail halfway
-            pages[g.spec.name] = tier.pin(g.spec.name, ks)
-        arenas = {p.arena for p in per_pool if isinstance(p, ArenaBlockPool)}
-        for arena in arenas:
-            arena.prepare({p: n for p, n in per_pool.items() if p in arena.pools})
-        taken = {pool: pool.take(n) for pool, n in per_pool.items()}
-    except BaseException:
-        for name, p in pages.items():
-            tier.unpin(name, p)
-        raise
-    return taken, pages
+    for _, g, ks in missing:  # all held (checked above)
+        tier.pin(g.spec.name, ks, into=pins)
+    arenas = {p.arena for p in per_pool if isinstance(p, ArenaBlockPool)}
+    for arena in arenas:
+        arena.prepare({p: n for p, n in per_pool.items() if p in arena.pools})
+    taken = {}
+    for pool, n in per_pool.items():
+        takes[pool] = into = []
+        taken[pool] = pool.take(n, into=into)
+    return taken
+
+
+def _per_group(
+    missing: list[tuple[int, GroupTable, list[bytes]]], taken: dict[BlockPool, np.ndarray]
+) -> Iterator[tuple[int, GroupTable, list[bytes], np.ndarray]]:
+    """Each group of ``missing`` with its share of the blocks ``taken`` from its pool."""
+    at = dict.fromkeys(taken, 0)
+    for gi, g, ks in missing:
+        yield gi, g, ks, taken[g.pool][at[g.pool] : at[g.pool] + len(ks)]
+        at[g.pool] += len(ks)
 
 
 def _queue(
@@ -289,18 +310,40 @@ def _queue(
     pages: dict[str, np.ndarray],
 ) -> None:
     """Queue the onloads of the pinned ``pages`` into the ``taken`` device blocks, held
-    until :func:`take_onloads`, and register each block under its key with its page's
-    record and proof."""
-    at = dict.fromkeys(taken, 0)
-    for gi, g, ks in missing:
+    until :func:`take_onloads` (one hand-over per group, whole at any line), and register
+    each block under its key with its page's record and proof."""
+    for gi, g, ks, blocks in _per_group(missing, taken):
         name = g.spec.name
-        blocks = taken[g.pool][at[g.pool] : at[g.pool] + len(ks)]
-        at[g.pool] += len(ks)
-        tier.queue_onloads(name, blocks, pages[name])
-        tier.pending_blocks.append((g.pool, blocks))
+        tier.hold_for_onloads(name, g.pool, blocks, pages[name])
         for key, block, page in zip(ks, blocks.tolist(), pages[name].tolist(), strict=True):
             end, ref, proof = tier.page_entry(name, page)
             prefix.register(gi, g, key, block, end, ref, proof)  # type: ignore[arg-type]
+
+
+def _give_back(
+    tier: HostTier,
+    missing: list[tuple[int, GroupTable, list[bytes]]],
+    taken: dict[BlockPool, np.ndarray] | None,
+    pins: dict[str, tuple[np.ndarray, np.ndarray]],
+    takes: dict[BlockPool, list[np.ndarray]],
+) -> None:
+    """Undo the pins and takes of a lookup cut short, but for the groups whose onloads were
+    queued (their blocks are held until the onloads are handed out, their pages pinned):
+    the other blocks go back to the free stack, the other pages are unpinned."""
+    handed: dict[BlockPool, list[np.ndarray]] = {}
+    names = set()
+    if taken is not None:  # (else no onload was queued)
+        for _, g, _, blocks in _per_group(missing, taken):
+            if tier.holds_for_onloads(g.pool, blocks):
+                handed.setdefault(g.pool, []).append(blocks)
+                names.add(g.spec.name)
+    for pool, parts in takes.items():
+        for ids in parts:
+            kept = handed.get(pool)
+            pool.put_back(ids[~np.isin(ids, np.concatenate(kept))] if kept else ids)
+    for name, (pages, before) in pins.items():
+        if name not in names:
+            tier.restore_pins(name, pages, before)
 
 
 def _fits(per_pool: dict[BlockPool, int]) -> bool:
