@@ -532,9 +532,11 @@ class BlockManager:
         (their end_step is refused) and what they held goes back, so a caller that never
         ends its steps cannot pin blocks without bound."""
         while len(self._open_steps) >= MAX_OPEN_STEPS:
-            oldest = next(iter(self._open_steps))
-            work = self._open_steps.pop(oldest)
+            oldest, work = next(iter(self._open_steps.items()))
+            # finished before it leaves the open steps, as in end_step: cut short, it is
+            # still the oldest, and the next drop finishes it (finish_step empties what ran)
             self._prefix.finish_step(work, kernels_ran=False, copies_ran=False)
+            del self._open_steps[oldest]
 
     @locked
     def end_step(self, step: StepAllocation | int, copies_ran: bool = True) -> None:

@@ -873,3 +873,33 @@ def test_an_end_step_struck_at_any_line_of_its_registrations_holds_nothing_after
         m.finish([*CASES[case].lengths, "d"])
         check_all_free(m)
     assert fired >= 5
+
+
+def test_a_step_dropped_unended_struck_at_any_line_holds_nothing_after():
+    # past MAX_OPEN_STEPS the oldest open step is dropped (its pins released, nothing
+    # registered); cut short at any line of the drop, the step stays open until a later
+    # drop or its end_step finishes it, and nothing stays pinned. Before, the step left the
+    # open steps before its pins were released, and they stayed held for good.
+    from kvforge.scheduler import block_manager
+
+    files = {commit.__file__, block_manager.__file__, prefix_index.__file__}
+    fired = 0
+    for fault in each_fault():
+        m = manager_for(CASES["gqa"], [], True)
+        tokens = np.arange(1, 17 + block_manager.MAX_OPEN_STEPS) + 50_000
+        [match] = m.lookup([PrefixQuery(tokens[:16])])
+        steps = [m.schedule(["d"], [16], new_token_ids=[tokens[:16]], prefix_matches=[match])]
+        assert m._open_steps[steps[0].step_id].pins  # the blocks it completes, pinned
+        for i in range(16, 15 + block_manager.MAX_OPEN_STEPS):  # open steps of one token
+            steps.append(m.schedule(["d"], [1], new_token_ids=[tokens[i : i + 1]]))
+        assert len(m.open_steps) == block_manager.MAX_OPEN_STEPS
+        with contextlib.suppress(KeyboardInterrupt), on_line(fault, files):
+            m._drop_unended_steps()
+        fired += fault.fired
+        check_keys(m)
+        for step in steps:
+            if step.step_id in m.open_steps:  # cut short or not yet dropped: ended now
+                m.end_step(step)
+        m.finish([*CASES["gqa"].lengths, "d"])
+        check_all_free(m)
+    assert fired >= 5
