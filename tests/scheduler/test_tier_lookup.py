@@ -196,7 +196,12 @@ def nothing_held(m) -> None:
     for pool in pools.values():
         assert not pool.ref_counts.any(), pool
         free, idle = pool._stack[: pool._num_free].tolist(), list(pool._evictable)
-        assert sorted(free + idle) == list(range(1, pool.num_blocks)), pool
+        if m.arena is not None and pool in m.arena.pools:  # its owned slabs' ids only
+            assert len(set(free + idle)) == len(free + idle), pool
+        else:
+            assert sorted(free + idle) == list(range(1, pool.num_blocks)), pool
+    if m.arena is not None:
+        m.arena.check()  # every owned slab's ids free, cached or in use
     for g in m.groups:
         for block in m.prefix_cache.cached_keys(g).values():
             assert m.pool(g).is_retained(block), (g, block)
@@ -205,35 +210,52 @@ def nothing_held(m) -> None:
             assert tier.pool(g).is_retained(page), (g, page)
 
 
+def _demoted(make, length: int, chunk: int, others: int):
+    """The scheduler side of a controller whose host tier holds the blocks of a prompt of
+    ``length`` tokens that others evicted from the device, and the prompt."""
+    ctl = make()
+    toks = np.random.default_rng(0).integers(1, 30_000, length)
+    run(ctl, "a", toks, chunk)
+    ctl.free_request("a")
+    evict_with_others(ctl, others, length, chunk)
+    return ctl.scheduler, toks
+
+
 @pytest.mark.slow
-def test_a_lookup_struck_at_any_line_of_the_bring_back_holds_nothing_after():
+@pytest.mark.parametrize(("make", "length", "chunk", "others", "longest"), CASES)
+def test_a_lookup_struck_at_any_line_of_the_bring_back_holds_nothing_after(
+    make, length, chunk, others, longest
+):
     """A lookup that brings blocks back from the host tier, cut short at any line of the
-    bring-back (the device part's pins, the pages' pins, the takes, the queueing and the
-    registrations): once the onloads queued are handed out, no block or page is held; the
-    next lookup brings the prefix back. Before, blocks taken or pages pinned before the
-    onloads were queued stayed held for good."""
+    bring-back (the device part's pins, the pages' pins, the takes, an arena's slabs, the
+    queueing and the registrations): once the onloads queued are handed out, no block or
+    page is held; the next lookup brings the prefix back. Before, blocks taken or pages
+    pinned before the onloads were queued stayed held for good."""
+    import copy
+    import threading
+
     from _helpers import sweep_checks
 
     from kvforge.scheduler.prefix import host_lookup
 
-    toks = demoted_prompt()[1]
+    base, toks = _demoted(make, length, chunk, others)
     query = [PrefixQuery(toks)]
     lookup = lambda m: m.lookup(query)  # noqa: E731
 
     def build():
-        return demoted_prompt()[0].scheduler
+        return copy.deepcopy(base, {id(base._lock): threading.RLock()})
 
     def check(m, struck_at) -> None:
         m.take_effects()  # the onloads queued are handed out: their blocks released
         nothing_held(m)
         [match] = m.lookup(query)
-        assert match.num_tokens == 144, struck_at
+        assert match.num_tokens == longest, struck_at
         m.take_effects()
         nothing_held(m)
 
     whole = build()
     [match] = lookup(whole)
-    assert match.num_tokens == 144 and whole.host_tier.pending_blocks
+    assert match.num_tokens == longest and whole.host_tier.pending_blocks
     check(whole, None)
     only = {
         f.__qualname__
@@ -242,11 +264,13 @@ def test_a_lookup_struck_at_any_line_of_the_bring_back_holds_nothing_after():
     } | {
         "BlockPool.share",
         "BlockPool.take",
+        "ArenaBlockPool.take",
+        "SlabArena.prepare",
+        "SlabArena._move",
         "BlockPool._release",
         "BlockPool.release",
         "HostTier.pin",
-        "HostTier.unpin",
-        "HostTier.queue_onloads",
+        "HostTier.hold_for_onloads",
         "PrefixCache.register",
     }
     lines: list = []
