@@ -684,15 +684,25 @@ class BlockManager:
             RuntimeError: prefix caching is off, or this manager has a host tier already.
         """
         self._check_host_tier(tier)
-        for pool, _ in self._t.pools:
-            pool.add_eviction_listener(
-                functools.partial(tier.demote_evicted, self._prefix, self._t.groups, pool)
-            )
-        if tier.policy == "write_through":
-            self._prefix.on_store = functools.partial(
-                tier.write_through, self._prefix, self._t.groups
-            )
-        self._host_tier = tier
+        listeners = [
+            (pool, functools.partial(tier.demote_evicted, self._prefix, self._t.groups, pool))
+            for pool, _ in self._t.pools
+        ]
+        on_store = self._prefix.on_store
+        try:  # all or nothing at any line: no pool keeps a listener of a tier not attached
+            for pool, listener in listeners:
+                pool.add_eviction_listener(listener)
+            if tier.policy == "write_through":
+                self._prefix.on_store = functools.partial(
+                    tier.write_through, self._prefix, self._t.groups
+                )
+            self._host_tier = tier
+        except BaseException:
+            for pool, listener in listeners:
+                pool.remove_eviction_listener(listener)
+            self._prefix.on_store = on_store
+            self._host_tier = None
+            raise
 
     def _check_host_tier(self, tier: object) -> None:
         """Refuse a tier :meth:`attach_host_tier` cannot take (nothing changed)."""

@@ -184,6 +184,12 @@ class BlockPool:
             )
         self._listeners.append(listener)
 
+    def remove_eviction_listener(self, listener: Callable[[np.ndarray], None]) -> None:
+        """Stop telling ``listener`` (the very object :meth:`add_eviction_listener` took) of
+        evictions; one that is not listening is left as it is (an undo of an add that may
+        not have run)."""
+        self._listeners[:] = [x for x in self._listeners if x is not listener]
+
     @property
     def has_eviction_listeners(self) -> bool:
         """Whether a listener hears of evictions (one may queue a copy that reads the

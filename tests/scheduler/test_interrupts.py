@@ -36,6 +36,7 @@ failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -290,6 +291,47 @@ def test_an_allocate_struck_at_any_line():
 
 def test_an_interrupt_while_the_worker_catches_up_loses_nothing():
     sweep("free_requests", mirroring=True)
+
+
+@pytest.mark.slow
+def test_an_initialize_host_tier_struck_at_any_line_leaves_both_sides_or_neither():
+    # the worker's tier pages, the scheduler side's tier and every pool's eviction listener:
+    # all of them or none, so a retry starts afresh. Before, an interrupt after the worker
+    # took its pages left the scheduler side without a tier and every retry refused
+    def fresh() -> CacheController:
+        ctl = CacheController(CASES["gqa"].backends(), enable_prefix_caching=True)
+        ctl.initialize_kv_cache(num_blocks=40, max_num_seqs=8, max_model_len=1024)
+        return ctl
+
+    def listeners(ctl: CacheController) -> list[int]:
+        m = ctl.scheduler
+        return [len(m.pool(g)._listeners) for g in m.groups]
+
+    k, outcomes = 0, {"neither": 0, "both": 0}
+    while True:
+        k += 1
+        ctl, seen = fresh(), []
+        with contextlib.suppress(KeyboardInterrupt), interrupt_at_line(k, seen):
+            ctl.initialize_host_tier(num_pages=16, policy="write_through")
+        if len(seen) < k:
+            ctl.free()
+            break
+        ready = (ctl.host_tier is not None, ctl.storage.tier_pages is not None)
+        assert ready in ((True, True), (False, False)), (seen[-1], ready)
+        if ready == (False, False):
+            outcomes["neither"] += 1
+            assert listeners(ctl) == [0, 0] and ctl.scheduler.prefix_cache.on_store is None
+            assert ctl.host_bytes == 0, seen[-1]
+            ctl.initialize_host_tier(num_pages=16, policy="write_through")  # afresh
+        else:
+            outcomes["both"] += 1
+        assert listeners(ctl) == [1, 1], seen[-1]
+        # the tier works: under write-through it keeps what a step completes
+        ctl.end_step(ctl.schedule(["a"], [40], new_token_ids=[list(range(1, 41))]))
+        ctl.free_request("a")
+        assert len(ctl.host_tier) > 0, seen[-1]
+        ctl.free()
+    assert outcomes["neither"] > 20 and outcomes["both"] >= 1, outcomes
 
 
 def test_an_interrupt_while_allocating_host_pages_leaves_both_sides_or_neither():
