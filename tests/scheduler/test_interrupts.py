@@ -334,6 +334,32 @@ def test_an_initialize_host_tier_struck_at_any_line_leaves_both_sides_or_neither
     assert outcomes["neither"] > 20 and outcomes["both"] >= 1, outcomes
 
 
+def test_a_free_struck_at_any_line_completes_when_called_again():
+    # a controller with swap pages, a host tier and a swapped-out request: free() cut short
+    # at any line, then called again, frees everything once (no view or page twice)
+    def fresh() -> CacheController:
+        ctl = CacheController(CASES["gqa"].backends(), enable_prefix_caching=True)
+        ctl.initialize_kv_cache(num_blocks=40, max_num_seqs=8, max_model_len=1024)
+        ctl.initialize_host_cache(num_pages=16)
+        ctl.initialize_host_tier(num_pages=16)
+        ctl.end_step(ctl.schedule(["a"], [40], new_token_ids=[list(range(1, 41))]))
+        ctl.swap_out("a")
+        return ctl
+
+    k = 0
+    while True:
+        k += 1
+        ctl, seen = fresh(), []
+        with contextlib.suppress(KeyboardInterrupt), interrupt_at_line(k, seen):
+            ctl.free()
+        ctl.free()
+        assert ctl.closed and ctl.storage.closed, seen[-1]
+        assert ctl.host_bytes == 0 and ctl.storage.tier_pages is None, seen[-1]
+        if len(seen) < k:
+            break
+    assert k > 50, k
+
+
 def test_an_interrupt_while_allocating_host_pages_leaves_both_sides_or_neither():
     def fresh() -> CacheController:
         ctl = CacheController(CASES["gqa"].backends())
