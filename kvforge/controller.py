@@ -831,12 +831,12 @@ class CacheController:
                 "no group keeps anything in a host tier: every group is per-request or has no "
                 "offloaded role"
             )
-        had_pages = self.storage.tier_pages is not None
+        had_pages, had_tier = self.storage.tier_pages is not None, manager.host_tier
         try:  # both sides or neither, under an exception at any line
             HostTierPages(self.storage, pages)  # the storage keeps it; raises if it has one
             host_tier.attach(manager, pages, policy, snapshot_policy)
         except BaseException:
-            if manager.host_tier is None and not had_pages:
+            if manager.host_tier is had_tier and not had_pages:  # the scheduler side took none
                 self.storage.release_tier_pages()
             raise
         return pages

@@ -290,7 +290,13 @@ class ArenaBlockPool(BlockPool):
         self._recount(block_ids)
 
     def restore_counts(self, block_ids: np.ndarray, counts: np.ndarray) -> None:
+        idle = block_ids[counts == 0]
+        listed = [b in self._evictable for b in idle.tolist()]
         super().restore_counts(block_ids, counts)
+        readded = idle[~np.array(listed, dtype=bool)] if len(idle) else idle
+        if len(readded):  # evictable again, the most recently released (oldest_release)
+            self.arena.clock += 1
+            self.released_at[readded[self._retained[readded]]] = self.arena.clock
         self._recount(block_ids)
 
     def _recount(self, block_ids: np.ndarray) -> None:

@@ -365,8 +365,10 @@ class BlockPool:
         """Take back releases or shares of ``block_ids`` (distinct ids; ``counts``, from
         :meth:`counts_of`), whole, cut short by an exception at any line, or never begun:
         the counts come back, and each id the releases freed leaves the free stack (the
-        other ids keep their order) or the evictable set; an id whose saved count is 0 (a
-        share of a cached block taken back) is evictable again, the most recently released.
+        other ids keep their order) or the evictable set. An id whose saved count is 0 (a
+        share of a cached block taken back) is evictable again: where it was if the share
+        never reached it, else the most recently released, deepest of a chain first as
+        :meth:`release` orders them.
 
         The undo of a release that may have stopped part way: unlike reversing it (taking
         the freed blocks back off the top of the stack), it does not depend on how far the
@@ -375,21 +377,23 @@ class BlockPool:
         count moved leaves the pushed ids above the stack's top. Both read back as before.
         """
         self._ref[block_ids] = counts
+        idle = counts == 0
+        held = block_ids[~idle] if idle.any() else block_ids
         evictable = self._evictable
         if evictable:  # a held block is never evictable: any of them there was made so
-            for b in block_ids.tolist():
+            for b in held.tolist():
                 evictable.pop(b, None)
         top = self._num_free
         free = self._stack[:top]
-        back = np.isin(free, block_ids)
+        back = np.isin(free, held)
         if back.any():
             keep = free[~back]
             self._stack[: len(keep)] = keep
             self._num_free = len(keep)
-        idle = block_ids[counts == 0]
-        if len(idle):  # (only cached blocks are shared at count 0)
-            for b in idle.tolist():
-                evictable[b] = None
+        if held is not block_ids:  # (share takes only cached blocks at count 0)
+            for b in block_ids[idle][::-1].tolist():
+                if b not in evictable and self._retained[b]:
+                    evictable[b] = None
 
     def _release(self, block_ids: np.ndarray) -> None:
         """:meth:`release` of ids :meth:`_check_ids` passed (the counts are checked here)."""

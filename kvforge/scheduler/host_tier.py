@@ -637,9 +637,9 @@ class HostTier:
     ) -> np.ndarray:
         """Pin the pages of ``keys`` (all held, else :class:`KeyError` and nothing changed),
         so no demotion evicts them; :meth:`queue_onloads` or :meth:`unpin` follows. All or
-        nothing at any line; ``into`` gets ``group -> (pages, their counts before)`` before
-        any pin, so a caller cut short after this returns can take it back
-        (:meth:`restore_pins`)."""
+        nothing at any line of the pin itself; ``into`` gets ``group -> (pages, their counts
+        before)`` before any pin, so a caller cut short as this returns, or after, can take
+        it back (:meth:`restore_pins`)."""
         pages = self._pages_of(self._group(group), keys)
         pool = self._pools[group]
         before = pool.counts_of(pages)
@@ -700,12 +700,13 @@ class HostTier:
         them), which the tier holds (``pending_blocks``) until :meth:`take_onloads` hands the
         onloads out: one hand-over, whole at any line (:func:`run_whole`), so a block with a
         queued onload is always held and a held block's onload always queued."""
-        queue = self._onloads[group]
+        queue, pending = self._onloads[group], self.pending_blocks
         n, pairs = len(queue), list(zip(device_blocks.tolist(), pages.tolist(), strict=True))
+        held = len(pending)
 
         def hand_over() -> None:
-            if not self.holds_for_onloads(pool, device_blocks):
-                self.pending_blocks.append((pool, device_blocks))
+            del pending[held:]
+            pending.append((pool, device_blocks))
             del queue[n:]
             queue.extend(pairs)
 

@@ -1,6 +1,8 @@
 """BlockPool: one verb per action (take / share / release, retain / forget / evict), ref
 counts, the reserved null block, the eviction hook; property-tested."""
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -297,3 +299,31 @@ def test_a_copied_pool_counts_and_stacks_its_own_blocks(how):
     twin.release_few(ids)
     assert twin.take(3).tolist() == ids  # pushed in the order release gives: first on top
     assert _pool_state(pool) == before
+
+
+def test_restore_counts_takes_back_a_share_of_cached_blocks_whole_part_way_or_never_begun():
+    """A share of cached blocks (count 0, evictable) taken back by their saved counts: the
+    blocks the share never reached keep their place in LRU order, those it reached are
+    evictable again as a release leaves them (the chain's first block the most recent),
+    and a block at count 0 that is not retained is never made evictable."""
+    pool = BlockPool(16, "g")
+    ids = pool.take(6)
+    for b in ids.tolist():
+        pool.retain(b)
+    pool.release(ids)  # six cached blocks, in release order
+    order = list(pool._evictable)
+    chain = np.array(order[2:5], dtype=np.int32)  # a three-block chain, first block first
+    before = pool.counts_of(chain)
+    for reached in range(len(chain) + 1):
+        p = copy.deepcopy(pool)
+        if reached:
+            p.share(chain[:reached])
+        p.restore_counts(chain, before)
+        assert not p.ref_counts.any() and p.num_free == pool.num_free
+        untouched = [b for b in order if b not in chain[:reached].tolist()]
+        # a release of the chain adds its deepest block first: the first one is evicted last
+        assert list(p._evictable) == untouched + chain[:reached].tolist()[::-1], reached
+    loose = BlockPool(16, "g")  # a free block's saved count 0: it stays on the free stack
+    free_before = loose._stack[: loose._num_free].tolist()
+    loose.restore_counts(np.array([3], dtype=np.int32), np.array([0], dtype=np.int32))
+    assert not loose._evictable and loose._stack[: loose._num_free].tolist() == free_before

@@ -249,9 +249,16 @@ class PrefixCache:
         it takes a reference of its own on the unit record ``ref`` (the page keeps its own),
         keeps the tail ``proof``, and a ``"stored"`` event announces it. The caller holds
         ``block`` (one reference) until its onload is handed out."""
-        if ref is not None:
-            self.records.retain(ref)
-        self._index.store(gi, g, key, block, end, ref, proof)
+        held = self.records.refcount(ref) if ref is not None else 0
+        try:  # the record's reference is the entry's, or given back (under any exception)
+            if ref is not None:
+                self.records.retain(ref)
+            self._index.store(gi, g, key, block, end, ref, proof)
+        except BaseException:
+            stored = self._index.served(g.pool, block) is not None  # its entry holds it
+            if ref is not None and not stored and self.records.refcount(ref) > held:
+                self.records.release(ref)  # (retained before the exception)
+            raise
 
     def cached_keys(self, group: str) -> Mapping[bytes, int]:
         """Key -> served block of ``group`` (a live view for lookups: never write to it)."""

@@ -34,6 +34,9 @@ Invariants (``tests/scheduler/test_tier_lookup.py``):
 - the pages an onload reads are pinned before any device block is taken, so the demotions
   those takes cause cannot evict them;
 - a host hit is all or nothing per prompt: either every block at ``L`` is queued, or none;
+  under an exception part way (``KeyboardInterrupt`` included, at any line) each group's
+  onloads are queued whole with their blocks held, or its blocks and pages are given back
+  (``tests/scheduler/test_tier_lookup.py``, a line sweep);
 - a lookup never raises for lack of room or of a page, and pins nothing it does not queue
   (``tests/scheduler/test_tier_lookup_pressure.py``, a property test under random pressure).
 """
@@ -221,7 +224,9 @@ def _restore(
     on_device: Callable[[GroupTable, bytes], bool],
 ) -> bool:
     """Bring back every host-only block of ``need``, or nothing (False): also when a block
-    is neither on the device nor in the tier (never an exception, nothing pinned)."""
+    is neither on the device nor in the tier (never an exception, nothing pinned). An
+    exception part way gives back what the groups not yet queued hold (:func:`_give_back`)
+    and propagates."""
     missing = [(gi, g, [k for k, _ in ks if not on_device(g, k)]) for gi, g, ks in need]
     missing = [(gi, g, ks) for gi, g, ks in missing if ks]
     kept_groups = set(tier.groups)

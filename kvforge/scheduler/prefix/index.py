@@ -14,8 +14,9 @@ Invariants (``tests/scheduler/test_prefix_cache.py``, ``tests/scheduler/test_new
 - a block is in ``_owner`` of its pool exactly when some group's ``_cached`` maps a key to it
   (it is served), in ``_spare_owner`` exactly when it waits in ``_spares`` as another copy
   of a served key, never in both; exactly then its pool retains it (evictable at ref 0),
-  but for the victims of an eviction an exception cut short, retained with no key until
-  their pool evicts them again;
+  but for the victims of an eviction an exception cut short and a block whose
+  :meth:`PrefixIndex.store` an exception cut short, retained with no key until their pool
+  evicts them;
 - a key names a block only while the block's entry is in place and its pool retains it:
   a key is written last (:meth:`PrefixIndex.store`, :meth:`PrefixIndex.promote`) and
   withdrawn first (:meth:`PrefixIndex.evicted`) (``tests/scheduler/test_swap_faults.py``,
@@ -116,8 +117,8 @@ class PrefixIndex:
         of the index change here, in :meth:`forget_block`, :meth:`promote` and
         :meth:`evicted` only. ``ref`` is the unit record the block holds a reference on
         (released when it goes)."""
+        g.pool.retain(block)  # first: an entry is only ever on a block its pool keeps
         self._owner[g.pool][block] = Entry(key, end, gi, ref, proof)
-        g.pool.retain(block)
         self._cached[g.spec.name][key] = block  # last: the key names a block kept for it
         self._events.append(PrefixEvent("stored", g.spec.name, key, end))
 
